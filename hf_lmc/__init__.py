@@ -1,0 +1,26 @@
+"""hf_lmc: merge independently trained transformers through linear mode connectivity.
+
+Models are rewritten exactly into a canonical RMSNorm-absorbed form, aligned by
+function-preserving symmetries, interpolated, and exported as ordinary HF checkpoints.
+"""
+
+from .adapters import UnsupportedModelError
+from .canonical import CanonicalModel, canonicalize, export_config, to_hf
+from .checkpoint import CheckpointError
+from .spec import ArchSpec
+from .symmetry import Transform, random_symmetry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArchSpec",
+    "CanonicalModel",
+    "CheckpointError",
+    "Transform",
+    "UnsupportedModelError",
+    "__version__",
+    "canonicalize",
+    "export_config",
+    "random_symmetry",
+    "to_hf",
+]

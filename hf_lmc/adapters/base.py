@@ -1,0 +1,121 @@
+"""What an architecture adapter is, and the exact algebra every adapter shares.
+
+An adapter maps one Hugging Face model family to and from the canonical form (DESIGN §2):
+which HF tensor (or slice of a fused tensor) is which canonical tensor, and the few lines that
+are truly family-specific (fused QKV layouts, Conv1D transposition, legacy key names). All
+conversions are pure torch functions of tensors, so learned matching can differentiate through
+the same code that export runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor
+from transformers import PretrainedConfig, PreTrainedModel
+
+from ..spec import ArchSpec, Group
+
+class Adapter:
+    """Base class: subclasses fill in the class attributes and the four conversion methods."""
+
+    #: ``config.model_type`` values this adapter handles.
+    model_types: tuple[str, ...] = ()
+    #: The stock transformers class that canonical models export to.
+    model_class: type[PreTrainedModel]
+    #: ``(pattern, replacement)`` regexes turning legacy checkpoint keys into current ones.
+    legacy_renames: tuple[tuple[str, str], ...] = ()
+    #: Regexes of checkpoint keys that hold no parameters (old causal-mask buffers, ...).
+    ignored_keys: tuple[str, ...] = ()
+    #: Config flags that export must switch on because folded LayerNorm biases need them.
+    bias_flags_for_folded_norms: tuple[str, ...] = ()
+
+    def spec(self, config: PretrainedConfig) -> ArchSpec:
+        raise NotImplementedError
+
+    def canonical_group(self, src: Mapping[str, Tensor], config: PretrainedConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+        """Canonical tensors of one group, read from ``src`` (HF keys, transformers 5 names)."""
+        raise NotImplementedError
+
+    def hf_group(self, tensors: Mapping[str, Tensor], config: PretrainedConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+        """HF state-dict entries of one group, from its canonical tensors (``config`` = export config)."""
+        raise NotImplementedError
+
+    def validate_config(self, config: PretrainedConfig) -> None:
+        """Raise ``UnsupportedModelError`` for config options the canonical form cannot express."""
+
+    def head_stays_tied(self, embed: Mapping[str, Tensor], head: Mapping[str, Tensor]) -> bool:
+        """Whether an exported head can still share the token embedding's storage."""
+        return False
+
+    def export_config(self, config: PretrainedConfig, embed: Mapping[str, Tensor], head: Mapping[str, Tensor]) -> PretrainedConfig:
+        """The stock config that reproduces the canonical function (ties and bias flags)."""
+        config = copy.deepcopy(config)
+        for flag in self.bias_flags_for_folded_norms:
+            setattr(config, flag, True)
+        if getattr(config, "tie_word_embeddings", False):
+            config.tie_word_embeddings = self.head_stays_tied(embed, head)
+        return config
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or options are not supported."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared exact algebra
+# ---------------------------------------------------------------------------------------------
+
+
+def centre(t: Tensor, axis: int) -> Tensor:
+    """Project ``t`` onto ``1-perp`` along ``axis`` (``C = I - 11^T/d`` on a writer's output)."""
+    return t - t.mean(dim=axis, keepdim=True)
+
+
+def fold_norm(weight: Tensor, bias: Tensor | None, gain: Tensor, shift: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Fold a norm's ``gain``/``shift`` into the linear map ``weight (out, d)`` that reads it.
+
+    ``W (g * n + s) + b = (W diag(g)) n + (b + W s)``. A missing bias becomes zeros.
+    """
+    folded_bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device) if bias is None else bias
+    if shift is not None:
+        folded_bias = folded_bias + weight @ shift
+    return weight * gain, folded_bias
+
+
+def unit_vector(d: int, like: Tensor) -> Tensor:
+    """``u = 1/sqrt(d)``: the one direction a centred stream never touches."""
+    return torch.full((d,), 1.0 / math.sqrt(d), dtype=like.dtype, device=like.device)
+
+
+def layernorm_head_export(weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Export an affine head ``W n + b`` through a bias-free linear head (DESIGN §2).
+
+    Returns the final LayerNorm's gain (ones), shift (``u``) and the head weight
+    ``H = W (I - u u^T) + b u^T``, so that ``H (n + u) = W n + b`` for every ``n`` in ``1-perp``.
+    """
+    d = weight.shape[1]
+    u = unit_vector(d, weight)
+    head = weight - torch.outer(weight @ u, u) + torch.outer(bias, u)
+    return torch.ones_like(u), u, head
+
+
+def identity_norm(d: int, like: Tensor, with_bias: bool = True) -> dict[str, Tensor]:
+    """An exported inner norm: gain 1 (and shift 0) so it computes the unit norm exactly."""
+    out = {"weight": torch.ones(d, dtype=like.dtype, device=like.device)}
+    if with_bias:
+        out["bias"] = torch.zeros(d, dtype=like.dtype, device=like.device)
+    return out
+
+
+def prefixed(prefix: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {f"{prefix}{k}": v for k, v in tensors.items()}
+
+
+def require_zero(t: Tensor, what: str) -> None:
+    """Export into a bias-free slot is exact only when the canonical bias is zero."""
+    if torch.count_nonzero(t.detach()) != 0:
+        raise ValueError(f"cannot export a non-zero {what}: the target architecture has no such bias")

@@ -1,0 +1,189 @@
+"""The canonical form (DESIGN §2) and the exact round trip to stock Hugging Face models.
+
+A :class:`CanonicalModel` is an architecture spec, the source's HF config, and a function from
+*group* (``"embed"``, a layer index, ``"head"``) to that group's canonical tensors. Groups are
+computed on demand, so a model backed by a safetensors folder materialises one layer at a
+time, and transforms / interpolations compose lazily on top without copying the model.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from .adapters import Adapter, UnsupportedModelError, adapter_for
+from .checkpoint import SafetensorsCheckpoint
+from .spec import ArchSpec, Group, group_of
+
+GroupLoader = Callable[[Group], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class CanonicalModel:
+    """A model in canonical form: unit RMSNorms, gains and biases folded into readers.
+
+    Attributes:
+        spec: shapes and structure (``hidden_size``, heads, rotary dims, norm kind, ...).
+        config: the source model's HF config; export starts from it.
+        load_group: ``group -> {canonical name: tensor}``; may read from disk on each call.
+    """
+
+    spec: ArchSpec
+    config: PretrainedConfig
+    load_group: GroupLoader
+
+    @property
+    def adapter(self) -> Adapter:
+        return adapter_for(self.config)
+
+    def group(self, group: Group) -> dict[str, Tensor]:
+        return self.load_group(group)
+
+    def groups(self) -> Iterator[tuple[Group, dict[str, Tensor]]]:
+        """``(group, tensors)`` in export order, one group alive at a time."""
+        for group in self.spec.groups():
+            yield group, self.load_group(group)
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.load_group(group_of(name))[name]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """Every canonical tensor, materialised."""
+        return {name: t for _, tensors in self.groups() for name, t in tensors.items()}
+
+    def materialize(self) -> "CanonicalModel":
+        """An in-memory copy (evaluates any lazy transforms once)."""
+        return from_state_dict(self.spec, self.config, self.state_dict())
+
+    def map_tensors(self, fn: Callable[[str, Tensor], Tensor]) -> "CanonicalModel":
+        """A lazy view with ``fn(name, tensor)`` applied to every tensor."""
+
+        def load(group: Group) -> dict[str, Tensor]:
+            return {name: fn(name, t) for name, t in self.load_group(group).items()}
+
+        return CanonicalModel(self.spec, self.config, load)
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "CanonicalModel":
+        return self.map_tensors(lambda _, t: t.to(dtype=dtype, device=device))
+
+
+def from_state_dict(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str, Tensor]) -> CanonicalModel:
+    """A canonical model over an in-memory ``{canonical name: tensor}`` dict."""
+    by_group: dict[Group, dict[str, Tensor]] = {}
+    for name, t in tensors.items():
+        by_group.setdefault(group_of(name), {})[name] = t
+    missing = set(spec.names()) - set(tensors)
+    if missing:
+        raise ValueError(f"canonical state dict is missing {sorted(missing)[:5]}")
+    return CanonicalModel(spec, config, lambda group: dict(by_group[group]))
+
+
+def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | None = None) -> CanonicalModel:
+    """Rewrite a stock HF model exactly into canonical form (DESIGN §2).
+
+    Args:
+        model: a ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM``, ``LlamaForCausalLM`` or
+            ``ViTForImageClassification`` instance (canonicalised in memory), or the path of a
+            local checkpoint folder (``config.json`` + safetensors), which stays on disk and is
+            read lazily, one layer at a time.
+        dtype: compute and return canonical tensors in this dtype (default: the stored one).
+    """
+    if isinstance(model, PreTrainedModel):
+        config = model.config
+        adapter = adapter_for(config)
+        if not isinstance(model, adapter.model_class):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is not supported for model type {config.model_type!r}; "
+                f"pass a {adapter.model_class.__name__}"
+            )
+        source = dict(model.state_dict())
+        spec = adapter.spec(config)
+        tensors = {}
+        with torch.no_grad():
+            for group in spec.groups():
+                tensors |= _convert(adapter.canonical_group(source, config, spec, group), dtype)
+        return from_state_dict(spec, config, tensors)
+    if isinstance(model, (str, Path)):
+        folder = Path(model)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
+        config = AutoConfig.from_pretrained(folder)
+        adapter = adapter_for(config)
+        checkpoint = SafetensorsCheckpoint(folder, adapter)
+        spec = adapter.spec(config)
+
+        @functools.lru_cache(maxsize=1)  # keep exactly one group materialised
+        def load(group: Group) -> dict[str, Tensor]:
+            with torch.no_grad():
+                return _convert(adapter.canonical_group(checkpoint, config, spec, group), dtype)
+
+        return CanonicalModel(spec, config, lambda group: dict(load(group)))
+    raise TypeError(f"canonicalize() takes a transformers model or a checkpoint folder, not {type(model).__name__}")
+
+
+def _convert(tensors: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
+    if dtype is None:
+        return {k: v.contiguous() for k, v in tensors.items()}
+    return {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+
+
+def export_config(canonical: CanonicalModel) -> PretrainedConfig:
+    """The stock HF config that :func:`to_hf` exports ``canonical`` under."""
+    config = canonical.adapter.export_config(canonical.config, canonical.group("embed"), canonical.group("head"))
+    config.dtype = canonical.group("head")["head.weight"].dtype
+    return config
+
+
+def hf_state_dict_groups(canonical: CanonicalModel, config: PretrainedConfig | None = None) -> Iterator[dict[str, Tensor]]:
+    """HF state-dict entries group by group (for streaming export), under ``export_config``."""
+    config = config or export_config(canonical)
+    adapter = canonical.adapter
+    tied = getattr(config, "tie_word_embeddings", False)
+    for group, tensors in canonical.groups():
+        out = adapter.hf_group(tensors, config, canonical.spec, group)
+        if tied and group == "head":
+            out.pop("lm_head.weight", None)
+        yield out
+
+
+def to_hf(canonical: CanonicalModel) -> PreTrainedModel:
+    """A stock model of the source's class computing the canonical model's function.
+
+    Inner norms get unit gain and zero shift; LayerNorm models without a head bias use the
+    ``u = 1/sqrt(d)`` export trick (DESIGN §2); tying is dropped when it cannot survive.
+    The result saves with ``save_pretrained`` and reloads with ``from_pretrained``.
+    """
+    config = export_config(canonical)
+    state = {k: v for group in hf_state_dict_groups(canonical, config) for k, v in group.items()}
+    with torch.device("meta"):
+        model = canonical.adapter.model_class(config)
+    # Fresh storage: the exported model must not alias the canonical tensors.
+    state = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    _materialize_buffers(model)
+    missing = [k for k, v in model.state_dict().items() if v.is_meta]
+    if missing:
+        raise RuntimeError(f"export left parameters uninitialised: {missing[:5]}")
+    return model.eval()
+
+
+def _materialize_buffers(model: PreTrainedModel) -> None:
+    """Recompute non-persistent buffers (rotary frequencies) that a meta-device init left empty.
+
+    Only the owning module is rebuilt (e.g. ``LlamaRotaryEmbedding(config)``), never the model.
+    """
+    owners = {name.rpartition(".")[0] for name, b in model.named_buffers() if b.is_meta}
+    for owner in sorted(owners):
+        module = model.get_submodule(owner)
+        fresh = type(module)(config=model.config)
+        for attr, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[attr] = fresh._buffers[attr]

@@ -1,0 +1,20 @@
+"""Function-preserving symmetries of canonical models: group elements, the axes table, sampling."""
+
+from .engine import GLOBAL_AXES, LAYER_AXES, Transform, axes_of
+from .groups import AttentionMap, BlockMonomial, MlpMap, ResidualMap
+from .sample import KINDS, PRESETS, random_symmetry, resolve_kinds
+
+__all__ = [
+    "GLOBAL_AXES",
+    "KINDS",
+    "LAYER_AXES",
+    "PRESETS",
+    "AttentionMap",
+    "BlockMonomial",
+    "MlpMap",
+    "ResidualMap",
+    "Transform",
+    "axes_of",
+    "random_symmetry",
+    "resolve_kinds",
+]

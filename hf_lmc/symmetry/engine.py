@@ -1,0 +1,111 @@
+"""One generic symmetry engine: a table of axes -> spaces, and transforms that act through it.
+
+Canonical tensor names are shared by every architecture, so one table serves all of them:
+each entry lists, per axis, the space that axis lives in and its role there (``None`` for an
+axis no symmetry touches, e.g. the vocabulary). Layer-local spaces get the layer index
+appended (``attn`` on layer 3 is the space ``attn.3``). A :class:`Transform` maps space names to
+group elements; applying it to a tensor applies each axis's element in its role.
+
+Spaces and roles (DESIGN §3):
+
+==============  ==================================  =======================================
+space           group                               roles
+==============  ==================================  =======================================
+``residual``    O(d) (O(d-1) on 1-perp for          ``out`` (writers), ``in`` (readers)
+                LayerNorm models), permutations
+``attn.{i}``    head permutation (GQA-aware) x      ``q``, ``k`` (QK vectors / covectors),
+                per-KV-head QK and OV maps          ``v``, ``o`` (OV vectors / covectors)
+``mlp.{i}``     permutation (x scaling for SwiGLU)  ``up``, ``gate`` (perm only), ``down``
+==============  ==================================  =======================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from ..canonical import CanonicalModel
+from ..spec import local_name
+from .groups import AttentionMap, MlpMap, ResidualMap
+
+Axis = tuple[str, str] | None  # (space, role)
+
+_RES_IN: Axis = ("residual", "in")
+_RES_OUT: Axis = ("residual", "out")
+
+#: Per-layer canonical tensors: axis -> (space, role). Layer spaces are suffixed with ``.{i}``.
+LAYER_AXES: dict[str, tuple[Axis, ...]] = {
+    "attn.q.weight": (("attn", "q"), _RES_IN),
+    "attn.q.bias": (("attn", "q"),),
+    "attn.k.weight": (("attn", "k"), _RES_IN),
+    "attn.k.bias": (("attn", "k"),),
+    "attn.v.weight": (("attn", "v"), _RES_IN),
+    "attn.v.bias": (("attn", "v"),),
+    "attn.o.weight": (_RES_OUT, ("attn", "o")),
+    "attn.o.bias": (_RES_OUT,),
+    "mlp.up.weight": (("mlp", "up"), _RES_IN),
+    "mlp.up.bias": (("mlp", "up"),),
+    "mlp.gate.weight": (("mlp", "gate"), _RES_IN),
+    "mlp.gate.bias": (("mlp", "gate"),),
+    "mlp.down.weight": (_RES_OUT, ("mlp", "down")),
+    "mlp.down.bias": (_RES_OUT,),
+}
+
+#: Embedding and head tensors (whichever of them an architecture has).
+GLOBAL_AXES: dict[str, tuple[Axis, ...]] = {
+    "embed.tokens": (None, _RES_OUT),
+    "embed.positions": (None, _RES_OUT),
+    "embed.patch.weight": (_RES_OUT, None, None, None),
+    "embed.patch.bias": (_RES_OUT,),
+    "embed.cls": (_RES_OUT,),
+    "head.weight": (None, _RES_IN),
+    "head.bias": (None,),
+}
+
+
+def axes_of(name: str) -> tuple[Axis, ...]:
+    """The ``(space, role)`` of every axis of canonical tensor ``name``."""
+    if name in GLOBAL_AXES:
+        return GLOBAL_AXES[name]
+    layer = name.split(".", 2)[1]
+    axes = LAYER_AXES[local_name(name)]
+    return tuple(a if a is None or a[0] == "residual" else (f"{a[0]}.{layer}", a[1]) for a in axes)
+
+
+Element = ResidualMap | AttentionMap | MlpMap
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A function-preserving reparameterisation: space name -> group element.
+
+    Spaces that are absent act as the identity. ``apply`` is lazy and differentiable in the
+    elements' tensors; ``compose`` and ``inverse`` stay inside the group.
+    """
+
+    maps: Mapping[str, Element] = field(default_factory=dict)
+
+    def apply_tensor(self, name: str, tensor: Tensor) -> Tensor:
+        for axis, entry in enumerate(axes_of(name)):
+            if entry is not None and entry[0] in self.maps:
+                tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
+        return tensor
+
+    def apply(self, canonical: CanonicalModel) -> CanonicalModel:
+        """``canonical`` with every tensor transformed (a lazy view; ``.materialize()`` to copy)."""
+        return canonical.map_tensors(self.apply_tensor)
+
+    def compose(self, first: "Transform") -> "Transform":
+        """``self o first``: apply ``first``, then ``self``."""
+        maps = dict(first.maps)
+        for space, element in self.maps.items():
+            maps[space] = element.compose(first.maps[space]) if space in first.maps else element
+        return Transform(maps)
+
+    def inverse(self) -> "Transform":
+        return Transform({space: element.inverse() for space, element in self.maps.items()})
+
+    def to(self, dtype=None, device=None) -> "Transform":
+        return Transform({space: element.to(dtype, device) for space, element in self.maps.items()})

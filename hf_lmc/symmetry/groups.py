@@ -1,0 +1,227 @@
+"""Group elements that act on the axes of canonical tensors.
+
+Every symmetry ``hf_lmc`` uses is a *block-monomial* map: a permutation of ``n`` blocks
+composed with one invertible ``b x b`` matrix per block,
+
+    y[perm[h]] = blocks[h] @ x[h]          (h = 0 .. n-1)
+
+The residual rotation is the case ``n = 1, b = d``; an MLP permutation with per-neuron
+scales is ``b = 1``; attention heads are ``n = heads, b = head_dim``. Tensors carry an axis
+of such a space in one of three roles:
+
+* ``vector``   (something *written* into the space):  ``x <- T x``
+* ``covector`` (something that *reads* the space):    ``xi <- T^{-T} xi``
+* ``permute``  (only the permutation part acts; SwiGLU's gate, which cannot be scaled)
+
+All functions are pure and differentiable in ``blocks``: learned matching backpropagates
+through exactly the code that export runs under ``no_grad``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, perm: Tensor, transpose: bool) -> Tensor:
+    """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats`` then ``perm``."""
+    x = t.movedim(axis, -1)
+    lead = x.shape[:-1]
+    x = x.reshape(*lead, n, -1)
+    if mats is not None:
+        mats = mats.to(dtype=x.dtype, device=x.device)
+        # vector: y_h = M_h x_h ; covector passes M^{-1} with transpose=True: y_h = M_h^{-T} x_h
+        x = torch.einsum("...hb,hcb->...hc", x, mats) if not transpose else torch.einsum("...hb,hbc->...hc", x, mats)
+    # y[perm[h]] = x[h]  <=>  y = x[argsort(perm)]
+    x = x.index_select(-2, torch.argsort(perm).to(x.device))
+    return x.reshape(*lead, -1).movedim(-1, axis)
+
+
+@dataclass(frozen=True)
+class BlockMonomial:
+    """``y[perm[h]] = blocks[h] @ x[h]``: a block permutation times per-block invertible maps.
+
+    ``blocks``: (n, b, b); ``inverse_blocks``: (n, b, b), the exact inverses (kept, not
+    recomputed, so orthogonal maps invert by transposition with no rounding).
+    """
+
+    perm: Tensor
+    blocks: Tensor
+    inverse_blocks: Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.perm.numel()
+
+    @property
+    def block_size(self) -> int:
+        return self.blocks.shape[-1]
+
+    @staticmethod
+    def identity(n: int, b: int, dtype=torch.float64, device=None) -> "BlockMonomial":
+        eye = torch.eye(b, dtype=dtype, device=device).expand(n, b, b).clone()
+        return BlockMonomial(torch.arange(n, device=device), eye, eye.clone())
+
+    @staticmethod
+    def orthogonal(matrix: Tensor) -> "BlockMonomial":
+        """A single dense orthogonal block (the residual stream's map)."""
+        return BlockMonomial(torch.zeros(1, dtype=torch.long, device=matrix.device), matrix[None], matrix.mT[None])
+
+    @staticmethod
+    def permutation(perm: Tensor, dtype=torch.float64) -> "BlockMonomial":
+        """A pure permutation of scalar coordinates."""
+        ones = torch.ones(perm.numel(), 1, 1, dtype=dtype, device=perm.device)
+        return BlockMonomial(perm, ones, ones.clone())
+
+    @staticmethod
+    def scaled_permutation(perm: Tensor, scale: Tensor) -> "BlockMonomial":
+        """``y[perm[h]] = scale[h] x[h]`` (SwiGLU neurons: permutation x positive scaling)."""
+        return BlockMonomial(perm, scale[:, None, None], (1.0 / scale)[:, None, None])
+
+    def dense(self) -> Tensor:
+        """The (n*b, n*b) matrix of the map; for tests and small spaces only."""
+        n, b = self.num_blocks, self.block_size
+        eye = torch.eye(n * b, dtype=self.blocks.dtype, device=self.blocks.device)
+        return _apply_blocks(eye, 0, n, self.blocks, self.perm, transpose=False)
+
+    def compose(self, first: "BlockMonomial") -> "BlockMonomial":
+        """``self o first``: apply ``first``, then ``self``."""
+        perm = self.perm[first.perm]
+        blocks = self.blocks[first.perm] @ first.blocks
+        inverse = first.inverse_blocks @ self.inverse_blocks[first.perm]
+        return BlockMonomial(perm, blocks, inverse)
+
+    def inverse(self) -> "BlockMonomial":
+        inv = torch.argsort(self.perm)
+        return BlockMonomial(inv, self.inverse_blocks[inv], self.blocks[inv])
+
+    def expand(self, group: Tensor, perm: Tensor) -> "BlockMonomial":
+        """Repeat block ``group[h]`` at block ``h`` under a finer permutation ``perm``.
+
+        Used for GQA: one QK/OV map per KV head, shared by every query head of its group.
+        """
+        return BlockMonomial(perm, self.blocks[group], self.inverse_blocks[group])
+
+    def vector(self, t: Tensor, axis: int) -> Tensor:
+        return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.perm, transpose=False)
+
+    def covector(self, t: Tensor, axis: int) -> Tensor:
+        return _apply_blocks(t, axis, self.num_blocks, self.inverse_blocks, self.perm, transpose=True)
+
+    def permute(self, t: Tensor, axis: int) -> Tensor:
+        return _apply_blocks(t, axis, self.num_blocks, None, self.perm, transpose=False)
+
+    def to(self, dtype=None, device=None) -> "BlockMonomial":
+        return BlockMonomial(
+            self.perm.to(device=device),
+            self.blocks.to(dtype=dtype, device=device),
+            self.inverse_blocks.to(dtype=dtype, device=device),
+        )
+
+
+@dataclass(frozen=True)
+class ResidualMap:
+    """Residual-stream map: one dense orthogonal (or permutation) matrix on R^d.
+
+    Writers transform as vectors, readers as covectors (``O^{-T} = O``). For LayerNorm models
+    the map must fix ``u = 1/sqrt(d)`` so that the stream stays in ``1-perp``.
+    """
+
+    map: BlockMonomial
+
+    ROLES = ("out", "in")
+
+    @staticmethod
+    def from_matrix(matrix: Tensor) -> "ResidualMap":
+        return ResidualMap(BlockMonomial.orthogonal(matrix))
+
+    @property
+    def matrix(self) -> Tensor:
+        """The d x d matrix ``O`` (a residual map is always a single dense block)."""
+        return self.map.blocks[0]
+
+    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+        return self.map.vector(t, axis) if role == "out" else self.map.covector(t, axis)
+
+    def compose(self, first: "ResidualMap") -> "ResidualMap":
+        return ResidualMap(self.map.compose(first.map))
+
+    def inverse(self) -> "ResidualMap":
+        return ResidualMap(self.map.inverse())
+
+    def to(self, dtype=None, device=None) -> "ResidualMap":
+        return ResidualMap(self.map.to(dtype, device))
+
+
+@dataclass(frozen=True)
+class MlpMap:
+    """MLP hidden units: permutation, times per-neuron scaling of ``up`` for SwiGLU.
+
+    ``up`` rows are vectors, ``down`` columns covectors, ``gate`` rows only permute
+    (SiLU is not positively homogeneous).
+    """
+
+    map: BlockMonomial
+
+    ROLES = ("up", "gate", "down")
+
+    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+        if role == "up":
+            return self.map.vector(t, axis)
+        if role == "gate":
+            return self.map.permute(t, axis)
+        return self.map.covector(t, axis)
+
+    def compose(self, first: "MlpMap") -> "MlpMap":
+        return MlpMap(self.map.compose(first.map))
+
+    def inverse(self) -> "MlpMap":
+        return MlpMap(self.map.inverse())
+
+    def to(self, dtype=None, device=None) -> "MlpMap":
+        return MlpMap(self.map.to(dtype, device))
+
+
+@dataclass(frozen=True)
+class AttentionMap:
+    """One attention layer: head permutation (GQA-aware) with per-KV-head QK and OV maps.
+
+    ``qk`` and ``ov`` act on KV heads and share their permutation; ``query_perm`` permutes
+    query heads and must send every query head of KV group ``g`` into group ``perm[g]``.
+    Query rows are QK vectors, key rows QK covectors (so ``q.k`` is unchanged), value rows
+    OV vectors and output-projection columns OV covectors.
+    """
+
+    qk: BlockMonomial
+    ov: BlockMonomial
+    query_perm: Tensor
+
+    ROLES = ("q", "k", "v", "o")
+
+    @property
+    def group_size(self) -> int:
+        return self.query_perm.numel() // self.qk.num_blocks
+
+    def _query_level(self, kv_map: BlockMonomial) -> BlockMonomial:
+        group = torch.arange(self.query_perm.numel(), device=self.query_perm.device) // self.group_size
+        return kv_map.expand(group, self.query_perm)
+
+    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+        if role == "q":
+            return self._query_level(self.qk).vector(t, axis)
+        if role == "k":
+            return self.qk.covector(t, axis)
+        if role == "v":
+            return self.ov.vector(t, axis)
+        return self._query_level(self.ov).covector(t, axis)
+
+    def compose(self, first: "AttentionMap") -> "AttentionMap":
+        return AttentionMap(self.qk.compose(first.qk), self.ov.compose(first.ov), self.query_perm[first.query_perm])
+
+    def inverse(self) -> "AttentionMap":
+        return AttentionMap(self.qk.inverse(), self.ov.inverse(), torch.argsort(self.query_perm))
+
+    def to(self, dtype=None, device=None) -> "AttentionMap":
+        return AttentionMap(self.qk.to(dtype, device), self.ov.to(dtype, device), self.query_perm.to(device=device))

@@ -1,0 +1,133 @@
+"""Tiny stock HF models of every supported architecture, with randomised configs.
+
+Hypothesis strategies draw configs that cover every option the adapters must respect; models
+are perturbed away from their init (non-unit gains, non-zero biases) so that folding and
+centring are really exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+from hypothesis import strategies as st
+
+from hf_lmc.verify import float64_rmsnorm, relative_error, sample_inputs  # noqa: F401  (re-exported for tests)
+
+ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "vit")
+
+
+@st.composite
+def gpt2_configs(draw):
+    heads = draw(st.sampled_from([1, 2, 4]))
+    return tf.GPT2Config(
+        n_embd=heads * draw(st.sampled_from([2, 4, 6])),
+        n_head=heads,
+        n_layer=draw(st.integers(1, 3)),
+        n_inner=draw(st.sampled_from([None, 12, 20])),
+        vocab_size=draw(st.integers(5, 40)),
+        n_positions=16,
+        activation_function=draw(st.sampled_from(["gelu_new", "relu", "gelu"])),
+        scale_attn_weights=draw(st.booleans()),
+        scale_attn_by_inverse_layer_idx=draw(st.booleans()),
+        layer_norm_epsilon=draw(st.sampled_from([1e-5, 1e-2])),
+        tie_word_embeddings=draw(st.booleans()),
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+@st.composite
+def gpt_neox_configs(draw):
+    heads = draw(st.sampled_from([1, 2, 4]))
+    # (head_dim, rotary_pct) pairs with an even number of rotary dims, partial and full.
+    head_dim, rotary_pct = draw(st.sampled_from([(8, 0.25), (8, 0.5), (4, 0.5), (4, 1.0), (8, 1.0)]))
+    return tf.GPTNeoXConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_hidden_layers=draw(st.integers(1, 3)),
+        intermediate_size=draw(st.sampled_from([8, 24])),
+        vocab_size=draw(st.integers(5, 40)),
+        max_position_embeddings=32,
+        rotary_pct=rotary_pct,
+        rotary_emb_base=draw(st.sampled_from([10000, 100])),
+        use_parallel_residual=draw(st.booleans()),
+        attention_bias=draw(st.booleans()),
+        tie_word_embeddings=draw(st.booleans()),
+        layer_norm_eps=draw(st.sampled_from([1e-5, 1e-2])),
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+@st.composite
+def llama_configs(draw):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    head_dim = draw(st.sampled_from([2, 4, 6]))
+    explicit_head_dim = draw(st.booleans())
+    # An explicit head_dim decouples heads * head_dim from hidden_size (which HF still
+    # requires to be a multiple of the number of heads).
+    hidden = heads * (draw(st.sampled_from([2, 4, 6])) if explicit_head_dim else head_dim)
+    return tf.LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim if explicit_head_dim else None,
+        num_hidden_layers=draw(st.integers(1, 3)),
+        intermediate_size=draw(st.sampled_from([8, 20])),
+        vocab_size=draw(st.integers(5, 40)),
+        max_position_embeddings=32,
+        attention_bias=draw(st.booleans()),
+        mlp_bias=draw(st.booleans()),
+        tie_word_embeddings=draw(st.booleans()),
+        rms_norm_eps=draw(st.sampled_from([1e-6, 1e-2])),
+        rope_theta=draw(st.sampled_from([10000.0, 500.0])),
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+@st.composite
+def vit_configs(draw):
+    heads = draw(st.sampled_from([1, 2, 4]))
+    patch = draw(st.sampled_from([2, 4]))
+    return tf.ViTConfig(
+        hidden_size=heads * draw(st.sampled_from([2, 4])),
+        num_attention_heads=heads,
+        num_hidden_layers=draw(st.integers(1, 3)),
+        intermediate_size=draw(st.sampled_from([8, 20])),
+        image_size=patch * draw(st.sampled_from([2, 3])),
+        patch_size=patch,
+        num_channels=draw(st.sampled_from([1, 3])),
+        num_labels=draw(st.integers(2, 10)),
+        qkv_bias=draw(st.booleans()),
+        layer_norm_eps=draw(st.sampled_from([1e-12, 1e-2])),
+        hidden_act=draw(st.sampled_from(["gelu", "relu"])),
+    )
+
+
+CONFIGS = {"gpt2": gpt2_configs, "gpt_neox": gpt_neox_configs, "llama": llama_configs, "vit": vit_configs}
+MODEL_CLASSES = {
+    "gpt2": tf.GPT2LMHeadModel,
+    "gpt_neox": tf.GPTNeoXForCausalLM,
+    "llama": tf.LlamaForCausalLM,
+    "vit": tf.ViTForImageClassification,
+}
+
+
+def build_model(config, seed: int = 0, dtype=torch.float64):
+    """A stock model with every parameter moved away from its init."""
+    torch.manual_seed(seed)
+    model = MODEL_CLASSES[config.model_type](config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("weight") and p.dim() == 1:  # a norm's gain
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def logits(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs).logits

@@ -1,0 +1,132 @@
+"""Lazy safetensors backing, legacy (transformers 4.x) key names, and unsupported inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import save_file
+
+import hf_lmc
+from hf_lmc.checkpoint import SafetensorsCheckpoint
+from hf_lmc.verify import tiny_configs
+from tests.models import MODEL_CLASSES, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
+
+TINY = tiny_configs()
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_folder_backed_canonical_matches_in_memory(arch, tmp_path):
+    model = build_model(TINY[arch], dtype=torch.float64)
+    model.save_pretrained(tmp_path, max_shard_size="4KB")  # several shards + index
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+
+    in_memory = hf_lmc.canonicalize(model).state_dict()
+    lazy = hf_lmc.canonicalize(tmp_path)
+    assert set(lazy.state_dict()) == set(in_memory)
+    for name, tensor in lazy.state_dict().items():
+        # Same math on the same values; only BLAS summation order may differ (mmap alignment).
+        torch.testing.assert_close(tensor, in_memory[name], rtol=1e-13, atol=1e-15, msg=name)
+
+    with float64_rmsnorm():
+        inputs = sample_inputs(model.config, dtype=torch.float64)
+        transform = hf_lmc.random_symmetry(lazy.spec, seed=3)
+        exported = hf_lmc.to_hf(transform.apply(lazy))
+        assert relative_error(logits(exported, inputs), logits(model, inputs)) < 1e-9
+
+
+def test_folder_backed_canonical_reads_one_layer_at_a_time(tmp_path, monkeypatch):
+    model = build_model(TINY["llama"], dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    reads: list[str] = []
+    original = SafetensorsCheckpoint.__getitem__
+    monkeypatch.setattr(SafetensorsCheckpoint, "__getitem__", lambda self, key: reads.append(key) or original(self, key))
+
+    canonical = hf_lmc.canonicalize(tmp_path)
+    assert reads == []  # nothing is read up front
+    layer = canonical.group(1)
+    assert layer and all(key.startswith("model.layers.1.") for key in reads)
+    reads.clear()
+    canonical.group(1)
+    assert reads == []  # the last group stays cached
+
+
+def _resave_with_keys(model, folder, rename) -> None:
+    """Write ``model`` as a checkpoint whose keys went through ``rename`` (old naming)."""
+    folder.mkdir()
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    state = {rename(k): v.clone() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+
+
+def _legacy_vit_key(key: str) -> str:
+    for new, old in (
+        (".layers.", ".encoder.layer."),
+        (".attention.q_proj.", ".attention.attention.query."),
+        (".attention.k_proj.", ".attention.attention.key."),
+        (".attention.v_proj.", ".attention.attention.value."),
+        (".attention.o_proj.", ".attention.output.dense."),
+        (".mlp.fc1.", ".intermediate.dense."),
+        (".mlp.fc2.", ".output.dense."),
+    ):
+        key = key.replace(new, old)
+    return key
+
+
+LEGACY = {
+    "gpt_neox": lambda k: k.replace("lm_head.", "embed_out."),
+    "vit": _legacy_vit_key,
+    "gpt2": lambda k: k.removeprefix("transformer."),  # saved from GPT2Model, as the gpt2 repo is
+}
+
+
+@pytest.mark.parametrize("arch", sorted(LEGACY))
+def test_legacy_key_names_load(arch, tmp_path):
+    model = build_model(TINY[arch], dtype=torch.float32)
+    folder = tmp_path / "legacy"
+    _resave_with_keys(model, folder, LEGACY[arch])
+    keys = json.loads((folder / "model.safetensors").read_bytes()[8:].split(b"}}", 1)[0] + b"}}").keys()
+    assert any(LEGACY[arch](k) != k for k in model.state_dict()), "fixture must really use legacy names"
+    assert not set(keys) <= set(model.state_dict())
+
+    inputs = sample_inputs(model.config, dtype=torch.float32)
+    expected = logits(model, inputs)
+    exported = hf_lmc.to_hf(hf_lmc.canonicalize(folder))
+    assert relative_error(logits(exported, inputs), expected) < 1e-5
+    stock = MODEL_CLASSES[arch].from_pretrained(folder).eval()  # transformers agrees on the renames
+    assert relative_error(logits(stock, inputs), expected) < 1e-6
+
+
+def test_unsupported_model_type_names_supported_ones():
+    bert = tf.BertForMaskedLM(tf.BertConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8))
+    with pytest.raises(hf_lmc.UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM.*ViTForImageClassification"):
+        hf_lmc.canonicalize(bert)
+
+
+def test_headless_model_of_supported_type_is_rejected():
+    with pytest.raises(hf_lmc.UnsupportedModelError, match="pass a GPT2LMHeadModel"):
+        hf_lmc.canonicalize(tf.GPT2Model(TINY["gpt2"]))
+
+
+def test_folder_without_weights_says_what_is_missing(tmp_path):
+    TINY["llama"].save_pretrained(tmp_path)
+    with pytest.raises(hf_lmc.CheckpointError, match="no safetensors weights"):
+        hf_lmc.canonicalize(tmp_path)
+
+
+def test_missing_shard_is_reported(tmp_path):
+    build_model(TINY["llama"], dtype=torch.float32).save_pretrained(tmp_path, max_shard_size="2KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(hf_lmc.CheckpointError, match=shard.name):
+        hf_lmc.canonicalize(tmp_path)
+
+
+def test_corrupt_shard_is_reported(tmp_path):
+    build_model(TINY["llama"], dtype=torch.float32).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(hf_lmc.CheckpointError, match="corrupt"):
+        hf_lmc.canonicalize(tmp_path)

@@ -1,0 +1,42 @@
+"""The command line: help, the built-in exactness check, and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+from hf_lmc.cli import main
+from hf_lmc.verify import tiny_configs
+from tests.models import build_model
+
+
+def test_help_lists_commands_and_examples():
+    out = subprocess.run([sys.executable, "-m", "hf_lmc.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    assert "check" in out and "symmetries" in out and "examples:" in out
+
+
+def test_check_on_builtin_tiny_models_passes(capsys):
+    assert main(["check", "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 4 and "FAILED" not in out
+
+
+def test_check_on_a_local_folder(tmp_path, capsys):
+    build_model(tiny_configs()["gpt_neox"], dtype=torch.float32).save_pretrained(tmp_path)
+    assert main(["check", str(tmp_path), "--symmetries", "permutation"]) == 0
+    assert "gpt_neox" in capsys.readouterr().out
+
+
+def test_symmetries_prints_the_axes_table(tmp_path, capsys):
+    tiny_configs()["llama"].save_pretrained(tmp_path)
+    assert main(["symmetries", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layers.0.attn.k.weight" in out and "attn.0:k, residual:in" in out
+
+
+def test_missing_folder_is_a_one_line_error(capsys):
+    assert main(["check", "./no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-lmc: error: no such model folder") and err.count("\n") == 1
