@@ -81,7 +81,16 @@ def llama_configs(draw):
         mlp_bias=draw(st.booleans()),
         tie_word_embeddings=draw(st.booleans()),
         rms_norm_eps=draw(st.sampled_from([1e-6, 1e-2])),
-        rope_theta=draw(st.sampled_from([10000.0, 500.0])),
+        rope_parameters=draw(
+            st.sampled_from(
+                [
+                    {"rope_type": "default", "rope_theta": 10000.0},
+                    {"rope_type": "default", "rope_theta": 500.0},
+                    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 16},
+                ]
+            ).map(dict)  # a fresh dict each time: configs update it in place
+        ),
         bos_token_id=0,
         eos_token_id=0,
     )
