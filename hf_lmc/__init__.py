@@ -5,8 +5,9 @@ function-preserving symmetries, interpolated, and exported as ordinary HF checkp
 """
 
 from .adapters import UnsupportedModelError
-from .canonical import CanonicalModel, canonicalize, export_config, to_hf
+from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
 from .checkpoint import CheckpointError
+from .matching import WeightMatcher
 from .spec import ArchSpec
 from .symmetry import Transform, random_symmetry
 
@@ -18,9 +19,11 @@ __all__ = [
     "CheckpointError",
     "Transform",
     "UnsupportedModelError",
+    "WeightMatcher",
     "__version__",
     "canonicalize",
     "export_config",
+    "interpolate",
     "random_symmetry",
     "to_hf",
 ]

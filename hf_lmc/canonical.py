@@ -73,6 +73,21 @@ class CanonicalModel:
         return self.map_tensors(lambda _, t: t.to(dtype=dtype, device=device))
 
 
+def interpolate(a: CanonicalModel, b: CanonicalModel, alpha: float) -> CanonicalModel:
+    """``(1 - alpha) a + alpha b``, tensor by tensor (lazy): alpha=0 is A, alpha=1 is B.
+
+    Exports under A's config, so B must be aligned to A's architecture and shapes.
+    """
+    if a.spec != b.spec:
+        raise ValueError(f"cannot interpolate models of different architectures: {a.spec} vs {b.spec}")
+
+    def load(group: Group) -> dict[str, Tensor]:
+        ga, gb = a.group(group), b.group(group)
+        return {name: torch.lerp(t, gb[name].to(t.dtype), alpha) for name, t in ga.items()}
+
+    return CanonicalModel(a.spec, a.config, load)
+
+
 def from_state_dict(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str, Tensor]) -> CanonicalModel:
     """A canonical model over an in-memory ``{canonical name: tensor}`` dict."""
     by_group: dict[Group, dict[str, Tensor]] = {}

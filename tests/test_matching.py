@@ -1,0 +1,93 @@
+"""Weight matching: twin recovery over randomised configs, restrictions, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hf_lmc
+from hf_lmc.matching.solvers import assign, match_gl, match_rotary
+from hf_lmc.symmetry.sample import random_gl, rotary_block
+from hf_lmc.verify import tiny_configs
+from tests.models import ARCHITECTURES, CONFIGS, build_model, logits, relative_error, sample_inputs
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_twin_merge_at_half_computes_a(arch):
+    """If B is A moved by any random symmetry, the aligned merge at alpha=0.5 is A."""
+
+    @settings(max_examples=6, deadline=None)
+    @given(config=CONFIGS[arch](), seed=st.integers(0, 2**16))
+    def run(config, seed):
+        model = build_model(config, seed=seed, dtype=torch.float32)
+        a = hf_lmc.canonicalize(model)
+        b = hf_lmc.random_symmetry(a.spec, seed=seed + 1, dtype=torch.float32).apply(a).materialize()
+        transform = hf_lmc.WeightMatcher(progress=False).fit(a, b)
+        merged = hf_lmc.interpolate(a, transform.to(torch.float32).apply(b), 0.5)
+        inputs = sample_inputs(config, seed=seed)
+        err = relative_error(logits(hf_lmc.to_hf(merged), inputs), logits(model, inputs))
+        assert err < 1e-3, f"twin merge off by {err:.2e}"
+
+    run()
+
+
+def test_alpha_endpoints_give_each_model():
+    config = tiny_configs()["llama"]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float32), build_model(config, seed=2, dtype=torch.float32)
+    a, b = hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b)
+    aligned = hf_lmc.WeightMatcher(progress=False).fit(a, b).to(torch.float32).apply(b)
+    inputs = sample_inputs(config)
+    assert relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 0.0)), inputs), logits(model_a, inputs)) < 1e-5
+    assert relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 1.0)), inputs), logits(model_b, inputs)) < 1e-4
+
+
+def test_matching_reduces_distance_between_independent_models():
+    config = tiny_configs()["gpt_neox"]
+    a = hf_lmc.canonicalize(build_model(config, seed=1))
+    b = hf_lmc.canonicalize(build_model(config, seed=2))
+    matcher = hf_lmc.WeightMatcher(progress=False)
+    transform = matcher.fit(a, b)
+    fitted = matcher.objective(a, b, transform)
+    assert fitted < 0.9 * matcher.objective(a, b, hf_lmc.Transform())
+    assert fitted == pytest.approx(min(matcher.history))  # the best transform seen is returned
+
+
+def test_permutation_only_matching_recovers_a_permuted_twin():
+    config = tiny_configs()["gpt2"]
+    a = hf_lmc.canonicalize(build_model(config))
+    b = hf_lmc.random_symmetry(a.spec, seed=3, kinds="permutation").apply(a).materialize()
+    transform = hf_lmc.WeightMatcher("permutation", progress=False).fit(a, b)
+    for name, tensor in transform.apply(b).state_dict().items():
+        torch.testing.assert_close(tensor, a[name], msg=name)
+
+
+def test_different_architectures_are_rejected():
+    a = hf_lmc.canonicalize(build_model(tiny_configs()["gpt2"]))
+    b = hf_lmc.canonicalize(build_model(tiny_configs()["llama"]))
+    with pytest.raises(ValueError, match="differ in architecture"):
+        hf_lmc.WeightMatcher(progress=False).fit(a, b)
+
+
+def test_balanced_gl_matching_inverts_any_gl_map():
+    g = torch.Generator().manual_seed(0)
+    m0, m0_inv = random_gl(5, g, log_scale=1.0)
+    vec, cov = torch.randn(5, 30, dtype=torch.float64), torch.randn(5, 20, dtype=torch.float64)
+    m, m_inv = match_gl(vec, cov, m0 @ vec, m0_inv.T @ cov)
+    torch.testing.assert_close(m, m0_inv)
+    torch.testing.assert_close(m @ m_inv, torch.eye(5, dtype=torch.float64))
+
+
+def test_rotary_matching_inverts_any_rope_commuting_map():
+    g = torch.Generator().manual_seed(1)
+    m0, m0_inv = rotary_block(torch.rand(2, dtype=torch.float64) + 0.5, torch.rand(2, dtype=torch.float64) * 6, 4, 6, random_gl(2, g))
+    vec, cov = torch.randn(6, 30, dtype=torch.float64), torch.randn(6, 20, dtype=torch.float64)
+    m, _ = match_rotary(vec, cov, m0 @ vec, m0_inv.T @ cov, rotary_dim=4)
+    torch.testing.assert_close(m, m0_inv)
+
+
+def test_assign_convention_matches_block_monomial():
+    sim = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    # target 0 matches source 1, target 1 matches source 2, target 2 matches source 0
+    assert assign(sim).tolist() == [2, 0, 1]
