@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from .adapters import Adapter, UnsupportedModelError, adapter_for
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import Checkpoint, CheckpointError
 from .spec import ArchSpec, Group, group_of
 
 GroupLoader = Callable[[Group], dict[str, Tensor]]
@@ -118,6 +118,9 @@ def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | No
                 f"pass a {adapter.model_class.__name__}"
             )
         source = dict(model.state_dict())
+        bad = [k for k, t in source.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        if bad:
+            raise CheckpointError(f"{bad[0]!r} contains NaN or Inf values; this model cannot be merged")
         spec = adapter.spec(config)
         tensors = {}
         with torch.no_grad():
@@ -130,7 +133,7 @@ def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | No
             raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
         config = AutoConfig.from_pretrained(folder)
         adapter = adapter_for(config)
-        checkpoint = SafetensorsCheckpoint(folder, adapter)
+        checkpoint = Checkpoint(folder, adapter)
         spec = adapter.spec(config)
 
         @functools.lru_cache(maxsize=1)  # keep exactly one group materialised

@@ -9,10 +9,12 @@ names (transformers 4.x) are renamed on the fly by the adapter's rename table.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
@@ -20,6 +22,8 @@ from .adapters import Adapter
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
+BIN_INDEX = "pytorch_model.bin.index.json"
+BIN_SINGLE = "pytorch_model.bin"
 
 
 class CheckpointError(ValueError):
@@ -35,36 +39,50 @@ def current_key(key: str, adapter: Adapter) -> str | None:
     return key
 
 
-def safetensors_files(folder: Path) -> list[Path]:
-    """The safetensors shards of ``folder`` (from its index when sharded), all checked to exist."""
-    index = folder / SAFETENSORS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({err})") from err
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+def _indexed_files(folder: Path, index_name: str) -> list[Path]:
+    index = folder / index_name
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{index} is not a valid weight index ({err})") from err
+    return [folder / name for name in dict.fromkeys(weight_map.values())]
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The weight shards of ``folder`` (safetensors preferred, else ``.bin``), checked to exist."""
+    if (folder / SAFETENSORS_INDEX).is_file():
+        files = _indexed_files(folder, SAFETENSORS_INDEX)
     elif (folder / SAFETENSORS_SINGLE).is_file():
         files = [folder / SAFETENSORS_SINGLE]
+    elif found := sorted(folder.glob("*.safetensors")):
+        files = found
+    elif (folder / BIN_INDEX).is_file():
+        files = _indexed_files(folder, BIN_INDEX)
+    elif (folder / BIN_SINGLE).is_file():
+        files = [folder / BIN_SINGLE]
     else:
-        found = sorted(p.name for p in folder.glob("*.safetensors"))
-        if not found:
-            raise CheckpointError(f"no safetensors weights in {folder} (expected {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX})")
-        files = [folder / name for name in found]
+        raise CheckpointError(
+            f"no weights in {folder} (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, {BIN_SINGLE} or {BIN_INDEX})"
+        )
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise CheckpointError(f"{folder} is missing shard(s) listed in its index: {', '.join(missing)}")
     return files
 
 
-class SafetensorsCheckpoint(Mapping[str, Tensor]):
-    """Memory-mapped tensors of a safetensors checkpoint folder, under current key names."""
+class Checkpoint(Mapping[str, Tensor]):
+    """Tensors of a checkpoint folder under current key names, read on demand.
+
+    Safetensors shards are memory-mapped; ``.bin`` shards are opened with
+    ``torch.load(weights_only=True, mmap=True)``. Every tensor is checked to be finite as it is
+    read, so a corrupt model fails with its key and file named rather than a NaN merge.
+    """
 
     def __init__(self, folder: str | Path, adapter: Adapter):
         self.folder = Path(folder)
         self._where: dict[str, tuple[Path, str]] = {}
         self._handles: dict[Path, object] = {}
-        for file in safetensors_files(self.folder):
+        for file in weight_files(self.folder):
             for stored in self._open(file).keys():
                 key = current_key(stored, adapter)
                 if key is not None:
@@ -73,17 +91,24 @@ class SafetensorsCheckpoint(Mapping[str, Tensor]):
     def _open(self, file: Path):
         if file not in self._handles:
             try:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            except (SafetensorError, OSError) as err:
-                raise CheckpointError(f"cannot read {file}: {err}; the file is corrupt or truncated, download it again") from err
+                if file.suffix == ".safetensors":
+                    self._handles[file] = safe_open(str(file), framework="pt")
+                else:
+                    self._handles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError, EOFError) as err:
+                raise CheckpointError(f"cannot read {file}: the file is corrupt or truncated, download it again ({err})") from err
         return self._handles[file]
 
     def __getitem__(self, key: str) -> Tensor:
         file, stored = self._where[key]
+        handle = self._open(file)
         try:
-            return self._open(file).get_tensor(stored)
+            tensor = handle.get_tensor(stored) if file.suffix == ".safetensors" else handle[stored]
         except SafetensorError as err:
             raise CheckpointError(f"cannot read tensor {stored!r} from {file}: {err}") from err
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged")
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -10,7 +10,7 @@ import transformers as tf
 from safetensors.torch import save_file
 
 import hf_lmc
-from hf_lmc.checkpoint import SafetensorsCheckpoint
+from hf_lmc.checkpoint import Checkpoint
 from hf_lmc.verify import tiny_configs
 from tests.models import MODEL_CLASSES, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
 
@@ -41,8 +41,8 @@ def test_folder_backed_canonical_reads_one_layer_at_a_time(tmp_path, monkeypatch
     model = build_model(TINY["llama"], dtype=torch.float32)
     model.save_pretrained(tmp_path)
     reads: list[str] = []
-    original = SafetensorsCheckpoint.__getitem__
-    monkeypatch.setattr(SafetensorsCheckpoint, "__getitem__", lambda self, key: reads.append(key) or original(self, key))
+    original = Checkpoint.__getitem__
+    monkeypatch.setattr(Checkpoint, "__getitem__", lambda self, key: reads.append(key) or original(self, key))
 
     canonical = hf_lmc.canonicalize(tmp_path)
     assert reads == []  # nothing is read up front
@@ -113,7 +113,7 @@ def test_headless_model_of_supported_type_is_rejected():
 
 def test_folder_without_weights_says_what_is_missing(tmp_path):
     TINY["llama"].save_pretrained(tmp_path)
-    with pytest.raises(hf_lmc.CheckpointError, match="no safetensors weights"):
+    with pytest.raises(hf_lmc.CheckpointError, match="no weights in"):
         hf_lmc.canonicalize(tmp_path)
 
 
@@ -130,3 +130,26 @@ def test_corrupt_shard_is_reported(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(hf_lmc.CheckpointError, match="corrupt"):
         hf_lmc.canonicalize(tmp_path)
+
+
+def test_pytorch_bin_checkpoints_load(tmp_path):
+    model = build_model(TINY["gpt_neox"], dtype=torch.float32)
+    model.config.save_pretrained(tmp_path)
+    torch.save({k: v.clone() for k, v in model.state_dict().items()}, tmp_path / "pytorch_model.bin")
+    inputs = sample_inputs(model.config)
+    exported = hf_lmc.to_hf(hf_lmc.canonicalize(tmp_path))
+    assert relative_error(logits(exported, inputs), logits(model, inputs)) < 1e-5
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_named(tmp_path, value):
+    model = build_model(TINY["vit"], dtype=torch.float32)
+    with torch.no_grad():
+        model.vit.layers[1].mlp.fc1.weight[0, 0] = value
+    with pytest.raises(hf_lmc.CheckpointError, match="fc1.weight.*NaN or Inf"):
+        hf_lmc.canonicalize(model)
+    model.save_pretrained(tmp_path)
+    lazy = hf_lmc.canonicalize(tmp_path)
+    # (transformers 5 saves ViT under its 4.x key names: the error names the stored key)
+    with pytest.raises(hf_lmc.CheckpointError, match="layer.1.*NaN or Inf"):
+        lazy.state_dict()
