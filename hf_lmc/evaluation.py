@@ -1,0 +1,186 @@
+"""Held-out evaluation data and the loss of a model on it.
+
+Causal LMs take text (a ``.txt`` file, a folder of text files, a list of strings, or a
+``datasets`` id / saved dataset with a text column), tokenised with model A's tokenizer and cut
+into fixed-length blocks. ViT takes images with labels (a ``datasets`` id / saved dataset with
+image and label columns, processed by model A's image processor) or tensors
+(``{"pixel_values": ..., "labels": ...}``, in memory or as a ``.pt`` file).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig, PreTrainedModel
+
+Batch = dict[str, torch.Tensor]
+
+
+class DataError(ValueError):
+    """Evaluation data that cannot be used with the model."""
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    batch_size: int = 8
+    seq_len: int | None = None  # default: min(128, the model's context)
+    max_batches: int | None = None
+    split: str = "test"
+
+
+def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions = EvalOptions()) -> list[Batch]:
+    """Evaluation batches for ``config``'s model from any of the accepted data forms."""
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict):
+        return list(data)[: options.max_batches]  # already batches
+    if config.model_type == "vit":
+        batches = _image_batches(data, processor_folder, options)
+    else:
+        batches = _text_batches(data, config, processor_folder, options)
+    if not batches:
+        raise DataError(f"evaluation data {_describe(data)} produced no batches")
+    return batches[: options.max_batches]
+
+
+def _describe(data) -> str:
+    return repr(data) if isinstance(data, (str, Path)) else type(data).__name__
+
+
+def _load_dataset(reference: str | Path, split: str):
+    import datasets
+
+    path = Path(reference)
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(str(reference), split=split)
+    except Exception as err:  # datasets raises many types; the user needs one clear line
+        raise DataError(f"cannot load evaluation data {reference!r}: {err}") from err
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{reference} has no split {split!r} (has {', '.join(ds)})")
+        ds = ds[split]
+    return ds
+
+
+# -- text --------------------------------------------------------------------------------------
+
+
+def _texts(data, split: str) -> list[str]:
+    if isinstance(data, str) and not Path(data).exists() and data.count("/") <= 1 and not data.endswith(".txt"):
+        data = _load_dataset(data, split)
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        if path.is_file():
+            return [path.read_text(encoding="utf-8", errors="replace")]
+        if path.is_dir():
+            files = sorted(path.glob("*.txt"))
+            if files:
+                return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+            data = _load_dataset(path, split)
+        else:
+            raise DataError(f"no such evaluation data: {data}")
+    if isinstance(data, Sequence) and all(isinstance(t, str) for t in data):
+        return list(data)
+    columns = getattr(data, "column_names", None)
+    if columns is not None:
+        text_columns = [c for c in columns if c == "text"] or [c for c in columns if data.features[c].dtype == "string"]
+        if not text_columns:
+            raise DataError(f"dataset has no text column (columns: {', '.join(columns)})")
+        return [t for t in data[text_columns[0]] if t]
+    raise DataError(f"cannot read text from {type(data).__name__}")
+
+
+def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None, options: EvalOptions) -> list[Batch]:
+    from transformers import AutoTokenizer
+
+    if tokenizer_folder is None:
+        raise DataError("text evaluation needs a tokenizer: pass models as folders or Hub ids that include one")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    except (OSError, ValueError) as err:
+        raise DataError(f"model A ({tokenizer_folder}) has no usable tokenizer for text evaluation: {err}") from err
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 128
+    seq_len = options.seq_len or min(128, context)
+    if seq_len > context:
+        raise DataError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
+    ids: list[int] = []
+    for text in _texts(data, options.split):
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if options.max_batches and len(ids) >= options.max_batches * options.batch_size * seq_len:
+            break
+    blocks = torch.tensor(ids[: len(ids) // seq_len * seq_len], dtype=torch.long).reshape(-1, seq_len)
+    return [{"input_ids": chunk} for chunk in blocks.split(options.batch_size)]
+
+
+# -- images ------------------------------------------------------------------------------------
+
+
+def _image_batches(data, processor_folder: Path | None, options: EvalOptions) -> list[Batch]:
+    if isinstance(data, (str, Path)) and str(data).endswith(".pt"):
+        data = torch.load(data, weights_only=True)
+    if isinstance(data, dict):
+        if "pixel_values" not in data or "labels" not in data:
+            raise DataError("image tensors must be a dict with 'pixel_values' and 'labels'")
+        pixels, labels = data["pixel_values"], data["labels"]
+        return [{"pixel_values": p, "labels": y} for p, y in zip(pixels.split(options.batch_size), labels.split(options.batch_size))]
+    dataset = _load_dataset(data, options.split) if isinstance(data, (str, Path)) else data
+    columns = dataset.column_names
+    label = next((c for c in ("label", "labels", "target") if c in columns), None)
+    image = next((c for c in ("pixel_values", "image", "img") if c in columns), None)
+    if label is None or image is None:
+        raise DataError(f"image dataset needs image and label columns (has {', '.join(columns)})")
+    processor = None
+    if image != "pixel_values":
+        from transformers import AutoImageProcessor
+
+        if processor_folder is None:
+            raise DataError("image evaluation needs model A's image processor (preprocessor_config.json)")
+        processor = AutoImageProcessor.from_pretrained(processor_folder)
+    batches = []
+    n = len(dataset) if options.max_batches is None else min(len(dataset), options.max_batches * options.batch_size)
+    for start in range(0, n, options.batch_size):
+        rows = dataset[start : min(start + options.batch_size, n)]
+        pixels = torch.as_tensor(processor(rows[image], return_tensors="pt")["pixel_values"]) if processor else torch.as_tensor(rows[image])
+        batches.append({"pixel_values": pixels.float(), "labels": torch.as_tensor(rows[label])})
+    return batches
+
+
+# -- loss --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    accuracy: float | None = None
+
+
+@torch.no_grad()
+def evaluate(model: PreTrainedModel, batches: Iterable[Batch]) -> EvalResult:
+    """Mean cross-entropy (token-weighted for LMs) and, for classifiers, accuracy."""
+    model.eval()
+    device = next(model.parameters()).device
+    total, count, correct = 0.0, 0, 0
+    for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        if "input_ids" in batch:
+            logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+            targets = batch["input_ids"][:, 1:]
+            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum").item()
+            count += targets.numel()
+        else:
+            logits = model(pixel_values=batch["pixel_values"].to(model.dtype)).logits
+            total += F.cross_entropy(logits.float(), batch["labels"], reduction="sum").item()
+            correct += (logits.argmax(-1) == batch["labels"]).sum().item()
+            count += batch["labels"].numel()
+    if count == 0:
+        raise DataError("evaluation data is empty")
+    loss = total / count
+    if not math.isfinite(loss):
+        raise DataError("evaluation loss is not finite")
+    return EvalResult(loss, correct / count if "input_ids" not in batch else None)
