@@ -5,15 +5,21 @@ function-preserving symmetries, interpolated, and exported as ordinary HF checkp
 """
 
 from .adapters import UnsupportedModelError
+from .barriers import BarrierResult, barrier
 from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
 from .checkpoint import CheckpointError
 from .matching import WeightMatcher
+from .pipeline import MergeResult, merge
 from .spec import ArchSpec
 from .symmetry import Transform, random_symmetry
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BarrierResult",
+    "MergeResult",
+    "barrier",
+    "merge",
     "ArchSpec",
     "CanonicalModel",
     "CheckpointError",

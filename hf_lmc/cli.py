@@ -8,9 +8,12 @@ from collections.abc import Sequence
 
 EXAMPLES = """\
 examples:
-  hf-lmc check                                  # tiny GPT-2, Pythia, LLaMA and ViT models
-  hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64
-  hf-lmc symmetries ./my-llama                  # which tensor axes live in which space
+  hf-lmc merge org/model-a org/model-b --output ./merged              # weight matching, alpha 0.5
+  hf-lmc merge ./a ./b --output ./merged --eval-data plays.txt --push-to-hub user/merged
+  hf-lmc merge ./a ./b --output ./avg --method average                # vanilla baseline
+  hf-lmc barrier ./a ./b --data plays.txt --plot path.png             # vanilla vs aligned path
+  hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
+  hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
 """
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
@@ -55,6 +58,66 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _eval_options(args: argparse.Namespace):
+    from .evaluation import EvalOptions
+
+    return EvalOptions(batch_size=args.batch_size, seq_len=args.seq_len, max_batches=args.max_batches, split=args.split)
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from .pipeline import merge
+
+    result = merge(
+        args.model_a, args.model_b, args.output,
+        method=args.method, alpha=args.alpha, symmetries=args.symmetries,
+        revision_a=args.revision_a, revision_b=args.revision_b, dtype=args.dtype, shard_size=args.shard_size,
+        eval_data=args.eval_data, eval_options=_eval_options(args), alphas=args.alphas,
+        push_to_hub=args.push_to_hub, private=args.private, overwrite=args.overwrite,
+    )
+    if result.barrier is not None:
+        print(result.barrier.table())
+    print(f"merged model written to {result.output}")
+    if result.url:
+        print(f"pushed to {result.url}")
+    return 0
+
+
+def cmd_barrier(args: argparse.Namespace) -> int:
+    from .barriers import barrier, plot
+
+    methods = ("average",) if args.method == "average" else ("average", args.method)
+    result = barrier(
+        args.model_a, args.model_b, args.data, methods=methods, alphas=args.alphas, symmetries=args.symmetries,
+        eval_options=_eval_options(args), revision_a=args.revision_a, revision_b=args.revision_b,
+    )
+    if args.plot:
+        plot(result, args.plot)
+    print(result.to_json() if args.json else result.table())
+    return 0
+
+
+def _add_eval_options(parser: argparse.ArgumentParser, title: str) -> None:
+    group = parser.add_argument_group(title)
+    group.add_argument("--alphas", type=int, default=11, metavar="N", help="points on the alpha grid (default: 11)")
+    group.add_argument("--batch-size", type=int, default=8, metavar="N", help="evaluation batch size (default: 8)")
+    group.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per block (default: min(128, context))")
+    group.add_argument("--max-batches", type=int, default=None, metavar="N", help="evaluate on at most N batches")
+    group.add_argument("--split", default="test", help="dataset split for a datasets id (default: test)")
+
+
+def _add_model_options(parser: argparse.ArgumentParser, with_alpha: bool = False) -> None:
+    parser.add_argument("model_a", metavar="MODEL_A", help="local folder or Hub id (alpha = 0)")
+    parser.add_argument("model_b", metavar="MODEL_B", help="local folder or Hub id (alpha = 1)")
+    group = parser.add_argument_group("models")
+    group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
+    group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
+    method = parser.add_argument_group("method")
+    method.add_argument("--method", choices=["weight", "average"], default="weight", help="alignment before interpolation (default: weight)")
+    method.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="symmetry group searched by weight matching (default: full)")
+    if with_alpha:
+        method.add_argument("--alpha", type=float, default=0.5, help="weight of MODEL_B in [0, 1] (default: 0.5)")
+
+
 def cmd_symmetries(args: argparse.Namespace) -> int:
     from transformers import AutoConfig
 
@@ -83,6 +146,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"hf-lmc {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    merge = commands.add_parser(
+        "merge",
+        help="merge two checkpoints into one stock HF checkpoint with a model card",
+        description="Align MODEL_B to MODEL_A (weight matching) and write (1-alpha)*A + alpha*aligned(B) "
+        "as an ordinary HF folder: sharded safetensors, config, tokenizer files, model card.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_options(merge, with_alpha=True)
+    out = merge.add_argument_group("output")
+    out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
+    out.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    out.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="dtype of the written weights (default: MODEL_A's)")
+    out.add_argument("--shard-size", default="5GB", metavar="SIZE", help="maximum shard size, e.g. 5GB or 500MB (default: 5GB)")
+    hub = merge.add_argument_group("hub")
+    hub.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the merged folder to this model repo")
+    hub.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    evaluation = merge.add_argument_group("evaluation (optional: adds the barrier table and plot to the card)")
+    evaluation.add_argument("--eval-data", default=None, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
+    _add_eval_options(merge, "evaluation settings")
+    merge.set_defaults(run=cmd_merge)
+
+    bar = commands.add_parser(
+        "barrier",
+        help="measure the loss barrier along the vanilla and aligned linear paths",
+        description="Evaluate held-out loss along (1-alpha)*A + alpha*B for vanilla averaging and for the "
+        "aligned path, and report the barrier: the largest excess over the line between the endpoints.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_options(bar)
+    data = bar.add_argument_group("data")
+    data.add_argument("--data", required=True, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
+    _add_eval_options(bar, "evaluation settings")
+    report = bar.add_argument_group("report")
+    report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot")
+    report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bar.set_defaults(run=cmd_barrier)
 
     check = commands.add_parser(
         "check",
@@ -119,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, OSError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
         print(f"hf-lmc: error: {err}", file=sys.stderr)
         return 2
 

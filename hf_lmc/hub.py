@@ -26,3 +26,21 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Pa
         raise FileNotFoundError(f"{reference} is neither a local folder nor a Hub model repo ({type(err).__name__})") from err
     except (LocalEntryNotFoundError, HfHubHTTPError) as err:
         raise FileNotFoundError(f"could not download {reference} from the Hub and it is not cached: {err}") from err
+
+
+def push_folder(
+    folder: Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    commit_message: str = "Upload merge made with hf-lmc",
+    api=None,
+) -> str:
+    """Create ``repo_id`` if needed and upload ``folder`` to it; returns the repo URL."""
+    from huggingface_hub import HfApi
+
+    api = api or HfApi()
+    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model")
+    return str(url)

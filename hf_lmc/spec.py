@@ -57,6 +57,11 @@ class ArchSpec:
         return ["embed", *range(self.num_layers), "head"]
 
 
+def spec_differences(a: ArchSpec, b: ArchSpec) -> list[str]:
+    """``"field a vs b"`` for every field where two specs differ (for error messages)."""
+    return [f"{k} {getattr(a, k)} vs {getattr(b, k)}" for k in a.__dataclass_fields__ if getattr(a, k) != getattr(b, k)]
+
+
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
 

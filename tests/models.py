@@ -140,3 +140,15 @@ def build_model(config, seed: int = 0, dtype=torch.float64):
 def logits(model, inputs) -> torch.Tensor:
     with torch.no_grad():
         return model(**inputs).logits
+
+
+def char_tokenizer_folder(folder, vocab_size):
+    """A tiny character-level fast tokenizer saved like a real one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abc .\n")}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="."))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=".")
+    fast.save_pretrained(folder)
+    return folder

@@ -8,10 +8,10 @@ import pytest
 import torch
 import transformers as tf
 
-from hf_lmc.barrier import BarrierResult, alpha_grid, barrier, loss_barrier, plot
+from hf_lmc.barriers import BarrierResult, alpha_grid, barrier, loss_barrier, plot
 from hf_lmc.evaluation import DataError, EvalOptions, load_batches
 from hf_lmc.verify import tiny_configs
-from tests.models import build_model
+from tests.models import build_model, char_tokenizer_folder
 
 
 def test_barrier_definition():
@@ -38,7 +38,7 @@ def test_vit_barrier_on_tensors_reports_accuracy_and_twin_alignment_is_flat(tmp_
 
 def test_text_data_from_file_and_folder(tmp_path):
     config = tiny_configs()["gpt2"]
-    tokenizer_folder = _char_tokenizer_folder(tmp_path / "model", config.vocab_size)
+    tokenizer_folder = char_tokenizer_folder(tmp_path / "model", config.vocab_size)
     (tmp_path / "texts").mkdir()
     (tmp_path / "texts" / "a.txt").write_text("abcabcabc " * 20)
     (tmp_path / "texts" / "b.txt").write_text("cab " * 30)
@@ -67,15 +67,3 @@ def test_weight_matching_flattens_the_path_to_a_moved_twin_with_noise():
     # line between the endpoints while the vanilla midpoint is a different function.
     assert abs(result.barriers["weight"]) < 5e-3
     assert abs(result.losses["average"][2] - result.losses["weight"][2]) > 1e-2
-
-
-def _char_tokenizer_folder(folder, vocab_size):
-    """A tiny character-level fast tokenizer saved like a real one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate("abc .\n")}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="."))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=".")
-    fast.save_pretrained(folder)
-    return folder

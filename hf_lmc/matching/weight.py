@@ -20,7 +20,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel
-from ..spec import ArchSpec, Group
+from ..spec import ArchSpec, Group, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
 from .solvers import assign, balanced_scales, match_gl, match_rotary, polar, polar_fixing_ones
 
@@ -240,6 +240,6 @@ def _double(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _check_compatible(a: CanonicalModel, b: CanonicalModel) -> ArchSpec:
     if a.spec != b.spec:
-        diffs = [f"{k}: {getattr(a.spec, k)} vs {getattr(b.spec, k)}" for k in a.spec.__dataclass_fields__ if getattr(a.spec, k) != getattr(b.spec, k)]
-        raise ValueError(f"models differ in architecture ({'; '.join(diffs)}); hf_lmc merges models of one architecture and shape")
+        diffs = "; ".join(spec_differences(a.spec, b.spec))
+        raise ValueError(f"models differ in architecture ({diffs}); hf_lmc merges models of one architecture and shape")
     return a.spec

@@ -1,0 +1,70 @@
+"""The model card of a merge, rendered by ``huggingface_hub.ModelCard`` from a shipped template."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+TEMPLATE = resources.files("hf_lmc") / "templates" / "merge.md"
+
+
+def merge_card(
+    *,
+    base_models: list[str],
+    method: str,
+    symmetries: list[str] | str,
+    alpha_or_weights,
+    license: str | None,
+    model_type: str,
+    tied_embeddings_dropped: bool = False,
+    barrier_table: str | None = None,
+    plot_filename: str | None = None,
+    notes: list[str] = (),
+    repo_hint: str | None = None,
+) -> ModelCard:
+    """A card with Hub metadata (``base_model``, ``base_model_relation: merge``, tags, license)."""
+    data = ModelCardData(
+        base_model=list(base_models),
+        base_model_relation="merge",
+        library_name="transformers",
+        license=license,
+        tags=["merge", "hf-lmc", "linear-mode-connectivity", model_type],
+    )
+    notes = list(notes)
+    if tied_embeddings_dropped:
+        notes.append(
+            "The source models tie their input embeddings and LM head; folding norm gains and aligning "
+            "the residual stream makes them differ, so this checkpoint has `tie_word_embeddings=False`."
+        )
+    sym = ", ".join(symmetries) if not isinstance(symmetries, str) else symmetries
+    return ModelCard.from_template(
+        data,
+        template_path=str(TEMPLATE),
+        model_name=f"Merge of {' and '.join(Path(m).name for m in base_models)}",
+        base_models=[f"`{m}`" for m in base_models],
+        method=method,
+        alpha=alpha_or_weights,
+        symmetries=sym or "none (plain average of the stored weights)",
+        model_type=model_type,
+        notes=notes,
+        barrier_table=barrier_table,
+        plot_filename=plot_filename,
+        repo_hint=repo_hint or "path/to/merged-model",
+    )
+
+
+def inherited_license(folders: list[Path]) -> str | None:
+    """The license the source models agree on (from their cards' metadata), else ``None``."""
+    licenses = set()
+    for folder in folders:
+        readme = Path(folder) / "README.md"
+        if readme.is_file():
+            try:
+                found = ModelCard.load(readme).data.to_dict().get("license")
+            except Exception:  # an unparsable card just has no license to inherit
+                found = None
+            if found:
+                licenses.add(found)
+    return licenses.pop() if len(licenses) == 1 else None

@@ -1,0 +1,162 @@
+"""Writing a stock HF checkpoint folder, streamed and atomic (DESIGN §6).
+
+Tensors arrive group by group (one layer at a time) and are flushed into safetensors shards as
+the shards fill, so memory stays at about one shard plus one layer. Everything goes into a
+temporary sibling folder that is renamed onto the destination only when complete: an
+interrupted or failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PretrainedConfig
+
+from .adapters import adapter_for
+from .canonical import CanonicalModel, export_config, hf_state_dict_groups
+
+#: Tokenizer and processor files copied from model A into the merge.
+PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+)
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+        if not m:
+            raise ValueError(f"cannot read shard size {size!r}; use e.g. 5GB, 500MB or a number of bytes")
+        value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+    if value <= 0:
+        raise ValueError(f"shard size must be positive, got {size!r}")
+    return value
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes a shard whenever the next tensor would overflow it."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.pending: dict[str, Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, key: str, tensor: Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[key] = tensor
+        self.pending_bytes += size
+        self.total += size
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        path = self.folder / f"shard-{len(self.shards):05d}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.shards.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        """Give the shards their final transformers names and write the index."""
+        self.flush()
+        if len(self.shards) == 1:
+            self.shards[0][0].rename(self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        for i, (path, keys) in enumerate(self.shards, start=1):
+            name = f"model-{i:05d}-of-{len(self.shards):05d}.safetensors"
+            path.rename(self.folder / name)
+            weight_map |= dict.fromkeys(keys, name)
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_checkpoint(
+    groups: Iterable[Mapping[str, Tensor]],
+    config: PretrainedConfig,
+    output_dir: str | Path,
+    *,
+    shard_size: str | int = "5GB",
+    dtype: torch.dtype | None = None,
+    source_folder: str | Path | None = None,
+    card: ModelCard | None = None,
+    extra_files: Mapping[str, Path] | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    total_groups: int | None = None,
+) -> Path:
+    """Write HF state-dict ``groups`` + ``config`` as a stock checkpoint folder, atomically."""
+    output = Path(output_dir)
+    max_bytes = parse_size(shard_size)
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        writer = _ShardWriter(staging, max_bytes)
+        for group in tqdm(groups, total=total_groups, desc="writing shards", unit="group", disable=not progress):
+            for key, tensor in group.items():
+                tensor = tensor.detach()
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                writer.add(key, tensor.contiguous())
+        writer.finish()
+        config = _with_dtype(config, dtype)
+        config.save_pretrained(staging)
+        if adapter_for(config).model_class.can_generate():
+            GenerationConfig.from_model_config(config).save_pretrained(staging)
+        if source_folder is not None:
+            for name in PROCESSOR_FILES:
+                if (Path(source_folder) / name).is_file():
+                    shutil.copy2(Path(source_folder) / name, staging / name)
+        for name, path in (extra_files or {}).items():
+            shutil.copy2(path, staging / name)
+        if card is not None:
+            card.save(staging / "README.md")
+        if output.exists():
+            shutil.rmtree(output)
+        staging.rename(output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _with_dtype(config: PretrainedConfig, dtype: torch.dtype | None) -> PretrainedConfig:
+    if dtype is not None:
+        config = config.__class__.from_dict(config.to_dict())
+        config.dtype = dtype
+    return config
+
+
+def save_canonical(canonical: CanonicalModel, output_dir: str | Path, **options) -> Path:
+    """Export a canonical model straight to a stock HF folder, one layer at a time."""
+    config = export_config(canonical)
+    return write_checkpoint(
+        hf_state_dict_groups(canonical, config), config, output_dir, total_groups=len(canonical.spec.groups()), **options
+    )
