@@ -56,13 +56,18 @@ class WeightMatcher:
             :data:`hf_lmc.symmetry.KINDS` (e.g. ``{"residual_permutation", "heads", "mlp"}``).
         max_sweeps: upper bound on coordinate-descent sweeps.
         tol: stop when a sweep improves the objective by less than this (relative).
+        dtype: dtype of the large products (float32 by default; the small solves always run
+            in float64).
         progress: show a progress bar per sweep.
 
     ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``.
     """
 
-    def __init__(self, symmetries="full", *, max_sweeps: int = 6, tol: float = 1e-6, progress: bool = True):
+    def __init__(
+        self, symmetries="full", *, max_sweeps: int = 6, tol: float = 1e-2, dtype: torch.dtype = torch.float32, progress: bool = True
+    ):
         self.kinds = resolve_kinds(symmetries)
+        self.dtype = dtype
         self.max_sweeps = max_sweeps
         self.tol = tol
         self.progress = progress
@@ -78,18 +83,20 @@ class WeightMatcher:
             # One pass scores the current transform and gathers the next residual map's statistics.
             residual, objective = self._residual_pass(a, b, transform, use_layers=sweep > 0)
             self.history.append(objective)
-            if objective < best_objective * (1 - self.tol):
+            improved = objective < best_objective * (1 - self.tol)
+            if objective < best_objective:
                 best, best_objective = transform, objective
-            elif sweep > 0:
-                break  # the last sweep did not improve: keep the best transform seen
-            if sweep == self.max_sweeps or best_objective < EXACT:
-                break
+            if (sweep > 0 and not improved) or sweep == self.max_sweeps or best_objective < EXACT:
+                break  # converged: return the best transform seen
             maps = {"residual": residual} if residual is not None else {}
             for i in tqdm(range(spec.num_layers), desc=f"weight matching, sweep {sweep + 1}", disable=not self.progress, leave=False):
-                b_layer = _apply(Transform(maps), _double(b.group(i)))
-                maps |= self._match_layer(spec, i, _double(a.group(i)), b_layer)
+                b_layer = _apply(Transform(maps).to(self.dtype), self._cast(b.group(i)))
+                maps |= self._match_layer(spec, i, self._cast(a.group(i)), b_layer)
             transform = Transform(maps)
         return best
+
+    def _cast(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {k: v.to(self.dtype) for k, v in tensors.items()}
 
     def objective(self, a: CanonicalModel, b: CanonicalModel, transform: Transform) -> float:
         """Mean relative squared distance ``|A_t - T(B)_t|^2 / |A_t|^2`` over tensors."""
@@ -106,33 +113,38 @@ class WeightMatcher:
     # -- residual ----------------------------------------------------------------------------
 
     def _residual_pass(self, a: CanonicalModel, b: CanonicalModel, transform: Transform, use_layers: bool):
-        """Procrustes statistics for the residual map, and the current objective, in one pass."""
+        """Score the current transform and gather the next residual map's statistics, in one pass.
+
+        With ``N`` the non-residual maps and ``R`` the (orthogonal) residual map, every tensor's
+        distance follows from the same cross-covariance Procrustes needs:
+        ``|A - R N B|^2 = |A|^2 + |N B|^2 - 2 <A N(B)^T, R>`` along the residual axis. So B is
+        never transformed in full just to be scored.
+        """
         spec = a.spec
         d = spec.hidden_size
         cross = torch.zeros(d, d, dtype=torch.float64)
-        others = Transform({k: v for k, v in transform.maps.items() if k != "residual"}).to(torch.float64)
-        full = transform.to(torch.float64)
+        others = Transform({k: v for k, v in transform.maps.items() if k != "residual"}).to(self.dtype)
+        current = transform.maps.get("residual")
+        rotation = current.matrix.double() if current is not None else torch.eye(d, dtype=torch.float64)
         total, count = 0.0, 0
-        groups: list[Group] = spec.groups() if use_layers else ["embed", "head"]
         for group in spec.groups():
-            ga, gb = _double(a.group(group)), _double(b.group(group))
-            moved = _apply(full, gb)
+            ga, gb = self._cast(a.group(group)), _apply(others, self._cast(b.group(group)))
             for name, ta in ga.items():
-                norm = ta.square().sum()
-                if norm > 0:
-                    total += ((ta - moved[name]).square().sum() / norm).item()
-                    count += 1
-            if group not in groups:
-                continue
-            aligned = _apply(others, gb)
-            for name, ta in ga.items():
+                norm_a = ta.double().square().sum()
+                if norm_a == 0:
+                    continue
                 axis = _residual_axis(name)
                 if axis is None:
-                    continue
-                xa, xb = _flat(ta, axis), _flat(aligned[name], axis)
-                scale = xa.norm() * xb.norm()
-                if scale > 0:
-                    cross += xa @ xb.T / scale
+                    distance = (ta - gb[name]).double().square().sum()
+                else:
+                    xa, xb = _flat(ta, axis), _flat(gb[name], axis)
+                    product = (xa @ xb.T).double()
+                    norm_b = xb.double().square().sum()
+                    distance = norm_a + norm_b - 2 * (product * rotation).sum()
+                    if use_layers or not isinstance(group, int):
+                        cross += product / (norm_a * norm_b).sqrt().clamp_min(1e-300)
+                total += (distance / norm_a).clamp_min(0).item()
+                count += 1
         objective = total / max(count, 1)
         if "residual" in self.kinds:
             matrix = polar_fixing_ones(cross) if spec.centred else polar(cross)
@@ -160,6 +172,7 @@ class WeightMatcher:
 
         qa, ka, va, oa = heads(a)
         qb, kb, vb, ob = heads(b)
+        small = {"dtype": torch.float64}  # per-head solves are tiny: do them exactly
         group = torch.arange(h) // g
         if "heads" in self.kinds:
             # Circuit similarities <Q_i^T K_i, Q_j^T K_j> = <Q_i Q_j^T, K_i K_j^T>, and for OV.
@@ -189,15 +202,16 @@ class WeightMatcher:
             ia = int(kv_perm[jb])
             b_queries = range(jb * g, (jb + 1) * g)
             a_queries = [int(query_perm[j]) for j in b_queries]
-            qa_data, qb_data = torch.cat([qa[j] for j in a_queries], 1), torch.cat([qb[j] for j in b_queries], 1)
-            oa_data, ob_data = torch.cat([oa[j] for j in a_queries], 1), torch.cat([ob[j] for j in b_queries], 1)
+            qa_data, qb_data = torch.cat([qa[j] for j in a_queries], 1).to(**small), torch.cat([qb[j] for j in b_queries], 1).to(**small)
+            oa_data, ob_data = torch.cat([oa[j] for j in a_queries], 1).to(**small), torch.cat([ob[j] for j in b_queries], 1).to(**small)
+            ka_i, kb_j, va_i, vb_j = ka[ia].to(**small), kb[jb].to(**small), va[ia].to(**small), vb[jb].to(**small)
             if "qk" in self.kinds:
                 if spec.rotary_dim:
-                    qk_blocks.append(match_rotary(qa_data, ka[ia], qb_data, kb[jb], spec.rotary_dim))
+                    qk_blocks.append(match_rotary(qa_data, ka_i, qb_data, kb_j, spec.rotary_dim))
                 else:
-                    qk_blocks.append(match_gl(qa_data, ka[ia], qb_data, kb[jb]))
+                    qk_blocks.append(match_gl(qa_data, ka_i, qb_data, kb_j))
             if "ov" in self.kinds:
-                ov_blocks.append(match_gl(va[ia], oa_data, vb[jb], ob_data))
+                ov_blocks.append(match_gl(va_i, oa_data, vb_j, ob_data))
         eye = BlockMonomial.identity(kv, dh)
         qk = BlockMonomial(kv_perm, *_stack(qk_blocks)) if qk_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
         ov = BlockMonomial(kv_perm, *_stack(ov_blocks)) if ov_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
@@ -214,7 +228,7 @@ class WeightMatcher:
 
         up_a, down_a, gate_a = units(a)
         up_b, down_b, gate_b = units(b)
-        scale_a = scale_b = torch.ones(n, dtype=torch.float64)
+        scale_a = scale_b = torch.ones(n, dtype=up_a.dtype)
         if spec.gated_mlp and "mlp_scale" in self.kinds:
             scale_a, scale_b = balanced_scales(up_a, down_a), balanced_scales(up_b, down_b)
         sim = (scale_a[:, None] * up_a) @ (scale_b[:, None] * up_b).T
@@ -222,7 +236,7 @@ class WeightMatcher:
         if gate_a is not None:
             sim += gate_a @ gate_b.T
         perm = assign(sim) if "mlp" in self.kinds else torch.arange(n)
-        return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b / scale_a[perm]))
+        return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b.double() / scale_a[perm].double()))
 
 
 def _self_norm(vec: Tensor, cov: Tensor) -> Tensor:

@@ -1,0 +1,115 @@
+"""Weight-matching merge vs a plain linear average, at Pythia-1B shape.
+
+Writes two GPT-NeoX checkpoints (hidden 2048, 16 layers, 8 heads, FFN 8192, partial rotary;
+float16 safetensors like the Hub's Pythia), where B is a random full symmetry of A plus noise
+(so assignment costs look like real ones), then times in one run
+
+  * ``hf-lmc merge A B --method average``   (the baseline: stream, lerp, write)
+  * ``hf-lmc merge A B --method weight``    (weight matching, then the same)
+
+each in its own process, recording wall time and peak RSS. Prints a markdown table.
+
+    python benchmarks/merge_speed.py                 # Pythia-1B shape (needs ~10 GB disk)
+    python benchmarks/merge_speed.py --scale 0.25    # hidden, FFN and vocab scaled down
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+CHILD = """
+import json, resource, sys, time
+from hf_lmc.cli import main
+start = time.perf_counter()
+rc = main(json.loads(sys.argv[1]))
+wall = time.perf_counter() - start
+print(json.dumps({"rc": rc, "wall": wall, "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def pythia_1b_config(scale: float) -> tf.GPTNeoXConfig:
+    hidden = int(2048 * scale) // 64 * 64
+    return tf.GPTNeoXConfig(
+        hidden_size=hidden,
+        num_attention_heads=max(1, hidden // 256),
+        num_hidden_layers=16,
+        intermediate_size=4 * hidden,
+        vocab_size=int(50304 * scale) // 64 * 64,
+        rotary_pct=0.25,
+        max_position_embeddings=2048,
+        dtype="float16",
+    )
+
+
+def write_pair(folder: Path, config: tf.GPTNeoXConfig, noise: float, seed: int = 0) -> tuple[Path, Path]:
+    """A = fresh init (saved float16); B = random symmetry of A + relative noise, streamed."""
+    import hf_lmc
+    from hf_lmc.export import save_canonical
+
+    a, b = folder / "a", folder / "b"
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = tf.GPTNeoXForCausalLM(config)
+    model.half().save_pretrained(a)
+    del model
+    canonical = hf_lmc.canonicalize(a, dtype=torch.float32)
+    transform = hf_lmc.random_symmetry(canonical.spec, seed=seed + 1, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 2)
+
+    def perturb(_, t):
+        return t + noise * t.std() * torch.randn(t.shape, generator=generator)
+
+    save_canonical(transform.apply(canonical).map_tensors(perturb), b, dtype=torch.float16, shard_size="2GB")
+    return a, b
+
+
+def measure(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0, help="scale hidden size, FFN and vocab (default: 1 = Pythia-1B)")
+    parser.add_argument("--noise", type=float, default=0.1, help="relative noise added to B (default: 0.1)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
+    args = parser.parse_args()
+
+    config = pythia_1b_config(args.scale)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        tmp = Path(tmp)
+        start = time.perf_counter()
+        a, b = write_pair(tmp, config, args.noise)
+        size = folder_bytes(a)
+        print(f"wrote the pair in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr)
+        rows = {}
+        for method in ("average", "weight"):
+            rows[method] = measure(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB"])
+        base = rows["average"]["wall"]
+        params = sum(p.numel() for p in tf.GPTNeoXForCausalLM(config).parameters()) if args.scale < 0.5 else None
+        shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, FFN {config.intermediate_size}, vocab {config.vocab_size}"
+        print(f"\nPythia-1B-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}), float16, 2 CPU cores\n")
+        print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint |")
+        print("|---|---|---|---|---|")
+        for method, row in rows.items():
+            rss = row["rss_kb"] * 1024
+            print(f"| {method} | {row['wall']:.1f} | {row['wall'] / base:.2f} | {rss / 1e9:.2f} | {rss / size:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
