@@ -1,4 +1,4 @@
-"""Lazy, memory-mapped access to the tensors of a Hugging Face checkpoint folder.
+"""Lazy access to the tensors of a Hugging Face checkpoint folder, one tensor at a time.
 
 A checkpoint is exposed as a read-only ``Mapping`` from *current* (transformers 5) state-dict
 keys to tensors. Nothing is read until a key is looked up, so the canonical form can
@@ -15,7 +15,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from .adapters import Adapter
@@ -70,10 +69,62 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsFile:
+    """Reads single tensors from a safetensors file with plain ``read`` calls.
+
+    ``safe_open`` memory-maps the whole file, and every page it touches stays resident in the
+    process for as long as the file is open, so streaming a checkpoint through it costs its full
+    size in RSS. Reading each tensor into its own buffer keeps memory at what is actually held.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"cannot read {path}: the file is corrupt or truncated, download it again")
+            length = int.from_bytes(head, "little")
+            try:
+                if length > size - 8:
+                    raise ValueError("header longer than the file")
+                header = json.loads(f.read(length))
+            except (ValueError, UnicodeDecodeError) as err:
+                raise CheckpointError(f"cannot read {path}: the file is corrupt or truncated, download it again ({err})") from err
+        header.pop("__metadata__", None)
+        self.start = 8 + length
+        self.entries = header
+        for name, entry in header.items():
+            begin, end = entry["data_offsets"]
+            if self.start + end > size or entry["dtype"] not in _SAFETENSORS_DTYPES:
+                raise CheckpointError(f"cannot read {path}: tensor {name!r} is truncated or of an unknown dtype; download it again")
+
+    def keys(self):
+        return self.entries.keys()
+
+    def get_tensor(self, name: str) -> Tensor:
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        buffer = bytearray(end - begin)
+        with open(self.path, "rb") as f:
+            f.seek(self.start + begin)
+            f.readinto(buffer)
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        if not buffer:
+            return torch.empty(entry["shape"], dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry["shape"])
+
+
 class Checkpoint(Mapping[str, Tensor]):
     """Tensors of a checkpoint folder under current key names, read on demand.
 
-    Safetensors shards are memory-mapped; ``.bin`` shards are opened with
+    Safetensors shards are read tensor by tensor (see :class:`SafetensorsFile`); ``.bin`` shards are opened with
     ``torch.load(weights_only=True, mmap=True)``. Every tensor is checked to be finite as it is
     read, so a corrupt model fails with its key and file named rather than a NaN merge.
     """
@@ -82,6 +133,7 @@ class Checkpoint(Mapping[str, Tensor]):
         self.folder = Path(folder)
         self._where: dict[str, tuple[Path, str]] = {}
         self._handles: dict[Path, object] = {}
+        self._checked: set[str] = set()  # keys already verified finite (matching re-reads layers)
         for file in weight_files(self.folder):
             for stored in self._open(file).keys():
                 key = current_key(stored, adapter)
@@ -92,22 +144,21 @@ class Checkpoint(Mapping[str, Tensor]):
         if file not in self._handles:
             try:
                 if file.suffix == ".safetensors":
-                    self._handles[file] = safe_open(str(file), framework="pt")
+                    self._handles[file] = SafetensorsFile(file)
                 else:
                     self._handles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except (SafetensorError, OSError, RuntimeError, pickle.UnpicklingError, EOFError) as err:
+            except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as err:
                 raise CheckpointError(f"cannot read {file}: the file is corrupt or truncated, download it again ({err})") from err
         return self._handles[file]
 
     def __getitem__(self, key: str) -> Tensor:
         file, stored = self._where[key]
         handle = self._open(file)
-        try:
-            tensor = handle.get_tensor(stored) if file.suffix == ".safetensors" else handle[stored]
-        except SafetensorError as err:
-            raise CheckpointError(f"cannot read tensor {stored!r} from {file}: {err}") from err
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged")
+        tensor = handle.get_tensor(stored) if file.suffix == ".safetensors" else handle[stored]
+        if key not in self._checked and tensor.is_floating_point():
+            if not torch.isfinite(tensor).all():
+                raise CheckpointError(f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged")
+            self._checked.add(key)
         return tensor
 
     def __iter__(self) -> Iterator[str]:

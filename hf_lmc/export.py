@@ -138,9 +138,13 @@ def write_checkpoint(
             shutil.copy2(path, staging / name)
         if card is not None:
             card.save(staging / "README.md")
-        if output.exists():
-            shutil.rmtree(output)
-        staging.rename(output)
+        if output.exists():  # swap: the old folder is removed only once the new one is in place
+            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            output.rename(retired / output.name)
+            staging.rename(output)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            staging.rename(output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -1,10 +1,10 @@
-"""The network boundary: turning Hub ids into local folders (uploads arrive with merging)."""
+"""The network boundary: Hub ids to local folders, and merged folders up to the Hub."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from huggingface_hub import snapshot_download
+from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
 #: What a merge needs from a model repo: config, weights, tokenizer / processor files.
@@ -35,11 +35,9 @@ def push_folder(
     private: bool = False,
     revision: str | None = None,
     commit_message: str = "Upload merge made with hf-lmc",
-    api=None,
+    api: HfApi | None = None,
 ) -> str:
     """Create ``repo_id`` if needed and upload ``folder`` to it; returns the repo URL."""
-    from huggingface_hub import HfApi
-
     api = api or HfApi()
     url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model")

@@ -12,15 +12,18 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
+from ..linalg import single_threaded
 from ..symmetry.sample import centred_basis, rotary_block
 
 
+@single_threaded
 def polar(m: Tensor) -> Tensor:
     """The orthogonal ``R`` maximising ``tr(R^T m)``: ``U V^T`` from ``m = U S V^T``."""
     u, _, vh = torch.linalg.svd(m)
     return u @ vh
 
 
+@single_threaded
 def polar_fixing_ones(m: Tensor) -> Tensor:
     """Like :func:`polar`, restricted to maps of ``1-perp`` that fix ``u = 1/sqrt(d)``."""
     d = m.shape[0]
@@ -41,6 +44,7 @@ def assign(similarity: Tensor) -> Tensor:
     return perm
 
 
+@single_threaded
 def _balancing(vec: Tensor, cov: Tensor, ridge: float = 1e-12) -> tuple[Tensor, Tensor]:
     """``T`` with ``T P T^T = T^{-T} R T^{-1} = diag`` for ``P = vec vec^T``, ``R = cov cov^T``.
 

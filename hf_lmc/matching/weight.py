@@ -130,16 +130,16 @@ class WeightMatcher:
         for group in spec.groups():
             ga, gb = self._cast(a.group(group)), _apply(others, self._cast(b.group(group)))
             for name, ta in ga.items():
-                norm_a = ta.double().square().sum()
+                norm_a = _squared_norm(ta)
                 if norm_a == 0:
                     continue
                 axis = _residual_axis(name)
                 if axis is None:
-                    distance = (ta - gb[name]).double().square().sum()
+                    distance = _squared_norm(ta - gb[name])
                 else:
                     xa, xb = _flat(ta, axis), _flat(gb[name], axis)
                     product = (xa @ xb.T).double()
-                    norm_b = xb.double().square().sum()
+                    norm_b = _squared_norm(xb)
                     distance = norm_a + norm_b - 2 * (product * rotation).sum()
                     if use_layers or not isinstance(group, int):
                         cross += product / (norm_a * norm_b).sqrt().clamp_min(1e-300)
@@ -237,6 +237,10 @@ class WeightMatcher:
             sim += gate_a @ gate_b.T
         perm = assign(sim) if "mlp" in self.kinds else torch.arange(n)
         return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b.double() / scale_a[perm].double()))
+
+
+def _squared_norm(t: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(t).double().square()
 
 
 def _self_norm(vec: Tensor, cov: Tensor) -> Tensor:

@@ -7,11 +7,13 @@ for every adapter and for the engine itself.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
+from ..linalg import single_threaded
 from ..spec import ArchSpec
 from .engine import Transform
 from .groups import AttentionMap, BlockMonomial, MlpMap, ResidualMap
@@ -36,14 +38,17 @@ def resolve_kinds(kinds: str | frozenset[str] | set[str]) -> frozenset[str]:
     return frozenset(kinds)
 
 
+@single_threaded
 def random_orthogonal(n: int, generator: torch.Generator) -> Tensor:
     """Haar-random orthogonal ``n x n`` matrix (float64)."""
     q, r = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
     return q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(())).unsqueeze(0)
 
 
+@functools.lru_cache(maxsize=8)
+@single_threaded
 def centred_basis(d: int, dtype=torch.float64) -> Tensor:
-    """Orthonormal basis (d, d-1) of ``1-perp``."""
+    """Orthonormal basis (d, d-1) of ``1-perp`` (cached: callers must not modify it)."""
     u = torch.full((d, 1), 1.0 / math.sqrt(d), dtype=torch.float64)
     q, _ = torch.linalg.qr(torch.cat([u, torch.eye(d, dtype=torch.float64)[:, : d - 1]], dim=1))
     return q[:, 1:].to(dtype)
