@@ -19,18 +19,6 @@ examples:
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 
 
-def _load(reference: str, dtype):
-    """A stock HF model from a local folder or a Hub id."""
-    from transformers import AutoConfig
-
-    from .adapters import adapter_for
-    from .hub import resolve_checkpoint
-
-    folder = resolve_checkpoint(reference)
-    config = AutoConfig.from_pretrained(folder)
-    return adapter_for(config).model_class.from_pretrained(folder, dtype=dtype)
-
-
 def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
@@ -39,7 +27,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     dtype = getattr(torch, args.dtype)
     if args.models:
-        models = [(name, _load(name, dtype)) for name in args.models]
+        from .loading import load_model
+
+        models = [(name, load_model(name).model.to(dtype)) for name in args.models]
     else:
         torch.manual_seed(args.seed)
         models = [(f"tiny-{arch}", adapter_for(cfg).model_class(cfg).to(dtype)) for arch, cfg in tiny_configs().items()]

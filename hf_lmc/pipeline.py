@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from .checkpoint import Checkpoint
 from .evaluation import EvalOptions
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
-from .loading import LoadedModel
+from .loading import load_model
 from .matching import WeightMatcher
 from .spec import spec_differences
 from .symmetry import resolve_kinds
@@ -86,8 +87,6 @@ def _average_groups(folder_a: Path, folder_b: Path, config, alpha: float) -> Ite
 
 
 def _by_layer(keys: list[str]) -> Iterator[list[str]]:
-    import re
-
     groups: dict[str, list[str]] = {}
     for key in keys:
         m = re.search(r"\.(\d+)\.", key)
@@ -148,8 +147,7 @@ def merge(
     plot_name = None
     with tempfile.TemporaryDirectory() as scratch:
         if eval_data is not None:
-            adapter = adapter_for(config_a)
-            loaded = [LoadedModel(adapter.model_class.from_pretrained(f).eval(), f) for f in (folder_a, folder_b)]
+            loaded = [load_model(f) for f in (folder_a, folder_b)]
             measured = barrier_of_loaded(
                 *loaded, eval_data, methods=("average", method) if method != "average" else ("average",),
                 alphas=alphas, symmetries=kinds, eval_options=eval_options, progress=progress,
