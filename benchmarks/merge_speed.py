@@ -26,13 +26,18 @@ from pathlib import Path
 import torch
 import transformers as tf
 
+# Peak RSS from VmHWM: ru_maxrss survives fork + exec, so a child would report its parent's peak.
 CHILD = """
-import json, resource, sys, time
+import json, re, resource, sys, time
 from hf_lmc.cli import main
 start = time.perf_counter()
 rc = main(json.loads(sys.argv[1]))
 wall = time.perf_counter() - start
-print(json.dumps({"rc": rc, "wall": wall, "rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+try:
+    rss_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+except OSError:
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"rc": rc, "wall": wall, "rss_kb": rss_kb}))
 """
 
 

@@ -8,7 +8,6 @@ time, and transforms / interpolations compose lazily on top without copying the 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from torch import Tensor
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from .adapters import Adapter, UnsupportedModelError, adapter_for
-from .checkpoint import Checkpoint, CheckpointError
+from .checkpoint import Checkpoint, CheckpointError, all_finite
 from .spec import ArchSpec, Group, group_of
 
 GroupLoader = Callable[[Group], dict[str, Tensor]]
@@ -118,7 +117,7 @@ def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | No
                 f"pass a {adapter.model_class.__name__}"
             )
         source = dict(model.state_dict())
-        bad = [k for k, t in source.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+        bad = [k for k, t in source.items() if t.is_floating_point() and not all_finite(t)]
         if bad:
             raise CheckpointError(f"{bad[0]!r} contains NaN or Inf values; this model cannot be merged")
         spec = adapter.spec(config)
@@ -136,12 +135,11 @@ def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | No
         checkpoint = Checkpoint(folder, adapter)
         spec = adapter.spec(config)
 
-        @functools.lru_cache(maxsize=1)  # keep exactly one group materialised
-        def load(group: Group) -> dict[str, Tensor]:
+        def load(group: Group) -> dict[str, Tensor]:  # nothing cached: a model never sits in memory
             with torch.no_grad():
                 return _convert(adapter.canonical_group(checkpoint, config, spec, group), dtype)
 
-        return CanonicalModel(spec, config, lambda group: dict(load(group)))
+        return CanonicalModel(spec, config, load)
     raise TypeError(f"canonicalize() takes a transformers model or a checkpoint folder, not {type(model).__name__}")
 
 
@@ -158,7 +156,9 @@ def export_config(canonical: CanonicalModel) -> PretrainedConfig:
     return config
 
 
-def hf_state_dict_groups(canonical: CanonicalModel, config: PretrainedConfig | None = None) -> Iterator[dict[str, Tensor]]:
+def hf_state_dict_groups(
+    canonical: CanonicalModel, config: PretrainedConfig | None = None
+) -> Iterator[dict[str, Tensor]]:
     """HF state-dict entries group by group (for streaming export), under ``export_config``."""
     config = config or export_config(canonical)
     adapter = canonical.adapter

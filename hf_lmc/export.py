@@ -1,7 +1,7 @@
 """Writing a stock HF checkpoint folder, streamed and atomic (DESIGN §6).
 
-Tensors arrive group by group (one layer at a time) and are flushed into safetensors shards as
-the shards fill, so memory stays at about one shard plus one layer. Everything goes into a
+Tensors arrive group by group (one layer at a time) and stream into safetensors shards, so
+memory stays at about one layer. Everything goes into a
 temporary sibling folder that is renamed onto the destination only when complete: an
 interrupted or failed export leaves nothing half-written.
 """
@@ -9,21 +9,25 @@ interrupted or failed export leaves nothing half-written.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
 from huggingface_hub import ModelCard
-from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from .adapters import adapter_for
 from .canonical import CanonicalModel, export_config, hf_state_dict_groups
+from .checkpoint import SAFETENSORS_DTYPES
+
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 #: Tokenizer and processor files copied from model A into the merge.
 PROCESSOR_FILES = (
@@ -56,30 +60,49 @@ def parse_size(size: str | int) -> int:
 
 
 class _ShardWriter:
-    """Accumulates tensors and writes a shard whenever the next tensor would overflow it."""
+    """Streams tensors into safetensors shards, starting a new shard when one would overflow.
+
+    Each tensor's bytes go to disk as it arrives, so memory holds one tensor rather than one
+    shard. A shard's header is only known once the shard is full: it is then written in front
+    of the data (an in-kernel file copy).
+    """
 
     def __init__(self, folder: Path, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
-        self.pending: dict[str, Tensor] = {}
-        self.pending_bytes = 0
         self.shards: list[tuple[Path, list[str]]] = []
         self.total = 0
+        self.entries: dict[str, dict] = {}
+        self.data = None
+        self.offset = 0
 
     def add(self, key: str, tensor: Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
+        if self.entries and self.offset + size > self.max_bytes:
             self.flush()
-        self.pending[key] = tensor
-        self.pending_bytes += size
+        if self.data is None:
+            self.data = open(self._data_path(), "wb")  # noqa: SIM115 (closed in flush)
+        self.entries[key] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [self.offset, self.offset + size]}
+        if size:
+            self.data.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        self.offset += size
         self.total += size
 
+    def _data_path(self) -> Path:
+        return self.folder / f"shard-{len(self.shards):05d}.data"
+
     def flush(self) -> None:
-        if not self.pending:
+        if self.data is None:
             return
-        path = self.folder / f"shard-{len(self.shards):05d}.tmp"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.shards.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        self.data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # safetensors pads the header so the data is 8-byte aligned
+        path, data_path = self.folder / f"shard-{len(self.shards):05d}.tmp", self._data_path()
+        with open(path, "wb") as out, open(data_path, "rb") as src:
+            out.write(struct.pack("<Q", len(header)) + header)
+            _copy_file(src, out, self.offset)
+        data_path.unlink()
+        self.shards.append((path, list(self.entries)))
+        self.entries, self.data, self.offset = {}, None, 0
 
     def finish(self) -> None:
         """Give the shards their final transformers names and write the index."""
@@ -94,6 +117,26 @@ class _ShardWriter:
             weight_map |= dict.fromkeys(keys, name)
         index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _copy_file(src, dst, size: int) -> None:
+    """Append ``size`` bytes of ``src`` to ``dst``: in the kernel where the OS can, else in Python."""
+    dst.flush()
+    try:
+        copied = 0
+        while copied < size:
+            n = os.copy_file_range(src.fileno(), dst.fileno(), size - copied)
+            if n == 0:
+                break
+            copied += n
+        if copied == size:
+            return
+        src.seek(copied)
+        dst.seek(0, os.SEEK_END)
+    except (AttributeError, OSError):  # no copy_file_range (not Linux) or not across these files
+        src.seek(0)
+        dst.seek(0, os.SEEK_END)
+    shutil.copyfileobj(src, dst, 16 << 20)
 
 
 def write_checkpoint(

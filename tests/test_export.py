@@ -10,6 +10,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import hf_lmc
 import hf_lmc.export as export
@@ -90,13 +91,14 @@ def test_shards_are_flushed_as_they_fill(tmp_path, monkeypatch):
         loaded.append(group)
         return lazy.load_group(group)
 
-    real_save = export.save_file
+    real_flush = export._ShardWriter.flush
 
-    def save_file(tensors, path, metadata=None):
-        writes.append((set(loaded), sum(t.numel() * t.element_size() for t in tensors.values()), len(tensors)))
-        real_save(tensors, path, metadata=metadata)
+    def flush(writer):
+        if writer.entries:
+            writes.append((set(loaded), writer.offset, len(writer.entries)))
+        real_flush(writer)
 
-    monkeypatch.setattr(export, "save_file", save_file)
+    monkeypatch.setattr(export._ShardWriter, "flush", flush)
     canonical = CanonicalModel(lazy.spec, lazy.config, load)
     out = save_canonical(canonical, tmp_path / "out", shard_size=SHARD, progress=False)
 
@@ -152,15 +154,16 @@ class Boom(RuntimeError):
 
 
 def _fail_on_second_shard(monkeypatch):
-    real_save, calls = export.save_file, []
+    real_flush, calls = export._ShardWriter.flush, []
 
-    def save_file(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise Boom("disk full")
-        real_save(*args, **kwargs)
+    def flush(writer):
+        if writer.entries:
+            calls.append(1)
+            if len(calls) == 2:
+                raise Boom("disk full")
+        real_flush(writer)
 
-    monkeypatch.setattr(export, "save_file", save_file)
+    monkeypatch.setattr(export._ShardWriter, "flush", flush)
 
 
 def _fail_in_a_layer(canonical: CanonicalModel) -> CanonicalModel:
@@ -334,3 +337,30 @@ def test_push_folder_defaults(tmp_path):
     (_, _, c_kwargs), (_, _, u_kwargs) = api.calls
     assert c_kwargs["private"] is False and u_kwargs["revision"] is None
     assert u_kwargs["commit_message"] == "Upload merge made with hf-lmc"
+
+
+def test_streamed_shards_are_standard_safetensors(tmp_path):
+    tensors = {
+        "a": torch.randn(3, 4),
+        "b": torch.randn(5).bfloat16(),
+        "c": torch.tensor(2.5, dtype=torch.float16),
+        "d": torch.arange(6).reshape(2, 3),
+        "e": torch.tensor([True, False]),
+        "f": torch.empty(0, 3),
+        "g": torch.randn(2, 2, dtype=torch.float64).T,  # not contiguous
+    }
+    writer = export._ShardWriter(tmp_path, max_bytes=40)
+    for key, tensor in tensors.items():
+        writer.add(key, tensor)
+    writer.finish()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) > 2 and not list(tmp_path.glob("*.data"))
+    loaded = {}
+    for file in files:
+        loaded |= load_file(file)
+        with safe_open(file, "pt") as handle:
+            assert handle.metadata() == {"format": "pt"}
+    for key, tensor in tensors.items():
+        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)

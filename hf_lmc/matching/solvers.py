@@ -6,14 +6,16 @@ data transforms as ``M x`` and "covector" data as ``M^{-T} x``. All math runs in
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from ..linalg import single_threaded
-from ..symmetry.sample import centred_basis, rotary_block
+from ..symmetry.sample import rotary_block
 
 
 @single_threaded
@@ -23,13 +25,35 @@ def polar(m: Tensor) -> Tensor:
     return u @ vh
 
 
-@single_threaded
 def polar_fixing_ones(m: Tensor) -> Tensor:
-    """Like :func:`polar`, restricted to maps of ``1-perp`` that fix ``u = 1/sqrt(d)``."""
+    """Like :func:`polar`, restricted to maps of ``1-perp`` that fix ``u = 1/sqrt(d)``.
+
+    The Householder reflection ``H`` swapping ``u`` and ``e_1`` turns such maps into
+    ``diag(1, X)``: ``X`` is the polar factor of ``(H m H)[1:, 1:]``. ``H`` acts in O(d^2), so
+    this costs one (d-1) x (d-1) polar decomposition and no dense basis products.
+    """
     d = m.shape[0]
-    basis = centred_basis(d, m.dtype)
-    u = torch.full((d, 1), 1.0 / math.sqrt(d), dtype=m.dtype)
-    return basis @ polar(basis.T @ m @ basis) @ basis.T + u @ u.T
+    v = torch.full((d,), 1.0 / math.sqrt(d), dtype=m.dtype)
+    v[0] -= 1.0
+    if v.norm() < 1e-12:  # d == 1: the only such map is the identity
+        return torch.ones_like(m)
+    v /= v.norm()
+
+    def reflect(x: Tensor) -> Tensor:  # H x H with H = I - 2 v v^T
+        x = x - 2 * torch.outer(v, v @ x)
+        return x - 2 * torch.outer(x @ v, v)
+
+    inner = torch.zeros_like(m)
+    inner[0, 0] = 1.0
+    inner[1:, 1:] = polar(reflect(m)[1:, 1:])
+    return reflect(inner)
+
+
+@functools.lru_cache(maxsize=1)
+def _cost_buffer(shape: tuple[int, int]) -> Tensor:
+    """One reused float64 cost matrix: MLP assignments are all one size, and allocating (and
+    page-faulting) a fresh 0.5 GB array per layer costs as much as the assignment itself."""
+    return torch.empty(shape, dtype=torch.float64)
 
 
 def assign(similarity: Tensor) -> Tensor:
@@ -38,22 +62,61 @@ def assign(similarity: Tensor) -> Tensor:
     ``similarity[i, j]`` compares target block ``i`` with source block ``j``; the result
     sends source ``j`` to position ``perm[j]`` (the convention of :class:`BlockMonomial`).
     """
-    rows, cols = linear_sum_assignment(similarity.detach().cpu().double().numpy(), maximize=True)
+    cost = _cost_buffer(similarity.shape)
+    cost.copy_(similarity.detach()).neg_()  # scipy minimises a C-contiguous float64 array without copying it
+    rows, cols = linear_sum_assignment(cost.numpy())
     perm = torch.empty(similarity.shape[1], dtype=torch.long)
     perm[torch.as_tensor(cols)] = torch.as_tensor(rows)
     return perm
 
 
+@dataclass(frozen=True)
+class Moments:
+    """Second moments of a (vector, covector) pair of data on both sides: all GL matching needs.
+
+    For ``(b, m)`` data ``vec_a, cov_a, vec_b, cov_b``: ``vec_aa = vec_a vec_a^T``,
+    ``vec_ab = vec_a vec_b^T`` and so on, each ``(b, b)``. Working from moments keeps the
+    per-head solves independent of ``m`` (the model width) and lets callers build them from
+    products they already have.
+    """
+
+    vec_aa: Tensor
+    vec_bb: Tensor
+    vec_ab: Tensor
+    cov_aa: Tensor
+    cov_bb: Tensor
+    cov_ab: Tensor
+
+    @staticmethod
+    def of(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -> "Moments":
+        return Moments(
+            vec_a @ vec_a.T, vec_b @ vec_b.T, vec_a @ vec_b.T, cov_a @ cov_a.T, cov_b @ cov_b.T, cov_a @ cov_b.T
+        )
+
+    def sub(self, index) -> "Moments":
+        """The moments of rows ``index`` of every data matrix."""
+        return Moments(
+            *(
+                m[index][:, index]
+                for m in (self.vec_aa, self.vec_bb, self.vec_ab, self.cov_aa, self.cov_bb, self.cov_ab)
+            )
+        )
+
+    def double(self) -> "Moments":
+        return Moments(
+            *(m.double() for m in (self.vec_aa, self.vec_bb, self.vec_ab, self.cov_aa, self.cov_bb, self.cov_ab))
+        )
+
+
 @single_threaded
-def _balancing(vec: Tensor, cov: Tensor, ridge: float = 1e-12) -> tuple[Tensor, Tensor]:
-    """``T`` with ``T P T^T = T^{-T} R T^{-1} = diag`` for ``P = vec vec^T``, ``R = cov cov^T``.
+def _balancing(p: Tensor, r: Tensor, ridge: float = 1e-12) -> tuple[Tensor, Tensor]:
+    """``T`` with ``T P T^T = T^{-T} R T^{-1} = diag`` for moments ``P = vec vec^T``, ``R = cov cov^T``.
 
     The balanced realisation is unique up to an orthogonal map commuting with the diagonal,
     so two models related by any GL map have balanced forms related by an orthogonal one.
     """
-    b = vec.shape[0]
-    eye = torch.eye(b, dtype=vec.dtype)
-    p, r = vec @ vec.T, cov @ cov.T
+    b = p.shape[0]
+    eye = torch.eye(b, dtype=p.dtype)
     p = p + ridge * (p.trace() / b + 1e-30) * eye
     r = r + ridge * (r.trace() / b + 1e-30) * eye
     chol = torch.linalg.cholesky(p)
@@ -71,9 +134,14 @@ def match_gl(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -> tupl
     Both sides are brought to their balanced form, then aligned by an orthogonal Procrustes
     step; exact whenever B is a GL transform of A.
     """
-    ta, ta_inv = _balancing(vec_a, cov_a)
-    tb, tb_inv = _balancing(vec_b, cov_b)
-    cross = (ta @ vec_a) @ (tb @ vec_b).T + (ta_inv.T @ cov_a) @ (tb_inv.T @ cov_b).T
+    return match_gl_moments(Moments.of(vec_a, cov_a, vec_b, cov_b))
+
+
+def match_gl_moments(moments: Moments) -> tuple[Tensor, Tensor]:
+    """:func:`match_gl` from the data's second moments."""
+    ta, ta_inv = _balancing(moments.vec_aa, moments.cov_aa)
+    tb, tb_inv = _balancing(moments.vec_bb, moments.cov_bb)
+    cross = ta @ moments.vec_ab @ tb.T + ta_inv.T @ moments.cov_ab @ tb_inv
     r = polar(cross)
     return ta_inv @ r @ tb, tb_inv @ r.T @ ta
 
@@ -85,28 +153,32 @@ def match_rotary(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor, rot
     ``|s q| = |k / s|`` on each side, the angle is the 2-D Procrustes solution. The
     ``head_dim - r`` pass-through dimensions get a free GL block from :func:`match_gl`.
     """
-    head_dim, half = vec_a.shape[0], rotary_dim // 2
-    scales, angles = torch.empty(half, dtype=vec_a.dtype), torch.empty(half, dtype=vec_a.dtype)
+    return match_rotary_moments(Moments.of(vec_a, cov_a, vec_b, cov_b), rotary_dim)
+
+
+def match_rotary_moments(moments: Moments, rotary_dim: int) -> tuple[Tensor, Tensor]:
+    """:func:`match_rotary` from the data's second moments."""
+    head_dim, half = moments.vec_aa.shape[0], rotary_dim // 2
+    dtype = moments.vec_aa.dtype
+    scales, angles = torch.empty(half, dtype=dtype), torch.empty(half, dtype=dtype)
     for i in range(half):
-        pair = [i, i + half]
-        s_a = _pair_scale(vec_a[pair], cov_a[pair])
-        s_b = _pair_scale(vec_b[pair], cov_b[pair])
-        c = (s_a * vec_a[pair]) @ (s_b * vec_b[pair]).T + (cov_a[pair] / s_a) @ (cov_b[pair] / s_b).T
+        pair = moments.sub([i, i + half])
+        s_a = _pair_scale(pair.vec_aa.trace(), pair.cov_aa.trace())
+        s_b = _pair_scale(pair.vec_bb.trace(), pair.cov_bb.trace())
+        c = (s_a * s_b) * pair.vec_ab + pair.cov_ab / (s_a * s_b)
         angles[i] = torch.atan2(c[1, 0] - c[0, 1], c[0, 0] + c[1, 1])
         scales[i] = s_b / s_a
     passthrough = None
     if head_dim > rotary_dim:
-        rest = slice(rotary_dim, head_dim)
-        passthrough = match_gl(vec_a[rest], cov_a[rest], vec_b[rest], cov_b[rest])
+        passthrough = match_gl_moments(moments.sub(slice(rotary_dim, head_dim)))
     return rotary_block(scales, angles, rotary_dim, head_dim, passthrough)
 
 
-def _pair_scale(vec: Tensor, cov: Tensor) -> Tensor:
-    """``s`` with ``|s vec| = |cov / s|`` (1 when either side is zero)."""
-    nv, nc = vec.norm(), cov.norm()
-    if nv == 0 or nc == 0:
-        return torch.ones((), dtype=vec.dtype)
-    return (nc / nv).sqrt()
+def _pair_scale(vec_sq: Tensor, cov_sq: Tensor) -> Tensor:
+    """``s`` with ``|s vec| = |cov / s|`` from the squared norms (1 when either side is zero)."""
+    if vec_sq <= 0 or cov_sq <= 0:
+        return torch.ones((), dtype=vec_sq.dtype)
+    return (cov_sq / vec_sq).sqrt().sqrt()
 
 
 def balanced_scales(vec: Tensor, cov: Tensor) -> Tensor:

@@ -20,9 +20,9 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel
-from ..spec import ArchSpec, Group, spec_differences
+from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
-from .solvers import assign, balanced_scales, match_gl, match_rotary, polar, polar_fixing_ones
+from .solvers import Moments, _cost_buffer, assign, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones
 
 
 def _residual_axis(name: str) -> int | None:
@@ -33,7 +33,9 @@ def _residual_axis(name: str) -> int | None:
 
 
 def _flat(t: Tensor, axis: int) -> Tensor:
-    """``t`` as (d, rest) with the residual axis first."""
+    """``t`` as (d, rest) with the residual axis first (a view for matrices: no copy)."""
+    if t.dim() == 2 and axis == 1:
+        return t.T
     return t.movedim(axis, 0).reshape(t.shape[axis], -1)
 
 
@@ -55,19 +57,30 @@ class WeightMatcher:
         symmetries: ``"full"``, ``"permutation"`` or a set of kinds from
             :data:`hf_lmc.symmetry.KINDS` (e.g. ``{"residual_permutation", "heads", "mlp"}``).
         max_sweeps: upper bound on coordinate-descent sweeps.
-        tol: stop when a sweep improves the objective by less than this (relative).
+        tol: stop when refitting the residual map after a sweep improves the objective by less
+            than this (relative): the layer maps would not move either.
         dtype: dtype of the large products (float32 by default; the small solves always run
             in float64).
+        similarity_dtype: dtype of the F x F MLP unit similarities (bfloat16 by default: they
+            only rank units, and bfloat16 products run several times faster on CPUs).
         progress: show a progress bar per sweep.
 
     ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``.
     """
 
     def __init__(
-        self, symmetries="full", *, max_sweeps: int = 6, tol: float = 1e-2, dtype: torch.dtype = torch.float32, progress: bool = True
+        self,
+        symmetries="full",
+        *,
+        max_sweeps: int = 6,
+        tol: float = 2e-2,
+        dtype: torch.dtype = torch.float32,
+        similarity_dtype: torch.dtype = torch.bfloat16,
+        progress: bool = True,
     ):
         self.kinds = resolve_kinds(symmetries)
         self.dtype = dtype
+        self.similarity_dtype = similarity_dtype
         self.max_sweeps = max_sweeps
         self.tol = tol
         self.progress = progress
@@ -77,22 +90,42 @@ class WeightMatcher:
 
     def fit(self, a: CanonicalModel, b: CanonicalModel) -> Transform:
         spec = _check_compatible(a, b)
-        transform, best, best_objective = Transform(), Transform(), float("inf")
         self.history = []
-        for sweep in range(self.max_sweeps + 1):
-            # One pass scores the current transform and gathers the next residual map's statistics.
-            residual, objective = self._residual_pass(a, b, transform, use_layers=sweep > 0)
-            self.history.append(objective)
-            improved = objective < best_objective * (1 - self.tol)
-            if objective < best_objective:
-                best, best_objective = transform, objective
-            if (sweep > 0 and not improved) or sweep == self.max_sweeps or best_objective < EXACT:
-                break  # converged: return the best transform seen
-            maps = {"residual": residual} if residual is not None else {}
-            for i in tqdm(range(spec.num_layers), desc=f"weight matching, sweep {sweep + 1}", disable=not self.progress, leave=False):
-                b_layer = _apply(Transform(maps).to(self.dtype), self._cast(b.group(i)))
-                maps |= self._match_layer(spec, i, self._cast(a.group(i)), b_layer)
-            transform = Transform(maps)
+        # Embeddings and head: their only symmetry is the residual map, so their statistics are
+        # gathered once and seed the first residual estimate.
+        fixed = _ResidualStats(spec.hidden_size)
+        for group in ("embed", "head"):
+            fixed.add(self._cast(a.group(group)), self._cast(b.group(group)))
+        residual = self._solve_residual(spec, fixed)
+        layer_maps: dict = {}
+        best, best_objective = Transform(), float("inf")
+        for sweep in range(self.max_sweeps):
+            stats = fixed.copy()
+            rotate = Transform({"residual": residual} if residual is not None else {})
+            for i in tqdm(
+                range(spec.num_layers),
+                desc=f"weight matching, sweep {sweep + 1}",
+                disable=not self.progress,
+                leave=False,
+            ):
+                ga, gb = self._cast(a.group(i)), self._cast(b.group(i))
+                maps = self._match_layer(spec, i, ga, gb, rotate)
+                layer_maps |= maps
+                stats.add(ga, _apply(Transform(maps).to(self.dtype), gb))
+            # One pass scores the layer maps under the current residual map and under its refit.
+            current = stats.objective(residual)
+            refit = self._solve_residual(spec, stats)
+            predicted = stats.objective(refit)
+            self.history += [current, predicted]
+            for objective, r in ((current, residual), (predicted, refit)):
+                if objective < best_objective:
+                    best_objective = objective
+                    best = Transform(layer_maps | ({"residual": r} if r is not None else {}))
+            # A residual refit that barely helps will not move the layer maps either: stop.
+            if not predicted < current * (1 - self.tol) or best_objective < EXACT:
+                break
+            residual = refit
+        _cost_buffer.cache_clear()
         return best
 
     def _cast(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -112,53 +145,29 @@ class WeightMatcher:
 
     # -- residual ----------------------------------------------------------------------------
 
-    def _residual_pass(self, a: CanonicalModel, b: CanonicalModel, transform: Transform, use_layers: bool):
-        """Score the current transform and gather the next residual map's statistics, in one pass.
-
-        With ``N`` the non-residual maps and ``R`` the (orthogonal) residual map, every tensor's
-        distance follows from the same cross-covariance Procrustes needs:
-        ``|A - R N B|^2 = |A|^2 + |N B|^2 - 2 <A N(B)^T, R>`` along the residual axis. So B is
-        never transformed in full just to be scored.
-        """
-        spec = a.spec
+    def _solve_residual(self, spec: ArchSpec, stats: "_ResidualStats") -> ResidualMap | None:
         d = spec.hidden_size
-        cross = torch.zeros(d, d, dtype=torch.float64)
-        others = Transform({k: v for k, v in transform.maps.items() if k != "residual"}).to(self.dtype)
-        current = transform.maps.get("residual")
-        rotation = current.matrix.double() if current is not None else torch.eye(d, dtype=torch.float64)
-        total, count = 0.0, 0
-        for group in spec.groups():
-            ga, gb = self._cast(a.group(group)), _apply(others, self._cast(b.group(group)))
-            for name, ta in ga.items():
-                norm_a = _squared_norm(ta)
-                if norm_a == 0:
-                    continue
-                axis = _residual_axis(name)
-                if axis is None:
-                    distance = _squared_norm(ta - gb[name])
-                else:
-                    xa, xb = _flat(ta, axis), _flat(gb[name], axis)
-                    product = (xa @ xb.T).double()
-                    norm_b = _squared_norm(xb)
-                    distance = norm_a + norm_b - 2 * (product * rotation).sum()
-                    if use_layers or not isinstance(group, int):
-                        cross += product / (norm_a * norm_b).sqrt().clamp_min(1e-300)
-                total += (distance / norm_a).clamp_min(0).item()
-                count += 1
-        objective = total / max(count, 1)
         if "residual" in self.kinds:
-            matrix = polar_fixing_ones(cross) if spec.centred else polar(cross)
+            matrix = polar_fixing_ones(stats.cross) if spec.centred else polar(stats.cross)
         elif "residual_permutation" in self.kinds:
-            matrix = torch.eye(d, dtype=torch.float64)[assign(cross)].T
+            matrix = torch.eye(d, dtype=torch.float64)[assign(stats.cross)].T
         else:
-            return None, objective
-        return ResidualMap.from_matrix(matrix), objective
+            return None
+        return ResidualMap.from_matrix(matrix)
 
     # -- layers ------------------------------------------------------------------------------
 
-    def _match_layer(self, spec: ArchSpec, i: int, a: dict[str, Tensor], b: dict[str, Tensor]) -> dict:
+    def _match_layer(
+        self, spec: ArchSpec, i: int, a: dict[str, Tensor], b: dict[str, Tensor], rotate: Transform
+    ) -> dict:
+        """Layer ``i``'s attention and MLP maps for B's layer seen through the residual map."""
         p = f"layers.{i}."
-        return {f"attn.{i}": self._match_attention(spec, p, a, b), f"mlp.{i}": self._match_mlp(spec, p, a, b)}
+        attn = {n: rotate.apply_tensor(n, t) for n, t in b.items() if n.startswith(p + "attn.")}
+        mlp = {n: t for n, t in b.items() if n.startswith(p + "mlp.")}
+        return {
+            f"attn.{i}": self._match_attention(spec, p, a, attn),
+            f"mlp.{i}": self._match_mlp(spec, p, a, mlp, rotate),
+        }
 
     def _match_attention(self, spec: ArchSpec, p: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> AttentionMap:
         h, kv, g, dh = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
@@ -172,17 +181,25 @@ class WeightMatcher:
 
         qa, ka, va, oa = heads(a)
         qb, kb, vb, ob = heads(b)
-        small = {"dtype": torch.float64}  # per-head solves are tiny: do them exactly
         group = torch.arange(h) // g
+        # The head assignment ranks heads by circuit similarities from (heads, heads, dh, dh) cross
+        # blocks and (heads, dh, dh) self blocks, one matmul each in the working dtype.
+        qq, kk, vv, oo = (
+            _block_products(qa, qb),
+            _block_products(ka, kb),
+            _block_products(va, vb),
+            _block_products(oa, ob),
+        )
+        self_a = [x @ x.mT for x in (qa, ka, va, oa)]
+        self_b = [x @ x.mT for x in (qb, kb, vb, ob)]
         if "heads" in self.kinds:
             # Circuit similarities <Q_i^T K_i, Q_j^T K_j> = <Q_i Q_j^T, K_i K_j^T>, and for OV.
-            qq = torch.einsum("iad,jbd->ijab", qa, qb)
-            kk = torch.einsum("iad,jbd->ijab", ka, kb)[group][:, group]
-            oo = torch.einsum("iad,jbd->ijab", oa, ob)
-            vv = torch.einsum("iad,jbd->ijab", va, vb)[group][:, group]
-            qk, ov = (qq * kk).sum((-1, -2)), (oo * vv).sum((-1, -2))
-            qk = qk / (_self_norm(qa, ka[group])[:, None] * _self_norm(qb, kb[group])[None, :]).clamp_min(1e-300)
-            ov = ov / (_self_norm(oa, va[group])[:, None] * _self_norm(ob, vb[group])[None, :]).clamp_min(1e-300)
+            qk = (qq * kk[group][:, group]).sum((-1, -2)) / _circuit_norms(
+                self_a[0], self_a[1][group], self_b[0], self_b[1][group]
+            )
+            ov = (oo * vv[group][:, group]).sum((-1, -2)) / _circuit_norms(
+                self_a[3], self_a[2][group], self_b[3], self_b[2][group]
+            )
             sim = qk + ov
             within = {}
             kv_sim = torch.empty(kv, kv, dtype=sim.dtype)
@@ -197,55 +214,141 @@ class WeightMatcher:
         else:
             kv_perm, query_perm = torch.arange(kv), torch.arange(h)
 
+        # The per-KV-head maps must be exact for twins: their moments are taken in float64.
+        qa, ka, va, oa, qb, kb, vb, ob = (x.double() for x in (qa, ka, va, oa, qb, kb, vb, ob))
+
+        def rows(x: Tensor, heads: Tensor) -> Tensor:  # the heads' (dh, m) data side by side
+            return x[heads].transpose(0, 1).reshape(dh, -1)
+
         qk_blocks, ov_blocks = [], []
         for jb in range(kv):
             ia = int(kv_perm[jb])
-            b_queries = range(jb * g, (jb + 1) * g)
-            a_queries = [int(query_perm[j]) for j in b_queries]
-            qa_data, qb_data = torch.cat([qa[j] for j in a_queries], 1).to(**small), torch.cat([qb[j] for j in b_queries], 1).to(**small)
-            oa_data, ob_data = torch.cat([oa[j] for j in a_queries], 1).to(**small), torch.cat([ob[j] for j in b_queries], 1).to(**small)
-            ka_i, kb_j, va_i, vb_j = ka[ia].to(**small), kb[jb].to(**small), va[ia].to(**small), vb[jb].to(**small)
+            b_queries = torch.arange(jb * g, (jb + 1) * g)
+            a_queries = query_perm[b_queries]
             if "qk" in self.kinds:
-                if spec.rotary_dim:
-                    qk_blocks.append(match_rotary(qa_data, ka_i, qb_data, kb_j, spec.rotary_dim))
-                else:
-                    qk_blocks.append(match_gl(qa_data, ka_i, qb_data, kb_j))
+                moments = Moments.of(rows(qa, a_queries), ka[ia], rows(qb, b_queries), kb[jb])
+                qk_blocks.append(
+                    match_rotary_moments(moments, spec.rotary_dim) if spec.rotary_dim else match_gl_moments(moments)
+                )
             if "ov" in self.kinds:
-                ov_blocks.append(match_gl(va_i, oa_data, vb_j, ob_data))
+                ov_blocks.append(match_gl_moments(Moments.of(va[ia], rows(oa, a_queries), vb[jb], rows(ob, b_queries))))
         eye = BlockMonomial.identity(kv, dh)
-        qk = BlockMonomial(kv_perm, *_stack(qk_blocks)) if qk_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
-        ov = BlockMonomial(kv_perm, *_stack(ov_blocks)) if ov_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
+        qk = (
+            BlockMonomial(kv_perm, *_stack(qk_blocks))
+            if qk_blocks
+            else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
+        )
+        ov = (
+            BlockMonomial(kv_perm, *_stack(ov_blocks))
+            if ov_blocks
+            else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
+        )
         return AttentionMap(qk, ov, query_perm)
 
-    def _match_mlp(self, spec: ArchSpec, p: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> MlpMap:
-        n = spec.intermediate_size
+    def _match_mlp(
+        self, spec: ArchSpec, p: str, a: dict[str, Tensor], b: dict[str, Tensor], rotate: Transform
+    ) -> MlpMap:
+        """Units by linear assignment on ``<up_a, up_b> + <down_a, down_b> (+ <gate_a, gate_b>)``.
 
-        def units(model):
-            up = _with_bias(model[p + "mlp.up.weight"], model[p + "mlp.up.bias"])
-            down = model[p + "mlp.down.weight"].T
-            gate = _with_bias(model[p + "mlp.gate.weight"], model[p + "mlp.gate.bias"]) if spec.gated_mlp else None
+        B's residual map is applied here, in ``similarity_dtype``: the F x F similarity only
+        ranks units, so bfloat16 products (several times faster on CPUs) do not change it.
+        SwiGLU scales come from row norms, which the orthogonal residual map leaves alone.
+        """
+        n, low = spec.intermediate_size, self.similarity_dtype
+
+        def units(model, dtype, rotate=None):
+            def weight(name):
+                t = model[p + name].to(dtype)
+                return rotate.apply_tensor(p + name, t) if rotate is not None else t
+
+            up = _with_bias(weight("mlp.up.weight"), model[p + "mlp.up.bias"].to(dtype))
+            down = weight("mlp.down.weight").T
+            gate = (
+                _with_bias(weight("mlp.gate.weight"), model[p + "mlp.gate.bias"].to(dtype)) if spec.gated_mlp else None
+            )
             return up, down, gate
 
-        up_a, down_a, gate_a = units(a)
-        up_b, down_b, gate_b = units(b)
-        scale_a = scale_b = torch.ones(n, dtype=up_a.dtype)
-        if spec.gated_mlp and "mlp_scale" in self.kinds:
-            scale_a, scale_b = balanced_scales(up_a, down_a), balanced_scales(up_b, down_b)
-        sim = (scale_a[:, None] * up_a) @ (scale_b[:, None] * up_b).T
-        sim += (down_a / scale_a[:, None]) @ (down_b / scale_b[:, None]).T
-        if gate_a is not None:
-            sim += gate_a @ gate_b.T
-        perm = assign(sim) if "mlp" in self.kinds else torch.arange(n)
-        return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b.double() / scale_a[perm].double()))
+        scaled = spec.gated_mlp and "mlp_scale" in self.kinds
+        scale_a = scale_b = torch.ones(n, dtype=torch.float64)
+        if scaled:
+            scale_a = balanced_scales(*units(a, self.dtype)[:2]).double()
+            scale_b = balanced_scales(*units(b, self.dtype)[:2]).double()
+        if "mlp" not in self.kinds:
+            perm = torch.arange(n)
+        else:
+
+            def descriptors(up, down, gate, scale):  # one row per unit: balanced up, down, gate
+                if scaled:
+                    scale = scale.to(low)[:, None]
+                    up, down = scale * up, down / scale
+                return torch.cat([up, down] + ([gate] if gate is not None else []), 1)
+
+            sim = descriptors(*units(a, low), scale_a) @ descriptors(*units(b, low, rotate), scale_b).T
+            perm = assign(sim)
+        return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b / scale_a[perm]))
+
+
+class _ResidualStats:
+    """Everything the residual step needs, and enough to score *any* residual map.
+
+    With ``x_a``, ``x_b`` a tensor flattened to (d, rest) along its residual axis and B's other
+    maps applied, ``|x_a - R x_b|^2 = |x_a|^2 + |x_b|^2 - 2 <x_a x_b^T, R>`` for orthogonal
+    ``R``. So one pass over the models yields the Procrustes target (``cross``, each tensor
+    weighted by ``1/(|x_a| |x_b|)``) and the objective of every ``R`` (``weighted``, each
+    tensor weighted by ``1/|x_a|^2``, plus the constant terms).
+    """
+
+    def __init__(self, d: int):
+        self.cross = torch.zeros(d, d, dtype=torch.float64)
+        self.weighted = torch.zeros(d, d, dtype=torch.float64)
+        self.constant = 0.0
+        self.count = 0
+
+    def copy(self) -> "_ResidualStats":
+        other = _ResidualStats(self.cross.shape[0])
+        other.cross, other.weighted = self.cross.clone(), self.weighted.clone()
+        other.constant, other.count = self.constant, self.count
+        return other
+
+    def add(self, a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+        """Add one group's tensors (B with every map but the residual one applied)."""
+        for name, ta in a.items():
+            norm_a = _squared_norm(ta)
+            if norm_a == 0:
+                continue
+            axis = _residual_axis(name)
+            if axis is None:
+                self.constant += (_squared_norm(ta - b[name]) / norm_a).item()
+            else:
+                xa, xb = _flat(ta, axis), _flat(b[name], axis)
+                product = (xa @ xb.T).double()
+                norm_b = _squared_norm(xb)
+                self.cross += product / (norm_a * norm_b).sqrt().clamp_min(1e-300)
+                self.weighted += product / norm_a
+                self.constant += ((norm_a + norm_b) / norm_a).item()
+            self.count += 1
+
+    def objective(self, residual: ResidualMap | None) -> float:
+        """Mean relative squared distance with residual map ``residual`` (identity if None)."""
+        inner = (self.weighted * residual.matrix.double()).sum() if residual is not None else self.weighted.trace()
+        return max(self.constant - 2 * inner.item(), 0.0) / max(self.count, 1)
 
 
 def _squared_norm(t: Tensor) -> Tensor:
     return torch.linalg.vector_norm(t).double().square()
 
 
-def _self_norm(vec: Tensor, cov: Tensor) -> Tensor:
-    """``|vec_i^T cov_i|_F`` per head, via ``<vec vec^T, cov cov^T>``."""
-    return ((vec @ vec.mT) * (cov @ cov.mT)).sum((-1, -2)).clamp_min(0).sqrt()
+def _block_products(x: Tensor, y: Tensor) -> Tensor:
+    """``out[i, j] = x_i y_j^T`` for head blocks ``x``: (n, b, m), as one (n b) x (n b) matmul."""
+    n, b, _ = x.shape
+    return (x.reshape(n * b, -1) @ y.reshape(n * b, -1).T).reshape(n, b, n, b).transpose(1, 2)
+
+
+def _circuit_norms(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -> Tensor:
+    """``|V_i^T C_i| |V'_j^T C'_j|`` for every head pair, from per-head moments ``V V^T``, ``C C^T``."""
+    norm_a = (vec_a * cov_a).sum((-1, -2)).clamp_min(0).sqrt()
+    norm_b = (vec_b * cov_b).sum((-1, -2)).clamp_min(0).sqrt()
+    return (norm_a[:, None] * norm_b[None, :]).clamp_min(1e-300)
 
 
 def _stack(pairs):
