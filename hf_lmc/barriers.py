@@ -130,7 +130,7 @@ def plot(result: BarrierResult, path: str | Path, title: str = "loss along the l
         ax.plot(result.alphas, losses, marker="o", label=f"{method} (barrier {result.barriers[method]:.3f})")
     ax.set_xlabel("α  (0 = model A, 1 = model B)")
     ax.set_ylabel("held-out loss")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9, wrap=True)
     ax.legend()
     fig.tight_layout()
     path = Path(path)

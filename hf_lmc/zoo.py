@@ -1,0 +1,267 @@
+"""An offline model zoo: small pairs trained from different seeds, for measuring barriers.
+
+Barriers only mean something on models that were really trained, independently: each member of
+a pair gets its own initialisation *and* its own data order (both from its seed). Every model
+is a stock ``transformers`` class built with ``from_config``:
+
+* ``gpt2``, ``pythia`` (GPT-NeoX: parallel residual, partial rotary) and ``llama`` (GQA):
+  character-level LMs on Shakespeare (the plays shipped in ``hf_lmc/data``), evaluated on
+  whole held-out plays;
+* ``vit``: scikit-learn's 8x8 ``load_digits`` images (shipped inside scikit-learn), with a
+  fixed held-out split.
+
+Trained checkpoints are cached on disk under a key of everything that determines them
+(config, training settings, data, seed), so a second run loads instead of training.
+
+    from hf_lmc import zoo
+    a, b = zoo.pair("gpt2")                     # two folders, trained or cached
+    result = hf_lmc.barrier(a, b, zoo.held_out("gpt2"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import lzma
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, PreTrainedTokenizerFast
+
+from .adapters import adapter_for
+
+DATA_VERSION = 1  # bump when the shipped corpus or its split changes: it is part of the cache key
+
+
+@dataclass(frozen=True)
+class ZooEntry:
+    """One zoo architecture: its config and how a member is trained."""
+
+    name: str
+    model_type: str
+    config: dict = field(hash=False)
+    steps: int = 600
+    batch_size: int = 32
+    seq_len: int = 64
+    lr: float = 3e-3
+    warmup: int = 50
+
+    def scaled(self, **changes) -> ZooEntry:
+        """A copy with some settings changed (e.g. fewer steps for a quick test)."""
+        config = {**self.config, **changes.pop("config", {})}
+        return dataclasses.replace(self, config=config, **changes)
+
+    def key(self, seed: int) -> str:
+        blob = json.dumps([dataclasses.asdict(self), seed, DATA_VERSION], sort_keys=True)
+        return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}-seed{seed}"
+
+
+ZOO: dict[str, ZooEntry] = {
+    "gpt2": ZooEntry(
+        "gpt2", "gpt2", {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    ),
+    "pythia": ZooEntry(
+        "pythia",
+        "gpt_neox",
+        {
+            "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512,
+            "rotary_pct": 0.25, "use_parallel_residual": True, "max_position_embeddings": 64, "tie_word_embeddings": False,
+        },
+    ),
+    "llama": ZooEntry(
+        "llama",
+        "llama",
+        {
+            "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 344, "max_position_embeddings": 64, "tie_word_embeddings": False,
+        },
+    ),
+    "vit": ZooEntry(
+        "vit",
+        "vit",
+        {
+            "image_size": 8, "patch_size": 2, "num_channels": 1, "hidden_size": 64, "num_hidden_layers": 4,
+            "num_attention_heads": 4, "intermediate_size": 128, "num_labels": 10,
+            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+        },
+        steps=800, batch_size=64, lr=2e-3,
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where trained zoo models live: ``$HF_LMC_CACHE`` or ``~/.cache/hf_lmc/zoo``."""
+    return Path(os.environ.get("HF_LMC_CACHE", Path.home() / ".cache" / "hf_lmc")) / "zoo"
+
+
+# -- data ----------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _corpus() -> dict:
+    blob = resources.files("hf_lmc").joinpath("data/shakespeare.json.xz").read_bytes()
+    return json.loads(lzma.decompress(blob))
+
+
+def shakespeare() -> tuple[list[str], list[str]]:
+    """``(train_plays, held_out_plays)``: the texts of whole plays, split by play."""
+    corpus = _corpus()
+    held = set(corpus["held_out"])
+    plays = corpus["plays"]
+    return [t for n, t in plays.items() if n not in held], [t for n, t in plays.items() if n in held]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer over every character of the shipped corpus."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chars = sorted(set("".join(_corpus()["plays"].values())))
+    vocab = {"<unk>": 0} | {c: i + 1 for i, c in enumerate(chars)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", model_max_length=10**6)
+
+
+@functools.lru_cache(maxsize=1)
+def _train_tokens() -> torch.Tensor:
+    """The training plays as one token stream (the tokenizer maps characters one to one)."""
+    vocab = char_tokenizer().get_vocab()
+    return torch.tensor([vocab[c] for c in "\n\n".join(shakespeare()[0])], dtype=torch.long)
+
+
+def digits() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """scikit-learn's 8x8 digits as ``{"pixel_values", "labels"}``: (train, held-out 20 %)."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError("the ViT zoo pair needs scikit-learn: pip install 'hf-lmc[zoo]'") from err
+    data = load_digits()
+    pixels = torch.tensor(data.images, dtype=torch.float32)[:, None] / 8.0 - 1.0  # values 0..16 -> [-1, 1]
+    labels = torch.tensor(data.target, dtype=torch.long)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))  # fixed split
+    cut = int(0.8 * len(labels))
+    train, test = order[:cut], order[cut:]
+    return {"pixel_values": pixels[train], "labels": labels[train]}, {"pixel_values": pixels[test], "labels": labels[test]}
+
+
+def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
+    """Held-out evaluation data for zoo ``name``, in a form :func:`hf_lmc.barrier` accepts.
+
+    LMs: ``size`` characters as evenly spaced 2 KB excerpts of the held-out plays (so the loss
+    covers both plays, not just an opening cast list). ViT: the held-out digits as batches.
+    """
+    entry = ZOO[name] if isinstance(name, str) else name
+    if entry.model_type == "vit":
+        test = digits()[1]
+        n = len(test["labels"])
+        return [{k: v[i : i + batch_size] for k, v in test.items()} for i in range(0, n, batch_size)]
+    plays, piece = shakespeare()[1], 2048
+    per_play = max(1, size // piece // len(plays))
+    excerpts = []
+    for play in plays:
+        stride = max(piece, (len(play) - piece) // per_play)
+        excerpts += [play[i : i + piece] for i in range(0, len(play) - piece + 1, stride)][:per_play]
+    return excerpts
+
+
+def _lm_batches(entry: ZooEntry, tokens: torch.Tensor, generator: torch.Generator):
+    """Random windows of the token stream, in an order drawn from ``generator``."""
+    while True:
+        starts = torch.randint(0, tokens.numel() - entry.seq_len - 1, (entry.batch_size,), generator=generator)
+        yield {"input_ids": torch.stack([tokens[s : s + entry.seq_len] for s in starts.tolist()])}
+
+
+def _image_batches(entry: ZooEntry, train: dict[str, torch.Tensor], generator: torch.Generator):
+    n = len(train["labels"])
+    while True:
+        order = torch.randperm(n, generator=generator)
+        for i in range(0, n - entry.batch_size + 1, entry.batch_size):
+            idx = order[i : i + entry.batch_size]
+            yield {k: v[idx] for k, v in train.items()}
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+def build_config(entry: ZooEntry):
+    config = AutoConfig.for_model(entry.model_type, **entry.config)
+    if entry.model_type != "vit":
+        config.vocab_size = len(char_tokenizer())
+        config.bos_token_id = config.eos_token_id = config.pad_token_id = None  # a character LM has none
+    return config
+
+
+def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progress: bool = True) -> Path:
+    """Train one zoo member (or load it from the cache) and return its checkpoint folder.
+
+    ``seed`` sets both the initialisation and the data order.
+    """
+    entry = ZOO[entry] if isinstance(entry, str) else entry
+    folder = (cache or cache_dir()) / entry.key(seed)
+    if (folder / "config.json").is_file() and (folder / "zoo.json").is_file():
+        return folder
+    config = build_config(entry)
+    torch.manual_seed(seed)
+    model = adapter_for(config).model_class(config)
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    if entry.model_type == "vit":
+        batches = _image_batches(entry, digits()[0], generator)
+    else:
+        batches = _lm_batches(entry, _train_tokens(), generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=entry.lr, weight_decay=0.01, betas=(0.9, 0.98))
+
+    def schedule(step: int) -> float:  # linear warmup, cosine decay to 10 %
+        if step < entry.warmup:
+            return (step + 1) / entry.warmup
+        progress_ = (step - entry.warmup) / max(1, entry.steps - entry.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model.train()
+    bar = tqdm(range(entry.steps), desc=f"training {entry.name} (seed {seed})", disable=not progress, leave=False)
+    losses = []
+    for _ in bar:
+        batch = next(batches)
+        loss = model(**batch if "labels" in batch else {**batch, "labels": batch["input_ids"]}).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    model.eval()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        model.save_pretrained(staging)
+        if entry.model_type != "vit":
+            char_tokenizer().save_pretrained(staging)
+        final = sum(losses[-50:]) / len(losses[-50:])
+        (staging / "zoo.json").write_text(json.dumps({"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final}, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def pair(entry: ZooEntry | str, seeds: tuple[int, int] = (0, 1), **options) -> tuple[Path, Path]:
+    """Two independently trained members of zoo ``entry`` (trained or loaded from the cache)."""
+    return train(entry, seeds[0], **options), train(entry, seeds[1], **options)
+
+
+def train_loss(folder: Path) -> float:
+    """The training loss recorded when a zoo member was trained (mean of its last 50 steps)."""
+    return json.loads((Path(folder) / "zoo.json").read_text())["train_loss"]
