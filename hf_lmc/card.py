@@ -52,6 +52,7 @@ def merge_card(
         barrier_table=barrier_table,
         plot_filename=plot_filename,
         repo_hint=repo_hint or "path/to/merged-model",
+        auto_class="AutoModelForImageClassification" if model_type == "vit" else "AutoModelForCausalLM",
     )
 
 

@@ -252,7 +252,8 @@ def test_card_body():
     assert "`org/model-a` and `./local/model-b`" in text
     assert TABLE in text and "![loss along the path](loss_along_path.png)" in text
     assert "tie_word_embeddings=False" in text and "- Trained on different seeds." in text
-    assert 'AutoModel.from_pretrained("' in text
+    assert 'AutoModelForCausalLM.from_pretrained("' in text  # the task class, not the bare backbone
+    assert "AutoModelForImageClassification.from_pretrained(" in _card(model_type="vit").text
 
     plain = _card(method="average", symmetries=[], alpha_or_weights=[0.5, 0.5], barrier_table=None,
                   plot_filename=None, tied_embeddings_dropped=False, notes=()).text

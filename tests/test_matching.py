@@ -91,3 +91,21 @@ def test_assign_convention_matches_block_monomial():
     sim = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     # target 0 matches source 1, target 1 matches source 2, target 2 matches source 0
     assert assign(sim).tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize("d", [2, 5, 16])
+def test_centred_polar_is_the_best_orthogonal_map_fixing_ones(d):
+    """The Householder route equals polar on an explicit basis of 1-perp, and beats any other map."""
+    from hf_lmc.matching.solvers import polar, polar_fixing_ones
+    from hf_lmc.symmetry.sample import centred_basis, orthogonal_fixing_ones, random_orthogonal
+
+    m = torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(d))
+    basis, u = centred_basis(d), torch.full((d, 1), d**-0.5, dtype=torch.float64)
+    expected = basis @ polar(basis.T @ m @ basis) @ basis.T + u @ u.T
+    r = polar_fixing_ones(m)
+    torch.testing.assert_close(r, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(r.T @ r, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(r @ u, u, rtol=0, atol=1e-12)
+    for seed in range(5):
+        other = orthogonal_fixing_ones(random_orthogonal(d - 1, torch.Generator().manual_seed(seed)))
+        assert (other * m).sum() <= (r * m).sum() + 1e-12

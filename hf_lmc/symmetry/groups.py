@@ -27,12 +27,14 @@ from torch import Tensor
 
 def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, perm: Tensor, transpose: bool) -> Tensor:
     """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats`` then ``perm``."""
-    x = t.movedim(axis, -1)
     if n == 1:  # one dense block (the residual map): a plain matmul, no permutation to apply
         if mats is None:
             return t
-        m = mats[0].to(dtype=x.dtype, device=x.device)
-        return (x @ (m if transpose else m.T)).movedim(-1, axis)
+        m = mats[0].to(dtype=t.dtype, device=t.device)
+        if t.dim() == 2 and axis == 0:  # rows: multiply from the left, the result stays contiguous
+            return (m.T if transpose else m) @ t
+        return (t.movedim(axis, -1) @ (m if transpose else m.T)).movedim(-1, axis)
+    x = t.movedim(axis, -1)
     lead = x.shape[:-1]
     x = x.reshape(*lead, n, -1)
     if mats is not None:
