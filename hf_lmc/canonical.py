@@ -151,8 +151,12 @@ def _convert(tensors: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str,
 
 def export_config(canonical: CanonicalModel) -> PretrainedConfig:
     """The stock HF config that :func:`to_hf` exports ``canonical`` under."""
-    config = canonical.adapter.export_config(canonical.config, canonical.group("embed"), canonical.group("head"))
-    config.dtype = canonical.group("head")["head.weight"].dtype
+    # Embedding and head only matter for tying; they are the largest groups, so load them only then.
+    tied = bool(getattr(canonical.config, "tie_word_embeddings", False))
+    embed, head = (canonical.group("embed"), canonical.group("head")) if tied else ({}, {})
+    config = canonical.adapter.export_config(canonical.config, embed, head)
+    sample = head or canonical.group(0 if canonical.spec.num_layers else "head")
+    config.dtype = next(t for t in sample.values() if t.is_floating_point()).dtype
     return config
 
 

@@ -99,7 +99,7 @@ def layernorm_head_export(weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor,
     """
     d = weight.shape[1]
     u = unit_vector(d, weight)
-    head = weight - torch.outer(weight @ u, u) + torch.outer(bias, u)
+    head = torch.addr(weight, weight @ u, u, alpha=-1).addr_(bias, u)  # no V x d outer products materialised
     return torch.ones_like(u), u, head
 
 
