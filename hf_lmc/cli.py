@@ -212,9 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="offline end-to-end run: train a GPT-2 pair on Shakespeare, merge, print the barrier table",
-        description="Train (or load from the cache) two small GPT-2 models on the shipped Shakespeare plays "
-        "from different seeds, merge them with weight matching, print the barrier of vanilla vs aligned "
-        "interpolation on held-out plays, and write the merged model with its card and plot.",
+        description="Train (or load from the cache) two small GPT-2 models on the shipped Shakespeare plays\n"
+        "from different seeds, merge them with weight matching, print the barrier of vanilla vs aligned\n"
+        "interpolation on held-out plays, and write the merged model with its card and plot. Offline.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
