@@ -1,0 +1,167 @@
+"""Trainable parameterisations of the symmetry groups (for learned and dual matching, DESIGN §4).
+
+Each module holds free parameters and produces a group element that stays *in* its group for
+every parameter value, so gradient steps never leave the set of function-preserving maps:
+
+* :class:`OrthogonalParam` — ``O = O_0 f(A)`` with ``A`` skew-symmetric and ``f`` the Cayley
+  map or the matrix exponential, or ``O = polar(M)`` (projection of a free matrix). With
+  ``fix_ones`` (LayerNorm models) the map is built in the Householder frame that sends
+  ``u = 1/sqrt(d)`` to ``e_1``, so it fixes ``u`` exactly.
+* :class:`GLParam` — ``M = M_0 exp(A)`` with ``A`` free; the inverse ``exp(-A) M_0^{-1}``
+  comes with it, no matrix inversion of the product.
+* :class:`PermutationParam` — scores ``S``; the hard permutation is the linear assignment of
+  ``S``. ``"ste"``: forward the hard permutation matrix, backward through the Sinkhorn
+  relaxation (straight-through). ``"sinkhorn"``: forward the soft doubly stochastic matrix,
+  which :meth:`PermutationParam.harden` turns into the assignment before export.
+
+Every module starts exactly at its initial element and stays in its connected component (the
+sign of the determinant never changes), which is why learned matching starts from weight
+matching's solution (DESIGN §4). Groundwork for ``LearnedMatcher`` / ``DualMatcher``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..matching.solvers import assign
+
+ORTHOGONAL_METHODS = ("cayley", "exp", "polar")
+PERMUTATION_METHODS = ("ste", "sinkhorn")
+
+
+def _householder_to_e1(d: int, dtype, device) -> Tensor:
+    """The symmetric orthogonal ``H`` with ``H u = e_1`` for ``u = 1/sqrt(d)``."""
+    v = torch.full((d,), 1.0 / math.sqrt(d), dtype=dtype, device=device)
+    v[0] -= 1.0
+    if v.norm() < 1e-12:
+        return torch.eye(d, dtype=dtype, device=device)
+    v = v / v.norm()
+    return torch.eye(d, dtype=dtype, device=device) - 2 * torch.outer(v, v)
+
+
+def _skew(a: Tensor) -> Tensor:
+    return a - a.mT
+
+
+class _Polar(torch.autograd.Function):
+    """``Q = U V^T`` from ``M = U S V^T``, with the gradient of the polar factor itself.
+
+    Autograd through ``svd`` is undefined at repeated singular values (e.g. at the identity, the
+    natural start), but ``Q`` is smooth wherever ``M`` is invertible: with ``M = Q P``,
+    ``dQ = Q Omega`` where ``P Omega + Omega P = Q^T dM - dM^T Q``. Solved in ``P``'s eigenbasis,
+    the adjoint is ``grad_M = Q (B - B^T)`` with ``B = V ((V^T Q^T G V) / (s_i + s_j)) V^T``.
+    """
+
+    @staticmethod
+    def forward(ctx, m: Tensor) -> Tensor:
+        u, s, vh = torch.linalg.svd(m)
+        q = u @ vh
+        ctx.save_for_backward(q, s, vh)
+        return q
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        q, s, vh = ctx.saved_tensors
+        a = vh @ (q.mT @ grad) @ vh.mT
+        b = vh.mT @ (a / (s[:, None] + s[None, :]).clamp_min(torch.finfo(s.dtype).tiny)) @ vh
+        return q @ (b - b.mT)
+
+
+class OrthogonalParam(nn.Module):
+    """A trainable orthogonal ``d x d`` map, starting at ``init`` (identity if omitted)."""
+
+    def __init__(self, d: int, *, init: Tensor | None = None, method: str = "cayley", fix_ones: bool = False, dtype=torch.float32):
+        super().__init__()
+        if method not in ORTHOGONAL_METHODS:
+            raise ValueError(f"unknown orthogonal parameterisation {method!r}; choose from {ORTHOGONAL_METHODS}")
+        self.method, self.fix_ones = method, fix_ones
+        init = torch.eye(d, dtype=dtype) if init is None else init.to(dtype)
+        if fix_ones:
+            h = _householder_to_e1(d, dtype, init.device)
+            self.register_buffer("frame", h)
+            init = (h @ init @ h)[1:, 1:]  # the map on 1-perp, in the frame where u is e_1
+        n = init.shape[0]
+        if method == "polar":
+            self.weight = nn.Parameter(init.clone())
+        else:
+            self.register_buffer("base", init.clone())
+            self.weight = nn.Parameter(torch.zeros(n, n, dtype=dtype))
+
+    def _inner(self) -> Tensor:
+        if self.method == "polar":
+            return _Polar.apply(self.weight)
+        a = _skew(self.weight)
+        if self.method == "exp":
+            return self.base @ torch.linalg.matrix_exp(a)
+        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+        return self.base @ torch.linalg.solve(eye - a, eye + a)  # Cayley: (I - A)^{-1} (I + A)
+
+    def forward(self) -> Tensor:
+        inner = self._inner()
+        if not self.fix_ones:
+            return inner
+        full = torch.zeros(inner.shape[0] + 1, inner.shape[0] + 1, dtype=inner.dtype, device=inner.device)
+        full[0, 0] = 1.0
+        full[1:, 1:] = inner
+        return self.frame @ full @ self.frame
+
+
+class GLParam(nn.Module):
+    """A trainable invertible ``b x b`` map ``M_0 exp(A)`` and its exact inverse."""
+
+    def __init__(self, b: int, *, init: tuple[Tensor, Tensor] | None = None, dtype=torch.float32):
+        super().__init__()
+        eye = torch.eye(b, dtype=dtype)
+        base, base_inv = (eye, eye) if init is None else (init[0].to(dtype), init[1].to(dtype))
+        self.register_buffer("base", base.clone())
+        self.register_buffer("base_inv", base_inv.clone())
+        self.weight = nn.Parameter(torch.zeros(b, b, dtype=dtype))
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        return self.base @ torch.linalg.matrix_exp(self.weight), torch.linalg.matrix_exp(-self.weight) @ self.base_inv
+
+
+def sinkhorn(scores: Tensor, temperature: float = 0.1, iterations: int = 20) -> Tensor:
+    """A doubly stochastic matrix from ``scores`` by log-domain Sinkhorn normalisation."""
+    log = scores / temperature
+    for _ in range(iterations):
+        log = log - log.logsumexp(dim=1, keepdim=True)
+        log = log - log.logsumexp(dim=0, keepdim=True)
+    return log.exp()
+
+
+class PermutationParam(nn.Module):
+    """A trainable permutation of ``n`` items as an ``n x n`` matrix ``P`` (``y = P x``).
+
+    ``init`` is a permutation in :class:`~hf_lmc.symmetry.BlockMonomial`'s convention
+    (``y[perm[h]] = x[h]``); the scores start at ``scale`` on its entries and 0 elsewhere.
+    """
+
+    def __init__(self, n: int, *, init: Tensor | None = None, method: str = "ste", temperature: float = 0.1, scale: float = 1.0, dtype=torch.float32):
+        super().__init__()
+        if method not in PERMUTATION_METHODS:
+            raise ValueError(f"unknown permutation parameterisation {method!r}; choose from {PERMUTATION_METHODS}")
+        self.method, self.temperature = method, temperature
+        perm = torch.arange(n) if init is None else init
+        scores = torch.zeros(n, n, dtype=dtype)
+        scores[perm, torch.arange(n)] = scale
+        self.scores = nn.Parameter(scores)
+
+    def harden(self) -> Tensor:
+        """The permutation (``perm[h]`` = where item ``h`` goes) the scores currently select."""
+        return assign(self.scores.detach())
+
+    def hard_matrix(self) -> Tensor:
+        perm = self.harden()
+        p = torch.zeros_like(self.scores)
+        p[perm.to(p.device), torch.arange(p.shape[1], device=p.device)] = 1.0
+        return p
+
+    def forward(self) -> Tensor:
+        soft = sinkhorn(self.scores, self.temperature)
+        if self.method == "sinkhorn":
+            return soft
+        return self.hard_matrix() + soft - soft.detach()  # straight-through: hard forward, soft gradient

@@ -1,0 +1,108 @@
+"""Trainable group parameterisations stay in their groups and start at their initial element."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_lmc.matching.solvers import polar
+from hf_lmc.symmetry.params import GLParam, OrthogonalParam, PermutationParam, sinkhorn
+from hf_lmc.symmetry.sample import random_gl, random_orthogonal
+
+F64 = torch.float64
+
+
+def _perturb(module: torch.nn.Module, seed: int, size: float = 0.5) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(size * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+@pytest.mark.parametrize("method", ["cayley", "exp", "polar"])
+@pytest.mark.parametrize("fix_ones", [False, True])
+def test_orthogonal_param_starts_at_init_and_stays_orthogonal(method, fix_ones):
+    d = 7
+    init = random_orthogonal(d, torch.Generator().manual_seed(0))
+    if fix_ones:  # an orthogonal map that fixes u: the polar factor restricted to 1-perp
+        from hf_lmc.matching.solvers import polar_fixing_ones
+
+        init = polar_fixing_ones(init)
+    param = OrthogonalParam(d, init=init, method=method, fix_ones=fix_ones, dtype=F64)
+    torch.testing.assert_close(param(), init, rtol=0, atol=1e-12)
+    _perturb(param, seed=1)
+    o = param()
+    torch.testing.assert_close(o.T @ o, torch.eye(d, dtype=F64), rtol=0, atol=1e-12)
+    assert (o - init).abs().max() > 1e-3  # it moved
+    if fix_ones:
+        u = torch.full((d,), 1 / math.sqrt(d), dtype=F64)
+        torch.testing.assert_close(o @ u, u, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["cayley", "exp", "polar"])
+def test_orthogonal_param_descends_to_a_procrustes_target(method):
+    """Gradient steps reach the Procrustes solution while staying orthogonal throughout."""
+    d = 5
+    target = polar(torch.randn(d, d, dtype=F64, generator=torch.Generator().manual_seed(3)))
+    target[:, 0] *= torch.det(target).sign()  # reachable from the identity: the same component, SO(d)
+    param = OrthogonalParam(d, method=method, dtype=F64)
+    opt = torch.optim.Adam(param.parameters(), lr=0.05)
+    for _ in range(400):
+        loss = (param() - target).square().sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert (param() - target).abs().max() < 1e-3
+
+
+def test_gl_param_returns_exact_inverse_pairs():
+    m0, m0_inv = random_gl(4, torch.Generator().manual_seed(2), log_scale=0.5)
+    param = GLParam(4, init=(m0, m0_inv), dtype=F64)
+    m, m_inv = param()
+    torch.testing.assert_close(m, m0, rtol=0, atol=1e-12)
+    _perturb(param, seed=4)
+    m, m_inv = param()
+    torch.testing.assert_close(m @ m_inv, torch.eye(4, dtype=F64), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", ["ste", "sinkhorn"])
+def test_permutation_param(method):
+    n = 6
+    perm = torch.tensor([2, 0, 1, 5, 3, 4])
+    param = PermutationParam(n, init=perm, method=method, scale=1.0, dtype=F64)
+    assert torch.equal(param.harden(), perm)
+    p = param()
+    x = torch.arange(n, dtype=F64)
+    expected = torch.empty(n, dtype=F64)
+    expected[perm] = x  # y[perm[h]] = x[h]
+    if method == "ste":
+        torch.testing.assert_close(p @ x, expected)  # forward is the hard permutation
+    else:
+        torch.testing.assert_close(p.sum(0), torch.ones(n, dtype=F64), rtol=0, atol=1e-6)
+        torch.testing.assert_close(p.sum(1), torch.ones(n, dtype=F64), rtol=0, atol=1e-6)
+        assert torch.equal(p.argmax(0), perm)
+    (p @ x).square().sum().backward()
+    assert param.scores.grad is not None and param.scores.grad.abs().sum() > 0  # gradients reach the scores
+
+
+def test_sinkhorn_is_doubly_stochastic():
+    s = sinkhorn(torch.randn(5, 5, generator=torch.Generator().manual_seed(0)), temperature=0.5, iterations=50)
+    torch.testing.assert_close(s.sum(0), torch.ones(5), rtol=0, atol=1e-5)
+    torch.testing.assert_close(s.sum(1), torch.ones(5), rtol=0, atol=1e-5)
+
+
+def test_unknown_parameterisations_are_rejected():
+    with pytest.raises(ValueError, match="orthogonal parameterisation"):
+        OrthogonalParam(3, method="givens")
+    with pytest.raises(ValueError, match="permutation parameterisation"):
+        PermutationParam(3, method="gumbel")
+
+
+def test_polar_gradient_matches_finite_differences_even_at_the_identity():
+    from hf_lmc.symmetry.params import _Polar
+
+    g = torch.Generator().manual_seed(5)
+    for m in (torch.randn(4, 4, dtype=F64, generator=g), torch.eye(4, dtype=F64)):
+        assert torch.autograd.gradcheck(_Polar.apply, (m.clone().requires_grad_(),))
