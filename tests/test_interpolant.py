@@ -7,8 +7,8 @@ import torch
 
 import hf_lmc
 from hf_lmc.matching.interpolant import Interpolant
-from hf_lmc.symmetry import AttentionMap, BlockMonomial, ResidualMap, Transform
-from hf_lmc.symmetry.params import GLParam, OrthogonalParam
+from hf_lmc.symmetry import AttentionMap, BlockMonomial, DenseMlpMap, ResidualMap, Transform
+from hf_lmc.symmetry.params import GLParam, OrthogonalParam, PermutationParam
 from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs
 
@@ -27,10 +27,18 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
     attn = undo.maps["attn.0"]
     ov = [GLParam(a.spec.head_dim, init=(attn.ov.blocks[h], attn.ov.inverse_blocks[h]), dtype=torch.float64) for h in range(a.spec.num_kv_heads)]
 
+    mlp = undo.maps["mlp.0"].map  # and layer-0 MLP units as a straight-through permutation
+    units = PermutationParam(a.spec.intermediate_size, init=mlp.perm, method="ste", dtype=torch.float64)
+    scale = mlp.blocks[:, 0, 0]
+
     def transform() -> Transform:
         blocks = [m() for m in ov]
         ov_map = BlockMonomial(attn.ov.perm, torch.stack([m for m, _ in blocks]), torch.stack([inv for _, inv in blocks]))
-        maps = dict(undo.maps) | {"residual": ResidualMap.from_matrix(residual()), "attn.0": AttentionMap(attn.qk, ov_map, attn.query_perm)}
+        maps = dict(undo.maps) | {
+            "residual": ResidualMap.from_matrix(residual()),
+            "attn.0": AttentionMap(attn.qk, ov_map, attn.query_perm),
+            "mlp.0": DenseMlpMap(units(), scale),
+        }
         return Transform(maps)
 
     interpolant = Interpolant(a, b)
@@ -41,4 +49,7 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
     out.logits.square().mean().backward()
     assert residual.weight.grad is not None and residual.weight.grad.abs().sum() > 0
     assert all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in ov)
+    assert units.scores.grad is not None and units.scores.grad.abs().sum() > 0
+    hardened = transform().maps["mlp.0"].harden()
+    assert torch.equal(hardened.map.perm, mlp.perm) and torch.equal(hardened.map.blocks, mlp.blocks)
     assert all(not p.requires_grad for p in interpolant.template.parameters())

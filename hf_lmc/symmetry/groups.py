@@ -232,3 +232,49 @@ class AttentionMap:
 
     def to(self, dtype=None, device=None) -> "AttentionMap":
         return AttentionMap(self.qk.to(dtype, device), self.ov.to(dtype, device), self.query_perm.to(device=device))
+
+
+@dataclass(frozen=True)
+class DenseMlpMap:
+    """MLP units mixed by a dense ``n x n`` matrix ``P`` (``y = P x``), with per-unit scales.
+
+    The trainable form of :class:`MlpMap` for learned matching: ``P`` comes from
+    :class:`~hf_lmc.symmetry.params.PermutationParam` (a hard permutation matrix in the forward
+    pass under the straight-through estimator, a doubly stochastic one under Sinkhorn). ``up``
+    rows get ``P (s x)``, ``gate`` rows ``P x`` and ``down`` columns ``P (x / s)``, which is the
+    exact symmetry whenever ``P`` is a permutation matrix. :meth:`harden` gives the
+    :class:`MlpMap` that export applies.
+    """
+
+    matrix: Tensor
+    scale: Tensor
+
+    ROLES = ("up", "gate", "down")
+
+    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+        x = t.movedim(axis, 0)
+        shape = x.shape
+        x = x.reshape(shape[0], -1)
+        scale = self.scale.to(dtype=x.dtype, device=x.device)[:, None]
+        if role == "up":
+            x = x * scale
+        elif role == "down":
+            x = x / scale
+        y = self.matrix.to(dtype=x.dtype, device=x.device) @ x
+        return y.reshape(shape).movedim(0, axis)
+
+    def harden(self) -> MlpMap:
+        """The permutation ``P`` is closest to (linear assignment), with the same scales."""
+        from ..matching.solvers import assign
+
+        perm = assign(self.matrix.detach())
+        return MlpMap(BlockMonomial.scaled_permutation(perm, self.scale.detach().double()))
+
+    def compose(self, first) -> MlpMap:
+        raise TypeError("a DenseMlpMap is a training-time relaxation; harden() it before composing")
+
+    def inverse(self) -> MlpMap:
+        raise TypeError("a DenseMlpMap is a training-time relaxation; harden() it before inverting")
+
+    def to(self, dtype=None, device=None) -> DenseMlpMap:
+        return DenseMlpMap(self.matrix.to(dtype=dtype, device=device), self.scale.to(dtype=dtype, device=device))

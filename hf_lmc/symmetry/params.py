@@ -164,4 +164,4 @@ class PermutationParam(nn.Module):
         soft = sinkhorn(self.scores, self.temperature)
         if self.method == "sinkhorn":
             return soft
-        return self.hard_matrix() + soft - soft.detach()  # straight-through: hard forward, soft gradient
+        return self.hard_matrix() + (soft - soft.detach())  # straight-through: exactly hard forward, soft gradient
