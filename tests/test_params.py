@@ -106,3 +106,22 @@ def test_polar_gradient_matches_finite_differences_even_at_the_identity():
     g = torch.Generator().manual_seed(5)
     for m in (torch.randn(4, 4, dtype=F64, generator=g), torch.eye(4, dtype=F64)):
         assert torch.autograd.gradcheck(_Polar.apply, (m.clone().requires_grad_(),))
+
+
+def test_rotary_param_commutes_with_rope_and_starts_at_init():
+    from hf_lmc.symmetry.params import RotaryParam
+    from hf_lmc.symmetry.sample import rotary_block
+
+    g = torch.Generator().manual_seed(7)
+    init = rotary_block(torch.rand(2, dtype=F64, generator=g) + 0.5, torch.rand(2, dtype=F64, generator=g) * 6, 4, 6, random_gl(2, g))
+    param = RotaryParam(6, 4, init=init, dtype=F64)
+    m, m_inv = param()
+    torch.testing.assert_close(m, init[0], rtol=0, atol=1e-12)
+    _perturb(param, seed=8)
+    m, m_inv = param()
+    torch.testing.assert_close(m @ m_inv, torch.eye(6, dtype=F64), rtol=0, atol=1e-10)
+    # Commutes with a RoPE rotation of the first 4 dims (pairs (0, 2) and (1, 3)), any angles.
+    rope, _ = rotary_block(torch.ones(2, dtype=F64), torch.tensor([0.3, 1.1], dtype=F64), 4, 6, (torch.eye(2, dtype=F64),) * 2)
+    torch.testing.assert_close(m @ rope, rope @ m, rtol=0, atol=1e-12)
+    m.sum().backward()
+    assert param.angles.grad is not None and param.log_scales.grad is not None and param.passthrough.weight.grad is not None

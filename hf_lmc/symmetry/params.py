@@ -165,3 +165,29 @@ class PermutationParam(nn.Module):
         if self.method == "sinkhorn":
             return soft
         return self.hard_matrix() + (soft - soft.detach())  # straight-through: exactly hard forward, soft gradient
+
+
+class RotaryParam(nn.Module):
+    """A trainable QK map that commutes with RoPE: per frequency pair a scale-rotation
+    ``exp(log_s) R(theta)``, plus a :class:`GLParam` block on the ``head_dim - rotary_dim``
+    pass-through dims. Starts at ``init = (M, M^{-1})`` (which must have that form)."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, *, init: tuple[Tensor, Tensor] | None = None, dtype=torch.float32):
+        super().__init__()
+        half = rotary_dim // 2
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        if init is None:
+            init = (torch.eye(head_dim, dtype=dtype), torch.eye(head_dim, dtype=dtype))
+        m, m_inv = (x.to(dtype) for x in init)
+        idx = torch.arange(half)
+        cos_part, sin_part = m[idx, idx], m[idx + half, idx]
+        self.log_scales = nn.Parameter(torch.log(torch.hypot(cos_part, sin_part)))
+        self.angles = nn.Parameter(torch.atan2(sin_part, cos_part))
+        rest = slice(rotary_dim, head_dim)
+        self.passthrough = GLParam(head_dim - rotary_dim, init=(m[rest, rest], m_inv[rest, rest]), dtype=dtype) if head_dim > rotary_dim else None
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        from .sample import rotary_block
+
+        passthrough = self.passthrough() if self.passthrough is not None else None
+        return rotary_block(self.log_scales.exp(), self.angles, self.rotary_dim, self.head_dim, passthrough)
