@@ -53,3 +53,26 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
     hardened = transform().maps["mlp.0"].harden()
     assert torch.equal(hardened.map.perm, mlp.perm) and torch.equal(hardened.map.blocks, mlp.blocks)
     assert all(not p.requires_grad for p in interpolant.template.parameters())
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
+    from hf_lmc.matching.trainable import TrainableTransform
+
+    config = tiny_configs()[arch]
+    model = build_model(config, seed=0, dtype=torch.float64)
+    a = hf_lmc.canonicalize(model)
+    moved = hf_lmc.random_symmetry(a.spec, seed=2)
+    b = moved.apply(a).materialize()
+    trainable = TrainableTransform(a.spec, moved.inverse(), dtype=torch.float64)
+
+    inputs = sample_inputs(config)
+    out = Interpolant(a, b)(trainable(), 0.5, **inputs)
+    assert relative_error(out.logits, logits(model, inputs)) < 1e-9
+    out.logits.square().mean().backward()
+    trained = [name for name, p in trainable.named_parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for name, p in trainable.named_parameters() if p.requires_grad), trained
+
+    hardened = trainable.harden()  # exact group element: the export path reproduces A
+    merged = hf_lmc.to_hf(hf_lmc.interpolate(a, hardened.apply(b), 0.5))
+    assert relative_error(logits(merged, inputs), logits(model, inputs)) < 1e-9

@@ -1,0 +1,89 @@
+"""A whole model's symmetry transform as trainable parameters (learned and dual matching).
+
+:class:`TrainableTransform` mirrors a :class:`~hf_lmc.Transform` space by space: the residual
+map becomes an :class:`OrthogonalParam`, each KV head's QK map a :class:`GLParam` (or a
+:class:`RotaryParam` under RoPE), each OV map a :class:`GLParam`, each layer's MLP units a
+:class:`PermutationParam` (with learnable log-scales for SwiGLU). Head assignments stay as
+initialised. ``forward()`` returns the current :class:`~hf_lmc.Transform` (differentiable);
+``harden()`` returns the exact group element export applies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..spec import ArchSpec
+from ..symmetry import AttentionMap, BlockMonomial, DenseMlpMap, MlpMap, ResidualMap, Transform
+from ..symmetry.params import GLParam, OrthogonalParam, PermutationParam, RotaryParam
+
+
+class _AttentionParams(nn.Module):
+    def __init__(self, spec: ArchSpec, init: AttentionMap | None, dtype):
+        super().__init__()
+        kv, dh = spec.num_kv_heads, spec.head_dim
+        eye = BlockMonomial.identity(kv, dh, dtype=dtype)
+        qk = init.qk if init is not None else eye
+        ov = init.ov if init is not None else eye
+        self.register_buffer("kv_perm", qk.perm.clone())
+        self.register_buffer("query_perm", init.query_perm.clone() if init is not None else torch.arange(spec.num_heads))
+        if spec.rotary_dim:
+            self.qk = nn.ModuleList(RotaryParam(dh, spec.rotary_dim, init=(qk.blocks[h], qk.inverse_blocks[h]), dtype=dtype) for h in range(kv))
+        else:
+            self.qk = nn.ModuleList(GLParam(dh, init=(qk.blocks[h], qk.inverse_blocks[h]), dtype=dtype) for h in range(kv))
+        self.ov = nn.ModuleList(GLParam(dh, init=(ov.blocks[h], ov.inverse_blocks[h]), dtype=dtype) for h in range(kv))
+
+    def forward(self) -> AttentionMap:
+        def monomial(params):
+            pairs = [p() for p in params]
+            return BlockMonomial(self.kv_perm, torch.stack([m for m, _ in pairs]), torch.stack([inv for _, inv in pairs]))
+
+        return AttentionMap(monomial(self.qk), monomial(self.ov), self.query_perm)
+
+
+class _MlpParams(nn.Module):
+    def __init__(self, spec: ArchSpec, init: MlpMap | None, permutations: str, dtype):
+        super().__init__()
+        n = spec.intermediate_size
+        perm = init.map.perm if init is not None else torch.arange(n)
+        scale = init.map.blocks[:, 0, 0].to(dtype) if init is not None else torch.ones(n, dtype=dtype)
+        self.units = PermutationParam(n, init=perm, method=permutations, dtype=dtype)
+        self.log_scale = nn.Parameter(scale.log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
+
+    def forward(self) -> DenseMlpMap:
+        return DenseMlpMap(self.units(), self.log_scale.exp())
+
+
+class TrainableTransform(nn.Module):
+    """Trainable parameters for every symmetry of ``spec``, starting at ``init`` (identity if None)."""
+
+    def __init__(
+        self,
+        spec: ArchSpec,
+        init: Transform | None = None,
+        *,
+        permutations: str = "ste",
+        orthogonal: str = "cayley",
+        dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        maps = init.maps if init is not None else {}
+        residual = maps.get("residual")
+        self.residual = OrthogonalParam(
+            spec.hidden_size, init=residual.matrix if residual is not None else None, method=orthogonal, fix_ones=spec.centred, dtype=dtype
+        )
+        self.attention = nn.ModuleList(_AttentionParams(spec, maps.get(f"attn.{i}"), dtype) for i in range(spec.num_layers))
+        self.mlp = nn.ModuleList(_MlpParams(spec, maps.get(f"mlp.{i}"), permutations, dtype) for i in range(spec.num_layers))
+
+    def forward(self) -> Transform:
+        maps = {"residual": ResidualMap.from_matrix(self.residual())}
+        for i, (attn, mlp) in enumerate(zip(self.attention, self.mlp)):
+            maps[f"attn.{i}"], maps[f"mlp.{i}"] = attn(), mlp()
+        return Transform(maps)
+
+    @torch.no_grad()
+    def harden(self) -> Transform:
+        """The exact group element the parameters currently select (soft permutations hardened)."""
+        current = self()
+        maps = {space: element.harden() if isinstance(element, DenseMlpMap) else element for space, element in current.maps.items()}
+        return Transform(maps).to(torch.float64)
