@@ -13,14 +13,18 @@ from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
+def _twin(arch: str, seed: int):
+    """A float64 model, its canonical form A, and B = A moved by a random symmetry; plus the undo."""
     config = tiny_configs()[arch]
     model = build_model(config, seed=0, dtype=torch.float64)
     a = hf_lmc.canonicalize(model)
-    moved = hf_lmc.random_symmetry(a.spec, seed=1)
-    b = moved.apply(a).materialize()
-    undo = moved.inverse()  # the exact alignment, as weight matching would find it
+    moved = hf_lmc.random_symmetry(a.spec, seed=seed)
+    return config, model, a, moved.apply(a).materialize(), moved.inverse()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
+    config, model, a, b, undo = _twin(arch, seed=1)  # undo: the exact alignment weight matching would find
 
     # Trainable residual map and layer-0 OV maps, initialised at the exact alignment.
     residual = OrthogonalParam(a.spec.hidden_size, init=undo.maps["residual"].matrix, method="cayley", fix_ones=a.spec.centred, dtype=torch.float64)
@@ -59,12 +63,8 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
 def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
     from hf_lmc.matching.trainable import TrainableTransform
 
-    config = tiny_configs()[arch]
-    model = build_model(config, seed=0, dtype=torch.float64)
-    a = hf_lmc.canonicalize(model)
-    moved = hf_lmc.random_symmetry(a.spec, seed=2)
-    b = moved.apply(a).materialize()
-    trainable = TrainableTransform(a.spec, moved.inverse(), dtype=torch.float64)
+    config, model, a, b, undo = _twin(arch, seed=2)
+    trainable = TrainableTransform(a.spec, undo, dtype=torch.float64)
 
     inputs = sample_inputs(config)
     out = Interpolant(a, b)(trainable(), 0.5, **inputs)
