@@ -40,10 +40,15 @@ class Interpolant(nn.Module):
             p.requires_grad_(False)
         self.template = template
 
-    def state(self, transform: Transform, alpha: float | Tensor) -> dict[str, Tensor]:
-        """The HF state dict of the interpolant (differentiable in ``transform`` and ``alpha``)."""
-        merged = interpolate(self.a, transform.apply(self.b), alpha)
+    def state(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None) -> dict[str, Tensor]:
+        """The HF state dict of the interpolant (differentiable in the transforms and ``alpha``).
+
+        ``transform_a`` moves A as well (dual matching); by default A stays as it is.
+        """
+        a = transform_a.apply(self.a) if transform_a is not None else self.a
+        merged = interpolate(a, transform.apply(self.b), alpha)
         return {k: v for group in hf_state_dict_groups(merged, self.config) for k, v in group.items()}
 
-    def forward(self, transform: Transform, alpha: float | Tensor, **batch):
-        return functional_call(self.template, self.state(transform, alpha), args=(), kwargs=batch, tie_weights=False, strict=False)
+    def forward(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None, **batch):
+        state = self.state(transform, alpha, transform_a)
+        return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
