@@ -50,3 +50,26 @@ def test_bad_options_are_rejected():
         DualMatcher(model, model, init="random")
     with pytest.raises(ValueError, match="lambda_range"):
         DualMatcher(model, model, lambda_range=(0.6, 0.4))
+
+
+def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(3)]
+
+    def fresh():
+        torch.manual_seed(0)  # lambda draws
+        return LearnedMatcher(model_a, model_b, dtype=torch.float64)
+
+    straight = fresh()
+    losses = straight.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, progress=False)
+    assert len(losses) == 6
+
+    first = fresh()
+    first.fit(batches, steps=4, lr=1e-2, gradient_accumulation_steps=2, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2, progress=False)
+    resumed = fresh()
+    rest = resumed.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, checkpoint_dir=tmp_path / "ckpt", resume=True, progress=False)
+    assert len(rest) == 2
+    for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
+        torch.testing.assert_close(p, q, msg=name)

@@ -9,8 +9,14 @@ each endpoint at ``alpha = 0`` and ``alpha = 1``.
 
 from __future__ import annotations
 
+import itertools
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..canonical import canonicalize, interpolate, to_hf
@@ -20,6 +26,7 @@ from .trainable import TrainableTransform
 from .weight import WeightMatcher
 
 INITS = ("weight", "identity")
+_PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 
 
 class DualMatcher(nn.Module):
@@ -76,6 +83,60 @@ class DualMatcher(nn.Module):
             inputs["labels"] = inputs["input_ids"]  # causal LM: next-token loss
         transform_a = self.transform_a() if self.transform_a is not None else None
         return self.interpolant(self.transform_b(), alpha, transform_a, **inputs).loss
+
+    def fit(
+        self,
+        batches: Iterable[dict[str, Tensor]],
+        *,
+        steps: int,
+        lr: float = 1e-3,
+        accelerator=None,
+        gradient_accumulation_steps: int = 1,
+        mixed_precision: str = "no",
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+        resume: bool = False,
+        progress: bool = True,
+    ) -> list[float]:
+        """Train the transforms for ``steps`` batches with Adam under :mod:`accelerate`.
+
+        ``batches`` is cycled. With ``checkpoint_dir``, ``accelerator.save_state`` runs every
+        ``checkpoint_every`` steps (and at the end); ``resume=True`` continues from the last
+        saved step, replaying the data order. Returns the loss of every step.
+        """
+        from accelerate import Accelerator
+
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        if accelerator is None:
+            accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
+        optimizer = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=lr)
+        model, optimizer = accelerator.prepare(self, optimizer)
+        folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        start = 0
+        if resume and folder is not None and (folder / _PROGRESS).is_file():
+            accelerator.load_state(str(folder))
+            start = json.loads((folder / _PROGRESS).read_text())["step"]
+        stream = itertools.cycle(batches)
+        for _ in range(start):  # replay the data order up to where the saved run stopped
+            next(stream)
+        losses = []
+        bar = tqdm(range(start, steps), desc="learned matching", disable=not progress or not accelerator.is_local_main_process)
+        for step in bar:
+            batch = {k: v.to(accelerator.device) for k, v in next(stream).items()}
+            with accelerator.accumulate(model):
+                loss = model(batch)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            last = step + 1 == steps
+            if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
+                accelerator.save_state(str(folder))
+                if accelerator.is_main_process:
+                    (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
+        return losses
 
     def transforms(self) -> tuple[Transform, Transform]:
         """The exact (hardened) transforms of A and B the parameters currently select."""
