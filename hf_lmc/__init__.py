@@ -8,7 +8,7 @@ from .adapters import UnsupportedModelError
 from .barriers import BarrierResult, barrier
 from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
 from .checkpoint import CheckpointError
-from .matching import WeightMatcher
+from .matching import DualMatcher, LearnedMatcher, WeightMatcher
 from .pipeline import MergeResult, merge
 from .spec import ArchSpec
 from .symmetry import Transform, random_symmetry
@@ -23,6 +23,8 @@ __all__ = [
     "ArchSpec",
     "CanonicalModel",
     "CheckpointError",
+    "DualMatcher",
+    "LearnedMatcher",
     "Transform",
     "UnsupportedModelError",
     "WeightMatcher",

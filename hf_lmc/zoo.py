@@ -132,7 +132,7 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @functools.lru_cache(maxsize=1)
-def _train_tokens() -> torch.Tensor:
+def train_tokens() -> torch.Tensor:
     """The training plays as one token stream (the tokenizer maps characters one to one)."""
     vocab = char_tokenizer().get_vocab()
     return torch.tensor([vocab[c] for c in "\n\n".join(shakespeare()[0])], dtype=torch.long)
@@ -216,7 +216,7 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
     if entry.model_type == "vit":
         batches = _image_batches(entry, digits()[0], generator)
     else:
-        batches = _lm_batches(entry, _train_tokens(), generator)
+        batches = _lm_batches(entry, train_tokens(), generator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=entry.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
     def schedule(step: int) -> float:  # linear warmup, cosine decay to 10 %
