@@ -120,23 +120,24 @@ class _ShardWriter:
 
 
 def _copy_file(src, dst, size: int) -> None:
-    """Append ``size`` bytes of ``src`` to ``dst``: in the kernel where the OS can, else in Python."""
+    """Append ``size`` bytes of ``src`` to ``dst``: in the kernel where the OS can, else in Python.
+
+    Whatever the kernel copied before stopping or failing stays; Python copies the rest.
+    """
     dst.flush()
+    copied = 0
     try:
-        copied = 0
         while copied < size:
             n = os.copy_file_range(src.fileno(), dst.fileno(), size - copied)
             if n == 0:
                 break
             copied += n
-        if copied == size:
-            return
+    except (AttributeError, OSError):  # no copy_file_range (not Linux) or not across these files
+        pass
+    if copied < size:
         src.seek(copied)
         dst.seek(0, os.SEEK_END)
-    except (AttributeError, OSError):  # no copy_file_range (not Linux) or not across these files
-        src.seek(0)
-        dst.seek(0, os.SEEK_END)
-    shutil.copyfileobj(src, dst, 16 << 20)
+        shutil.copyfileobj(src, dst, 16 << 20)
 
 
 def write_checkpoint(

@@ -1,4 +1,4 @@
-"""Dense decompositions run single-threaded.
+"""Shared linear-algebra helpers. Dense decompositions run single-threaded.
 
 Measured on this project's 2-core CPU machines (torch 2.13 CPU wheel): multi-threaded LAPACK
 decompositions are pathologically slow — SVD of a 2048² float64 matrix 56 s with 2 threads vs
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 
@@ -33,3 +34,14 @@ def single_threaded(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def householder_to_first(d: int, dtype=torch.float64, device=None) -> torch.Tensor | None:
+    """Unit ``v`` such that ``H = I - 2 v v^T`` swaps ``u = 1/sqrt(d)`` and ``e_1`` (``None`` if d == 1).
+
+    In that frame the maps of ``1-perp`` that fix ``u`` are exactly ``diag(1, X)``.
+    """
+    v = torch.full((d,), 1.0 / math.sqrt(d), dtype=dtype, device=device)
+    v[0] -= 1.0
+    norm = v.norm()
+    return None if norm < 1e-12 else v / norm

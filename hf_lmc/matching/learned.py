@@ -63,6 +63,7 @@ class DualMatcher(nn.Module):
         if not 0.0 <= low <= high <= 1.0:
             raise ValueError(f"lambda_range must satisfy 0 <= low <= high <= 1, got {lambda_range}")
         self.lambda_range = (float(low), float(high))
+        self.dtype = dtype
         a = canonicalize(model_a, dtype=dtype).materialize()
         b = canonicalize(model_b, dtype=dtype).materialize()
         start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
@@ -148,8 +149,7 @@ class DualMatcher(nn.Module):
         """A stock HF model computing ``(1 - alpha) T_A(A) + alpha T_B(B)`` with exact transforms."""
         transform_a, transform_b = self.transforms()
         a, b = self.interpolant.a, self.interpolant.b
-        dtype = next(iter(a.group("head").values())).dtype
-        return to_hf(interpolate(transform_a.to(dtype).apply(a), transform_b.to(dtype).apply(b), alpha))
+        return to_hf(interpolate(transform_a.to(self.dtype).apply(a), transform_b.to(self.dtype).apply(b), alpha))
 
 
 class LearnedMatcher(DualMatcher):

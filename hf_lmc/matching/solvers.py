@@ -7,14 +7,13 @@ data transforms as ``M x`` and "covector" data as ``M^{-T} x``. All math runs in
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from ..linalg import single_threaded
+from ..linalg import householder_to_first, single_threaded
 from ..symmetry.sample import rotary_block
 
 
@@ -32,12 +31,9 @@ def polar_fixing_ones(m: Tensor) -> Tensor:
     ``diag(1, X)``: ``X`` is the polar factor of ``(H m H)[1:, 1:]``. ``H`` acts in O(d^2), so
     this costs one (d-1) x (d-1) polar decomposition and no dense basis products.
     """
-    d = m.shape[0]
-    v = torch.full((d,), 1.0 / math.sqrt(d), dtype=m.dtype)
-    v[0] -= 1.0
-    if v.norm() < 1e-12:  # d == 1: the only such map is the identity
+    v = householder_to_first(m.shape[0], m.dtype, m.device)
+    if v is None:  # d == 1: the only such map is the identity
         return torch.ones_like(m)
-    v /= v.norm()
 
     def reflect(x: Tensor) -> Tensor:  # H x H with H = I - 2 v v^T
         x = x - 2 * torch.outer(v, v @ x)
@@ -49,11 +45,19 @@ def polar_fixing_ones(m: Tensor) -> Tensor:
     return reflect(inner)
 
 
+_LARGE = 1 << 20  # cost matrices at least this big reuse one buffer (small ones are cheap to allocate)
+
+
 @functools.lru_cache(maxsize=1)
 def _cost_buffer(shape: tuple[int, int]) -> Tensor:
-    """One reused float64 cost matrix: MLP assignments are all one size, and allocating (and
-    page-faulting) a fresh 0.5 GB array per layer costs as much as the assignment itself."""
+    """One reused float64 cost matrix for the large (MLP) assignments, which are all one size:
+    allocating and page-faulting a fresh 0.5 GB array per layer costs as much as the assignment."""
     return torch.empty(shape, dtype=torch.float64)
+
+
+def release_assignment_buffer() -> None:
+    """Free the reused cost matrix (after a matching run)."""
+    _cost_buffer.cache_clear()
 
 
 def assign(similarity: Tensor) -> Tensor:
@@ -62,7 +66,8 @@ def assign(similarity: Tensor) -> Tensor:
     ``similarity[i, j]`` compares target block ``i`` with source block ``j``; the result
     sends source ``j`` to position ``perm[j]`` (the convention of :class:`BlockMonomial`).
     """
-    cost = _cost_buffer(similarity.shape)
+    shape = tuple(similarity.shape)
+    cost = _cost_buffer(shape) if similarity.numel() >= _LARGE else torch.empty(shape, dtype=torch.float64)
     cost.copy_(similarity.detach()).neg_()  # scipy minimises a C-contiguous float64 array without copying it
     rows, cols = linear_sum_assignment(cost.numpy())
     perm = torch.empty(similarity.shape[1], dtype=torch.long)
@@ -100,11 +105,6 @@ class Moments:
                 m[index][:, index]
                 for m in (self.vec_aa, self.vec_bb, self.vec_ab, self.cov_aa, self.cov_bb, self.cov_ab)
             )
-        )
-
-    def double(self) -> "Moments":
-        return Moments(
-            *(m.double() for m in (self.vec_aa, self.vec_bb, self.vec_ab, self.cov_aa, self.cov_bb, self.cov_ab))
         )
 
 

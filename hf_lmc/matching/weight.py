@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..canonical import CanonicalModel
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
-from .solvers import Moments, _cost_buffer, assign, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones
+from .solvers import Moments, assign, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones, release_assignment_buffer
 
 
 def _residual_axis(name: str) -> int | None:
@@ -125,7 +125,7 @@ class WeightMatcher:
             if not predicted < current * (1 - self.tol) or best_objective < EXACT:
                 break
             residual = refit
-        _cost_buffer.cache_clear()
+        release_assignment_buffer()
         return best
 
     def _cast(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -182,17 +182,17 @@ class WeightMatcher:
         qa, ka, va, oa = heads(a)
         qb, kb, vb, ob = heads(b)
         group = torch.arange(h) // g
-        # The head assignment ranks heads by circuit similarities from (heads, heads, dh, dh) cross
-        # blocks and (heads, dh, dh) self blocks, one matmul each in the working dtype.
-        qq, kk, vv, oo = (
-            _block_products(qa, qb),
-            _block_products(ka, kb),
-            _block_products(va, vb),
-            _block_products(oa, ob),
-        )
-        self_a = [x @ x.mT for x in (qa, ka, va, oa)]
-        self_b = [x @ x.mT for x in (qb, kb, vb, ob)]
         if "heads" in self.kinds:
+            # Heads are ranked by circuit similarities from (heads, heads, dh, dh) cross blocks and
+            # (heads, dh, dh) self blocks, one matmul each in the working dtype.
+            qq, kk, vv, oo = (
+                _block_products(qa, qb),
+                _block_products(ka, kb),
+                _block_products(va, vb),
+                _block_products(oa, ob),
+            )
+            self_a = [x @ x.mT for x in (qa, ka, va, oa)]
+            self_b = [x @ x.mT for x in (qb, kb, vb, ob)]
             # Circuit similarities <Q_i^T K_i, Q_j^T K_j> = <Q_i Q_j^T, K_i K_j^T>, and for OV.
             qk = (qq * kk[group][:, group]).sum((-1, -2)) / _circuit_norms(
                 self_a[0], self_a[1][group], self_b[0], self_b[1][group]

@@ -21,11 +21,11 @@ matching's solution (DESIGN §4). Groundwork for ``LearnedMatcher`` / ``DualMatc
 
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import Tensor, nn
 
+from ..linalg import householder_to_first
 from ..matching.solvers import assign
 
 ORTHOGONAL_METHODS = ("cayley", "exp", "polar")
@@ -34,12 +34,9 @@ PERMUTATION_METHODS = ("ste", "sinkhorn")
 
 def _householder_to_e1(d: int, dtype, device) -> Tensor:
     """The symmetric orthogonal ``H`` with ``H u = e_1`` for ``u = 1/sqrt(d)``."""
-    v = torch.full((d,), 1.0 / math.sqrt(d), dtype=dtype, device=device)
-    v[0] -= 1.0
-    if v.norm() < 1e-12:
-        return torch.eye(d, dtype=dtype, device=device)
-    v = v / v.norm()
-    return torch.eye(d, dtype=dtype, device=device) - 2 * torch.outer(v, v)
+    eye = torch.eye(d, dtype=dtype, device=device)
+    v = householder_to_first(d, dtype, device)
+    return eye if v is None else eye - 2 * torch.outer(v, v)
 
 
 def _skew(a: Tensor) -> Tensor:
