@@ -98,6 +98,14 @@ ZOO: dict[str, ZooEntry] = {
 }
 
 
+def _entry(name: str | ZooEntry) -> ZooEntry:
+    if isinstance(name, ZooEntry):
+        return name
+    if name not in ZOO:
+        raise ValueError(f"no zoo entry {name!r}; choose from {', '.join(ZOO)}")
+    return ZOO[name]
+
+
 def cache_dir() -> Path:
     """Where trained zoo models live: ``$HF_LMC_CACHE`` or ``~/.cache/hf_lmc/zoo``."""
     return Path(os.environ.get("HF_LMC_CACHE", Path.home() / ".cache" / "hf_lmc")) / "zoo"
@@ -159,7 +167,7 @@ def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
     LMs: ``size`` characters as evenly spaced 2 KB excerpts of the held-out plays (so the loss
     covers both plays, not just an opening cast list). ViT: the held-out digits as batches.
     """
-    entry = ZOO[name] if isinstance(name, str) else name
+    entry = _entry(name)
     if entry.model_type == "vit":
         test = digits()[1]
         n = len(test["labels"])
@@ -205,7 +213,7 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
 
     ``seed`` sets both the initialisation and the data order.
     """
-    entry = ZOO[entry] if isinstance(entry, str) else entry
+    entry = _entry(entry)
     folder = (cache or cache_dir()) / entry.key(seed)
     if (folder / "config.json").is_file() and (folder / "zoo.json").is_file():
         return folder

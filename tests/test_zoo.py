@@ -22,6 +22,8 @@ def test_shipped_corpus_splits_by_whole_play():
     text = held[0][:500]
     assert tokenizer.decode(tokenizer(text)["input_ids"]).replace(" ", "") == text.replace(" ", "")  # no unknowns
     assert sum(map(len, zoo.held_out("gpt2", size=8192))) == 8192
+    with pytest.raises(ValueError, match="no zoo entry 'bert'"):
+        zoo.held_out("bert")
 
 
 @pytest.mark.parametrize("name", ["gpt2", "pythia", "llama", "vit"])
