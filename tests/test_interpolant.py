@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hf_lmc
 from hf_lmc.matching.interpolant import Interpolant
 from hf_lmc.symmetry import AttentionMap, BlockMonomial, DenseMlpMap, ResidualMap, Transform
 from hf_lmc.symmetry.params import GLParam, OrthogonalParam, PermutationParam
 from hf_lmc.verify import tiny_configs
-from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs
+from tests.models import ARCHITECTURES, CONFIGS, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
 
 
-def _twin(arch: str, seed: int):
+def _twin(config, seed: int):
     """A float64 model, its canonical form A, and B = A moved by a random symmetry; plus the undo."""
-    config = tiny_configs()[arch]
-    model = build_model(config, seed=0, dtype=torch.float64)
+    model = build_model(config, seed=seed, dtype=torch.float64)
     a = hf_lmc.canonicalize(model)
     moved = hf_lmc.random_symmetry(a.spec, seed=seed)
     return config, model, a, moved.apply(a).materialize(), moved.inverse()
@@ -24,7 +25,7 @@ def _twin(arch: str, seed: int):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
-    config, model, a, b, undo = _twin(arch, seed=1)  # undo: the exact alignment weight matching would find
+    config, model, a, b, undo = _twin(tiny_configs()[arch], seed=1)  # undo: the exact alignment weight matching would find
 
     # Trainable residual map and layer-0 OV maps, initialised at the exact alignment.
     residual = OrthogonalParam(a.spec.hidden_size, init=undo.maps["residual"].matrix, method="cayley", fix_ones=a.spec.centred, dtype=torch.float64)
@@ -61,18 +62,25 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
+    """Over randomised configs: exact at init, gradients reach every parameter, exact hardened export."""
     from hf_lmc.matching.trainable import TrainableTransform
 
-    config, model, a, b, undo = _twin(arch, seed=2)
-    trainable = TrainableTransform(a.spec, undo, dtype=torch.float64)
+    @settings(max_examples=4, deadline=None)
+    @given(config=CONFIGS[arch](), seed=st.integers(0, 2**16))
+    def run(config, seed):
+        with float64_rmsnorm():
+            _, model, a, b, undo = _twin(config, seed)
+            trainable = TrainableTransform(a.spec, undo, dtype=torch.float64)
+            inputs = sample_inputs(config, seed=seed)
+            expected = logits(model, inputs)
+            out = Interpolant(a, b)(trainable(), 0.5, **inputs)
+            assert relative_error(out.logits, expected) < 1e-9
+            out.logits.square().mean().backward()
+            trained = [name for name, p in trainable.named_parameters() if p.requires_grad]
+            assert trained and all(p.grad is not None for _, p in trainable.named_parameters() if p.requires_grad), trained
 
-    inputs = sample_inputs(config)
-    out = Interpolant(a, b)(trainable(), 0.5, **inputs)
-    assert relative_error(out.logits, logits(model, inputs)) < 1e-9
-    out.logits.square().mean().backward()
-    trained = [name for name, p in trainable.named_parameters() if p.requires_grad]
-    assert trained and all(p.grad is not None for name, p in trainable.named_parameters() if p.requires_grad), trained
+            hardened = trainable.harden()  # exact group element: the export path reproduces A
+            merged = hf_lmc.to_hf(hf_lmc.interpolate(a, hardened.apply(b), 0.5))
+            assert relative_error(logits(merged, inputs), expected) < 1e-9
 
-    hardened = trainable.harden()  # exact group element: the export path reproduces A
-    merged = hf_lmc.to_hf(hf_lmc.interpolate(a, hardened.apply(b), 0.5))
-    assert relative_error(logits(merged, inputs), logits(model, inputs)) < 1e-9
+    run()
