@@ -8,7 +8,7 @@ from .adapters import UnsupportedModelError
 from .barriers import BarrierResult, barrier
 from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
 from .checkpoint import CheckpointError
-from .matching import DualMatcher, LearnedMatcher, WeightMatcher
+from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, WeightMatcher
 from .pipeline import MergeResult, merge
 from .spec import ArchSpec
 from .symmetry import Transform, random_symmetry
@@ -16,6 +16,7 @@ from .symmetry import Transform, random_symmetry
 __version__ = "0.1.0"
 
 __all__ = [
+    "ActivationMatcher",
     "BarrierResult",
     "MergeResult",
     "barrier",

@@ -2,8 +2,8 @@
 
 ``barrier = max_alpha [ L((1-alpha) A + alpha B) - ((1-alpha) L(A) + alpha L(B)) ]`` over an
 evenly spaced alpha grid (11 points by default). ``average`` interpolates the stock HF
-parameters as they are (the vanilla baseline); ``weight`` interpolates canonical forms after
-aligning B to A with :class:`~hf_lmc.WeightMatcher`.
+parameters as they are (the vanilla baseline); every other method of :mod:`hf_lmc.alignment`
+interpolates canonical forms after aligning the models.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from transformers import PreTrainedModel
 from .canonical import canonicalize, interpolate, to_hf
 from .evaluation import EvalOptions, evaluate, load_batches
 from .loading import LoadedModel, load_model
-from .matching import WeightMatcher
-
-METHODS = ("average", "weight")
+from .alignment import DATA_METHODS, LearnOptions, align, check_method
+from .symmetry import Transform
 
 
 @dataclass
@@ -73,27 +72,48 @@ def barrier(
     model_b,
     data,
     *,
-    methods=METHODS,
+    methods=("average", "weight"),
     alphas: int | list[float] = 11,
     symmetries="full",
     eval_options: EvalOptions = EvalOptions(),
+    fit_data=None,
+    fit_options: EvalOptions = EvalOptions(split="train"),
+    learn: LearnOptions = LearnOptions(),
     revision_a: str | None = None,
     revision_b: str | None = None,
     progress: bool = True,
 ) -> BarrierResult:
     """Evaluate the linear path between two models for each method in ``methods``.
 
-    Models are HF model instances, local folders or Hub ids; ``data`` is anything
-    :func:`hf_lmc.evaluation.load_batches` accepts.
+    Models are HF model instances, local folders or Hub ids; ``data`` (held-out) and
+    ``fit_data`` (calibration / training data for activation, learned and dual matching) are
+    anything :func:`hf_lmc.evaluation.load_batches` accepts.
     """
-    unknown = set(methods) - set(METHODS)
-    if unknown:
-        raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {', '.join(METHODS)}")
+    for method in methods:
+        check_method(method, fit_data, flag="--fit-data")
     a, b = load_model(model_a, revision_a), load_model(model_b, revision_b)
-    return barrier_of_loaded(a, b, data, methods=methods, alphas=alphas, symmetries=symmetries, eval_options=eval_options, progress=progress)
+    fit_batches = load_batches(fit_data, a.model.config, a.folder, fit_options) if fit_data is not None else None
+    return barrier_of_loaded(
+        a, b, data, methods=methods, alphas=alphas, symmetries=symmetries, eval_options=eval_options, progress=progress,
+        fit_batches=fit_batches, learn=learn,
+    )
 
 
-def barrier_of_loaded(a: LoadedModel, b: LoadedModel, data, *, methods, alphas, symmetries, eval_options, progress) -> BarrierResult:
+def barrier_of_loaded(
+    a: LoadedModel,
+    b: LoadedModel,
+    data,
+    *,
+    methods,
+    alphas,
+    symmetries,
+    eval_options,
+    progress,
+    fit_batches=None,
+    learn: LearnOptions = LearnOptions(),
+    transforms: dict[str, tuple[Transform, Transform]] | None = None,
+) -> BarrierResult:
+    """:func:`barrier` for loaded models; ``transforms`` holds alignments already computed."""
     grid = alpha_grid(alphas) if isinstance(alphas, int) else list(alphas)
     batches = load_batches(data, a.model.config, a.folder, eval_options)
     result = BarrierResult(grid)
@@ -105,9 +125,17 @@ def barrier_of_loaded(a: LoadedModel, b: LoadedModel, data, *, methods, alphas, 
             models = (_lerp_state(scratch, state_a, state_b, alpha) for alpha in grid)
         else:
             ca, cb = canonicalize(a.model), canonicalize(b.model)
-            transform = WeightMatcher(symmetries, progress=False).fit(ca, cb)
-            aligned = transform.to(next(a.model.parameters()).dtype).apply(cb).materialize()
-            models = (to_hf(interpolate(ca, aligned, alpha)) for alpha in grid)
+            if transforms and method in transforms:
+                transform_a, transform_b = transforms[method]
+            else:
+                transform_a, transform_b = align(
+                    method, ca, cb, symmetries=symmetries, batches=fit_batches if method in DATA_METHODS else None,
+                    learn=learn, progress=False,
+                )
+            dtype = next(a.model.parameters()).dtype
+            moved_a = transform_a.to(dtype).apply(ca).materialize() if transform_a.maps else ca
+            moved_b = transform_b.to(dtype).apply(cb).materialize()
+            models = (to_hf(interpolate(moved_a, moved_b, alpha)) for alpha in grid)
         for model in models:
             scores = evaluate(model, batches)
             result.losses.setdefault(method, []).append(scores.loss)

@@ -8,7 +8,7 @@ time, and transforms / interpolations compose lazily on top without copying the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +30,8 @@ class CanonicalModel:
     Attributes:
         spec: shapes and structure (``hidden_size``, heads, rotary dims, norm kind, ...).
         config: the source model's HF config; export starts from it.
-        load_group: ``group -> {canonical name: tensor}``; may read from disk on each call.
+        load_group: ``group -> {canonical name: tensor}``; may read from disk on each call, and
+            returns a fresh dict each time (callers may empty it to free tensors early).
     """
 
     spec: ArchSpec
@@ -64,7 +65,8 @@ class CanonicalModel:
         """A lazy view with ``fn(name, tensor)`` applied to every tensor."""
 
         def load(group: Group) -> dict[str, Tensor]:
-            return {name: fn(name, t) for name, t in self.load_group(group).items()}
+            tensors = self.load_group(group)  # a fresh dict: draining frees each source tensor once mapped
+            return {name: fn(name, t) for name, t in drain(tensors)}
 
         return CanonicalModel(self.spec, self.config, load)
 
@@ -81,10 +83,16 @@ def interpolate(a: CanonicalModel, b: CanonicalModel, alpha: float) -> Canonical
         raise ValueError(f"cannot interpolate models of different architectures: {a.spec} vs {b.spec}")
 
     def load(group: Group) -> dict[str, Tensor]:
-        ga, gb = a.group(group), b.group(group)
-        return {name: torch.lerp(t, gb[name].to(t.dtype), alpha) for name, t in ga.items()}
+        ga, gb = a.group(group), b.group(group)  # fresh dicts: popping frees each input once used
+        return {name: torch.lerp(t, gb.pop(name).to(t.dtype), alpha) for name, t in drain(ga)}
 
     return CanonicalModel(a.spec, a.config, load)
+
+
+def drain(tensors: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+    """``tensors.items()``, emptying the dict as it goes (so a consumed tensor can be freed)."""
+    for name in list(tensors):
+        yield name, tensors.pop(name)
 
 
 def from_state_dict(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str, Tensor]) -> CanonicalModel:
@@ -98,16 +106,18 @@ def from_state_dict(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str,
     return CanonicalModel(spec, config, lambda group: dict(by_group[group]))
 
 
-def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | None = None) -> CanonicalModel:
+def canonicalize(model: PreTrainedModel | CanonicalModel | str | Path, *, dtype: torch.dtype | None = None) -> CanonicalModel:
     """Rewrite a stock HF model exactly into canonical form (DESIGN §2).
 
     Args:
         model: a ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM``, ``LlamaForCausalLM`` or
             ``ViTForImageClassification`` instance (canonicalised in memory), or the path of a
             local checkpoint folder (``config.json`` + safetensors), which stays on disk and is
-            read lazily, one layer at a time.
+            read lazily, one layer at a time. A :class:`CanonicalModel` is returned as it is.
         dtype: compute and return canonical tensors in this dtype (default: the stored one).
     """
+    if isinstance(model, CanonicalModel):  # already canonical: only the dtype may change
+        return model.to(dtype) if dtype is not None else model
     if isinstance(model, PreTrainedModel):
         config = model.config
         adapter = adapter_for(config)
@@ -124,7 +134,7 @@ def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | No
         tensors = {}
         with torch.no_grad():
             for group in spec.groups():
-                tensors |= _convert(adapter.canonical_group(source, config, spec, group), dtype)
+                tensors |= _convert(adapter.canonical_group(_Widened(source, dtype), config, spec, group), dtype)
         return from_state_dict(spec, config, tensors)
     if isinstance(model, (str, Path)):
         folder = Path(model)
@@ -137,10 +147,36 @@ def canonicalize(model: PreTrainedModel | str | Path, *, dtype: torch.dtype | No
 
         def load(group: Group) -> dict[str, Tensor]:  # nothing cached: a model never sits in memory
             with torch.no_grad():
-                return _convert(adapter.canonical_group(checkpoint, config, spec, group), dtype)
+                return _convert(adapter.canonical_group(_Widened(checkpoint, dtype), config, spec, group), dtype)
 
         return CanonicalModel(spec, config, load)
     raise TypeError(f"canonicalize() takes a transformers model or a checkpoint folder, not {type(model).__name__}")
+
+
+class _Widened(Mapping[str, Tensor]):
+    """Source tensors read in the wider of their stored dtype and ``dtype``.
+
+    The canonical algebra (centring, norm folding) then rounds once, in the working precision,
+    rather than once in a narrow stored dtype (float16) and again on conversion.
+    """
+
+    def __init__(self, source: Mapping[str, Tensor], dtype: torch.dtype | None):
+        self.source, self.dtype = source, dtype
+
+    def __getitem__(self, key: str) -> Tensor:
+        t = self.source[key]
+        if self.dtype is None or not t.is_floating_point():
+            return t
+        return t.to(torch.promote_types(t.dtype, self.dtype))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.source
 
 
 def _convert(tensors: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:

@@ -13,12 +13,16 @@ examples:
   hf-lmc merge org/model-a org/model-b --output ./merged              # weight matching, alpha 0.5
   hf-lmc merge ./a ./b --output ./merged --eval-data plays.txt --push-to-hub user/merged
   hf-lmc merge ./a ./b --output ./avg --method average                # vanilla baseline
+  hf-lmc merge ./a ./b --output ./act --method activation --data train.txt      # align on activations
+  hf-lmc merge ./a ./b --output ./dual --method dual --data train.txt --steps 200   # both learn
   hf-lmc barrier ./a ./b --data plays.txt --plot path.png             # vanilla vs aligned path
+  hf-lmc barrier ./a ./b --data test.txt --method learned --fit-data train.txt
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
 """
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
+METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -50,10 +54,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _eval_options(args: argparse.Namespace):
+def _eval_options(args: argparse.Namespace, split: str | None = None):
     from .evaluation import EvalOptions
 
-    return EvalOptions(batch_size=args.batch_size, seq_len=args.seq_len, max_batches=args.max_batches, split=args.split)
+    return EvalOptions(batch_size=args.batch_size, seq_len=args.seq_len, max_batches=args.max_batches, split=split or args.split)
+
+
+def _learn_options(args: argparse.Namespace):
+    from .alignment import LearnOptions
+
+    return LearnOptions(steps=args.steps, lr=args.lr, permutations=args.permutations, orthogonal=args.orthogonal)
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -62,6 +72,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     result = merge(
         args.model_a, args.model_b, args.output,
         method=args.method, alpha=args.alpha, symmetries=args.symmetries,
+        data=args.data, data_options=_eval_options(args, args.data_split), learn=_learn_options(args),
         revision_a=args.revision_a, revision_b=args.revision_b, dtype=args.dtype, shard_size=args.shard_size,
         eval_data=args.eval_data, eval_options=_eval_options(args), alphas=args.alphas,
         push_to_hub=args.push_to_hub, private=args.private, overwrite=args.overwrite,
@@ -80,7 +91,8 @@ def cmd_barrier(args: argparse.Namespace) -> int:
     methods = ("average",) if args.method == "average" else ("average", args.method)
     result = barrier(
         args.model_a, args.model_b, args.data, methods=methods, alphas=args.alphas, symmetries=args.symmetries,
-        eval_options=_eval_options(args), revision_a=args.revision_a, revision_b=args.revision_b,
+        eval_options=_eval_options(args), fit_data=args.fit_data, fit_options=_eval_options(args, args.data_split),
+        learn=_learn_options(args), revision_a=args.revision_a, revision_b=args.revision_b,
     )
     if args.plot:
         plot(result, args.plot)
@@ -103,10 +115,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _add_eval_options(parser: argparse.ArgumentParser, title: str) -> None:
     group = parser.add_argument_group(title)
     group.add_argument("--alphas", type=int, default=11, metavar="N", help="points on the alpha grid (default: 11)")
-    group.add_argument("--batch-size", type=int, default=8, metavar="N", help="evaluation batch size (default: 8)")
+    group.add_argument("--batch-size", type=int, default=8, metavar="N", help="batch size of every data set (default: 8)")
     group.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per block (default: min(128, context))")
-    group.add_argument("--max-batches", type=int, default=None, metavar="N", help="evaluate on at most N batches")
-    group.add_argument("--split", default="test", help="dataset split for a datasets id (default: test)")
+    group.add_argument("--max-batches", type=int, default=None, metavar="N", help="use at most N batches of each data set")
+    group.add_argument("--split", default="test", help="split of a datasets id for evaluation (default: test)")
+    group.add_argument("--data-split", default="train", metavar="SPLIT", help="split of a datasets id for fitting (default: train)")
+
+
+def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
+    group = parser.add_argument_group(
+        "data-driven alignment (--method activation, learned, dual)",
+        "activation matching reads calibration batches; learned (B learns) and dual (A and B learn) matching "
+        "train the symmetry transforms on the loss along the path, starting from weight matching",
+    )
+    group.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
+    group.add_argument("--steps", type=int, default=200, metavar="N", help="training steps of learned and dual matching (default: 200)")
+    group.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate of learned and dual matching (default: 3e-3)")
+    group.add_argument("--permutations", choices=["ste", "sinkhorn"], default="ste", help="MLP permutations: straight-through Hungarian or Sinkhorn (default: ste)")
+    group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
 
 
 def _add_model_options(parser: argparse.ArgumentParser, with_alpha: bool = False) -> None:
@@ -116,8 +142,8 @@ def _add_model_options(parser: argparse.ArgumentParser, with_alpha: bool = False
     group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
     group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
     method = parser.add_argument_group("method")
-    method.add_argument("--method", choices=["weight", "average"], default="weight", help="alignment before interpolation (default: weight)")
-    method.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="symmetry group searched by weight matching (default: full)")
+    method.add_argument("--method", choices=list(METHODS), default="weight", help="alignment before interpolation (default: weight, data-free)")
+    method.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="symmetry group the alignment searches (default: full)")
     if with_alpha:
         method.add_argument("--alpha", type=float, default=0.5, help="weight of MODEL_B in [0, 1] (default: 0.5)")
 
@@ -154,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     merge = commands.add_parser(
         "merge",
         help="merge two checkpoints into one stock HF checkpoint with a model card",
-        description="Align MODEL_B to MODEL_A (weight matching) and write (1-alpha)*A + alpha*aligned(B) "
+        description="Align the models (weight matching by default) and write (1-alpha)*A + alpha*aligned(B) "
         "as an ordinary HF folder: sharded safetensors, config, tokenizer files, model card.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -170,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--private", action="store_true", help="create the Hub repo as private")
     evaluation = merge.add_argument_group("evaluation (optional: adds the barrier table and plot to the card)")
     evaluation.add_argument("--eval-data", default=None, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(merge, "evaluation settings")
+    _add_eval_options(merge, "data settings")
+    _add_learn_options(merge, "--data")
     merge.set_defaults(run=cmd_merge)
 
     bar = commands.add_parser(
@@ -184,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(bar)
     data = bar.add_argument_group("data")
     data.add_argument("--data", required=True, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(bar, "evaluation settings")
+    _add_eval_options(bar, "data settings")
+    _add_learn_options(bar, "--fit-data")
     report = bar.add_argument_group("report")
     report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot")
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -101,16 +101,18 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
 
     if tokenizer_folder is None:
         raise DataError("text evaluation needs a tokenizer: pass models as folders or Hub ids that include one")
+    texts = _texts(data, options.split)  # missing data is reported before tokenizer problems
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     except (OSError, ValueError) as err:
-        raise DataError(f"model A ({tokenizer_folder}) has no usable tokenizer for text evaluation: {err}") from err
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise DataError(f"model A ({tokenizer_folder}) has no usable tokenizer for text data: {reason}") from err
     context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 128
     seq_len = options.seq_len or min(128, context)
     if seq_len > context:
         raise DataError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
     ids: list[int] = []
-    for text in _texts(data, options.split):
+    for text in texts:
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         if options.max_batches and len(ids) >= options.max_batches * options.batch_size * seq_len:
             break

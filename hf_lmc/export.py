@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from .adapters import adapter_for
-from .canonical import CanonicalModel, export_config, hf_state_dict_groups
+from .canonical import CanonicalModel, drain, export_config, hf_state_dict_groups
 from .checkpoint import SAFETENSORS_DTYPES
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -154,7 +154,10 @@ def write_checkpoint(
     progress: bool = True,
     total_groups: int | None = None,
 ) -> Path:
-    """Write HF state-dict ``groups`` + ``config`` as a stock checkpoint folder, atomically."""
+    """Write HF state-dict ``groups`` + ``config`` as a stock checkpoint folder, atomically.
+
+    ``groups`` are consumed: a ``dict`` group is emptied as its tensors are written.
+    """
     output = Path(output_dir)
     max_bytes = parse_size(shard_size)
     if output.exists() and not overwrite:
@@ -164,7 +167,8 @@ def write_checkpoint(
     try:
         writer = _ShardWriter(staging, max_bytes)
         for group in tqdm(groups, total=total_groups, desc="writing shards", unit="group", disable=not progress):
-            for key, tensor in group.items():
+            # A group dict is emptied as it is written, so each tensor is freed once on disk.
+            for key, tensor in drain(group) if isinstance(group, dict) else group.items():
                 tensor = tensor.detach()
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)

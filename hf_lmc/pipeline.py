@@ -1,9 +1,11 @@
 """The merge pipeline: two checkpoints in, one stock HF checkpoint (with a model card) out.
 
-``merged = (1 - alpha) A + alpha aligned(B)``: alpha=0 gives A's function, alpha=1 B's.
-``average`` interpolates the stored parameters as they are (the vanilla baseline); ``weight``
-interpolates canonical forms after data-free weight matching. Both stream layer by layer from
-the checkpoints, and the output is written to a temporary folder and renamed at the end.
+``merged = (1 - alpha) T_A(A) + alpha T_B(B)``: alpha=0 gives A's function, alpha=1 B's.
+``average`` interpolates the stored parameters as they are (the vanilla baseline); the other
+methods (:mod:`hf_lmc.alignment`) interpolate canonical forms after aligning the models. Reading
+and writing stream layer by layer from the checkpoints (learned and dual matching hold both
+models in memory while they train), and the output is written to a temporary folder and
+renamed at the end.
 """
 
 from __future__ import annotations
@@ -21,19 +23,18 @@ from torch import Tensor
 from transformers import AutoConfig
 
 from .adapters import adapter_for
+from .alignment import DATA_METHODS, TRAINED_METHODS, LearnOptions, align, check_method
 from .barriers import BarrierResult, barrier_of_loaded, plot
 from .canonical import canonicalize, export_config, hf_state_dict_groups, interpolate
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
-from .evaluation import EvalOptions
+from .evaluation import EvalOptions, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
-from .matching import WeightMatcher
 from .spec import spec_differences
 from .symmetry import resolve_kinds
 
-METHODS = ("average", "weight")
 logger = logging.getLogger(__name__)
 
 
@@ -46,6 +47,12 @@ class MergeResult:
     alpha: float
     barrier: BarrierResult | None = None
     url: str | None = None
+
+
+_HARDENED = (
+    "MLP permutations were learned as Sinkhorn soft permutations and hardened (linear assignment) "
+    "before export, so the merged weights apply exact permutations of each model."
+)
 
 
 def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -102,6 +109,9 @@ def merge(
     method: str = "weight",
     alpha: float = 0.5,
     symmetries="full",
+    data=None,
+    data_options: EvalOptions = EvalOptions(split="train"),
+    learn: LearnOptions = LearnOptions(),
     revision_a: str | None = None,
     revision_b: str | None = None,
     dtype: str | torch.dtype | None = None,
@@ -119,9 +129,13 @@ def merge(
 
     Args:
         model_a, model_b: local folders or Hub ids.
-        method: ``"weight"`` (align B to A, then interpolate) or ``"average"`` (vanilla).
+        method: ``"weight"`` (data-free), ``"activation"``, ``"learned"`` or ``"dual"``
+            (align, then interpolate; see :mod:`hf_lmc.alignment`) or ``"average"`` (vanilla).
         alpha: interpolation weight of B in [0, 1].
-        symmetries: ``"full"`` or ``"permutation"`` (weight matching only).
+        symmetries: ``"full"`` or ``"permutation"``: the group the alignment searches.
+        data: calibration data (activation) or training data (learned, dual), in any form
+            :func:`hf_lmc.evaluation.load_batches` reads; batched with ``data_options``.
+        learn: steps, learning rate and parametrisations of learned and dual matching.
         dtype: dtype of the written weights (default: A's).
         shard_size: maximum shard size (``"5GB"``, ``"500MB"`` or bytes).
         eval_data: if given, the barrier table and a loss-along-path plot are computed on it
@@ -129,8 +143,7 @@ def merge(
         push_to_hub: repo id to upload the folder to (``private`` for a private repo).
         overwrite: replace an existing ``output`` folder.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    check_method(method, data)
     if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
         raise ValueError(f"--alpha must lie in [0, 1], got {alpha}")
     kinds = resolve_kinds(symmetries)
@@ -143,34 +156,45 @@ def merge(
     config_a, config_b = AutoConfig.from_pretrained(folder_a), AutoConfig.from_pretrained(folder_b)
     _check_same_architecture(config_a, config_b, str(model_a), str(model_b))
 
+    # Data problems surface before any long alignment work.
+    eval_batches = load_batches(eval_data, config_a, folder_a, eval_options) if eval_data is not None else None
     measured = None
     plot_name = None
     with tempfile.TemporaryDirectory() as scratch:
-        if eval_data is not None:
-            loaded = [load_model(f) for f in (folder_a, folder_b)]
-            measured = barrier_of_loaded(
-                *loaded, eval_data, methods=("average", method) if method != "average" else ("average",),
-                alphas=alphas, symmetries=kinds, eval_options=eval_options, progress=progress,
-            )
-            plot_name = "loss_along_path.png"
-            plot(measured, Path(scratch) / plot_name, title=f"{Path(str(model_a)).name} ↔ {Path(str(model_b)).name}")
-
+        transforms = None
         if method == "average":
             config, groups = config_a, _average_groups(folder_a, folder_b, config_a, alpha)
             untied = False
         else:
             a, b = canonicalize(folder_a, dtype=torch.float32), canonicalize(folder_b, dtype=torch.float32)
-            transform = WeightMatcher(kinds, progress=progress).fit(a, b)
-            merged = interpolate(a, transform.to(torch.float32).apply(b), alpha)
+            batches = load_batches(data, config_a, folder_a, data_options) if method in DATA_METHODS else None
+            # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
+            transforms = tuple(
+                t.to(torch.float32) for t in align(method, a, b, symmetries=kinds, batches=batches, learn=learn, progress=progress)
+            )
+            transform_a, transform_b = transforms
+            merged = interpolate(transform_a.apply(a), transform_b.apply(b), alpha)
             config = export_config(merged)
             out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
             groups = hf_state_dict_groups(merged, config)
             untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
 
+        if eval_batches is not None:
+            loaded = [load_model(f) for f in (folder_a, folder_b)]
+            measured = barrier_of_loaded(
+                *loaded, eval_batches, methods=("average", method) if method != "average" else ("average",),
+                alphas=alphas, symmetries=kinds, eval_options=eval_options, progress=progress,
+                transforms={method: transforms} if transforms is not None else None,
+            )
+            del loaded
+            plot_name = "loss_along_path.png"
+            plot(measured, Path(scratch) / plot_name, title=f"{Path(str(model_a)).name} ↔ {Path(str(model_b)).name}")
+
         card = merge_card(
             base_models=[str(model_a), str(model_b)],
             method=method,
-            symmetries=sorted(kinds) if method == "weight" else [],
+            symmetries=sorted(kinds) if method != "average" else [],
+            notes=[_HARDENED] if method in TRAINED_METHODS and learn.permutations == "sinkhorn" else [],
             alpha_or_weights=alpha,
             license=inherited_license([folder_a, folder_b]),
             model_type=config_a.model_type,

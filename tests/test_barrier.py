@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-import transformers as tf
 
-from hf_lmc.barriers import BarrierResult, alpha_grid, barrier, loss_barrier, plot
+from hf_lmc.barriers import alpha_grid, barrier, loss_barrier, plot
 from hf_lmc.evaluation import DataError, EvalOptions, load_batches
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, char_tokenizer_folder

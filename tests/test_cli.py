@@ -40,3 +40,9 @@ def test_missing_folder_is_a_one_line_error(capsys):
     assert main(["check", "./no/such/model"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-lmc: error: no such model folder") and err.count("\n") == 1
+
+
+def test_cli_method_list_is_the_alignment_table():
+    from hf_lmc import alignment, cli
+
+    assert cli.METHODS == alignment.METHODS

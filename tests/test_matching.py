@@ -1,4 +1,4 @@
-"""Weight matching: twin recovery over randomised configs, restrictions, and bad input."""
+"""Weight (and activation) matching: twin recovery over randomised configs, restrictions, bad input."""
 
 from __future__ import annotations
 
@@ -14,17 +14,25 @@ from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, CONFIGS, build_model, logits, relative_error, sample_inputs
 
 
+def _matcher(method: str, config):
+    if method == "weight":
+        return hf_lmc.WeightMatcher(progress=False)
+    calibration = [sample_inputs(config, seed=100 + s) for s in range(4)]
+    return hf_lmc.ActivationMatcher(calibration, progress=False)
+
+
+@pytest.mark.parametrize("method", ["weight", "activation"])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_twin_merge_at_half_computes_a(arch):
+def test_twin_merge_at_half_computes_a(arch, method):
     """If B is A moved by any random symmetry, the aligned merge at alpha=0.5 is A."""
 
-    @settings(max_examples=6, deadline=None)
+    @settings(max_examples=6 if method == "weight" else 4, deadline=None)
     @given(config=CONFIGS[arch](), seed=st.integers(0, 2**16))
     def run(config, seed):
         model = build_model(config, seed=seed, dtype=torch.float32)
         a = hf_lmc.canonicalize(model)
         b = hf_lmc.random_symmetry(a.spec, seed=seed + 1, dtype=torch.float32).apply(a).materialize()
-        transform = hf_lmc.WeightMatcher(progress=False).fit(a, b)
+        transform = _matcher(method, config).fit(a, b)
         merged = hf_lmc.interpolate(a, transform.to(torch.float32).apply(b), 0.5)
         inputs = sample_inputs(config, seed=seed)
         err = relative_error(logits(hf_lmc.to_hf(merged), inputs), logits(model, inputs))

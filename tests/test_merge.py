@@ -153,6 +153,9 @@ def test_bad_inputs(tmp_path, capsys):
 
     import transformers as tf
 
+    _fails(["merge", str(llama), str(llama), "-o", out, "--method", "activation"], capsys, tmp_path, "pass --data")
+    _fails(["merge", str(llama), str(llama), "-o", out, "--method", "dual", "--data", str(tmp_path / "none.txt")], capsys, tmp_path, "no such")
+
     bert = _save(tf.BertForMaskedLM(tf.BertConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8)), tmp_path / "bert")
     _fails(["merge", str(bert), str(bert), "-o", out], capsys, tmp_path, "model type 'bert' is not supported")
     _fails(["merge", str(llama), str(llama), "-o", out, "--alpha", "1.5"], capsys, tmp_path, "[0, 1]")
@@ -172,3 +175,33 @@ def test_barrier_cli_prints_json(tmp_path, capsys):
     assert main(["barrier", str(a), str(b), "--data", str(tmp_path / "d.pt"), "--alphas", "3", "--json", "--plot", str(tmp_path / "p.png")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert abs(report["barriers"]["weight"]) < 1e-4 and (tmp_path / "p.png").is_file()
+
+
+@pytest.mark.parametrize("method", ["activation", "learned", "dual"])
+def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
+    """Twins stay exact through every data-driven method (learned ones start at weight matching)."""
+    model, a, b = _twin_folders(tmp_path, "vit")
+    torch.save({"pixel_values": torch.randn(12, 3, 8, 8), "labels": torch.randint(0, 3, (12,))}, tmp_path / "fit.pt")
+    torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
+    args = ["merge", str(a), str(b), "-o", str(tmp_path / "m"), "--method", method, "--data", str(tmp_path / "fit.pt"),
+            "--batch-size", "4", "--steps", "3", "--lr", "1e-4", "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3"]
+    if method == "dual":
+        args += ["--permutations", "sinkhorn"]
+    assert main(args) == 0
+    merged = MODEL_CLASSES["vit"].from_pretrained(tmp_path / "m").eval()
+    inputs = sample_inputs(model.config)
+    assert relative_error(logits(merged, inputs), logits(model, inputs)) < 1e-3
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert f"| method | `{method}` |" in card and f"| {method} |" in card  # the barrier table has the method's row
+    assert ("hardened" in card) == (method == "dual")
+
+
+def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
+    _, a, b = _twin_folders(tmp_path, "vit")
+    torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "d.pt")
+    assert main(["barrier", str(a), str(b), "--data", str(tmp_path / "d.pt"), "--method", "learned"]) == 2
+    assert "pass --fit-data" in capsys.readouterr().err
+    args = ["barrier", str(a), str(b), "--data", str(tmp_path / "d.pt"), "--method", "activation", "--fit-data", str(tmp_path / "d.pt"), "--alphas", "3", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert abs(report["barriers"]["activation"]) < 1e-4

@@ -32,6 +32,11 @@ class Adapter:
     ignored_keys: tuple[str, ...] = ()
     #: Config flags that export must switch on because folded LayerNorm biases need them.
     bias_flags_for_folded_norms: tuple[str, ...] = ()
+    #: Modules whose *input* activation matching records (``{i}`` = layer index): the attention
+    #: output projection (its input is every head's value mix, head by head) ...
+    heads_input: str = ""
+    #: ... and the MLP down projection (its input is the MLP units).
+    mlp_input: str = ""
 
     def spec(self, config: PretrainedConfig) -> ArchSpec:
         raise NotImplementedError

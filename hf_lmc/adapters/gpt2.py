@@ -15,6 +15,8 @@ from .base import Adapter, UnsupportedModelError, centre, fold_norm, identity_no
 class GPT2Adapter(Adapter):
     model_types = ("gpt2",)
     model_class = GPT2LMHeadModel
+    heads_input = "transformer.h.{i}.attn.c_proj"
+    mlp_input = "transformer.h.{i}.mlp.c_proj"
     # Hub checkpoints saved from ``GPT2Model`` (e.g. ``gpt2`` itself) carry no ``transformer.`` prefix.
     legacy_renames = ((r"^(?!transformer\.|lm_head\.)", "transformer."),)
     # Causal-mask buffers that transformers 4.x wrote into some checkpoints.

@@ -19,6 +19,8 @@ from .base import Adapter, UnsupportedModelError, centre, fold_norm, identity_no
 class GPTNeoXAdapter(Adapter):
     model_types = ("gpt_neox",)
     model_class = GPTNeoXForCausalLM
+    heads_input = "gpt_neox.layers.{i}.attention.dense"
+    mlp_input = "gpt_neox.layers.{i}.mlp.dense_4h_to_h"
     legacy_renames = ((r"^embed_out\.", "lm_head."),)
     ignored_keys = (r"\.attention\.(masked_)?bias$", r"\.rotary_emb\.inv_freq$")
     # LayerNorm shifts fold into Q/K/V biases, which need attention_bias=True to exist.

@@ -22,6 +22,8 @@ _MLP = {"up": "up_proj", "gate": "gate_proj", "down": "down_proj"}
 class LlamaAdapter(Adapter):
     model_types = ("llama",)
     model_class = LlamaForCausalLM
+    heads_input = "model.layers.{i}.self_attn.o_proj"
+    mlp_input = "model.layers.{i}.mlp.down_proj"
     ignored_keys = (r"\.rotary_emb\.inv_freq$",)
 
     def validate_config(self, config: LlamaConfig) -> None:

@@ -20,6 +20,8 @@ _ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 class ViTAdapter(Adapter):
     model_types = ("vit",)
     model_class = ViTForImageClassification
+    heads_input = "vit.layers.{i}.attention.o_proj"
+    mlp_input = "vit.layers.{i}.mlp.fc2"
     # transformers 4.x names (``encoder.layer.N.attention.attention.query`` ...). Order matters:
     # ``attention.output.dense`` must be renamed before the MLP's ``output.dense``.
     legacy_renames = (

@@ -75,6 +75,27 @@ def assign(similarity: Tensor) -> Tensor:
     return perm
 
 
+def assign_heads(similarity: Tensor, num_kv_heads: int) -> tuple[Tensor, Tensor]:
+    """Head permutations ``(kv_perm, query_perm)`` maximising a query-head ``similarity``.
+
+    Under GQA a query head must stay with the KV head it shares: every (A KV head, B KV head)
+    pair gets the best assignment of their query heads, then KV heads are assigned on those
+    totals. ``similarity[i, j]`` compares A's query head ``i`` with B's ``j``.
+    """
+    g = similarity.shape[0] // num_kv_heads
+    within = {}
+    kv_sim = torch.empty(num_kv_heads, num_kv_heads, dtype=similarity.dtype)
+    for ia in range(num_kv_heads):
+        for jb in range(num_kv_heads):
+            block = similarity[ia * g : (ia + 1) * g, jb * g : (jb + 1) * g]
+            perm = assign(block)
+            within[ia, jb] = perm
+            kv_sim[ia, jb] = block[perm, torch.arange(g)].sum()
+    kv_perm = assign(kv_sim)
+    query_perm = torch.cat([kv_perm[jb] * g + within[int(kv_perm[jb]), jb] for jb in range(num_kv_heads)])
+    return kv_perm, query_perm
+
+
 @dataclass(frozen=True)
 class Moments:
     """Second moments of a (vector, covector) pair of data on both sides: all GL matching needs.

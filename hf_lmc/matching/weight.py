@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..canonical import CanonicalModel
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
-from .solvers import Moments, assign, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones, release_assignment_buffer
+from .solvers import Moments, assign, assign_heads, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones, release_assignment_buffer
 
 
 def _residual_axis(name: str) -> int | None:
@@ -111,7 +111,8 @@ class WeightMatcher:
                 ga, gb = self._cast(a.group(i)), self._cast(b.group(i))
                 maps = self._match_layer(spec, i, ga, gb, rotate)
                 layer_maps |= maps
-                stats.add(ga, _apply(Transform(maps).to(self.dtype), gb))
+                stats.add(ga, gb, Transform(maps).to(self.dtype))
+                del ga, gb
             # One pass scores the layer maps under the current residual map and under its refit.
             current = stats.objective(residual)
             refit = self._solve_residual(spec, stats)
@@ -163,11 +164,10 @@ class WeightMatcher:
         """Layer ``i``'s attention and MLP maps for B's layer seen through the residual map."""
         p = f"layers.{i}."
         attn = {n: rotate.apply_tensor(n, t) for n, t in b.items() if n.startswith(p + "attn.")}
+        attention = self._match_attention(spec, p, a, attn)
+        del attn  # B's rotated attention weights are not needed for the MLP
         mlp = {n: t for n, t in b.items() if n.startswith(p + "mlp.")}
-        return {
-            f"attn.{i}": self._match_attention(spec, p, a, attn),
-            f"mlp.{i}": self._match_mlp(spec, p, a, mlp, rotate),
-        }
+        return {f"attn.{i}": attention, f"mlp.{i}": self._match_mlp(spec, p, a, mlp, rotate)}
 
     def _match_attention(self, spec: ArchSpec, p: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> AttentionMap:
         h, kv, g, dh = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
@@ -200,17 +200,7 @@ class WeightMatcher:
             ov = (oo * vv[group][:, group]).sum((-1, -2)) / _circuit_norms(
                 self_a[3], self_a[2][group], self_b[3], self_b[2][group]
             )
-            sim = qk + ov
-            within = {}
-            kv_sim = torch.empty(kv, kv, dtype=sim.dtype)
-            for ia in range(kv):
-                for jb in range(kv):
-                    block = sim[ia * g : (ia + 1) * g, jb * g : (jb + 1) * g]
-                    perm = assign(block)
-                    within[ia, jb] = perm
-                    kv_sim[ia, jb] = block[perm, torch.arange(g)].sum()
-            kv_perm = assign(kv_sim)
-            query_perm = torch.cat([kv_perm[jb] * g + within[int(kv_perm[jb]), jb] for jb in range(kv)])
+            kv_perm, query_perm = assign_heads(qk + ov, kv)
         else:
             kv_perm, query_perm = torch.arange(kv), torch.arange(h)
 
@@ -310,17 +300,21 @@ class _ResidualStats:
         other.constant, other.count = self.constant, self.count
         return other
 
-    def add(self, a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
-        """Add one group's tensors (B with every map but the residual one applied)."""
+    def add(self, a: dict[str, Tensor], b: dict[str, Tensor], transform: Transform | None = None) -> None:
+        """Add one group's tensors, B's with ``transform`` (every map but the residual one) applied.
+
+        B's tensors are transformed one at a time, so a transformed group never sits in memory.
+        """
         for name, ta in a.items():
             norm_a = _squared_norm(ta)
             if norm_a == 0:
                 continue
+            tb = transform.apply_tensor(name, b[name]) if transform is not None else b[name]
             axis = _residual_axis(name)
             if axis is None:
-                self.constant += (_squared_norm(ta - b[name]) / norm_a).item()
+                self.constant += (_squared_norm(ta - tb) / norm_a).item()
             else:
-                xa, xb = _flat(ta, axis), _flat(b[name], axis)
+                xa, xb = _flat(ta, axis), _flat(tb, axis)
                 product = (xa @ xb.T).double()
                 norm_b = _squared_norm(xb)
                 self.cross += product / (norm_a * norm_b).sqrt().clamp_min(1e-300)

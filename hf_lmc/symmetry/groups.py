@@ -34,6 +34,12 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, perm: Tenso
         if t.dim() == 2 and axis == 0:  # rows: multiply from the left, the result stays contiguous
             return (m.T if transpose else m) @ t
         return (t.movedim(axis, -1) @ (m if transpose else m.T)).movedim(-1, axis)
+    if mats is not None and mats.shape[-1] == 1:  # scalar blocks (MLP units): scale, then gather
+        scale = mats.reshape(-1).to(dtype=t.dtype, device=t.device)
+        shape = [1] * t.dim()
+        shape[axis] = -1
+        t = t * scale.reshape(shape)  # a 1 x 1 block is its own transpose
+        mats = None
     x = t.movedim(axis, -1)
     lead = x.shape[:-1]
     x = x.reshape(*lead, n, -1)

@@ -1,0 +1,69 @@
+"""The alignment methods behind ``merge`` and ``barrier``, as one table of names.
+
+Every method yields a pair of exact transforms ``(T_A, T_B)``; the merge is
+``(1 - alpha) T_A(A) + alpha T_B(B)``. Data-free weight matching and activation matching move
+B only (``T_A`` is the identity); learned matching trains ``T_B`` from weight matching's
+solution, and dual matching trains both. ``average`` is the vanilla baseline and moves nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .canonical import CanonicalModel
+from .symmetry import Transform
+
+METHODS = ("average", "weight", "activation", "learned", "dual")
+#: Methods that need data: calibration batches (activation) or training batches (learned, dual).
+DATA_METHODS = ("activation", "learned", "dual")
+#: Methods whose transforms are trained (soft permutations are hardened before export).
+TRAINED_METHODS = ("learned", "dual")
+
+
+@dataclass(frozen=True)
+class LearnOptions:
+    """Settings of learned and dual matching (see :class:`hf_lmc.DualMatcher`)."""
+
+    steps: int = 200
+    lr: float = 3e-3
+    permutations: str = "ste"
+    orthogonal: str = "cayley"
+    lambda_range: tuple[float, float] = (0.4, 0.6)
+
+
+def check_method(method: str, data, flag: str = "--data") -> None:
+    """Fail early, with what to do, for an unknown method or a data method without data."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if method in DATA_METHODS and data is None:
+        raise ValueError(
+            f"method {method!r} learns from data: pass {flag} (a text file or folder, a datasets id, or .pt tensors for ViT)"
+        )
+
+
+def align(
+    method: str,
+    a: CanonicalModel,
+    b: CanonicalModel,
+    *,
+    symmetries="full",
+    batches=None,
+    learn: LearnOptions = LearnOptions(),
+    progress: bool = True,
+) -> tuple[Transform, Transform]:
+    """``(T_A, T_B)`` for ``method``; ``batches`` feed activation, learned and dual matching."""
+    from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, WeightMatcher
+
+    check_method(method, batches)
+    if method == "average":
+        raise ValueError("average interpolates the stored parameters and has no canonical transforms")
+    if method == "weight":
+        return Transform(), WeightMatcher(symmetries, progress=progress).fit(a, b)
+    if method == "activation":
+        return Transform(), ActivationMatcher(batches, symmetries, progress=progress).fit(a, b)
+    matcher_class = DualMatcher if method == "dual" else LearnedMatcher
+    matcher = matcher_class(
+        a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range
+    )
+    matcher.fit(batches, steps=learn.steps, lr=learn.lr, progress=progress)
+    return matcher.transforms()
