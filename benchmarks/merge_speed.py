@@ -11,6 +11,7 @@ each in its own process, recording wall time and peak RSS. Prints a markdown tab
 
     python benchmarks/merge_speed.py                 # Pythia-1B shape (needs ~10 GB disk)
     python benchmarks/merge_speed.py --scale 0.25    # hidden, FFN and vocab scaled down
+    python benchmarks/merge_speed.py --pair ~/pair   # keep the checkpoints and reuse them next time
 """
 
 from __future__ import annotations
@@ -93,15 +94,21 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="scale hidden size, FFN and vocab (default: 1 = Pythia-1B)")
     parser.add_argument("--noise", type=float, default=0.1, help="relative noise added to B (default: 0.1)")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
+    parser.add_argument("--pair", type=Path, default=None, help="keep the pair in DIR/a, DIR/b and reuse it on later runs")
     args = parser.parse_args()
 
     config = pythia_1b_config(args.scale)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         start = time.perf_counter()
-        a, b = write_pair(tmp, config, args.noise)
+        home = args.pair or tmp
+        if args.pair and (home / "a" / "config.json").is_file() and (home / "b" / "config.json").is_file():
+            a, b = home / "a", home / "b"
+        else:
+            home.mkdir(parents=True, exist_ok=True)
+            a, b = write_pair(home, config, args.noise)
         size = folder_bytes(a)
-        print(f"wrote the pair in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr)
+        print(f"pair ready in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr)
         rows = {}
         for method in ("average", "weight"):
             rows[method] = measure(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB"])

@@ -219,18 +219,25 @@ def to_hf(canonical: CanonicalModel) -> PreTrainedModel:
     """
     config = export_config(canonical)
     state = {k: v for group in hf_state_dict_groups(canonical, config) for k, v in group.items()}
-    with torch.device("meta"):
-        model = canonical.adapter.model_class(config)
+    model = skeleton(canonical.adapter.model_class, config)
     # Fresh storage: the exported model must not alias the canonical tensors.
     state = {k: v.detach().clone(memory_format=torch.contiguous_format) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    _materialize_buffers(model)
     missing = [k for k, v in model.state_dict().items() if v.is_meta]
     if missing:
         raise RuntimeError(f"export left parameters uninitialised: {missing[:5]}")
     return model.eval()
+
+
+def skeleton(model_class: type[PreTrainedModel], config: PretrainedConfig) -> PreTrainedModel:
+    """A model of ``model_class`` with parameters on the meta device (no weight memory) and real
+    non-persistent buffers: a structure for ``load_state_dict(assign=True)`` or ``functional_call``."""
+    with torch.device("meta"):
+        model = model_class(config)
+    _materialize_buffers(model)
+    return model
 
 
 def _materialize_buffers(model: PreTrainedModel) -> None:

@@ -265,8 +265,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _return_freed_memory_promptly() -> None:
+    """Have glibc serve large blocks with ``mmap`` at a fixed threshold, so freed tensors go back
+    to the OS at once. By default the threshold grows with each freed block (up to 32 MB), and the
+    layer-sized temporaries of a streamed merge then pile up in malloc arenas: about 0.6 GB more
+    peak RSS at Pythia-1B shape. A no-op where glibc is not the allocator."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD = 4 MiB
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _return_freed_memory_promptly()
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:

@@ -84,3 +84,27 @@ def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
             assert relative_error(logits(merged, inputs), expected) < 1e-9
 
     run()
+
+
+def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing():
+    """Checkpointed layers build their weights twice (forward, then backward) with identical results."""
+    from hf_lmc.matching.trainable import TrainableTransform
+
+    config, _, a, b, undo = _twin(tiny_configs()["llama"], seed=2)
+    trainable = TrainableTransform(a.spec, undo, dtype=torch.float64)
+    inputs = sample_inputs(config)
+    results = {}
+    for checkpointed in (False, True):
+        trainable.zero_grad()
+        interpolant = Interpolant(a, b, checkpoint_layers=checkpointed)
+        built = []
+        group = interpolant._group
+        interpolant._group = lambda g, point: built.append(g) or group(g, point)
+        out = interpolant(trainable(), 0.37, **inputs)
+        out.logits.square().mean().backward()
+        layers = [g for g in built if isinstance(g, int)]
+        assert sorted(layers) == sorted(list(range(a.spec.num_layers)) * (2 if checkpointed else 1))
+        results[checkpointed] = (out.logits.detach(), [p.grad.clone() for p in trainable.parameters() if p.grad is not None])
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
+    for g_plain, g_checkpointed in zip(results[False][1], results[True][1]):
+        torch.testing.assert_close(g_checkpointed, g_plain)

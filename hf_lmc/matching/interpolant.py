@@ -1,31 +1,71 @@
-"""The interpolant ``(1 - alpha) A + alpha T(B)`` evaluated by the stock HF model, differentiably.
+"""The interpolant ``(1 - alpha) T_A(A) + alpha T_B(B)`` evaluated by the stock HF model, differentiably.
 
 Learned matching trains the parameters of ``T`` through the loss of the interpolated model on
-real batches (DESIGN §4). Nothing here re-implements a forward pass: the canonical tensors are
-exported with the same code as :func:`hf_lmc.to_hf` (``hf_state_dict_groups``), and the stock
-model class runs them through :func:`torch.func.functional_call`. Gradients flow into every
-tensor a :class:`~hf_lmc.Transform` is built from (e.g. :mod:`hf_lmc.symmetry.params`).
+real batches (DESIGN §4). Nothing here re-implements a forward pass: canonical tensors are
+exported with the same code as :func:`hf_lmc.to_hf` (the adapter's ``hf_group``), and the stock
+model class runs them through :func:`torch.func.functional_call`.
+
+Memory (DESIGN §5): the model class is a weightless skeleton (its parameter slots are empty,
+so device moves and state dicts see only the transforms), and each transformer layer's interpolated weights are built *inside* that layer's call. With
+``checkpoint_layers`` the call runs under :func:`torch.utils.checkpoint.checkpoint`, so a
+layer's transformed weights are freed after its forward and rebuilt in backward: only one
+layer's worth is alive at a time, next to the frozen endpoints and the activations.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
 
-from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, to_hf
+from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton
+from ..spec import Group
 from ..symmetry import Transform
 
 
-class Interpolant(nn.Module):
-    """Evaluate ``(1 - alpha) a + alpha transform(b)`` with the stock model class of ``a``.
+@dataclass
+class _Point:
+    """Where on the path the current call evaluates: shared by the interpolant and its layers."""
 
-    The template model (built once, like :func:`hf_lmc.to_hf`) only supplies the module
-    structure and non-trainable buffers; its parameters are replaced on every call.
+    transform_b: Transform | None = None
+    alpha: float | Tensor = 0.5
+    transform_a: Transform | None = None
+
+
+class _RebuiltLayer(nn.Module):
+    """A stock layer module whose weights are interpolated on the fly from the canonical endpoints."""
+
+    def __init__(self, layer: nn.Module, build, current, checkpointed: bool):
+        super().__init__()
+        self.layer = layer
+        self._build = build  # (point) -> {layer-relative HF name: tensor}
+        self._current = current  # () -> the point of the call in progress
+        self.checkpointed = checkpointed
+
+    def _run(self, point: _Point, *args, **kwargs):
+        return functional_call(self.layer, self._build(point), args, kwargs, tie_weights=False, strict=False)
+
+    def forward(self, *args, **kwargs):
+        point = self._current()  # captured now: backward's recomputation must see the same point
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._run, point, *args, use_reentrant=False, **kwargs)
+        return self._run(point, *args, **kwargs)
+
+
+class Interpolant(nn.Module):
+    """Evaluate ``(1 - alpha) T_A(a) + alpha T_B(b)`` with the stock model class of ``a``.
+
+    Args:
+        a, b: canonical endpoints of one architecture and shape (kept as they are: frozen).
+        checkpoint_layers: rebuild each layer's weights inside gradient checkpointing (see the
+            module docstring); off, every layer's weights stay alive until backward.
     """
 
-    def __init__(self, a: CanonicalModel, b: CanonicalModel):
+    def __init__(self, a: CanonicalModel, b: CanonicalModel, *, checkpoint_layers: bool = True):
         super().__init__()
         if a.spec != b.spec:
             raise ValueError("the two canonical models differ in architecture or shape")
@@ -35,13 +75,49 @@ class Interpolant(nn.Module):
             config.tie_word_embeddings = False
         self.a, self.b = CanonicalModel(a.spec, config, a.load_group), b
         self.config = export_config(self.a)
-        template = to_hf(self.a)
-        for p in template.parameters():
-            p.requires_grad_(False)
-        self.template = template
+        self.template = skeleton(self.a.adapter.model_class, self.config).eval()
+        for module in self.template.modules():  # no weights of its own: every call supplies them
+            for name in module._parameters:
+                module._parameters[name] = None
+        self._point = _Point()
+        for i in range(a.spec.num_layers):
+            path = self._layer_path(i)
+            parent, name = path.rpartition(".")[::2]
+            owner = self.template.get_submodule(parent)
+            layer = owner.get_submodule(name)
+            rebuilt = _RebuiltLayer(layer, self._layer_builder(i, path + "."), lambda: self._point, checkpoint_layers)
+            owner.register_module(name, rebuilt)
+
+    def train(self, mode: bool = True) -> "Interpolant":
+        """The stock model always runs in eval mode (no dropout): the loss must be a function of
+        the transforms alone, as it is for the merged model."""
+        super().train(mode)
+        self.template.eval()
+        return self
+
+    def _layer_path(self, i: int) -> str:
+        """The module path of layer ``i`` (e.g. ``model.layers.3``), read off its exported keys."""
+        keys = list(self.a.adapter.hf_group(self.a.group(i), self.config, self.a.spec, i))
+        marker = f".{i}."
+        return keys[0][: keys[0].index(marker) + len(marker) - 1]
+
+    def _layer_builder(self, i: int, prefix: str):
+        def build(point: _Point) -> dict[str, Tensor]:
+            return {k.removeprefix(prefix): v for k, v in self._group(i, point).items()}
+
+        return build
+
+    def _group(self, group: Group, point: _Point) -> dict[str, Tensor]:
+        """HF tensors of one group of the interpolant at ``point`` on the path."""
+        ga, gb = self.a.group(group), self.b.group(group)
+        if point.transform_a is not None:
+            ga = {n: point.transform_a.apply_tensor(n, t) for n, t in ga.items()}
+        gb = {n: point.transform_b.apply_tensor(n, t) for n, t in gb.items()}
+        merged = {n: torch.lerp(t, gb[n].to(t.dtype), point.alpha) for n, t in ga.items()}
+        return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
 
     def state(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None) -> dict[str, Tensor]:
-        """The HF state dict of the interpolant (differentiable in the transforms and ``alpha``).
+        """The whole HF state dict of the interpolant (differentiable in the transforms and ``alpha``).
 
         ``transform_a`` moves A as well (dual matching); by default A stays as it is.
         """
@@ -50,5 +126,13 @@ class Interpolant(nn.Module):
         return {k: v for group in hf_state_dict_groups(merged, self.config) for k, v in group.items()}
 
     def forward(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None, **batch):
-        state = self.state(transform, alpha, transform_a)
-        return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
+        point = _Point(transform, alpha, transform_a)
+        if hasattr(self.config, "use_cache"):
+            batch.setdefault("use_cache", False)  # a KV cache would be filled twice by checkpoint recomputation
+        self._point = point
+        try:
+            # Embeddings, final norm and head here; every layer builds its own weights when called.
+            state = self._group("embed", point) | self._group("head", point)
+            return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
+        finally:
+            self._point = _Point()

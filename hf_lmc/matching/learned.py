@@ -40,6 +40,8 @@ class DualMatcher(nn.Module):
         orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
         lambda_range: interpolation weights are drawn uniformly from this range.
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
+        checkpoint_layers: rebuild each layer's interpolated weights inside gradient
+            checkpointing, so only one layer's transformed weights are alive at a time.
     """
 
     learns_a = True
@@ -55,6 +57,7 @@ class DualMatcher(nn.Module):
         orthogonal: str = "cayley",
         lambda_range: tuple[float, float] = (0.4, 0.6),
         dtype: torch.dtype = torch.float32,
+        checkpoint_layers: bool = True,
     ):
         super().__init__()
         if init not in INITS:
@@ -70,7 +73,7 @@ class DualMatcher(nn.Module):
         options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
         self.transform_b = TrainableTransform(a.spec, start, **options)
         self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
-        self.interpolant = Interpolant(a, b)
+        self.interpolant = Interpolant(a, b, checkpoint_layers=checkpoint_layers)
 
     def sample_lambda(self) -> Tensor:
         low, high = self.lambda_range

@@ -1,0 +1,95 @@
+"""Cost of one dual-matching step vs one training step of the base model, at Pythia-160M shape.
+
+Builds two GPT-NeoX models of Pythia-160M's shape (hidden 768, 12 layers, 12 heads, FFN 3072,
+vocab 50304, partial rotary; float32, random weights: cost does not depend on the values) and
+measures, each in its own process (wall time of the second of two steps, peak RSS):
+
+  * ``base``: one forward + backward of model A on the batch (its weights trainable);
+  * ``dual``: one :class:`hf_lmc.DualMatcher` step on the same batch (both transforms trained:
+    residual Cayley map, per-head GL maps, straight-through MLP permutations), with each
+    layer's interpolated weights rebuilt inside gradient checkpointing;
+  * ``dual, no checkpointing``: the same with every layer's weights alive until backward.
+
+Targets (issue 5): dual time <= 3x base; dual memory <= 2x the two endpoints' weights plus the
+base model's activations (activations = base peak - base weights - their gradients).
+
+    python benchmarks/learned_step.py                   # batch 4 x 512 tokens
+    python benchmarks/learned_step.py --batch 8 --seq 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+CHILD = r"""
+import json, re, sys, time
+import torch, transformers as tf
+from hf_lmc import DualMatcher
+
+mode, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def rss():
+    return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+def hwm():
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+config = tf.GPTNeoXConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                          vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
+torch.manual_seed(0)
+ids = torch.randint(0, config.vocab_size, (batch, seq))
+model_a = tf.GPTNeoXForCausalLM(config).eval()
+weights = sum(p.numel() * p.element_size() for p in model_a.parameters())
+if mode == "base":
+    step = lambda: model_a(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+else:
+    model_b = tf.GPTNeoXForCausalLM(config).eval()
+    matcher = DualMatcher(model_a, model_b, init="identity", checkpoint_layers=(mode == "dual"))
+    del model_a, model_b
+    params = [p for p in matcher.parameters() if p.requires_grad]
+    def step():
+        matcher({"input_ids": ids}).backward()
+        for p in params:
+            p.grad = None
+import gc; gc.collect()
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak: set-up (both HF models + canonical copies) is not a step
+before = rss()
+times = []
+for _ in range(2):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"wall": times[-1], "peak": hwm(), "before": before, "weights": weights}))
+"""
+
+
+def run(mode: str, batch: int, seq: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(seq)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
+    parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (default: 512)")
+    args = parser.parse_args()
+    rows = {mode: run(mode, args.batch, args.seq) for mode in ("base", "dual", "dual-no-checkpointing")}
+    base = rows["base"]
+    weights = base["weights"]
+    activations = base["peak"] - base["before"] - weights  # the step's growth, less the weight gradients
+    budget = 2 * (2 * weights) + activations
+    print(f"\nPythia-160M shape, float32, batch {args.batch} x {args.seq} tokens, 2 CPU cores; "
+          f"one model's weights {weights / 1e9:.2f} GB, base activations {activations / 1e9:.2f} GB, "
+          f"memory budget (2 x both endpoints + activations) {budget / 1e9:.2f} GB\n")
+    print("| step | wall time (s) | × base | peak RSS (GB) | vs budget |")
+    print("|---|---|---|---|---|")
+    for mode, row in rows.items():
+        label = {"base": "base model fwd+bwd", "dual": "dual (layer checkpointing)", "dual-no-checkpointing": "dual, no checkpointing"}[mode]
+        budget_cell = f"{row['peak'] / budget:.2f}" if mode != "base" else "—"
+        print(f"| {label} | {row['wall']:.1f} | {row['wall'] / base['wall']:.2f} | {row['peak'] / 1e9:.2f} | {budget_cell} |")
+
+
+if __name__ == "__main__":
+    main()
