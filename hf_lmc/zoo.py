@@ -181,6 +181,15 @@ def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
     return excerpts
 
 
+def fit_batches(name: str | ZooEntry, count: int, *, batch_size: int = 16, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
+    """``count`` training-split batches for activation, learned and dual matching on zoo ``name``
+    (drawn in their own order; never from the held-out split)."""
+    entry = dataclasses.replace(_entry(name), batch_size=batch_size)
+    generator = torch.Generator().manual_seed(seed)
+    stream = _image_batches(entry, digits()[0], generator) if entry.model_type == "vit" else _lm_batches(entry, train_tokens(), generator)
+    return [next(stream) for _ in range(count)]
+
+
 def _lm_batches(entry: ZooEntry, tokens: torch.Tensor, generator: torch.Generator):
     """Random windows of the token stream, in an order drawn from ``generator``."""
     while True:

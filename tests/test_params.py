@@ -125,3 +125,23 @@ def test_rotary_param_commutes_with_rope_and_starts_at_init():
     torch.testing.assert_close(m @ rope, rope @ m, rtol=0, atol=1e-12)
     m.sum().backward()
     assert param.angles.grad is not None and param.log_scales.grad is not None and param.passthrough.weight.grad is not None
+
+
+@pytest.mark.parametrize("role", ["up", "gate", "down"])
+def test_straight_through_gather_matches_the_dense_product(role):
+    """With a hard permutation, DenseMlpMap gathers instead of multiplying: same values, same gradients."""
+    from hf_lmc.symmetry import DenseMlpMap
+
+    n, g = 7, torch.Generator().manual_seed(1)
+    param = PermutationParam(n, init=torch.randperm(n, generator=g), method="ste", dtype=F64)
+    scale = torch.rand(n, generator=g, dtype=F64) + 0.5
+    results = []
+    for fast in (False, True):
+        param.zero_grad()
+        x = torch.randn(5, n, 3, generator=torch.Generator().manual_seed(2), dtype=F64, requires_grad=True)
+        matrix, perm = param.matrix_and_perm()
+        y = DenseMlpMap(matrix, scale, perm if fast else None).act(x, 1, role)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=F64).reshape(y.shape)).sum().backward()
+        results.append((y.detach(), x.grad, param.scores.grad.clone()))
+    for dense, gathered in zip(*results):
+        torch.testing.assert_close(gathered, dense, rtol=0, atol=1e-12)

@@ -51,7 +51,8 @@ class _MlpParams(nn.Module):
         self.log_scale = nn.Parameter(scale.log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
 
     def forward(self) -> DenseMlpMap:
-        return DenseMlpMap(self.units(), self.log_scale.exp())
+        matrix, perm = self.units.matrix_and_perm()
+        return DenseMlpMap(matrix, self.log_scale.exp(), perm)
 
 
 class TrainableTransform(nn.Module):

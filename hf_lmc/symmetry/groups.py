@@ -254,6 +254,7 @@ class DenseMlpMap:
 
     matrix: Tensor
     scale: Tensor
+    perm: Tensor | None = None  # set when ``matrix`` *is* this permutation's matrix (straight-through)
 
     ROLES = ("up", "gate", "down")
 
@@ -266,14 +267,15 @@ class DenseMlpMap:
             x = x * scale
         elif role == "down":
             x = x / scale
-        y = self.matrix.to(dtype=x.dtype, device=x.device) @ x
+        matrix = self.matrix.to(dtype=x.dtype, device=x.device)
+        y = _HardPermute.apply(x, matrix, self.perm.to(x.device)) if self.perm is not None else matrix @ x
         return y.reshape(shape).movedim(0, axis)
 
     def harden(self) -> MlpMap:
-        """The permutation ``P`` is closest to (linear assignment), with the same scales."""
+        """The permutation ``P`` is (or is closest to: linear assignment), with the same scales."""
         from ..matching.solvers import assign
 
-        perm = assign(self.matrix.detach())
+        perm = self.perm if self.perm is not None else assign(self.matrix.detach())
         return MlpMap(BlockMonomial.scaled_permutation(perm, self.scale.detach().double()))
 
     def compose(self, first) -> MlpMap:
@@ -283,4 +285,25 @@ class DenseMlpMap:
         raise TypeError("a DenseMlpMap is a training-time relaxation; harden() it before inverting")
 
     def to(self, dtype=None, device=None) -> DenseMlpMap:
-        return DenseMlpMap(self.matrix.to(dtype=dtype, device=device), self.scale.to(dtype=dtype, device=device))
+        perm = self.perm.to(device=device) if self.perm is not None else None
+        return DenseMlpMap(self.matrix.to(dtype=dtype, device=device), self.scale.to(dtype=dtype, device=device), perm)
+
+
+class _HardPermute(torch.autograd.Function):
+    """``y = P x`` where ``P`` (the matrix argument) equals the permutation ``perm``'s matrix.
+
+    Forward is a gather, not an ``n x n`` matmul; backward gives ``x`` its exact gradient
+    ``P^T dy`` (a gather) and ``P`` the dense ``dy x^T`` a straight-through estimator needs.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, matrix: Tensor, perm: Tensor) -> Tensor:
+        ctx.save_for_backward(x, perm)
+        return x[torch.argsort(perm)]  # y[perm[h]] = x[h]
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, perm = ctx.saved_tensors
+        dx = dy[perm] if ctx.needs_input_grad[0] else None
+        dmatrix = dy @ x.T if ctx.needs_input_grad[1] else None
+        return dx, dmatrix, None

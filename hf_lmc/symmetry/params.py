@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from ..linalg import householder_to_first
 from ..matching.solvers import assign
@@ -151,17 +152,29 @@ class PermutationParam(nn.Module):
         """The permutation (``perm[h]`` = where item ``h`` goes) the scores currently select."""
         return assign(self.scores.detach())
 
-    def hard_matrix(self) -> Tensor:
-        perm = self.harden()
+    def hard_matrix(self, perm: Tensor | None = None) -> Tensor:
+        perm = self.harden() if perm is None else perm
         p = torch.zeros_like(self.scores)
         p[perm.to(p.device), torch.arange(p.shape[1], device=p.device)] = 1.0
         return p
 
     def forward(self) -> Tensor:
-        soft = sinkhorn(self.scores, self.temperature)
+        return self.matrix_and_perm()[0]
+
+    def matrix_and_perm(self) -> tuple[Tensor, Tensor | None]:
+        """``P`` and, under the straight-through estimator, the permutation ``P`` equals.
+
+        ``ste``: the forward value is the hard permutation (linear assignment on the scores) and
+        the gradient passes straight to the scores (Ainsworth et al.'s estimator, in matrix
+        form). ``sinkhorn``: the doubly stochastic matrix, its 20 normalisations recomputed in
+        backward rather than stored (each is an ``n x n`` tensor: gigabytes at LLM widths).
+        """
         if self.method == "sinkhorn":
-            return soft
-        return self.hard_matrix() + (soft - soft.detach())  # straight-through: exactly hard forward, soft gradient
+            if torch.is_grad_enabled() and self.scores.requires_grad:
+                return checkpoint(sinkhorn, self.scores, self.temperature, use_reentrant=False), None
+            return sinkhorn(self.scores, self.temperature), None
+        perm = self.harden()
+        return self.hard_matrix(perm) + (self.scores - self.scores.detach()), perm
 
 
 class RotaryParam(nn.Module):
