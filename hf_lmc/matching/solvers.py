@@ -66,10 +66,28 @@ def assign(similarity: Tensor) -> Tensor:
     ``similarity[i, j]`` compares target block ``i`` with source block ``j``; the result
     sends source ``j`` to position ``perm[j]`` (the convention of :class:`BlockMonomial`).
     """
-    shape = tuple(similarity.shape)
-    cost = _cost_buffer(shape) if similarity.numel() >= _LARGE else torch.empty(shape, dtype=torch.float64)
-    cost.copy_(similarity.detach()).neg_()  # scipy minimises a C-contiguous float64 array without copying it
-    rows, cols = linear_sum_assignment(cost.numpy())
+    cost = _cost_matrix(tuple(similarity.shape))
+    cost.copy_(similarity.detach())
+    return _solve(cost)
+
+
+def assign_product(left: Tensor, right: Tensor, rows: int = 1024) -> Tensor:
+    """:func:`assign` on ``left @ right.T``, computed a block of rows at a time straight into the
+    float64 cost matrix, so the product is never held in its own dtype as well."""
+    cost = _cost_matrix((left.shape[0], right.shape[0]))
+    for i in range(0, left.shape[0], rows):
+        cost[i : i + rows].copy_(left[i : i + rows] @ right.T)
+    return _solve(cost)
+
+
+def _cost_matrix(shape: tuple[int, int]) -> Tensor:
+    n = shape[0] * shape[1]
+    return _cost_buffer(shape) if n >= _LARGE else torch.empty(shape, dtype=torch.float64)
+
+
+def _solve(similarity: Tensor) -> Tensor:
+    """Linear assignment maximising a float64 ``similarity`` matrix, negated in place."""
+    rows, cols = linear_sum_assignment(similarity.neg_().numpy())  # a C-contiguous float64 array: not copied
     perm = torch.empty(similarity.shape[1], dtype=torch.long)
     perm[torch.as_tensor(cols)] = torch.as_tensor(rows)
     return perm

@@ -3,9 +3,10 @@
 :class:`TrainableTransform` mirrors a :class:`~hf_lmc.Transform` space by space: the residual
 map becomes an :class:`OrthogonalParam`, each KV head's QK map a :class:`GLParam` (or a
 :class:`RotaryParam` under RoPE), each OV map a :class:`GLParam`, each layer's MLP units a
-:class:`PermutationParam` (with learnable log-scales for SwiGLU). Head assignments stay as
-initialised. ``forward()`` returns the current :class:`~hf_lmc.Transform` (differentiable);
-``harden()`` returns the exact group element export applies.
+:class:`PermutationParam` (with learnable log-scales for SwiGLU), and with one query head per
+KV head the head order a :class:`PermutationParam` too (under GQA it stays as initialised).
+``forward()`` returns the current :class:`~hf_lmc.Transform` (differentiable); ``harden()``
+returns the exact group element export applies.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import torch
 from torch import nn
 
 from ..spec import ArchSpec
-from ..symmetry import AttentionMap, BlockMonomial, DenseMlpMap, MlpMap, ResidualMap, Transform
+from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
 from ..symmetry.params import GLParam, OrthogonalParam, PermutationParam, RotaryParam
 
 
 class _AttentionParams(nn.Module):
-    def __init__(self, spec: ArchSpec, init: AttentionMap | None, dtype):
+    def __init__(self, spec: ArchSpec, init: AttentionMap | None, permutations: str, dtype):
         super().__init__()
         kv, dh = spec.num_kv_heads, spec.head_dim
         eye = BlockMonomial.identity(kv, dh, dtype=dtype)
@@ -32,13 +33,21 @@ class _AttentionParams(nn.Module):
         else:
             self.qk = nn.ModuleList(GLParam(dh, init=(qk.blocks[h], qk.inverse_blocks[h]), dtype=dtype) for h in range(kv))
         self.ov = nn.ModuleList(GLParam(dh, init=(ov.blocks[h], ov.inverse_blocks[h]), dtype=dtype) for h in range(kv))
+        # One query head per KV head: the head permutation trains too. Under GQA a query head's
+        # place within its group depends on the KV pairing, so the assignment stays as initialised.
+        trainable = spec.group_size == 1 and kv > 1
+        self.heads = PermutationParam(kv, init=self.kv_perm, method=permutations, dtype=dtype) if trainable else None
 
-    def forward(self) -> AttentionMap:
-        def monomial(params):
+    def forward(self) -> AttentionMap | DenseAttentionMap:
+        def monomial(params, perm):
             pairs = [p() for p in params]
-            return BlockMonomial(self.kv_perm, torch.stack([m for m, _ in pairs]), torch.stack([inv for _, inv in pairs]))
+            return BlockMonomial(perm, torch.stack([m for m, _ in pairs]), torch.stack([inv for _, inv in pairs]))
 
-        return AttentionMap(monomial(self.qk), monomial(self.ov), self.query_perm)
+        if self.heads is None:
+            return AttentionMap(monomial(self.qk, self.kv_perm), monomial(self.ov, self.kv_perm), self.query_perm)
+        fixed = torch.arange(self.kv_perm.numel(), device=self.kv_perm.device)
+        matrix, perm = self.heads.matrix_and_perm()
+        return DenseAttentionMap(AttentionMap(monomial(self.qk, fixed), monomial(self.ov, fixed), fixed), matrix, perm)
 
 
 class _MlpParams(nn.Module):
@@ -73,7 +82,7 @@ class TrainableTransform(nn.Module):
         self.residual = OrthogonalParam(
             spec.hidden_size, init=residual.matrix if residual is not None else None, method=orthogonal, fix_ones=spec.centred, dtype=dtype
         )
-        self.attention = nn.ModuleList(_AttentionParams(spec, maps.get(f"attn.{i}"), dtype) for i in range(spec.num_layers))
+        self.attention = nn.ModuleList(_AttentionParams(spec, maps.get(f"attn.{i}"), permutations, dtype) for i in range(spec.num_layers))
         self.mlp = nn.ModuleList(_MlpParams(spec, maps.get(f"mlp.{i}"), permutations, dtype) for i in range(spec.num_layers))
 
     def forward(self) -> Transform:
@@ -86,5 +95,5 @@ class TrainableTransform(nn.Module):
     def harden(self) -> Transform:
         """The exact group element the parameters currently select (soft permutations hardened)."""
         current = self()
-        maps = {space: element.harden() if isinstance(element, DenseMlpMap) else element for space, element in current.maps.items()}
+        maps = {space: element.harden() if isinstance(element, (DenseAttentionMap, DenseMlpMap)) else element for space, element in current.maps.items()}
         return Transform(maps).to(torch.float64)

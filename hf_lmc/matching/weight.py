@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..canonical import CanonicalModel
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
-from .solvers import Moments, assign, assign_heads, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones, release_assignment_buffer
+from .solvers import Moments, assign, assign_heads, assign_product, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones, release_assignment_buffer
 
 
 def _residual_axis(name: str) -> int | None:
@@ -61,8 +61,9 @@ class WeightMatcher:
             than this (relative): the layer maps would not move either.
         dtype: dtype of the large products (float32 by default; the small solves always run
             in float64).
-        similarity_dtype: dtype of the F x F MLP unit similarities (bfloat16 by default: they
-            only rank units, and bfloat16 products run several times faster on CPUs).
+        similarity_dtype: dtype of the products behind the F x F MLP unit and the head
+            similarities (bfloat16 by default: they only rank units and heads, and bfloat16
+            products run several times faster on CPUs).
         progress: show a progress bar per sweep.
 
     ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``.
@@ -184,15 +185,13 @@ class WeightMatcher:
         group = torch.arange(h) // g
         if "heads" in self.kinds:
             # Heads are ranked by circuit similarities from (heads, heads, dh, dh) cross blocks and
-            # (heads, dh, dh) self blocks, one matmul each in the working dtype.
-            qq, kk, vv, oo = (
-                _block_products(qa, qb),
-                _block_products(ka, kb),
-                _block_products(va, vb),
-                _block_products(oa, ob),
-            )
-            self_a = [x @ x.mT for x in (qa, ka, va, oa)]
-            self_b = [x @ x.mT for x in (qb, kb, vb, ob)]
+            # (heads, dh, dh) self blocks: one matmul each in similarity_dtype (they only rank
+            # heads), summed in float32.
+            low = [x.to(self.similarity_dtype) for x in (qa, ka, va, oa, qb, kb, vb, ob)]
+            qq, kk, vv, oo = (_block_products(x, y).float() for x, y in zip(low[:4], low[4:]))
+            self_a = [(x @ x.mT).float() for x in low[:4]]
+            self_b = [(x @ x.mT).float() for x in low[4:]]
+            del low
             # Circuit similarities <Q_i^T K_i, Q_j^T K_j> = <Q_i Q_j^T, K_i K_j^T>, and for OV.
             qk = (qq * kk[group][:, group]).sum((-1, -2)) / _circuit_norms(
                 self_a[0], self_a[1][group], self_b[0], self_b[1][group]
@@ -273,8 +272,7 @@ class WeightMatcher:
                     up, down = scale * up, down / scale
                 return torch.cat([up, down] + ([gate] if gate is not None else []), 1)
 
-            sim = descriptors(*units(a, low), scale_a) @ descriptors(*units(b, low, rotate), scale_b).T
-            perm = assign(sim)
+            perm = assign_product(descriptors(*units(a, low), scale_a), descriptors(*units(b, low, rotate), scale_b))
         return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b / scale_a[perm]))
 
 

@@ -1,7 +1,7 @@
 """Function-preserving symmetries of canonical models: group elements, the axes table, sampling."""
 
 from .engine import GLOBAL_AXES, LAYER_AXES, Transform, axes_of
-from .groups import AttentionMap, BlockMonomial, DenseMlpMap, MlpMap, ResidualMap
+from .groups import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap
 from .sample import KINDS, PRESETS, random_symmetry, resolve_kinds
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "PRESETS",
     "AttentionMap",
     "BlockMonomial",
+    "DenseAttentionMap",
     "DenseMlpMap",
     "MlpMap",
     "ResidualMap",

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..canonical import CanonicalModel
 from ..spec import local_name
-from .groups import AttentionMap, DenseMlpMap, MlpMap, ResidualMap
+from .groups import AttentionMap, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap
 
 Axis = tuple[str, str] | None  # (space, role)
 
@@ -74,7 +74,7 @@ def axes_of(name: str) -> tuple[Axis, ...]:
     return tuple(a if a is None or a[0] == "residual" else (f"{a[0]}.{layer}", a[1]) for a in axes)
 
 
-Element = ResidualMap | AttentionMap | MlpMap | DenseMlpMap
+Element = ResidualMap | AttentionMap | MlpMap | DenseAttentionMap | DenseMlpMap
 
 
 @dataclass(frozen=True)

@@ -289,6 +289,53 @@ class DenseMlpMap:
         return DenseMlpMap(self.matrix.to(dtype=dtype, device=device), self.scale.to(dtype=dtype, device=device), perm)
 
 
+@dataclass(frozen=True)
+class DenseAttentionMap:
+    """Attention heads reordered by an ``n x n`` matrix ``P`` after their per-head maps.
+
+    The trainable form of :class:`AttentionMap` for learned matching with one query head per
+    KV head: ``heads`` holds the per-head QK / OV maps (identity permutations), ``matrix`` the
+    head permutation as in :class:`DenseMlpMap` (``perm`` set when it is exactly that
+    permutation's matrix: straight-through). :meth:`harden` gives the exact element.
+    """
+
+    heads: AttentionMap
+    matrix: Tensor
+    perm: Tensor | None = None
+
+    ROLES = AttentionMap.ROLES
+
+    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+        x = self.heads.act(t, axis, role).movedim(axis, 0)
+        shape = x.shape
+        x = x.reshape(self.matrix.shape[0], -1)  # one row of (head_dim x rest) per head
+        matrix = self.matrix.to(dtype=x.dtype, device=x.device)
+        y = _HardPermute.apply(x, matrix, self.perm.to(x.device)) if self.perm is not None else matrix @ x
+        return y.reshape(shape).movedim(0, axis)
+
+    def harden(self) -> AttentionMap:
+        """The head permutation ``P`` is (or is closest to), composed with the per-head maps."""
+        from ..matching.solvers import assign
+
+        perm = self.perm if self.perm is not None else assign(self.matrix.detach())
+        qk, ov = self.heads.qk, self.heads.ov
+        return AttentionMap(
+            BlockMonomial(perm, qk.blocks.detach(), qk.inverse_blocks.detach()),
+            BlockMonomial(perm, ov.blocks.detach(), ov.inverse_blocks.detach()),
+            perm,
+        )
+
+    def compose(self, first):
+        raise TypeError("a DenseAttentionMap is a training-time relaxation; harden() it before composing")
+
+    def inverse(self):
+        raise TypeError("a DenseAttentionMap is a training-time relaxation; harden() it before inverting")
+
+    def to(self, dtype=None, device=None) -> DenseAttentionMap:
+        perm = self.perm.to(device=device) if self.perm is not None else None
+        return DenseAttentionMap(self.heads.to(dtype, device), self.matrix.to(dtype=dtype, device=device), perm)
+
+
 class _HardPermute(torch.autograd.Function):
     """``y = P x`` where ``P`` (the matrix argument) equals the permutation ``perm``'s matrix.
 
