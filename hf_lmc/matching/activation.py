@@ -39,8 +39,9 @@ class ActivationMatcher:
 
     Args:
         data: calibration batches: an iterable of batch dicts (e.g. a ``DataLoader``), one
-            batch dict, a tensor of ``input_ids`` (``pixel_values`` for ViT), or anything
-            :func:`hf_lmc.evaluation.load_batches` reads (text files, ``datasets`` ids).
+            batch dict, a tensor of ``input_ids`` (``pixel_values`` for ViT), or other data
+            :func:`hf_lmc.evaluation.load_batches` reads without a tokenizer (``.pt`` image
+            tensors). Text is tokenised by :func:`hf_lmc.merge` and the CLI with A's tokenizer.
         symmetries: ``"full"``, ``"permutation"`` or a set of kinds (as for weight matching).
         max_batches: use at most this many batches.
         dtype: dtype the models run in (moments always accumulate in float64).
