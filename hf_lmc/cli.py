@@ -131,7 +131,7 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
     group.add_argument("--steps", type=int, default=200, metavar="N", help="training steps of learned and dual matching (default: 200)")
     group.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate of learned and dual matching (default: 3e-3)")
-    group.add_argument("--permutations", choices=["ste", "sinkhorn"], default="ste", help="MLP permutations: straight-through Hungarian or Sinkhorn (default: ste)")
+    group.add_argument("--permutations", choices=["ste", "sinkhorn"], default="ste", help="MLP unit and head permutations: straight-through Hungarian or Sinkhorn (default: ste)")
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
 
 
