@@ -75,6 +75,37 @@ def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
         torch.testing.assert_close(p, q, msg=name)
 
 
+def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
+    """A run killed mid-way (here: by its callback) resumes with its optimizer and LR schedule."""
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(3)]
+    options = {"steps": 6, "lr": 1e-2, "schedule": "cosine", "warmup_steps": 2, "progress": False}
+
+    def fresh():
+        torch.manual_seed(0)  # lambda draws
+        return DualMatcher(model_a, model_b, dtype=torch.float64)
+
+    seen = []
+    straight = fresh()
+    straight.fit(batches, callback=lambda step, matcher: seen.append(step), **options)
+    assert seen == [1, 2, 3, 4, 5, 6]
+
+    def crash(step, matcher):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fresh().fit(batches, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2, callback=crash, **options)
+    resumed = fresh()
+    assert len(resumed.fit(batches, checkpoint_dir=tmp_path / "ckpt", resume=True, **options)) == 2
+    for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
+        torch.testing.assert_close(p, q, msg=name)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        fresh().fit(batches, steps=2, warmup_steps=3, progress=False)
+
+
 def test_two_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     import json
     import os

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable
+import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -94,6 +95,8 @@ class DualMatcher(nn.Module):
         *,
         steps: int,
         lr: float = 1e-3,
+        schedule: str = "constant",
+        warmup_steps: int = 0,
         accelerator=None,
         gradient_accumulation_steps: int = 1,
         mixed_precision: str = "no",
@@ -101,21 +104,34 @@ class DualMatcher(nn.Module):
         checkpoint_every: int | None = None,
         resume: bool = False,
         progress: bool = True,
+        callback: Callable[[int, DualMatcher], None] | None = None,
     ) -> list[float]:
         """Train the transforms for ``steps`` batches with Adam under :mod:`accelerate`.
 
-        ``batches`` is cycled. With ``checkpoint_dir``, ``accelerator.save_state`` runs every
-        ``checkpoint_every`` steps (and at the end); ``resume=True`` continues from the last
-        saved step, replaying the data order. Returns the loss of every step.
+        ``batches`` is cycled. ``schedule`` is any :func:`transformers.get_scheduler` name
+        (``"constant"``, ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first
+        ``warmup_steps`` of them warming up linearly.
+        With ``checkpoint_dir``, ``accelerator.save_state`` runs every ``checkpoint_every``
+        steps (and at the end); ``resume=True`` continues from the last saved step, replaying
+        the data order. ``callback(step, matcher)`` runs after every batch (e.g. to
+        evaluate the barrier during training). Returns the loss of every step.
         """
         from accelerate import Accelerator
+        from transformers import get_scheduler
 
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        if not 0 <= warmup_steps <= max(steps, 0):
+            raise ValueError(f"warmup_steps must lie in [0, steps={steps}], got {warmup_steps}")
         if accelerator is None:
             accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
         optimizer = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=lr)
+        updates = max(math.ceil(steps / accelerator.gradient_accumulation_steps), 1)  # optimizer steps
+        scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=updates)
         model, optimizer = accelerator.prepare(self, optimizer)
+        # Stepped here rather than prepared: accelerate's wrapper advances a prepared scheduler
+        # once per process, which would run the schedule faster with more processes.
+        accelerator.register_for_checkpointing(scheduler)
         folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
         start = 0
         if resume and folder is not None and (folder / _PROGRESS).is_file():
@@ -132,8 +148,12 @@ class DualMatcher(nn.Module):
                 loss = model(batch)
                 accelerator.backward(loss)
                 optimizer.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad()
             losses.append(loss.item())
+            if callback is not None:
+                callback(step + 1, self)
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
             last = step + 1 == steps
             if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):

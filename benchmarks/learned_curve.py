@@ -1,0 +1,87 @@
+"""Barrier against training steps: what dual matching buys over one-sided learned matching.
+
+Over a full symmetry group the merged function depends only on ``T_A^-1 T_B`` (DESIGN §4), so
+dual matching cannot reach a function one-sided matching cannot; any gain is in optimisation.
+This trains :class:`hf_lmc.LearnedMatcher` and :class:`hf_lmc.DualMatcher` on the same zoo pair,
+the same batches (fresh training-split batches of 16 every step) and the same optimiser
+settings, and every ``--every`` steps measures the held-out barrier of the hardened merge on an
+11-point alpha grid (DESIGN §1). Prints one markdown table: steps × method → barrier.
+
+    python benchmarks/learned_curve.py --pair gpt2 --steps 1000 --every 250
+    python benchmarks/learned_curve.py --pair gpt2 --steps 3000 --schedule cosine --lr 1e-2 --warmup 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from hf_lmc import DualMatcher, LearnedMatcher, zoo
+from hf_lmc.barriers import alpha_grid, loss_barrier
+from hf_lmc.canonical import interpolate, to_hf
+from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
+from hf_lmc.loading import load_model
+
+MATCHERS = {"learned": LearnedMatcher, "dual": DualMatcher}
+
+
+def held_out_barrier(matcher: DualMatcher, batches, grid: list[float]) -> tuple[float, list[float]]:
+    """Barrier of the exact (hardened) merge path, and the losses along it."""
+    transform_a, transform_b = matcher.transforms()
+    a = transform_a.to(matcher.dtype).apply(matcher.interpolant.a).materialize()
+    b = transform_b.to(matcher.dtype).apply(matcher.interpolant.b).materialize()
+    losses = [evaluate(to_hf(interpolate(a, b, alpha)), batches).loss for alpha in grid]
+    return loss_barrier(grid, losses), losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="gpt2", choices=list(zoo.ZOO), help="zoo pair (default: gpt2)")
+    parser.add_argument("--methods", nargs="+", default=list(MATCHERS), choices=list(MATCHERS))
+    parser.add_argument("--steps", type=int, default=1000, help="training steps (default: 1000)")
+    parser.add_argument("--every", type=int, default=250, help="measure the barrier every N steps (default: 250)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default: 3e-3)")
+    parser.add_argument("--schedule", default="constant", help="transformers scheduler name (default: constant)")
+    parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0)")
+    parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    folder_a, folder_b = zoo.pair(args.pair, progress=not args.quiet)
+    a, b = load_model(folder_a).model, load_model(folder_b).model
+    eval_batches = load_batches(zoo.held_out(args.pair), a.config, folder_a, EvalOptions(batch_size=16))
+    fit = zoo.fit_batches(args.pair, args.steps)
+    grid = alpha_grid(11)
+
+    curves: dict[str, dict[int, float]] = {}
+    for method in args.methods:
+        torch.manual_seed(0)  # same lambda draws for both methods
+        matcher = MATCHERS[method](a, b, lambda_range=tuple(args.lambda_range))
+        curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
+        start = time.perf_counter()
+
+        def measure(step: int, matcher: DualMatcher, curve=curve, method=method, start=start) -> None:
+            if step % args.every == 0 or step == args.steps:
+                barrier, losses = held_out_barrier(matcher, eval_batches, grid)
+                curve[step] = barrier
+                where = grid[max(range(len(grid)), key=lambda i: losses[i] - ((1 - grid[i]) * losses[0] + grid[i] * losses[-1]))]
+                print(f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}), {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+        matcher.fit(
+            fit, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup, progress=not args.quiet, callback=measure
+        )
+
+    steps = sorted({s for curve in curves.values() for s in curve})
+    print(f"zoo {args.pair}: lr {args.lr}, schedule {args.schedule}, warmup {args.warmup}, lambda ~ U{tuple(args.lambda_range)}")
+    print("| steps | " + " | ".join(curves) + " |")
+    print("|---|" + "---|" * len(curves))
+    for step in steps:
+        print(f"| {step} | " + " | ".join(f"{curves[m][step]:.4f}" if step in curves[m] else "—" for m in curves) + " |")
+
+
+if __name__ == "__main__":
+    main()
