@@ -26,6 +26,8 @@ class LearnOptions:
 
     steps: int = 200
     lr: float = 3e-3
+    schedule: str = "constant"  # a transformers scheduler name: "constant", "cosine", "linear", ...
+    warmup: int = 0  # linear warmup steps
     permutations: str = "ste"
     orthogonal: str = "cayley"
     lambda_range: tuple[float, float] = (0.4, 0.6)
@@ -65,5 +67,5 @@ def align(
     matcher = matcher_class(
         a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range
     )
-    matcher.fit(batches, steps=learn.steps, lr=learn.lr, progress=progress)
+    matcher.fit(batches, steps=learn.steps, lr=learn.lr, schedule=learn.schedule, warmup_steps=learn.warmup, progress=progress)
     return matcher.transforms()

@@ -23,6 +23,7 @@ examples:
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
+SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -63,7 +64,9 @@ def _eval_options(args: argparse.Namespace, split: str | None = None):
 def _learn_options(args: argparse.Namespace):
     from .alignment import LearnOptions
 
-    return LearnOptions(steps=args.steps, lr=args.lr, permutations=args.permutations, orthogonal=args.orthogonal)
+    return LearnOptions(
+        steps=args.steps, lr=args.lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations, orthogonal=args.orthogonal
+    )
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -131,6 +134,8 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
     group.add_argument("--steps", type=int, default=200, metavar="N", help="training steps of learned and dual matching (default: 200)")
     group.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate of learned and dual matching (default: 3e-3)")
+    group.add_argument("--schedule", choices=SCHEDULES, default="constant", help="learning-rate schedule (default: constant)")
+    group.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warmup steps of the schedule (default: 0)")
     group.add_argument("--permutations", choices=["ste", "sinkhorn"], default="ste", help="MLP unit and head permutations: straight-through Hungarian or Sinkhorn (default: ste)")
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
 

@@ -127,6 +127,8 @@ class DualMatcher(nn.Module):
             accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
         optimizer = torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=lr)
         updates = max(math.ceil(steps / accelerator.gradient_accumulation_steps), 1)  # optimizer steps
+        if schedule == "constant" and warmup_steps:
+            schedule = "constant_with_warmup"  # transformers' "constant" ignores warmup
         scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=updates)
         model, optimizer = accelerator.prepare(self, optimizer)
         # Stepped here rather than prepared: accelerate's wrapper advances a prepared scheduler
