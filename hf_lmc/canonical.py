@@ -20,7 +20,9 @@ from .adapters import Adapter, UnsupportedModelError, adapter_for
 from .checkpoint import Checkpoint, CheckpointError, all_finite
 from .spec import ArchSpec, Group, group_of
 
-GroupLoader = Callable[[Group], dict[str, Tensor]]
+#: ``(group, rows)`` -> the group's canonical tensors; ``rows`` (a slice or None for all)
+#: restricts the tensors with one row per vocabulary token (see ``ArchSpec.token_row_names``).
+GroupLoader = Callable[[Group, "slice | None"], dict[str, Tensor]]
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,10 @@ class CanonicalModel:
     Attributes:
         spec: shapes and structure (``hidden_size``, heads, rotary dims, norm kind, ...).
         config: the source model's HF config; export starts from it.
-        load_group: ``group -> {canonical name: tensor}``; may read from disk on each call, and
-            returns a fresh dict each time (callers may empty it to free tensors early).
+        load_group: ``(group, rows) -> {canonical name: tensor}``; may read from disk on each
+            call, and returns a fresh dict each time (callers may empty it to free tensors
+            early). With ``rows`` a slice, token-row tensors hold only those rows: the algebra
+            of the embed and head groups is row by row, so export streams them in blocks.
     """
 
     spec: ArchSpec
@@ -42,16 +46,16 @@ class CanonicalModel:
     def adapter(self) -> Adapter:
         return adapter_for(self.config)
 
-    def group(self, group: Group) -> dict[str, Tensor]:
-        return self.load_group(group)
+    def group(self, group: Group, rows: slice | None = None) -> dict[str, Tensor]:
+        return self.load_group(group, rows)
 
     def groups(self) -> Iterator[tuple[Group, dict[str, Tensor]]]:
         """``(group, tensors)`` in export order, one group alive at a time."""
         for group in self.spec.groups():
-            yield group, self.load_group(group)
+            yield group, self.load_group(group, None)
 
     def __getitem__(self, name: str) -> Tensor:
-        return self.load_group(group_of(name))[name]
+        return self.load_group(group_of(name), None)[name]
 
     def state_dict(self) -> dict[str, Tensor]:
         """Every canonical tensor, materialised."""
@@ -64,8 +68,8 @@ class CanonicalModel:
     def map_tensors(self, fn: Callable[[str, Tensor], Tensor]) -> "CanonicalModel":
         """A lazy view with ``fn(name, tensor)`` applied to every tensor."""
 
-        def load(group: Group) -> dict[str, Tensor]:
-            tensors = self.load_group(group)  # a fresh dict: draining frees each source tensor once mapped
+        def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:
+            tensors = self.load_group(group, rows)  # a fresh dict: draining frees each source tensor once mapped
             return {name: fn(name, t) for name, t in drain(tensors)}
 
         return CanonicalModel(self.spec, self.config, load)
@@ -82,8 +86,8 @@ def interpolate(a: CanonicalModel, b: CanonicalModel, alpha: float) -> Canonical
     if a.spec != b.spec:
         raise ValueError(f"cannot interpolate models of different architectures: {a.spec} vs {b.spec}")
 
-    def load(group: Group) -> dict[str, Tensor]:
-        ga, gb = a.group(group), b.group(group)  # fresh dicts: popping frees each input once used
+    def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:
+        ga, gb = a.group(group, rows), b.group(group, rows)  # fresh dicts: popping frees each input once used
         return {name: torch.lerp(t, gb.pop(name).to(t.dtype), alpha) for name, t in drain(ga)}
 
     return CanonicalModel(a.spec, a.config, load)
@@ -103,7 +107,14 @@ def from_state_dict(spec: ArchSpec, config: PretrainedConfig, tensors: dict[str,
     missing = set(spec.names()) - set(tensors)
     if missing:
         raise ValueError(f"canonical state dict is missing {sorted(missing)[:5]}")
-    return CanonicalModel(spec, config, lambda group: dict(by_group[group]))
+    token_rows = spec.token_row_names()
+
+    def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:
+        if rows is None:
+            return dict(by_group[group])
+        return {name: t[rows] if name in token_rows else t for name, t in by_group[group].items()}
+
+    return CanonicalModel(spec, config, load)
 
 
 def canonicalize(model: PreTrainedModel | CanonicalModel | str | Path, *, dtype: torch.dtype | None = None) -> CanonicalModel:
@@ -145,12 +156,33 @@ def canonicalize(model: PreTrainedModel | CanonicalModel | str | Path, *, dtype:
         checkpoint = Checkpoint(folder, adapter)
         spec = adapter.spec(config)
 
-        def load(group: Group) -> dict[str, Tensor]:  # nothing cached: a model never sits in memory
+        def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:  # nothing cached: a model never sits in memory
+            source = checkpoint if rows is None else _TokenRows(checkpoint, adapter.vocab_keys, rows)
             with torch.no_grad():
-                return _convert(adapter.canonical_group(_Widened(checkpoint, dtype), config, spec, group), dtype)
+                return _convert(adapter.canonical_group(_Widened(source, dtype), config, spec, group), dtype)
 
         return CanonicalModel(spec, config, load)
     raise TypeError(f"canonicalize() takes a transformers model or a checkpoint folder, not {type(model).__name__}")
+
+
+class _TokenRows(Mapping[str, Tensor]):
+    """A checkpoint whose vocabulary tensors (``keys``) show only ``rows``."""
+
+    def __init__(self, source: Mapping[str, Tensor], keys: tuple[str, ...], rows: slice):
+        self.source, self.keys_with_rows, self.rows = source, frozenset(keys), rows
+
+    def __getitem__(self, key: str) -> Tensor:
+        t = self.source[key]
+        return t[self.rows] if key in self.keys_with_rows else t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.source)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.source
 
 
 class _Widened(Mapping[str, Tensor]):
@@ -196,18 +228,49 @@ def export_config(canonical: CanonicalModel) -> PretrainedConfig:
     return config
 
 
+def block_rows(spec: ArchSpec, budget: int = 64 << 20) -> int:
+    """Token rows per export block: ``budget`` bytes of one float32 ``(rows, d)`` block."""
+    return max(1, budget // (4 * spec.hidden_size))
+
+
+@dataclass
+class RowBlocks:
+    """A vocabulary group exported in blocks of token rows (see :func:`hf_state_dict_groups`).
+
+    ``blocks`` yields the group's HF dicts over successive token rows: each tensor under
+    ``keys`` is the next rows of a ``(total_rows, ...)`` tensor; any other tensor is the same in
+    every block. Peak memory is one block instead of several vocabulary-sized copies.
+    """
+
+    keys: frozenset[str]
+    total_rows: int
+    blocks: Iterator[dict[str, Tensor]]
+
+
 def hf_state_dict_groups(
-    canonical: CanonicalModel, config: PretrainedConfig | None = None
-) -> Iterator[dict[str, Tensor]]:
-    """HF state-dict entries group by group (for streaming export), under ``export_config``."""
+    canonical: CanonicalModel, config: PretrainedConfig | None = None, *, block_rows: int | None = None
+) -> Iterator[dict[str, Tensor] | RowBlocks]:
+    """HF state-dict entries group by group (for streaming export), under ``export_config``.
+
+    With ``block_rows``, embed and head groups of language models come as :class:`RowBlocks`
+    of that many token rows (:func:`hf_lmc.export.write_checkpoint` streams them).
+    """
     config = config or export_config(canonical)
-    adapter = canonical.adapter
+    adapter, spec = canonical.adapter, canonical.spec
     tied = getattr(config, "tie_word_embeddings", False)
-    for group, tensors in canonical.groups():
-        out = adapter.hf_group(tensors, config, canonical.spec, group)
+
+    def exported(group: Group, rows: slice | None) -> dict[str, Tensor]:
+        out = adapter.hf_group(canonical.group(group, rows), config, spec, group)
         if tied and group == "head":
             out.pop("lm_head.weight", None)
-        yield out
+        return out
+
+    for group in spec.groups():
+        blocks = spec.row_blocks(group, block_rows) if block_rows else None
+        if blocks and len(blocks) > 1:
+            yield RowBlocks(frozenset(adapter.vocab_keys), spec.output_size, (exported(group, rows) for rows in blocks))
+        else:
+            yield exported(group, None)
 
 
 def to_hf(canonical: CanonicalModel) -> PreTrainedModel:

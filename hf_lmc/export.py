@@ -8,7 +8,9 @@ interrupted or failed export leaves nothing half-written.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -24,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from .adapters import adapter_for
-from .canonical import CanonicalModel, drain, export_config, hf_state_dict_groups
+from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_config, hf_state_dict_groups
 from .checkpoint import SAFETENSORS_DTYPES
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -76,16 +78,32 @@ class _ShardWriter:
         self.offset = 0
 
     def add(self, key: str, tensor: Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
+        self._reserve(key, tensor.dtype, list(tensor.shape))
+        self._write(tensor)
+
+    def add_rows(self, key: str, shape: list[int], chunks: Iterable[Tensor]) -> None:
+        """Write a ``shape`` tensor that arrives as consecutive blocks of rows (one in memory at a time)."""
+        chunks = iter(chunks)
+        first = next(chunks)
+        self._reserve(key, first.dtype, shape)
+        for chunk in itertools.chain([first], chunks):
+            self._write(chunk)
+        if self.offset != self.entries[key]["data_offsets"][1]:
+            raise RuntimeError(f"{key}: row blocks do not add up to shape {shape}")
+
+    def _reserve(self, key: str, dtype: torch.dtype, shape: list[int]) -> None:
+        size = _nbytes(dtype, shape)
         if self.entries and self.offset + size > self.max_bytes:
             self.flush()
         if self.data is None:
             self.data = open(self._data_path(), "wb")  # noqa: SIM115 (closed in flush)
-        self.entries[key] = {"dtype": _DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [self.offset, self.offset + size]}
-        if size:
-            self.data.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-        self.offset += size
+        self.entries[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [self.offset, self.offset + size]}
         self.total += size
+
+    def _write(self, tensor: Tensor) -> None:
+        if tensor.numel():
+            self.data.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+        self.offset += tensor.numel() * tensor.element_size()
 
     def _data_path(self) -> Path:
         return self.folder / f"shard-{len(self.shards):05d}.data"
@@ -119,6 +137,30 @@ class _ShardWriter:
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _write_row_blocks(writer: _ShardWriter, group: RowBlocks, prepare) -> None:
+    """Stream a :class:`RowBlocks` group: its shared tensors once, each row tensor block by block."""
+    first = next(group.blocks)
+    for key in [k for k in first if k not in group.keys]:
+        writer.add(key, prepare(first.pop(key)))
+    streamed = list(first)
+    if len(streamed) == 1:
+        (key,) = streamed
+        chunk = first.pop(key)
+        writer.add_rows(key, [group.total_rows, *chunk.shape[1:]], itertools.chain([prepare(chunk)], (prepare(b[key]) for b in group.blocks)))
+        return
+    # Several row tensors would interleave in the file: gather them (no adapter has more than one).
+    parts = {key: [first.pop(key)] for key in streamed}
+    for block in group.blocks:
+        for key in streamed:
+            parts[key].append(block[key])
+    for key in streamed:
+        writer.add(key, prepare(torch.cat(parts.pop(key))))
+
+
 def _copy_file(src, dst, size: int) -> None:
     """Append ``size`` bytes of ``src`` to ``dst``: in the kernel where the OS can, else in Python.
 
@@ -141,7 +183,7 @@ def _copy_file(src, dst, size: int) -> None:
 
 
 def write_checkpoint(
-    groups: Iterable[Mapping[str, Tensor]],
+    groups: Iterable[Mapping[str, Tensor] | RowBlocks],
     config: PretrainedConfig,
     output_dir: str | Path,
     *,
@@ -166,13 +208,20 @@ def write_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:
         writer = _ShardWriter(staging, max_bytes)
+
+        def prepare(tensor: Tensor) -> Tensor:
+            tensor = tensor.detach()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            return tensor.contiguous()
+
         for group in tqdm(groups, total=total_groups, desc="writing shards", unit="group", disable=not progress):
+            if isinstance(group, RowBlocks):
+                _write_row_blocks(writer, group, prepare)
+                continue
             # A group dict is emptied as it is written, so each tensor is freed once on disk.
             for key, tensor in drain(group) if isinstance(group, dict) else group.items():
-                tensor = tensor.detach()
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                writer.add(key, tensor.contiguous())
+                writer.add(key, prepare(tensor))
         writer.finish()
         config = _with_dtype(config, dtype)
         config.save_pretrained(staging)
@@ -210,5 +259,6 @@ def save_canonical(canonical: CanonicalModel, output_dir: str | Path, **options)
     """Export a canonical model straight to a stock HF folder, one layer at a time."""
     config = export_config(canonical)
     return write_checkpoint(
-        hf_state_dict_groups(canonical, config), config, output_dir, total_groups=len(canonical.spec.groups()), **options
+        hf_state_dict_groups(canonical, config, block_rows=block_rows(canonical.spec)), config, output_dir,
+        total_groups=len(canonical.spec.groups()), **options
     )

@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from .adapters import adapter_for
 from .alignment import DATA_METHODS, TRAINED_METHODS, LearnOptions, align, check_method
 from .barriers import BarrierResult, barrier_of_loaded, plot
-from .canonical import canonicalize, export_config, hf_state_dict_groups, interpolate
+from .canonical import block_rows, canonicalize, export_config, hf_state_dict_groups, interpolate
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .evaluation import EvalOptions, load_batches
@@ -164,7 +164,7 @@ def merge(
         transforms = None
         if method == "average":
             config, groups = config_a, _average_groups(folder_a, folder_b, config_a, alpha)
-            untied = False
+            untied, total_groups = False, None
         else:
             a, b = canonicalize(folder_a, dtype=torch.float32), canonicalize(folder_b, dtype=torch.float32)
             batches = load_batches(data, config_a, folder_a, data_options) if method in DATA_METHODS else None
@@ -176,7 +176,8 @@ def merge(
             merged = interpolate(transform_a.apply(a), transform_b.apply(b), alpha)
             config = export_config(merged)
             out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
-            groups = hf_state_dict_groups(merged, config)
+            groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
+            total_groups = len(merged.spec.groups())
             untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
 
         if eval_batches is not None:
@@ -206,7 +207,7 @@ def merge(
         extra = {plot_name: Path(scratch) / plot_name} if plot_name else {}
         write_checkpoint(
             groups, config, output, shard_size=shard_size, dtype=out_dtype, source_folder=folder_a,
-            card=card, extra_files=extra, overwrite=overwrite, progress=progress,
+            card=card, extra_files=extra, overwrite=overwrite, progress=progress, total_groups=total_groups,
         )
     url = push_folder(output, push_to_hub, private=private, api=api) if push_to_hub else None
     return MergeResult(output, method, alpha, measured, url)

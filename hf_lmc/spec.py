@@ -56,6 +56,16 @@ class ArchSpec:
     def groups(self) -> list[Group]:
         return ["embed", *range(self.num_layers), "head"]
 
+    def token_row_names(self) -> frozenset[str]:
+        """Canonical tensors with one row per vocabulary token (none for a classifier)."""
+        return frozenset({"embed.tokens", "head.weight", "head.bias"}) if "embed.tokens" in self.embedding_names else frozenset()
+
+    def row_blocks(self, group: Group, rows: int) -> list[slice] | None:
+        """``group``'s token rows in blocks of ``rows``, or None where it has no token rows."""
+        if group not in ("embed", "head") or not self.token_row_names():
+            return None
+        return [slice(start, min(start + rows, self.output_size)) for start in range(0, self.output_size, rows)]
+
 
 def spec_differences(a: ArchSpec, b: ArchSpec) -> list[str]:
     """``"field a vs b"`` for every field where two specs differ (for error messages)."""

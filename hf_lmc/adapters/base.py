@@ -37,6 +37,10 @@ class Adapter:
     heads_input: str = ""
     #: ... and the MLP down projection (its input is the MLP units).
     mlp_input: str = ""
+    #: Checkpoint keys with one row per vocabulary token (embedding, LM head): the only large
+    #: tensors of the embed / head groups, whose algebra is row by row, so export can stream
+    #: them in blocks of rows.
+    vocab_keys: tuple[str, ...] = ()
 
     def spec(self, config: PretrainedConfig) -> ArchSpec:
         raise NotImplementedError

@@ -19,6 +19,7 @@ class GPT2Adapter(Adapter):
     mlp_input = "transformer.h.{i}.mlp.c_proj"
     # Hub checkpoints saved from ``GPT2Model`` (e.g. ``gpt2`` itself) carry no ``transformer.`` prefix.
     legacy_renames = ((r"^(?!transformer\.|lm_head\.)", "transformer."),)
+    vocab_keys = ("transformer.wte.weight", "lm_head.weight")
     # Causal-mask buffers that transformers 4.x wrote into some checkpoints.
     ignored_keys = (r"\.attn\.(masked_)?bias$",)
 

@@ -22,6 +22,7 @@ class GPTNeoXAdapter(Adapter):
     heads_input = "gpt_neox.layers.{i}.attention.dense"
     mlp_input = "gpt_neox.layers.{i}.mlp.dense_4h_to_h"
     legacy_renames = ((r"^embed_out\.", "lm_head."),)
+    vocab_keys = ("gpt_neox.embed_in.weight", "lm_head.weight")
     ignored_keys = (r"\.attention\.(masked_)?bias$", r"\.rotary_emb\.inv_freq$")
     # LayerNorm shifts fold into Q/K/V biases, which need attention_bias=True to exist.
     bias_flags_for_folded_norms = ("attention_bias",)

@@ -25,6 +25,7 @@ class LlamaAdapter(Adapter):
     heads_input = "model.layers.{i}.self_attn.o_proj"
     mlp_input = "model.layers.{i}.mlp.down_proj"
     ignored_keys = (r"\.rotary_emb\.inv_freq$",)
+    vocab_keys = ("model.embed_tokens.weight", "lm_head.weight")
 
     def validate_config(self, config: LlamaConfig) -> None:
         if config.hidden_act != "silu":

@@ -203,11 +203,10 @@ class WeightMatcher:
         else:
             kv_perm, query_perm = torch.arange(kv), torch.arange(h)
 
-        # The per-KV-head maps must be exact for twins: their moments are taken in float64.
-        qa, ka, va, oa, qb, kb, vb, ob = (x.double() for x in (qa, ka, va, oa, qb, kb, vb, ob))
-
+        # The per-KV-head maps must be exact for twins: their moments are taken in float64, one
+        # KV head's slices at a time (a whole layer in float64 is 8 d^2 doubles at peak).
         def rows(x: Tensor, heads: Tensor) -> Tensor:  # the heads' (dh, m) data side by side
-            return x[heads].transpose(0, 1).reshape(dh, -1)
+            return x[heads].transpose(0, 1).reshape(dh, -1).double()
 
         qk_blocks, ov_blocks = [], []
         for jb in range(kv):
@@ -215,12 +214,14 @@ class WeightMatcher:
             b_queries = torch.arange(jb * g, (jb + 1) * g)
             a_queries = query_perm[b_queries]
             if "qk" in self.kinds:
-                moments = Moments.of(rows(qa, a_queries), ka[ia], rows(qb, b_queries), kb[jb])
+                moments = Moments.of(rows(qa, a_queries), ka[ia].double(), rows(qb, b_queries), kb[jb].double())
                 qk_blocks.append(
                     match_rotary_moments(moments, spec.rotary_dim) if spec.rotary_dim else match_gl_moments(moments)
                 )
             if "ov" in self.kinds:
-                ov_blocks.append(match_gl_moments(Moments.of(va[ia], rows(oa, a_queries), vb[jb], rows(ob, b_queries))))
+                ov_blocks.append(
+                    match_gl_moments(Moments.of(va[ia].double(), rows(oa, a_queries), vb[jb].double(), rows(ob, b_queries)))
+                )
         eye = BlockMonomial.identity(kv, dh)
         qk = (
             BlockMonomial(kv_perm, *_stack(qk_blocks))
