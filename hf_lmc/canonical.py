@@ -165,15 +165,14 @@ def canonicalize(model: PreTrainedModel | CanonicalModel | str | Path, *, dtype:
     raise TypeError(f"canonicalize() takes a transformers model or a checkpoint folder, not {type(model).__name__}")
 
 
-class _TokenRows(Mapping[str, Tensor]):
-    """A checkpoint whose vocabulary tensors (``keys``) show only ``rows``."""
+class _SourceView(Mapping[str, Tensor]):
+    """A checkpoint seen through a per-tensor view (same keys; subclasses change the values)."""
 
-    def __init__(self, source: Mapping[str, Tensor], keys: tuple[str, ...], rows: slice):
-        self.source, self.keys_with_rows, self.rows = source, frozenset(keys), rows
+    def __init__(self, source: Mapping[str, Tensor]):
+        self.source = source
 
     def __getitem__(self, key: str) -> Tensor:
-        t = self.source[key]
-        return t[self.rows] if key in self.keys_with_rows else t
+        return self.source[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.source)
@@ -185,7 +184,19 @@ class _TokenRows(Mapping[str, Tensor]):
         return key in self.source
 
 
-class _Widened(Mapping[str, Tensor]):
+class _TokenRows(_SourceView):
+    """A checkpoint whose vocabulary tensors (``keys``) show only ``rows``."""
+
+    def __init__(self, source: Mapping[str, Tensor], keys: tuple[str, ...], rows: slice):
+        super().__init__(source)
+        self.keys_with_rows, self.rows = frozenset(keys), rows
+
+    def __getitem__(self, key: str) -> Tensor:
+        t = self.source[key]
+        return t[self.rows] if key in self.keys_with_rows else t
+
+
+class _Widened(_SourceView):
     """Source tensors read in the wider of their stored dtype and ``dtype``.
 
     The canonical algebra (centring, norm folding) then rounds once, in the working precision,
@@ -193,22 +204,14 @@ class _Widened(Mapping[str, Tensor]):
     """
 
     def __init__(self, source: Mapping[str, Tensor], dtype: torch.dtype | None):
-        self.source, self.dtype = source, dtype
+        super().__init__(source)
+        self.dtype = dtype
 
     def __getitem__(self, key: str) -> Tensor:
         t = self.source[key]
         if self.dtype is None or not t.is_floating_point():
             return t
         return t.to(torch.promote_types(t.dtype, self.dtype))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.source)
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.source
 
 
 def _convert(tensors: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str, Tensor]:
