@@ -89,15 +89,29 @@ def _average_groups(folder_a: Path, folder_b: Path, config, alpha: float) -> Ite
             ta, tb = a[key], b[key]
             if ta.shape != tb.shape:
                 raise ValueError(f"{key} has shape {tuple(ta.shape)} in A but {tuple(tb.shape)} in B")
-            out[key] = torch.lerp(ta.float(), tb.float(), alpha).to(ta.dtype) if ta.is_floating_point() else ta
+            out[key] = _lerp_rows(ta, tb, alpha) if ta.is_floating_point() else ta
         yield out
 
 
+def _lerp_rows(a: Tensor, b: Tensor, alpha: float, block: int = 16 << 20) -> Tensor:
+    """``lerp(a, b, alpha)`` in float32, stored in ``a``'s dtype, ~``block`` elements at a time
+    (a vocabulary-sized matrix never needs float32 copies of itself)."""
+    if a.dim() == 0 or a.numel() <= block:
+        return torch.lerp(a.float(), b.float(), alpha).to(a.dtype)
+    out = torch.empty_like(a)
+    rows = max(1, block // max(1, a[0].numel()))
+    for start in range(0, a.shape[0], rows):
+        part = slice(start, start + rows)
+        out[part] = torch.lerp(a[part].float(), b[part].float(), alpha)
+    return out
+
+
 def _by_layer(keys: list[str]) -> Iterator[list[str]]:
+    """Keys grouped by layer; every key outside the layers (embedding, head, ...) on its own."""
     groups: dict[str, list[str]] = {}
     for key in keys:
         m = re.search(r"\.(\d+)\.", key)
-        groups.setdefault(m.group(0) if m else "", []).append(key)
+        groups.setdefault(m.group(0) if m else key, []).append(key)
     yield from groups.values()
 
 

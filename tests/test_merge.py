@@ -205,3 +205,13 @@ def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert abs(report["barriers"]["activation"]) < 1e-4
+
+
+def test_plain_average_lerps_large_tensors_in_row_blocks_exactly():
+    from hf_lmc.pipeline import _lerp_rows
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(17, 3, generator=g).half() for _ in range(2))
+    expected = torch.lerp(a.float(), b.float(), 0.3).half()
+    assert torch.equal(_lerp_rows(a, b, 0.3, block=5), expected)  # blocks of one row
+    assert torch.equal(_lerp_rows(a, b, 0.3), expected)
