@@ -149,21 +149,24 @@ def test_straight_through_gather_matches_the_dense_product(role):
 
 @pytest.mark.parametrize("role", ["q", "k", "v", "o"])
 @pytest.mark.parametrize("method", ["ste", "sinkhorn"])
-def test_trainable_head_order_hardens_to_the_attention_map_it_applies(role, method):
-    """A DenseAttentionMap at a hard permutation acts exactly as its hardened AttentionMap."""
+@pytest.mark.parametrize("within", [(0, 1, 2, 3), (1, 0, 2, 3, 5, 4, 7, 6)], ids=["mha", "gqa"])
+def test_trainable_head_order_hardens_to_the_attention_map_it_applies(role, method, within):
+    """A DenseAttentionMap at a hard permutation acts exactly as its hardened AttentionMap
+    (GQA: 4 KV heads of 2 query heads, query heads reordered inside their groups)."""
     from hf_lmc.symmetry import AttentionMap, BlockMonomial, DenseAttentionMap
     from hf_lmc.symmetry.sample import random_gl
 
-    h, dh, g = 4, 3, torch.Generator().manual_seed(3)
-    pairs = [random_gl(dh, g) for _ in range(2 * h)]
+    kv, h, dh, g = 4, len(within), 3, torch.Generator().manual_seed(3)
+    pairs = [random_gl(dh, g) for _ in range(2 * kv)]
     blocks, inverses = torch.stack([m for m, _ in pairs]), torch.stack([inv for _, inv in pairs])
-    fixed = torch.arange(h)
-    qk = BlockMonomial(fixed, blocks[:h], inverses[:h])
-    ov = BlockMonomial(fixed, blocks[h:], inverses[h:])
-    param = PermutationParam(h, init=torch.tensor([2, 0, 3, 1]), method=method, scale=50.0, dtype=F64)
+    fixed = torch.arange(kv)
+    qk = BlockMonomial(fixed, blocks[:kv], inverses[:kv])
+    ov = BlockMonomial(fixed, blocks[kv:], inverses[kv:])
+    param = PermutationParam(kv, init=torch.tensor([2, 0, 3, 1]), method=method, scale=50.0, dtype=F64)
     matrix, perm = param.matrix_and_perm()
-    dense = DenseAttentionMap(AttentionMap(qk, ov, fixed), matrix, perm)
-    t = torch.randn(h * dh, 5, generator=g, dtype=F64) if role != "o" else torch.randn(5, h * dh, generator=g, dtype=F64)
+    dense = DenseAttentionMap(AttentionMap(qk, ov, torch.tensor(within)), matrix, perm)
+    width = (h if role in "qo" else kv) * dh
+    t = torch.randn(width, 5, generator=g, dtype=F64) if role != "o" else torch.randn(5, width, generator=g, dtype=F64)
     axis = 1 if role == "o" else 0
     atol = 1e-12 if method == "ste" else 1e-6  # Sinkhorn at scale 50 / temperature 0.1 is a permutation to ~1e-200
     torch.testing.assert_close(dense.act(t, axis, role), dense.harden().act(t, axis, role), rtol=0, atol=atol)

@@ -3,8 +3,9 @@
 :class:`TrainableTransform` mirrors a :class:`~hf_lmc.Transform` space by space: the residual
 map becomes an :class:`OrthogonalParam`, each KV head's QK map a :class:`GLParam` (or a
 :class:`RotaryParam` under RoPE), each OV map a :class:`GLParam`, each layer's MLP units a
-:class:`PermutationParam` (with learnable log-scales for SwiGLU), and with one query head per
-KV head the head order a :class:`PermutationParam` too (under GQA it stays as initialised).
+:class:`PermutationParam` (with learnable log-scales for SwiGLU), and the order of the KV
+heads (each with its query heads) a :class:`PermutationParam` too (under GQA a query head's
+part within its group stays as initialised).
 ``forward()`` returns the current :class:`~hf_lmc.Transform` (differentiable); ``harden()``
 returns the exact group element export applies.
 """
@@ -33,10 +34,12 @@ class _AttentionParams(nn.Module):
         else:
             self.qk = nn.ModuleList(GLParam(dh, init=(qk.blocks[h], qk.inverse_blocks[h]), dtype=dtype) for h in range(kv))
         self.ov = nn.ModuleList(GLParam(dh, init=(ov.blocks[h], ov.inverse_blocks[h]), dtype=dtype) for h in range(kv))
-        # One query head per KV head: the head permutation trains too. Under GQA a query head's
-        # place within its group depends on the KV pairing, so the assignment stays as initialised.
-        trainable = spec.group_size == 1 and kv > 1
-        self.heads = PermutationParam(kv, init=self.kv_perm, method=permutations, dtype=dtype) if trainable else None
+        # The order of the KV groups trains (with their query heads); under GQA, which query head
+        # of a group plays which part stays as initialised.
+        g = spec.group_size
+        query = torch.arange(spec.num_heads)
+        self.register_buffer("within_group", (query // g) * g + self.query_perm % g)
+        self.heads = PermutationParam(kv, init=self.kv_perm, method=permutations, dtype=dtype) if kv > 1 else None
 
     def forward(self) -> AttentionMap | DenseAttentionMap:
         def monomial(params, perm):
@@ -47,7 +50,7 @@ class _AttentionParams(nn.Module):
             return AttentionMap(monomial(self.qk, self.kv_perm), monomial(self.ov, self.kv_perm), self.query_perm)
         fixed = torch.arange(self.kv_perm.numel(), device=self.kv_perm.device)
         matrix, perm = self.heads.matrix_and_perm()
-        return DenseAttentionMap(AttentionMap(monomial(self.qk, fixed), monomial(self.ov, fixed), fixed), matrix, perm)
+        return DenseAttentionMap(AttentionMap(monomial(self.qk, fixed), monomial(self.ov, fixed), self.within_group), matrix, perm)
 
 
 class _MlpParams(nn.Module):

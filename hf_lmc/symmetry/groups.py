@@ -291,12 +291,14 @@ class DenseMlpMap:
 
 @dataclass(frozen=True)
 class DenseAttentionMap:
-    """Attention heads reordered by an ``n x n`` matrix ``P`` after their per-head maps.
+    """KV groups reordered by a ``kv x kv`` matrix ``P`` after their per-head maps.
 
-    The trainable form of :class:`AttentionMap` for learned matching with one query head per
-    KV head: ``heads`` holds the per-head QK / OV maps (identity permutations), ``matrix`` the
-    head permutation as in :class:`DenseMlpMap` (``perm`` set when it is exactly that
-    permutation's matrix: straight-through). :meth:`harden` gives the exact element.
+    The trainable form of :class:`AttentionMap` for learned matching: ``heads`` holds the
+    per-KV-head QK / OV maps (identity KV permutation) and a query permutation that stays inside
+    each group (under GQA, which query head of a group plays which part; fixed), ``matrix`` the
+    order of the KV groups as in :class:`DenseMlpMap` (``perm`` set when it is exactly that
+    permutation's matrix: straight-through). A group's query heads are contiguous, so ``P``
+    moves them with their KV head. :meth:`harden` gives the exact element.
     """
 
     heads: AttentionMap
@@ -318,11 +320,13 @@ class DenseAttentionMap:
         from ..matching.solvers import assign
 
         perm = self.perm if self.perm is not None else assign(self.matrix.detach())
-        qk, ov = self.heads.qk, self.heads.ov
+        qk, ov, within = self.heads.qk, self.heads.ov, self.heads.query_perm
+        g = self.heads.group_size
+        query = torch.arange(within.numel(), device=within.device)
         return AttentionMap(
             BlockMonomial(perm, qk.blocks.detach(), qk.inverse_blocks.detach()),
             BlockMonomial(perm, ov.blocks.detach(), ov.inverse_blocks.detach()),
-            perm,
+            perm.to(within.device)[query // g] * g + within % g,  # B's query head q: its group's new place, its part kept
         )
 
     def compose(self, first):
