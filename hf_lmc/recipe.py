@@ -189,6 +189,13 @@ class OutputSpec(_Section):
     private: bool = Field(False, description="create the Hub repos as private")
     overwrite: bool = Field(False, description="replace an existing output folder")
 
+    @field_validator("dir")
+    @classmethod
+    def _own_folder(cls, value: str) -> str:
+        if Path(value).name in ("", ".", ".."):
+            raise ValueError(f"name a folder of its own (it is replaced as a whole), e.g. runs/my-merge, got {value!r}")
+        return value
+
     @field_validator("shard_size")
     @classmethod
     def _size(cls, value):
@@ -415,20 +422,24 @@ def _set(raw: dict, dotted: str, value, where: str) -> dict:
 # -- errors ------------------------------------------------------------------------------------
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "tuple", "none"}  # no recipe key has these names
+
+
 def key_path(loc: tuple) -> str:
     """``("models", 1, "revision")`` -> ``"models[1].revision"`` (pydantic's union tags dropped)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier():
+        elif part.isidentifier() and part not in _UNION_TAGS:
             out += f".{part}" if out else part
     return out
 
 
 def format_errors(err: ValidationError) -> str:
-    """Every error of ``err`` as ``key.path: what is wrong``, joined on one line."""
-    messages = []
+    """Every error of ``err`` as ``key.path: what is wrong``, joined on one line (the alternatives
+    of a union under one key joined by "or")."""
+    messages: dict[str, list[str]] = {}
     for error in err.errors():
         loc = error["loc"]
         message = error["msg"].removeprefix("Value error, ")
@@ -441,10 +452,9 @@ def format_errors(err: ValidationError) -> str:
         section = _section_at(loc)
         if sep and section is not None and key in section.model_fields:  # a section's check names its key
             path, message = key_path((*loc, key)), rest
-        line = f"{path}: {message}" if path else message
-        if line not in messages:
-            messages.append(line)
-    return "; ".join(messages)
+        if message not in messages.setdefault(path, []):
+            messages[path].append(message)
+    return "; ".join(f"{path}: {' or '.join(found)}" if path else " or ".join(found) for path, found in messages.items())
 
 
 def _unknown_key(loc: tuple) -> str:

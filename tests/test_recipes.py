@@ -74,6 +74,8 @@ def test_errors_name_the_key_on_one_line():
     assert "eval.alphas: the grid must increase from 0 to 1" in _error(_recipe(eval={"data": {"dataset": "x"}, "alphas": [0, 0.5]}))
     assert "output.shard_size: cannot read shard size '5XB'" in _error(_recipe(output={"dir": "o", "shard_size": "5XB"}))
     assert "output: required key is missing" in _error({"models": ["a", "b"]})
+    assert "output.dir: name a folder of its own" in _error(_recipe(output={"dir": "."}))
+    assert "output.shard_size: Input should be a valid string or Input should be a valid integer" in _error(_recipe(output={"dir": "o", "shard_size": [1]}))
     assert "sweep: give models (one group of models) or sweep" in _error({"output": {"dir": "o"}})
     sweep = [{"name": "s", "models": ["a", "b"]}, {"name": "t", "models": ["c", "d"]}]
     message = _error({"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{pair}"}})
