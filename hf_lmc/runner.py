@@ -54,6 +54,7 @@ class RecipeResult:
     output: Path
     runs: list[RunResult]
     title: str = "hf-lmc recipe"
+    recipe: dict[str, Any] = field(default_factory=dict)  # the validated recipe, defaults filled in (for summary.json)
 
     def table(self) -> str:
         """Markdown: barrier per group of models (rows) and method (columns), vanilla average first."""
@@ -117,8 +118,8 @@ def run_recipe(
             for group, method, refs in bar:
                 bar.set_postfix_str(f"{group} / {method}")
                 folder = recipe.run_folder(group, method)
-                sources = [resolver(ref) for ref in refs]
                 try:
+                    sources = [resolver(ref) for ref in refs]
                     merged = merge_group(
                         [s.reference for s in sources], staging / folder,
                         revisions=[s.revision for s in sources], weights=recipe.alpha_or_weights(len(sources)),
@@ -135,7 +136,7 @@ def run_recipe(
         targets = {run.folder: _push_target(recipe, run) for run in runs}
         for run in runs:  # cards name the final folder (or Hub repo), not the staging one
             _relabel_card(staging / run.folder, {str(staging / run.folder): targets[run.folder] or str(final / run.folder)})
-        result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe")
+        result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
         write_summary(result, staging)
         from .export import move_into_place
 
@@ -150,7 +151,7 @@ def run_recipe(
             dataclasses.replace(run, url=push_folder(final / run.folder, targets[run.folder], private=recipe.output.private, api=api))
             for run in runs
         ]
-        result = RecipeResult(final, pushed, result.title)
+        result = dataclasses.replace(result, runs=pushed)
         write_summary(result, final)
     return result
 
@@ -183,7 +184,8 @@ def write_summary(result: RecipeResult, folder: Path) -> None:
     writer = csv.DictWriter(table, fieldnames=list(records[0]) if records else ["group"])
     writer.writeheader()
     writer.writerows({**r, "models": " ".join(r["models"])} for r in records)
-    for suffix, text in (("md", markdown), ("json", json.dumps({"title": result.title, "runs": records}, indent=2) + "\n"), ("csv", table.getvalue())):
+    summary = {"title": result.title, "runs": records, "recipe": result.recipe}
+    for suffix, text in (("md", markdown), ("json", json.dumps(summary, indent=2) + "\n"), ("csv", table.getvalue())):
         target = folder / f"{SUMMARY}.{suffix}"
         partial = target.with_name(f".{target.name}.tmp")
         partial.write_text(text, encoding="utf-8")
@@ -308,11 +310,16 @@ def fold_adapter(model: str | Path, adapter: str | Path, output: Path, *, revisi
     from peft import PeftModel
 
     from .export import PROCESSOR_FILES
+    from .hub import resolve_checkpoint
     from .loading import load_model
 
     base = load_model(model, revision)
     try:
-        folded = PeftModel.from_pretrained(base.model, str(adapter), revision=adapter_revision).merge_and_unload()
+        adapter_folder = resolve_checkpoint(adapter, adapter_revision)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"PEFT adapter: {err}") from err
+    try:
+        folded = PeftModel.from_pretrained(base.model, str(adapter_folder)).merge_and_unload()
     except Exception as err:  # peft and the Hub raise many types; the user needs one clear line
         raise ValueError(f"cannot apply PEFT adapter {adapter} to {model}: {_first_line(err)}") from err
     folded.save_pretrained(output)

@@ -15,8 +15,9 @@ from huggingface_hub import ModelCard
 import hf_lmc
 from hf_lmc import alignment, pipeline, zoo
 from hf_lmc.cli import main
-from hf_lmc.recipe import LearnSpec, Method, RecipeError, load_recipe
-from hf_lmc.runner import fold_adapter, run_recipe
+from hf_lmc.evaluation import DataError
+from hf_lmc.recipe import DataSpec, LearnSpec, Method, RecipeError, load_recipe
+from hf_lmc.runner import fold_adapter, load_data, run_recipe
 from hf_lmc.verify import tiny_configs
 from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
 from tests.test_merge import RecordingApi
@@ -154,7 +155,9 @@ def test_sweep_writes_models_and_one_summary_table(tmp_path):
     assert "# twins" in table and "| models | average | weight |" in table and "| two |" in table
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert [r["folder"] for r in rows] == ["one/weight", "one/average", "two/weight", "two/average"]
-    assert json.loads((out / "summary.json").read_text())["runs"][0]["average_barrier"] == pytest.approx(result.runs[0].barriers["average"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs"][0]["average_barrier"] == pytest.approx(result.runs[0].barriers["average"])
+    assert summary["recipe"]["eval"]["alphas"] == [0, 0.5, 1] and summary["recipe"]["learn"]["steps"] == 200  # defaults filled in
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
     with pytest.raises(FileExistsError, match="output.overwrite"):
         run_recipe(recipe, progress=False)
@@ -205,6 +208,30 @@ def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
     assert relative_error(logits(merged, inputs), expected) < 1e-5  # alpha 0: the folded model itself
     card = ModelCard.load(tmp_path / "out" / "average" / "README.md").data.to_dict()
     assert card["base_model"] == [f"{tmp_path / 'base'}+{tmp_path / 'lora'}", str(tmp_path / "base")]
+
+    recipe["models"][0]["adapter"] = str(tmp_path / "no-lora")
+    recipe["output"]["dir"] = str(tmp_path / "out2")
+    with pytest.raises(RecipeError, match="^models / average: PEFT adapter: no such model folder: .*no-lora$"):
+        run_recipe(recipe, progress=False)
+
+
+def test_data_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("to be")
+    (tmp_path / "b.txt").write_text("or not")
+    assert load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]), "train") == ["to be", "or not"]
+    assert load_data(DataSpec(files=[str(tmp_path)]), "train") == str(tmp_path)  # a folder of .txt files: load_batches reads it
+    (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    rows = load_data(DataSpec(files=[str(tmp_path / "rows.jsonl")]), "train")
+    assert rows["text"] == ["one", "two"]
+    with pytest.raises(DataError, match="files mixes kinds"):
+        load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "rows.jsonl")]), "train")
+    with pytest.raises(DataError, match="no such data file: .*missing.txt"):
+        load_data(DataSpec(files=[str(tmp_path / "missing.txt")]), "train")
+    rows.save_to_disk(str(tmp_path / "saved"))
+    assert load_data(DataSpec(dataset=str(tmp_path / "saved")), "test") == str(tmp_path / "saved")
+    assert load_data(DataSpec(zoo="shakespeare"), "train") == zoo.shakespeare()[0]
+    excerpts = load_data(DataSpec(zoo="shakespeare", samples=64, seq_len=64), "test")
+    assert sum(map(len, excerpts)) >= 64 * 64 and all(any(e in play for play in zoo.shakespeare()[1]) for e in excerpts)  # held out
 
 
 def test_more_than_two_models_go_to_merge_models(tmp_path, monkeypatch):
