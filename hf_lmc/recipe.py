@@ -185,7 +185,7 @@ class OutputSpec(_Section):
     dir: str = Field(description="output folder: one merged model per run and summary.{md,json,csv}")
     shard_size: str | int = Field("5GB", description="maximum shard size, e.g. 5GB or 500MB")
     dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="dtype of the written weights (default: model A's)")
-    push_to_hub: str | None = Field(None, description="repo id to push each merge to; with several runs use {pair} and {method}, e.g. me/pythia-{pair}-{method}")
+    push_to_hub: str | None = Field(None, description="repo id to push each merge to; with several runs use {group} and {method}, e.g. me/pythia-{group}-{method}")
     private: bool = Field(False, description="create the Hub repos as private")
     overwrite: bool = Field(False, description="replace an existing output folder")
 
@@ -300,11 +300,11 @@ class Recipe(_Section):
         if output.push_to_hub is None:
             return output
         try:
-            output.push_to_hub.format(pair="p", method="m")
+            output.push_to_hub.format(group="g", method="m")
         except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"push_to_hub: only {{pair}} and {{method}} may be filled in, got {output.push_to_hub!r} ({err})") from None
+            raise ValueError(f"push_to_hub: only {{group}} and {{method}} may be filled in, got {output.push_to_hub!r} ({err})") from None
         groups, methods = _groups_of(info.data), info.data.get("method", ())
-        for key, count in (("pair", len(groups)), ("method", len(methods))):
+        for key, count in (("group", len(groups)), ("method", len(methods))):
             if count > 1 and f"{{{key}}}" not in output.push_to_hub:
                 raise ValueError(f"push_to_hub: {count} {key}s would push to one repo; put {{{key}}} in the repo id")
         return output

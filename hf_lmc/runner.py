@@ -334,7 +334,7 @@ def fold_adapter(model: str | Path, adapter: str | Path, output: Path, *, revisi
 
 def _push_target(recipe: Recipe, run: RunResult) -> str | None:
     template = recipe.output.push_to_hub
-    return template.format(pair=run.group, method=run.method) if template else None
+    return template.format(group=run.group, method=run.method) if template else None
 
 
 def _relabel_card(folder: Path, names: Mapping[str, str]) -> None:

@@ -79,7 +79,7 @@ def test_errors_name_the_key_on_one_line():
     assert "output.shard_size: Input should be a valid string or Input should be a valid integer" in _error(_recipe(output={"dir": "o", "shard_size": [1]}))
     assert "sweep: give models (one group of models) or sweep" in _error({"output": {"dir": "o"}})
     sweep = [{"name": "s", "models": ["a", "b"]}, {"name": "t", "models": ["c", "d"]}]
-    message = _error({"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{pair}"}})
+    message = _error({"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{group}"}})
     assert "output.push_to_hub: 2 methods would push to one repo; put {method} in the repo id" in message
     both = _error(_recipe(learn={"lambda_range": [0.7, 0.2]}, accelerate={"mixed_precision": "fp8"}))
     assert "learn.lambda_range: needs 0 <= low <= high <= 1" in both and "accelerate.mixed_precision: Input should be 'no', 'fp16' or 'bf16'" in both
@@ -168,7 +168,7 @@ def test_a_failing_run_leaves_nothing_and_pushes_nothing(tmp_path):
     api = RecordingApi()
     recipe = {
         "sweep": [{"name": "good", "models": [str(a), str(b)]}, {"name": "bad", "models": [str(a), str(tmp_path / "missing")]}],
-        "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m-{pair}"},
+        "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m-{group}"},
     }
     with pytest.raises(RecipeError, match=r"^bad / weight: no such model folder"):
         run_recipe(recipe, progress=False, api=api)
