@@ -309,8 +309,10 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, _overrides(args))
     runs = recipe.runs()
     print(f"{args.recipe}: valid; {len(runs)} run(s) into {recipe.output.dir}")
+    push = recipe.output.push_to_hub
     for group, method, models in runs:
-        print(f"  {recipe.run_folder(group, method)}: {method} of {', '.join(m.label for m in models)}")
+        target = f" -> {push.format(group=group, method=method)}" if push else ""
+        print(f"  {recipe.run_folder(group, method)}: {method} of {', '.join(m.label for m in models)}{target}")
     return 0
 
 

@@ -24,10 +24,12 @@ import re
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator,
+)
 
 from .alignment import DATA_METHODS, METHODS, LearnOptions
 
@@ -67,6 +69,11 @@ class ModelRef(_Section):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of path")
     adapter: str | None = Field(None, description="PEFT adapter (folder or Hub id) merged into the model before alignment")
     adapter_revision: str | None = Field(None, description="Hub revision of adapter")
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """Editors must accept the string shorthand too."""
+        return {"anyOf": [{"type": "string", "description": "shorthand for {path: ...}"}, handler(core_schema)]}
 
     @model_validator(mode="before")
     @classmethod
@@ -219,6 +226,9 @@ class SweepEntry(_Section):
     models: list[ModelRef] = Field(min_length=2, description="the models to merge: two, or more with weights")
 
 
+_METHOD_SCHEMA = {"anyOf": [{"enum": list(METHODS)}, {"type": "array", "items": {"enum": list(METHODS)}, "minItems": 1}]}
+
+
 class Recipe(_Section):
     """A merge run (``models``) or a sweep of runs (``sweep``), for each method in ``method``."""
 
@@ -227,7 +237,9 @@ class Recipe(_Section):
     sweep: list[SweepEntry] | None = Field(
         None, min_length=1, validate_default=True, description="groups of models merged one after another, e.g. the sizes of a scaling run"
     )
-    method: list[Method] = Field(["weight"], description="alignment method, or a list of them (each is one run per group of models)")
+    method: Annotated[list[Method], WithJsonSchema(_METHOD_SCHEMA)] = Field(
+        ["weight"], description="alignment method, or a list of them (each is one run per group of models)"
+    )
     symmetries: Literal["full", "permutation"] = Field("full", description="symmetry group the alignment searches")
     alpha: float | None = Field(None, ge=0, le=1, description="weight of the second model (two models; default 0.5)")
     weights: list[float] | None = Field(None, validate_default=True, description="one weight per model, non-negative, summing to 1")

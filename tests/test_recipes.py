@@ -59,6 +59,16 @@ def test_every_shipped_recipe_is_valid(path):
         assert recipe.eval.data.dataset == "Salesforce/wikitext" and recipe.eval.data.name == "wikitext-103-raw-v1"
 
 
+def test_editors_accept_every_shipped_recipe_by_the_printed_schema(capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    assert main(["recipe", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    for path in SHIPPED:
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)  # string shorthands and single methods included
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(_recipe(method="wieght"), schema)
+
+
 def test_errors_name_the_key_on_one_line():
     assert "models[1].revison: unknown key; did you mean revision?" in _error(_recipe(models=["a", {"path": "b", "revison": "v1"}]))
     assert "models[1].revision: Input should be a valid string" in _error(_recipe(models=["a", {"path": "b", "revision": 3}]))
