@@ -130,7 +130,7 @@ def run_recipe(
                     )
                 except (ValueError, OSError) as err:  # say which run of a sweep failed
                     raise RecipeError(f"{group} / {method}: {err}") from err
-                barriers = merged.barrier.barriers if merged.barrier is not None else {}
+                barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
                 runs.append(RunResult(group, method, [ref.label for ref in refs], folder, barriers))
                 _relabel_card(staging / folder, {str(s.reference): s.label for s in sources if s.relabel})
         targets = {run.folder: _push_target(recipe, run) for run in runs}
