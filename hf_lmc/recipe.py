@@ -144,9 +144,27 @@ class LearnSpec(_Section):
 
     steps: int = Field(LearnOptions.steps, ge=0, description="training steps")
     lr: float = Field(LearnOptions.lr, gt=0, description="Adam learning rate")
+    schedule: str = Field(LearnOptions.schedule, description="learning-rate schedule: a transformers scheduler name (constant, cosine, linear, ...)")
+    warmup: int = Field(LearnOptions.warmup, ge=0, description="linear warmup steps of the schedule")
     permutations: Literal["ste", "sinkhorn"] = Field(LearnOptions.permutations, description="straight-through Hungarian or Sinkhorn")
     orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
     lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")
+
+    @field_validator("schedule")
+    @classmethod
+    def _scheduler_name(cls, value: str) -> str:
+        from transformers import SchedulerType
+
+        names = [s.value for s in SchedulerType]
+        if value not in names:
+            raise ValueError(f"unknown schedule {value!r}; choose from {', '.join(names)}")
+        return value
+
+    @model_validator(mode="after")
+    def _warmup_within_training(self):
+        if self.warmup > self.steps:
+            raise ValueError(f"warmup: {self.warmup} warmup steps exceed the {self.steps} training steps")
+        return self
 
     @field_validator("lambda_range")
     @classmethod

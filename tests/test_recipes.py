@@ -91,6 +91,8 @@ def test_errors_name_the_key_on_one_line():
     sweep = [{"name": "s", "models": ["a", "b"]}, {"name": "t", "models": ["c", "d"]}]
     message = _error({"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{group}"}})
     assert "output.push_to_hub: 2 methods would push to one repo; put {method} in the repo id" in message
+    assert "learn.schedule: unknown schedule 'cosine_decay'; choose from linear, cosine" in _error(_recipe(learn={"schedule": "cosine_decay"}))
+    assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"warmup": 300}))
     both = _error(_recipe(learn={"lambda_range": [0.7, 0.2]}, accelerate={"mixed_precision": "fp8"}))
     assert "learn.lambda_range: needs 0 <= low <= high <= 1" in both and "accelerate.mixed_precision: Input should be 'no', 'fp16' or 'bf16'" in both
 
@@ -111,7 +113,7 @@ def test_cli_check_schema_and_bad_recipe(tmp_path, capsys):
     assert main(["recipe", "schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
     assert {"models", "sweep", "method", "data", "learn", "accelerate", "eval", "output", "zoo"} <= set(schema["properties"])
-    assert main(["recipe", "check", str(RECIPES / "pythia-scaling-dual.yaml"), "--set", "learn.steps=10"]) == 0
+    assert main(["recipe", "check", str(RECIPES / "pythia-scaling-dual.yaml"), "--set", "learn.steps=100"]) == 0
     assert "15 run(s)" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
     bad.write_text("models: [a, {path: b, revison: x}]\noutput: {dir: o}\n")
@@ -274,11 +276,13 @@ def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
     _, a, b = _twins(tmp_path)
     recipe = _recipe(
         models=[str(a), str(b)], method="dual", data={"files": [_digits_like(tmp_path / "d.pt")], "batch_size": 4},
-        learn={"steps": 7, "lr": 1e-4}, accelerate={"mixed_precision": "bf16", "gradient_accumulation_steps": 4},
+        learn={"steps": 7, "lr": 1e-4, "schedule": "cosine", "warmup": 2},
+        accelerate={"mixed_precision": "bf16", "gradient_accumulation_steps": 4},
         output={"dir": str(tmp_path / "out")},
     )
     run_recipe(recipe, progress=False)
-    assert (seen["steps"], seen["lr"], seen["mixed_precision"], seen["gradient_accumulation_steps"]) == (7, 1e-4, "bf16", 4)
+    assert (seen["steps"], seen["lr"], seen["schedule"], seen["warmup_steps"]) == (7, 1e-4, "cosine", 2)
+    assert (seen["mixed_precision"], seen["gradient_accumulation_steps"]) == ("bf16", 4)
 
 
 def test_refuses_to_run_in_several_processes(monkeypatch, tmp_path):
