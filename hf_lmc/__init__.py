@@ -10,6 +10,8 @@ from .canonical import CanonicalModel, canonicalize, export_config, interpolate,
 from .checkpoint import CheckpointError
 from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, WeightMatcher
 from .pipeline import MergeResult, merge
+from .recipe import Recipe, RecipeError, load_recipe
+from .runner import RecipeResult, run_recipe
 from .spec import ArchSpec
 from .symmetry import Transform, random_symmetry
 
@@ -21,6 +23,11 @@ __all__ = [
     "MergeResult",
     "barrier",
     "merge",
+    "Recipe",
+    "RecipeError",
+    "RecipeResult",
+    "load_recipe",
+    "run_recipe",
     "ArchSpec",
     "CanonicalModel",
     "CheckpointError",

@@ -22,7 +22,12 @@ TRAINED_METHODS = ("learned", "dual")
 
 @dataclass(frozen=True)
 class LearnOptions:
-    """Settings of learned and dual matching (see :class:`hf_lmc.DualMatcher`)."""
+    """Settings of learned and dual matching (see :class:`hf_lmc.DualMatcher`).
+
+    ``mixed_precision`` (``"no"``, ``"fp16"``, ``"bf16"``) and ``gradient_accumulation_steps`` go
+    to the training loop's ``accelerate.Accelerator``; one process can hold only one mixed
+    precision setting, so a run that changes it needs a fresh process.
+    """
 
     steps: int = 200
     lr: float = 3e-3
@@ -31,6 +36,8 @@ class LearnOptions:
     permutations: str = "ste"
     orthogonal: str = "cayley"
     lambda_range: tuple[float, float] = (0.4, 0.6)
+    mixed_precision: str = "no"
+    gradient_accumulation_steps: int = 1
 
 
 def check_method(method: str, data, flag: str = "--data") -> None:
@@ -67,5 +74,8 @@ def align(
     matcher = matcher_class(
         a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range
     )
-    matcher.fit(batches, steps=learn.steps, lr=learn.lr, schedule=learn.schedule, warmup_steps=learn.warmup, progress=progress)
+    matcher.fit(
+        batches, steps=learn.steps, lr=learn.lr, schedule=learn.schedule, warmup_steps=learn.warmup,
+        mixed_precision=learn.mixed_precision, gradient_accumulation_steps=learn.gradient_accumulation_steps, progress=progress,
+    )
     return matcher.transforms()

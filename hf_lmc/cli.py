@@ -19,6 +19,17 @@ examples:
   hf-lmc barrier ./a ./b --data test.txt --method learned --fit-data train.txt
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
+  hf-lmc run recipes/zoo-offline.yaml                                 # a whole run (or sweep) from a YAML recipe
+  hf-lmc recipe schema                                                # the recipe JSON schema
+"""
+
+RECIPE_EXAMPLES = """\
+examples:
+  hf-lmc run recipes/zoo-offline.yaml                                 # offline: zoo pairs, weight + activation
+  hf-lmc run recipes/pythia-scaling-weight.yaml                       # Pythia 14m..410m, seed1 vs seed2
+  hf-lmc run recipes/zoo-offline.yaml --set zoo.steps=50 --set output.dir=quick --overwrite
+  hf-lmc recipe check recipes/pythia-scaling-dual.yaml                # validate and list the runs
+  hf-lmc recipe schema > recipe.schema.json                           # for editors (yaml-language-server)
 """
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
@@ -267,7 +278,80 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("model", metavar="MODEL", help="local folder or Hub id")
     sym.add_argument("--all-layers", action="store_true", help="list every layer, not only layer 0")
     sym.set_defaults(run=cmd_symmetries)
+    _add_recipe_commands(commands)
     return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    from .recipe import parse_override
+
+    overrides = dict(parse_override(text) for text in args.set)
+    if getattr(args, "overwrite", False):
+        overrides["output.overwrite"] = True
+    return overrides
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .runner import SUMMARY, run_recipe
+
+    result = run_recipe(args.recipe, overrides=_overrides(args))
+    print(result.table())
+    print(f"\n{len(result.runs)} merged model(s) and {SUMMARY}.md/.json/.csv written to {result.output}")
+    for run in result.runs:
+        if run.url:
+            print(f"pushed {run.group} / {run.method} to {run.url}")
+    return 0
+
+
+def cmd_recipe_check(args: argparse.Namespace) -> int:
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, _overrides(args))
+    runs = recipe.runs()
+    print(f"{args.recipe}: valid; {len(runs)} run(s) into {recipe.output.dir}")
+    push = recipe.output.push_to_hub
+    for group, method, models in runs:
+        target = f" -> {push.format(group=group, method=method)}" if push else ""
+        print(f"  {recipe.run_folder(group, method)}: {method} of {', '.join(m.label for m in models)}{target}")
+    return 0
+
+
+def cmd_recipe_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from .recipe import Recipe
+
+    print(json.dumps(Recipe.model_json_schema(), indent=2))
+    return 0
+
+
+def _add_recipe_commands(commands) -> None:
+    """``hf-lmc run RECIPE`` and ``hf-lmc recipe {check,schema}``."""
+    formatting = {"epilog": RECIPE_EXAMPLES, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    run = commands.add_parser(
+        "run",
+        help="run a YAML recipe: merges, barriers and a summary table (one pair or a sweep)",
+        description="Validate RECIPE.yaml, then merge every group of models with every method it lists, and write\n"
+        "the merged models and summary.md/.json/.csv (barrier per group and method) into its output folder.\n"
+        "recipes/README.md describes the keys; `hf-lmc recipe schema` prints them all.",
+        **formatting,
+    )
+    recipe = commands.add_parser("recipe", help="check a recipe or print the recipe schema", **formatting)
+    actions = recipe.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser("check", help="validate a recipe and list the runs it makes", **formatting)
+    schema = actions.add_parser("schema", help="print the JSON schema of recipes", **formatting)
+    for parser in (run, check):
+        parser.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe file")
+        changes = parser.add_argument_group("changes to the recipe")
+        changes.add_argument(
+            "--set", action="append", default=[], metavar="KEY=VALUE",
+            help="override a key: dotted path, value read as YAML (e.g. zoo.steps=50, method=[weight,dual], sweep.0.name=tiny); repeatable",
+        )
+        if parser is run:
+            changes.add_argument("--overwrite", action="store_true", help="replace an existing output folder (output.overwrite)")
+    run.set_defaults(run=cmd_run)
+    check.set_defaults(run=cmd_recipe_check)
+    schema.set_defaults(run=cmd_recipe_schema)
 
 
 def _return_freed_memory_promptly() -> None:

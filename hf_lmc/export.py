@@ -235,17 +235,26 @@ def write_checkpoint(
             shutil.copy2(path, staging / name)
         if card is not None:
             card.save(staging / "README.md")
-        if output.exists():  # swap: the old folder is removed only once the new one is in place
-            retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            output.rename(retired / output.name)
-            staging.rename(output)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            staging.rename(output)
+        move_into_place(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output
+
+
+def move_into_place(staging: Path, output: Path) -> None:
+    """Rename a finished ``staging`` folder onto ``output``, replacing what was there.
+
+    The old folder is removed only once the new one is in place, so an interruption leaves the
+    old or the new folder, never a mix.
+    """
+    if output.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+        output.rename(retired / output.name)
+        staging.rename(output)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(output)
 
 
 def _with_dtype(config: PretrainedConfig, dtype: torch.dtype | None) -> PretrainedConfig:

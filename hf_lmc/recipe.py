@@ -1,0 +1,519 @@
+"""The recipe schema: one YAML file describes a whole merge run, or a sweep of runs.
+
+A recipe names the models (Hub ids, local folders or zoo members, with revisions and PEFT
+adapters to fold in first), the method(s) and their options, the data, alpha or weights, the
+evaluation grid, the output and the accelerate settings. It is validated here, before any work
+starts, so a typo fails in a second with the key that holds it (``models[1].revision: ...``)
+rather than an hour into a sweep. :mod:`hf_lmc.runner` executes a validated :class:`Recipe`;
+``hf-lmc recipe schema`` prints :meth:`Recipe.model_json_schema` for editors.
+
+    models: [EleutherAI/pythia-70m-seed1, EleutherAI/pythia-70m-seed2]
+    method: weight
+    eval: {data: {dataset: Salesforce/wikitext, name: wikitext-103-raw-v1, samples: 256}}
+    output: {dir: runs/pythia-70m}
+
+Relative paths (models, data files, output) are read from the current directory, as on the
+command line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator,
+)
+
+from .alignment import DATA_METHODS, METHODS, LearnOptions
+
+ZOO_PREFIX = "zoo:"
+_ZOO_MEMBER = re.compile(r"zoo:([A-Za-z0-9_]+)/seed(\d+)")
+_MISSING = object()
+
+Method = Literal["average", "weight", "activation", "learned", "dual"]  # hf_lmc.alignment.METHODS (a test keeps them equal)
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot run: the message names the file and the offending key."""
+
+
+class _Section(BaseModel):
+    """Frozen, and unknown keys are errors: a misspelt option must not silently fall back to its default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def parse_zoo_member(reference: str) -> tuple[str, int]:
+    """``"zoo:gpt2/seed0"`` -> ``("gpt2", 0)``: a member of the offline zoo (:mod:`hf_lmc.zoo`)."""
+    from .zoo import ZOO
+
+    match = _ZOO_MEMBER.fullmatch(reference)
+    if not match:
+        raise ValueError(f"a zoo model is written zoo:NAME/seedN (e.g. zoo:gpt2/seed0), got {reference!r}")
+    if match.group(1) not in ZOO:
+        raise ValueError(f"no zoo entry {match.group(1)!r}; choose from {', '.join(ZOO)}")
+    return match.group(1), int(match.group(2))
+
+
+class ModelRef(_Section):
+    """One checkpoint. A plain string is shorthand for ``{path: ...}``."""
+
+    path: str = Field(description="Hub id, local folder, or zoo member zoo:NAME/seedN (trained offline and cached)")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of path")
+    adapter: str | None = Field(None, description="PEFT adapter (folder or Hub id) merged into the model before alignment")
+    adapter_revision: str | None = Field(None, description="Hub revision of adapter")
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        """Editors must accept the string shorthand too."""
+        return {"anyOf": [{"type": "string", "description": "shorthand for {path: ...}"}, handler(core_schema)]}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value):
+        if isinstance(value, str):
+            return {"path": value}
+        if not isinstance(value, Mapping):
+            raise ValueError("give a Hub id, a local folder or zoo:NAME/seedN, or a mapping with path, revision, adapter")
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _zoo_member(cls, path: str) -> str:
+        if path.startswith(ZOO_PREFIX):
+            parse_zoo_member(path)
+        return path
+
+    @model_validator(mode="after")
+    def _revisions_need_the_hub(self):
+        if self.path.startswith(ZOO_PREFIX) and self.revision is not None:
+            raise ValueError("revision: a zoo model has no revisions; remove it")
+        if self.adapter_revision is not None and self.adapter is None:
+            raise ValueError("adapter_revision: set only with adapter")
+        return self
+
+    @property
+    def label(self) -> str:
+        """How the model is named in summaries and model cards."""
+        name = self.path + (f"@{self.revision}" if self.revision else "")
+        return f"{name}+{self.adapter}" if self.adapter else name
+
+
+class DataSpec(_Section):
+    """Where a data set comes from (exactly one of dataset, files, zoo) and how it is cut."""
+
+    dataset: str | None = Field(None, description="a datasets id (e.g. Salesforce/wikitext) or a folder saved with save_to_disk")
+    name: str | None = Field(None, description="the dataset's configuration, e.g. wikitext-103-raw-v1")
+    files: list[str] | None = Field(
+        None, description="local data: .txt files or folders of them, .json/.jsonl/.csv/.parquet with a text column, or one .pt tensor file (ViT)"
+    )
+    zoo: Literal["shakespeare", "digits"] | None = Field(None, description="the offline zoo's corpus: Shakespeare plays (LMs) or digits (ViT)")
+    split: str | None = Field(None, description="split to read (default: train for fitting data, test for evaluation data)")
+    seq_len: PositiveInt | None = Field(None, description="tokens per sequence (default: min(128, the model's context))")
+    samples: PositiveInt | None = Field(None, description="number of sequences (images for ViT), rounded up to whole batches (default: all)")
+    batch_size: PositiveInt = Field(8, description="sequences per batch")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = [key for key in ("dataset", "files", "zoo") if getattr(self, key) is not None]
+        if len(given) != 1:
+            found = f"got {' and '.join(given)}" if given else "got none"
+            raise ValueError(f"give exactly one of dataset, files or zoo ({found})")
+        if self.name is not None and self.dataset is None:
+            raise ValueError("name: a dataset configuration needs dataset")
+        if self.files is not None and not self.files:
+            raise ValueError("files: list at least one file")
+        if self.zoo is not None and self.split not in (None, "train", "test"):
+            raise ValueError(f"split: the zoo corpus has splits train and test, got {self.split!r}")
+        return self
+
+    @property
+    def max_batches(self) -> int | None:
+        return None if self.samples is None else math.ceil(self.samples / self.batch_size)
+
+
+class LearnSpec(_Section):
+    """Learned and dual matching (:class:`hf_lmc.alignment.LearnOptions`)."""
+
+    steps: int = Field(LearnOptions.steps, ge=0, description="training steps")
+    lr: float = Field(LearnOptions.lr, gt=0, description="Adam learning rate")
+    schedule: str = Field(LearnOptions.schedule, description="learning-rate schedule: a transformers scheduler name (constant, cosine, linear, ...)")
+    warmup: int = Field(LearnOptions.warmup, ge=0, description="linear warmup steps of the schedule")
+    permutations: Literal["ste", "sinkhorn"] = Field(LearnOptions.permutations, description="straight-through Hungarian or Sinkhorn")
+    orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
+    lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")
+
+    @field_validator("schedule")
+    @classmethod
+    def _scheduler_name(cls, value: str) -> str:
+        from transformers import SchedulerType
+
+        names = [s.value for s in SchedulerType]
+        if value not in names:
+            raise ValueError(f"unknown schedule {value!r}; choose from {', '.join(names)}")
+        return value
+
+    @model_validator(mode="after")
+    def _warmup_within_training(self):
+        if self.warmup > self.steps:
+            raise ValueError(f"warmup: {self.warmup} warmup steps exceed the {self.steps} training steps")
+        return self
+
+    @field_validator("lambda_range")
+    @classmethod
+    def _in_unit_interval(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"needs 0 <= low <= high <= 1, got [{low}, {high}]")
+        return value
+
+
+class AccelerateSpec(_Section):
+    """``accelerate.Accelerator`` settings of the learned / dual training loop (one process)."""
+
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field(LearnOptions.mixed_precision, description="autocast of the training loop")
+    gradient_accumulation_steps: PositiveInt = Field(LearnOptions.gradient_accumulation_steps, description="batches per optimiser step")
+
+
+class EvalSpec(_Section):
+    """Held-out loss along the path: the barrier table in each model card and in the summary."""
+
+    data: DataSpec = Field(description="held-out data (default split: test)")
+    alphas: int | list[float] = Field(11, description="points on the alpha grid, or the grid itself (from 0 to 1, increasing)")
+
+    @field_validator("alphas", mode="before")
+    @classmethod
+    def _grid(cls, value):
+        if isinstance(value, bool) or not isinstance(value, (int, list)):
+            raise ValueError("give a number of points (e.g. 11) or a list of alphas from 0 to 1")
+        if isinstance(value, int):
+            if value < 2:
+                raise ValueError(f"the alpha grid needs at least 2 points, got {value}")
+            return value
+        if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in value):
+            raise ValueError("list numbers only, e.g. [0, 0.25, 0.5, 0.75, 1]")
+        if len(value) < 2 or value[0] != 0 or value[-1] != 1 or any(b <= a for a, b in zip(value, value[1:])):
+            raise ValueError("the grid must increase from 0 to 1 (the barrier compares the path with its endpoints)")
+        return value
+
+
+class OutputSpec(_Section):
+    """Where the merged models and the summary go."""
+
+    dir: str = Field(description="output folder: one merged model per run and summary.{md,json,csv}")
+    shard_size: str | int = Field("5GB", description="maximum shard size, e.g. 5GB or 500MB")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="dtype of the written weights (default: model A's)")
+    push_to_hub: str | None = Field(None, description="repo id to push each merge to; with several runs use {group} and {method}, e.g. me/pythia-{group}-{method}")
+    private: bool = Field(False, description="create the Hub repos as private")
+    overwrite: bool = Field(False, description="replace an existing output folder")
+
+    @field_validator("dir")
+    @classmethod
+    def _own_folder(cls, value: str) -> str:
+        if Path(value).name in ("", ".", ".."):
+            raise ValueError(f"name a folder of its own (it is replaced as a whole), e.g. runs/my-merge, got {value!r}")
+        return value
+
+    @field_validator("shard_size")
+    @classmethod
+    def _size(cls, value):
+        from .export import parse_size
+
+        parse_size(value)
+        return value
+
+
+class ZooSpec(_Section):
+    """How zoo members (``zoo:NAME/seedN``) are trained when they are not cached yet."""
+
+    steps: PositiveInt | None = Field(None, description="training steps per member (default: the zoo's own)")
+    cache: str | None = Field(None, description="folder of trained zoo members (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
+
+
+class SweepEntry(_Section):
+    """One group of models of a sweep (e.g. one model size of a scaling run)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="label in the summary and output subfolder, e.g. 160m")
+    models: list[ModelRef] = Field(min_length=2, description="the models to merge: two, or more with weights")
+
+
+_METHOD_SCHEMA = {"anyOf": [{"enum": list(METHODS)}, {"type": "array", "items": {"enum": list(METHODS)}, "minItems": 1}]}
+
+
+class Recipe(_Section):
+    """A merge run (``models``) or a sweep of runs (``sweep``), for each method in ``method``."""
+
+    name: str | None = Field(None, description="title of the summary")
+    models: list[ModelRef] | None = Field(None, min_length=2, description="the models to merge (give this or sweep)")
+    sweep: list[SweepEntry] | None = Field(
+        None, min_length=1, validate_default=True, description="groups of models merged one after another, e.g. the sizes of a scaling run"
+    )
+    method: Annotated[list[Method], WithJsonSchema(_METHOD_SCHEMA)] = Field(
+        ["weight"], description="alignment method, or a list of them (each is one run per group of models)"
+    )
+    symmetries: Literal["full", "permutation"] = Field("full", description="symmetry group the alignment searches")
+    alpha: float | None = Field(None, ge=0, le=1, description="weight of the second model (two models; default 0.5)")
+    weights: list[float] | None = Field(None, validate_default=True, description="one weight per model, non-negative, summing to 1")
+    data: DataSpec | None = Field(None, validate_default=True, description="fitting data of activation, learned and dual matching (default split: train)")
+    learn: LearnSpec = Field(LearnSpec(), description="learned and dual matching")
+    accelerate: AccelerateSpec = Field(AccelerateSpec(), description="accelerate settings of the learned / dual training loop")
+    eval: EvalSpec | None = Field(None, description="held-out evaluation: barrier per run (needed for barriers in the summary)")
+    output: OutputSpec = Field(description="output folder, shards, dtype, Hub target")
+    zoo: ZooSpec = Field(ZooSpec(), description="training of zoo:NAME/seedN members")
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _methods(cls, value):
+        names = [value] if isinstance(value, str) else value
+        if not isinstance(names, list) or not names:
+            raise ValueError(f"give a method or a list of them, from {', '.join(METHODS)}")
+        for name in names:
+            if name not in METHODS:
+                raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+        if len(set(names)) != len(names):
+            raise ValueError("a method is listed twice")
+        return names
+
+    @field_validator("sweep")
+    @classmethod
+    def _models_or_sweep(cls, sweep, info: ValidationInfo):
+        models = info.data.get("models", _MISSING)
+        if models is _MISSING:  # models itself is invalid and reported
+            return sweep
+        if (models is None) == (sweep is None):
+            raise ValueError("give models (one group of models) or sweep (a list of named groups), not " + ("both" if sweep else "neither"))
+        if sweep is not None:
+            names = [entry.name for entry in sweep]
+            duplicate = next((n for n in names if names.count(n) > 1), None)
+            if duplicate is not None:
+                raise ValueError(f"two entries are named {duplicate!r}; names label the summary and the output folders")
+        return sweep
+
+    @field_validator("weights")
+    @classmethod
+    def _weights_fit_the_models(cls, weights, info: ValidationInfo):
+        groups = _groups_of(info.data)
+        if weights is None:
+            big = next(((name, len(models)) for name, models in groups if len(models) > 2), None)
+            if big is not None and info.data.get("alpha") is not None:
+                raise ValueError(f"{big[0]} has {big[1]} models: give weights (one per model) instead of alpha")
+            return weights
+        if info.data.get("alpha") is not None:
+            raise ValueError("give alpha (two models) or weights, not both")
+        if any(w < 0 or not math.isfinite(w) for w in weights):
+            raise ValueError(f"weights must be non-negative, got {weights}")
+        if abs(sum(weights) - 1.0) > 1e-6:
+            raise ValueError(f"weights must sum to 1, got {sum(weights):g}")
+        for name, models in groups:
+            if len(models) != len(weights):
+                raise ValueError(f"{len(weights)} weights but {name} has {len(models)} models")
+        return weights
+
+    @field_validator("data")
+    @classmethod
+    def _data_for_data_methods(cls, data, info: ValidationInfo):
+        needs = [m for m in info.data.get("method", ()) if m in DATA_METHODS]
+        if data is None and needs:
+            raise ValueError(f"method {needs[0]!r} learns from data: add a data section (dataset, files or zoo)")
+        return data
+
+    @field_validator("output")
+    @classmethod
+    def _push_target_per_run(cls, output: OutputSpec, info: ValidationInfo):
+        if output.push_to_hub is None:
+            return output
+        try:
+            output.push_to_hub.format(group="g", method="m")
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"push_to_hub: only {{group}} and {{method}} may be filled in, got {output.push_to_hub!r} ({err})") from None
+        groups, methods = _groups_of(info.data), info.data.get("method", ())
+        for key, count in (("group", len(groups)), ("method", len(methods))):
+            if count > 1 and f"{{{key}}}" not in output.push_to_hub:
+                raise ValueError(f"push_to_hub: {count} {key}s would push to one repo; put {{{key}}} in the repo id")
+        return output
+
+    # -- what runs -----------------------------------------------------------------------------
+
+    @property
+    def groups(self) -> list[tuple[str, list[ModelRef]]]:
+        """``(name, models)`` of every group of models, in order."""
+        return _groups_of({"name": self.name, "models": self.models, "sweep": self.sweep})
+
+    def runs(self) -> list[tuple[str, str, list[ModelRef]]]:
+        """``(group name, method, models)`` of every merge the recipe makes, in order."""
+        return [(name, method, models) for name, models in self.groups for method in self.method]
+
+    def run_folder(self, group: str, method: str) -> Path:
+        """Where a run's merged model goes, relative to ``output.dir``."""
+        return Path(group, method) if self.sweep is not None else Path(method)
+
+    def alpha_or_weights(self, count: int) -> float | list[float] | None:
+        if count == 2:
+            return self.weights[1] if self.weights else (0.5 if self.alpha is None else self.alpha)
+        return self.weights
+
+
+def _groups_of(data: Mapping[str, Any]) -> list[tuple[str, list]]:
+    if data.get("sweep"):
+        return [(entry.name, entry.models) for entry in data["sweep"]]
+    if data.get("models"):
+        return [(data.get("name") or "models", data["models"])]
+    return []
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+
+def load_recipe(source: str | Path | Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> Recipe:
+    """Read and validate a recipe (a YAML file or a mapping), after applying ``overrides``.
+
+    ``overrides`` maps dotted keys to values (``{"zoo.steps": 3, "sweep.0.name": "tiny"}``), so a
+    shipped recipe can be shortened or redirected without editing it. Raises :class:`RecipeError`
+    with the file and every offending key on one line.
+    """
+    where = str(source) if isinstance(source, (str, Path)) else "recipe"
+    if isinstance(source, (str, Path)):
+        raw = _read_yaml(Path(source))
+    else:
+        raw = _plain(source)
+    for key, value in (overrides or {}).items():
+        raw = _set(raw, key, value, where)
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as err:
+        raise RecipeError(f"{where}: {format_errors(err)}") from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"eval.alphas=3"`` -> ``("eval.alphas", 3)``: the value is read as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"--set takes KEY=VALUE (e.g. zoo.steps=50), got {text!r}")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        raise RecipeError(f"--set {key}: cannot read {value!r} as YAML ({str(err).splitlines()[0]})") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such recipe: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        raise RecipeError(f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {err.problem}") from None
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of keys (models, method, output, ...), got {type(raw).__name__}")
+    return raw
+
+
+def _plain(value):
+    """A mutable deep copy (mappings to dicts, sequences to lists) that overrides can edit."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _set(raw: dict, dotted: str, value, where: str) -> dict:
+    raw = _plain(raw)
+    node, parts = raw, dotted.split(".")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        here = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise RecipeError(f"{where}: --set {dotted}: {'.'.join(parts[:i]) or 'recipe'} is a list of {len(node)}; use an index below {len(node)}")
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise RecipeError(f"{where}: --set {dotted}: {'.'.join(parts[:i])} is not a mapping")
+        if last:
+            node[part] = _plain(value)
+        else:
+            if isinstance(node, dict) and node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, (dict, list)):
+                raise RecipeError(f"{where}: --set {dotted}: {here} is a value, not a mapping")
+    return raw
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "tuple", "none"}  # no recipe key has these names
+
+
+def key_path(loc: tuple) -> str:
+    """``("models", 1, "revision")`` -> ``"models[1].revision"`` (pydantic's union tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part.isidentifier() and part not in _UNION_TAGS:
+            out += f".{part}" if out else part
+    return out
+
+
+def format_errors(err: ValidationError) -> str:
+    """Every error of ``err`` as ``key.path: what is wrong``, joined on one line (the alternatives
+    of a union under one key joined by "or")."""
+    messages: dict[str, list[str]] = {}
+    for error in err.errors():
+        loc = error["loc"]
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = _unknown_key(loc)
+        elif error["type"] == "missing":
+            message = "required key is missing"
+        path = key_path(loc)
+        key, sep, rest = message.partition(": ")
+        section = _section_at(loc)
+        if sep and section is not None and key in section.model_fields:  # a section's check names its key
+            path, message = key_path((*loc, key)), rest
+        if message not in messages.setdefault(path, []):
+            messages[path].append(message)
+    return "; ".join(f"{path}: {' or '.join(found)}" if path else " or ".join(found) for path, found in messages.items())
+
+
+def _unknown_key(loc: tuple) -> str:
+    section = _section_at(loc[:-1])
+    if section is None:
+        return "unknown key"
+    allowed = list(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"unknown key; {hint}allowed: {', '.join(allowed)}"
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    section: type[BaseModel] | None = Recipe
+    for part in loc:
+        if isinstance(part, int) or not part.isidentifier():
+            continue
+        field = section.model_fields.get(part) if section else None
+        section = _nested_section(field.annotation) if field else None
+        if section is None:
+            return None
+    return section
+
+
+def _nested_section(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _nested_section(arg)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,363 @@
+"""Running a recipe: every (group of models, method) is one merge, and one summary covers them all.
+
+Two models go to :func:`hf_lmc.pipeline.merge`, more to ``hf_lmc.pipeline.merge_models``
+(:func:`merge_group`). Models are resolved once per recipe (zoo members trained or read from
+the cache, PEFT adapters folded into their base model), data sets are loaded once, and every
+merge, model card and summary is written into a staging folder that is renamed onto
+``output.dir`` only when every run has finished: a failed sweep leaves nothing half-written,
+and nothing is pushed to the Hub until then.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .alignment import DATA_METHODS, LearnOptions
+from .evaluation import DataError, EvalOptions
+from .recipe import ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
+
+SUMMARY = "summary"  # summary.md, summary.json, summary.csv in output.dir
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One merge of a recipe and the barriers measured on its path (empty without ``eval``)."""
+
+    group: str
+    method: str
+    models: list[str]
+    folder: Path
+    barriers: dict[str, float] = field(default_factory=dict)
+    url: str | None = None
+
+    @property
+    def barrier(self) -> float | None:
+        return self.barriers.get(self.method)
+
+
+@dataclass(frozen=True)
+class RecipeResult:
+    """Where a recipe's output went, and one row per run."""
+
+    output: Path
+    runs: list[RunResult]
+    title: str = "hf-lmc recipe"
+    recipe: dict[str, Any] = field(default_factory=dict)  # the validated recipe, defaults filled in (for summary.json)
+
+    def table(self) -> str:
+        """Markdown: barrier per group of models (rows) and method (columns), vanilla average first."""
+        methods = list(dict.fromkeys(m for run in self.runs for m in run.barriers))
+        methods.sort(key=lambda m: m != "average")
+        if not methods:
+            return "no barriers measured (add an eval section to the recipe)"
+        rows = ["| models | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+        for group in dict.fromkeys(run.group for run in self.runs):
+            measured = {}
+            for run in (r for r in self.runs if r.group == group):
+                for method, value in run.barriers.items():
+                    measured.setdefault(method, value)
+            rows.append(f"| {group} | " + " | ".join(f"{measured[m]:.4f}" if m in measured else "—" for m in methods) + " |")
+        return "\n".join(rows)
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat record per run (the JSON and CSV summaries)."""
+        out = []
+        for run in self.runs:
+            vanilla = run.barriers.get("average")
+            ratio = run.barrier / vanilla if run.barrier is not None and vanilla and vanilla > 0 else None
+            out.append({
+                "group": run.group, "method": run.method, "models": run.models, "folder": str(run.folder),
+                "barrier": run.barrier, "average_barrier": vanilla, "ratio_to_average": ratio, "url": run.url,
+            })
+        return out
+
+
+def run_recipe(
+    recipe: Recipe | str | Path | Mapping[str, Any],
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    progress: bool = True,
+    api=None,
+) -> RecipeResult:
+    """Execute a recipe (a :class:`Recipe`, a YAML path or a mapping) and return its summary.
+
+    ``overrides`` maps dotted keys to values (``{"zoo.steps": 50}``) before validation. The
+    merged models land in ``output.dir`` (``<group>/<method>/`` for a sweep, ``<method>/``
+    otherwise) beside ``summary.md``, ``summary.json`` and ``summary.csv``. ``api`` stands in for
+    ``huggingface_hub.HfApi`` when pushing.
+    """
+    if not isinstance(recipe, Recipe) or overrides:
+        recipe = load_recipe(recipe.model_dump() if isinstance(recipe, Recipe) else recipe, overrides)
+    _refuse_several_processes()
+    final = Path(recipe.output.dir)
+    if final.exists() and not recipe.output.overwrite:
+        raise FileExistsError(f"{final} already exists; set output.overwrite: true (hf-lmc run --overwrite) to replace it")
+    # Data problems surface before any model is trained, downloaded or aligned.
+    fit_data = load_data(recipe.data, "train") if recipe.data is not None and set(recipe.method) & set(DATA_METHODS) else None
+    eval_data = load_data(recipe.eval.data, "test") if recipe.eval is not None else None
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
+            resolver = _ModelResolver(recipe, Path(scratch), progress)
+            runs = []
+            bar = tqdm(recipe.runs(), desc="recipe runs", unit="merge", disable=not progress)
+            for group, method, refs in bar:
+                bar.set_postfix_str(f"{group} / {method}")
+                folder = recipe.run_folder(group, method)
+                try:
+                    sources = [resolver(ref) for ref in refs]
+                    merged = merge_group(
+                        [s.reference for s in sources], staging / folder,
+                        revisions=[s.revision for s in sources], weights=recipe.alpha_or_weights(len(sources)),
+                        method=method, symmetries=recipe.symmetries, data=fit_data, data_options=_options(recipe.data, "train"),
+                        learn=_learn_options(recipe), dtype=recipe.output.dtype, shard_size=recipe.output.shard_size,
+                        eval_data=eval_data, eval_options=_options(recipe.eval.data if recipe.eval else None, "test"),
+                        alphas=recipe.eval.alphas if recipe.eval else 11, progress=progress,
+                    )
+                except (ValueError, OSError) as err:  # say which run of a sweep failed
+                    raise RecipeError(f"{group} / {method}: {err}") from err
+                barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
+                runs.append(RunResult(group, method, [ref.label for ref in refs], folder, barriers))
+                _relabel_card(staging / folder, {str(s.reference): s.label for s in sources if s.relabel})
+        targets = {run.folder: _push_target(recipe, run) for run in runs}
+        for run in runs:  # cards name the final folder (or Hub repo), not the staging one
+            _relabel_card(staging / run.folder, {str(staging / run.folder): targets[run.folder] or str(final / run.folder)})
+        result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
+        write_summary(result, staging)
+        from .export import move_into_place
+
+        move_into_place(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if recipe.output.push_to_hub:
+        from .hub import push_folder
+
+        pushed = [
+            dataclasses.replace(run, url=push_folder(final / run.folder, targets[run.folder], private=recipe.output.private, api=api))
+            for run in runs
+        ]
+        result = dataclasses.replace(result, runs=pushed)
+        write_summary(result, final)
+    return result
+
+
+def merge_group(models: Sequence[str | Path], output: Path, *, revisions: Sequence[str | None], weights, alphas, **options):
+    """Merge two models with :func:`hf_lmc.pipeline.merge` (``weights`` is B's alpha), or more
+    with ``hf_lmc.pipeline.merge_models`` (``weights`` one per model, or ``None`` for uniform)."""
+    from . import pipeline
+
+    if len(models) == 2:
+        return pipeline.merge(
+            models[0], models[1], output, alpha=weights, revision_a=revisions[0], revision_b=revisions[1], alphas=alphas, **options
+        )
+    merge_models = getattr(pipeline, "merge_models", None)
+    if merge_models is None:
+        raise RecipeError(
+            f"merging {len(models)} models needs hf_lmc.pipeline.merge_models, which this version of hf_lmc does not have; "
+            "give two models per group"
+        )
+    return merge_models(list(models), output, weights=weights, revisions=list(revisions), **options)
+
+
+def write_summary(result: RecipeResult, folder: Path) -> None:
+    """``summary.md`` (the barrier table), ``summary.json`` and ``summary.csv`` (one row per run),
+    each written to a temporary file and renamed, so a reader never sees half a file."""
+    records = result.records()
+    markdown = f"# {result.title}\n\nLoss barrier per group of models and method (lower is flatter).\n\n{result.table()}\n\n"
+    markdown += "\n".join(f"- `{r['group']}` / `{r['method']}`: `{r['folder']}` ({', '.join(r['models'])})" for r in records) + "\n"
+    table = io.StringIO()
+    writer = csv.DictWriter(table, fieldnames=list(records[0]) if records else ["group"])
+    writer.writeheader()
+    writer.writerows({**r, "models": " ".join(r["models"])} for r in records)
+    summary = {"title": result.title, "runs": records, "recipe": result.recipe}
+    for suffix, text in (("md", markdown), ("json", json.dumps(summary, indent=2) + "\n"), ("csv", table.getvalue())):
+        target = folder / f"{SUMMARY}.{suffix}"
+        partial = target.with_name(f".{target.name}.tmp")
+        partial.write_text(text, encoding="utf-8")
+        partial.replace(target)
+
+
+# -- data ------------------------------------------------------------------------------------
+
+
+def load_data(spec: DataSpec, default_split: str):
+    """The data of ``spec`` in a form :func:`hf_lmc.evaluation.load_batches` reads (loaded once
+    per recipe; tokenisation follows per merge, with model A's tokenizer)."""
+    split = spec.split or default_split
+    if spec.zoo is not None:
+        from . import zoo
+
+        if spec.zoo == "digits":
+            return zoo.digits()[0 if split == "train" else 1]
+        if split == "train":
+            return zoo.shakespeare()[0]
+        size = (spec.samples or 256) * (spec.seq_len or 128)
+        return zoo.held_out("gpt2", size=max(4096, size))  # excerpts spread over both held-out plays
+    if spec.files is not None:
+        return _files(spec.files, split)
+    if spec.name is None and Path(spec.dataset).exists():
+        return spec.dataset  # a text file / folder or a dataset saved with save_to_disk: load_batches reads it
+    import datasets
+
+    try:
+        return datasets.load_dataset(spec.dataset, spec.name, split=split)
+    except Exception as err:  # datasets raises many types; the user needs one clear line
+        config = f" (configuration {spec.name})" if spec.name else ""
+        raise DataError(f"cannot load dataset {spec.dataset!r}{config}, split {split!r}: {_first_line(err)}") from err
+
+
+_DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _files(files: list[str], split: str):
+    paths = [Path(f) for f in files]
+    missing = next((p for p in paths if not p.exists()), None)
+    if missing is not None:
+        raise DataError(f"no such data file: {missing}")
+    suffixes = {p.suffix.lower() for p in paths if p.is_file()}
+    if suffixes & set(_DATASET_BUILDERS):
+        builders = {_DATASET_BUILDERS.get(s) for s in suffixes}
+        if len(builders) != 1 or None in builders or any(p.is_dir() for p in paths):
+            raise DataError(f"files mixes kinds ({', '.join(sorted(suffixes))}); list .json/.jsonl, .csv or .parquet files of one kind")
+        import datasets
+
+        try:
+            return datasets.load_dataset(builders.pop(), data_files=[str(p) for p in paths], split="train")
+        except Exception as err:
+            raise DataError(f"cannot read {', '.join(files)}: {_first_line(err)}") from err
+    if len(paths) == 1:
+        return str(paths[0])  # a .txt file, a folder of them, or a .pt tensor file
+    if any(p.is_dir() or p.suffix.lower() != ".txt" for p in paths):
+        raise DataError("several files must all be .txt files; list one folder or one .pt file on its own")
+    return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+
+
+def _options(spec: DataSpec | None, default_split: str) -> EvalOptions:
+    if spec is None:
+        return EvalOptions(split=default_split)
+    return EvalOptions(batch_size=spec.batch_size, seq_len=spec.seq_len, max_batches=spec.max_batches, split=spec.split or default_split)
+
+
+def _learn_options(recipe: Recipe) -> LearnOptions:
+    return LearnOptions(**recipe.learn.model_dump(), **recipe.accelerate.model_dump())
+
+
+# -- models ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Source:
+    reference: str  # what the merge reads: a Hub id or a local folder
+    revision: str | None
+    label: str  # how the recipe named it
+    relabel: bool  # the card should name ``label`` instead of ``reference`` (a cache or scratch folder)
+
+
+class _ModelResolver:
+    """Turns recipe models into what :func:`merge` reads, once each: zoo members are trained (or
+    read from the zoo cache), adapters are folded into their base model in ``scratch``."""
+
+    def __init__(self, recipe: Recipe, scratch: Path, progress: bool):
+        self.recipe, self.scratch, self.progress = recipe, scratch, progress
+        self.done: dict[ModelRef, _Source] = {}
+
+    def __call__(self, ref: ModelRef) -> _Source:
+        if ref not in self.done:
+            self.done[ref] = self._resolve(ref)
+        return self.done[ref]
+
+    def _resolve(self, ref: ModelRef) -> _Source:
+        if ref.path.startswith(ZOO_PREFIX):
+            source = _Source(str(self._zoo_member(ref.path)), None, ref.path, True)
+        else:
+            source = _Source(ref.path, ref.revision, ref.path, False)
+        if ref.adapter is None:
+            return source
+        folder = self.scratch / f"{len(self.done)}-{Path(ref.path).name}+{Path(ref.adapter).name}"
+        fold_adapter(source.reference, ref.adapter, folder, revision=source.revision, adapter_revision=ref.adapter_revision)
+        return _Source(str(folder), None, ref.label, True)
+
+    def _zoo_member(self, reference: str) -> Path:
+        from . import zoo
+
+        name, seed = parse_zoo_member(reference)
+        entry, steps = zoo.ZOO[name], self.recipe.zoo.steps
+        if steps is not None:
+            entry = entry.scaled(steps=steps, warmup=min(entry.warmup, max(1, steps // 10)))
+        cache = Path(self.recipe.zoo.cache) if self.recipe.zoo.cache else None
+        return zoo.train(entry, seed, cache=cache, progress=self.progress)
+
+
+def fold_adapter(model: str | Path, adapter: str | Path, output: Path, *, revision: str | None = None, adapter_revision: str | None = None) -> Path:
+    """Merge a PEFT adapter into its base model (``merge_and_unload``) and save the result as a
+    stock checkpoint in ``output``, with the base's tokenizer / processor files and card (for its
+    license), so the merge pipeline reads it like any other model."""
+    from peft import PeftModel
+
+    from .export import PROCESSOR_FILES
+    from .hub import resolve_checkpoint
+    from .loading import load_model
+
+    base = load_model(model, revision)
+    try:
+        adapter_folder = resolve_checkpoint(adapter, adapter_revision)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"PEFT adapter: {err}") from err
+    try:
+        folded = PeftModel.from_pretrained(base.model, str(adapter_folder)).merge_and_unload()
+    except Exception as err:  # peft and the Hub raise many types; the user needs one clear line
+        raise ValueError(f"cannot apply PEFT adapter {adapter} to {model}: {_first_line(err)}") from err
+    folded.save_pretrained(output)
+    for name in (*PROCESSOR_FILES, "README.md"):
+        if base.folder is not None and (base.folder / name).is_file():
+            shutil.copy2(base.folder / name, output / name)
+    return output
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def _push_target(recipe: Recipe, run: RunResult) -> str | None:
+    template = recipe.output.push_to_hub
+    return template.format(group=run.group, method=run.method) if template else None
+
+
+def _relabel_card(folder: Path, names: Mapping[str, str]) -> None:
+    """Have the model card name models and folders as the recipe does: zoo members and folded
+    adapters by their recipe name rather than a cache or scratch folder, the merge by its final
+    folder or Hub repo rather than the staging folder."""
+    card = folder / "README.md"
+    if not names or not card.is_file():
+        return
+    text = card.read_text(encoding="utf-8")
+    for old in sorted(names, key=len, reverse=True):
+        text = text.replace(old, names[old])
+    card.write_text(text, encoding="utf-8")
+
+
+def _refuse_several_processes() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RecipeError(
+            "hf-lmc run runs in one process (every process would write the same output); run it without "
+            "accelerate launch / torchrun: the accelerate section sets the training loop's mixed precision and accumulation"
+        )
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

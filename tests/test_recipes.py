@@ -1,0 +1,318 @@
+"""Recipes: the schema and its errors, the shipped recipes, and runs end to end on tiny models."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from huggingface_hub import ModelCard
+
+import hf_lmc
+from hf_lmc import alignment, pipeline, zoo
+from hf_lmc.cli import main
+from hf_lmc.evaluation import DataError
+from hf_lmc.recipe import DataSpec, LearnSpec, Method, RecipeError, load_recipe
+from hf_lmc.runner import fold_adapter, load_data, run_recipe
+from hf_lmc.verify import tiny_configs
+from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
+from tests.test_merge import RecordingApi
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+SHIPPED = sorted(RECIPES.glob("*.yaml"))
+
+
+def _recipe(**changes) -> dict:
+    return {"models": ["a", "b"], "output": {"dir": "out"}} | changes
+
+
+def _error(raw) -> str:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(raw)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# -- the schema --------------------------------------------------------------------------------
+
+
+def test_schema_mirrors_the_alignment_tables():
+    assert Method.__args__ == alignment.METHODS
+    options = {f.name for f in dataclasses.fields(alignment.LearnOptions)}
+    assert options == set(LearnSpec.model_fields) | {"mixed_precision", "gradient_accumulation_steps"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_recipe_is_valid(path):
+    recipe = load_recipe(path)
+    assert recipe.runs() and recipe.output.dir.startswith("runs/")
+    if path.name.startswith("pythia"):
+        sizes = [name for name, _ in recipe.groups]
+        assert sizes == ["14m", "31m", "70m", "160m", "410m"]
+        for size, models in recipe.groups:
+            assert [m.path for m in models] == [f"EleutherAI/pythia-{size}-seed1", f"EleutherAI/pythia-{size}-seed2"]
+        assert recipe.eval.data.dataset == "Salesforce/wikitext" and recipe.eval.data.name == "wikitext-103-raw-v1"
+
+
+def test_editors_accept_every_shipped_recipe_by_the_printed_schema(capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    assert main(["recipe", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    for path in SHIPPED:
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)  # string shorthands and single methods included
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(_recipe(method="wieght"), schema)
+
+
+def test_errors_name_the_key_on_one_line():
+    assert "models[1].revison: unknown key; did you mean revision?" in _error(_recipe(models=["a", {"path": "b", "revison": "v1"}]))
+    assert "models[1].revision: Input should be a valid string" in _error(_recipe(models=["a", {"path": "b", "revision": 3}]))
+    assert "data: method 'dual' learns from data" in _error(_recipe(method=["weight", "dual"]))
+    assert "method: unknown method 'wieght'; choose from average, weight" in _error(_recipe(method="wieght"))
+    assert "weights: 2 weights but models has 3 models" in _error(_recipe(models=["a", "b", "c"], weights=[0.5, 0.5]))
+    assert "weights: weights must sum to 1" in _error(_recipe(weights=[0.5, 0.6]))
+    assert "weights: weights must be non-negative" in _error(_recipe(weights=[1.5, -0.5]))
+    assert "alpha: Input should be less than or equal to 1" in _error(_recipe(alpha=1.5))
+    assert "models[0].path: no zoo entry 'bert'" in _error(_recipe(models=["zoo:bert/seed0", "b"]))
+    assert "models[0].revision: a zoo model has no revisions" in _error(_recipe(models=[{"path": "zoo:gpt2/seed0", "revision": "main"}, "b"]))
+    assert "eval.data.split: the zoo corpus has splits train and test" in _error(_recipe(eval={"data": {"zoo": "shakespeare", "split": "validation"}}))
+    assert "eval.data: give exactly one of dataset, files or zoo (got dataset and zoo)" in _error(_recipe(eval={"data": {"dataset": "x", "zoo": "digits"}}))
+    assert "eval.alphas: the grid must increase from 0 to 1" in _error(_recipe(eval={"data": {"dataset": "x"}, "alphas": [0, 0.5]}))
+    assert "output.shard_size: cannot read shard size '5XB'" in _error(_recipe(output={"dir": "o", "shard_size": "5XB"}))
+    assert "output: required key is missing" in _error({"models": ["a", "b"]})
+    assert "output.dir: name a folder of its own" in _error(_recipe(output={"dir": "."}))
+    assert "output.shard_size: Input should be a valid string or Input should be a valid integer" in _error(_recipe(output={"dir": "o", "shard_size": [1]}))
+    assert "sweep: give models (one group of models) or sweep" in _error({"output": {"dir": "o"}})
+    sweep = [{"name": "s", "models": ["a", "b"]}, {"name": "t", "models": ["c", "d"]}]
+    message = _error({"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{group}"}})
+    assert "output.push_to_hub: 2 methods would push to one repo; put {method} in the repo id" in message
+    assert "learn.schedule: unknown schedule 'cosine_decay'; choose from linear, cosine" in _error(_recipe(learn={"schedule": "cosine_decay"}))
+    assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"warmup": 300}))
+    both = _error(_recipe(learn={"lambda_range": [0.7, 0.2]}, accelerate={"mixed_precision": "fp8"}))
+    assert "learn.lambda_range: needs 0 <= low <= high <= 1" in both and "accelerate.mixed_precision: Input should be 'no', 'fp16' or 'bf16'" in both
+
+
+def test_overrides_and_yaml_errors(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"sweep": [{"name": "s", "models": ["a", "b"]}], "output": {"dir": "o"}}))
+    recipe = load_recipe(path, {"sweep.0.name": "tiny", "eval.data.zoo": "digits", "method": ["weight", "average"]})
+    assert recipe.groups[0][0] == "tiny" and recipe.eval.data.zoo == "digits" and recipe.method == ["weight", "average"]
+    with pytest.raises(RecipeError, match=r"sweep is a list of 1; use an index below 1"):
+        load_recipe(path, {"sweep.3.name": "x"})
+    path.write_text("models: [a, b\noutput: {dir: o}\n")
+    with pytest.raises(RecipeError, match=r"r\.yaml:\d+:\d+: not valid YAML"):
+        load_recipe(path)
+
+
+def test_cli_check_schema_and_bad_recipe(tmp_path, capsys):
+    assert main(["recipe", "schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert {"models", "sweep", "method", "data", "learn", "accelerate", "eval", "output", "zoo"} <= set(schema["properties"])
+    assert main(["recipe", "check", str(RECIPES / "pythia-scaling-dual.yaml"), "--set", "learn.steps=100"]) == 0
+    assert "15 run(s)" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [a, {path: b, revison: x}]\noutput: {dir: o}\n")
+    assert main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-lmc: error: ") and err.count("\n") == 1 and "models[1].revison: unknown key" in err
+    assert main(["run", str(bad), "--set", "nokey"]) == 2
+    assert "--set takes KEY=VALUE" in capsys.readouterr().err
+
+
+# -- runs --------------------------------------------------------------------------------------
+
+
+def _twins(tmp_path, arch="vit"):
+    """A and B = A moved by a random symmetry: every alignment method must find B's way back."""
+    model = build_model(tiny_configs()[arch], seed=0, dtype=torch.float32)
+    canonical = hf_lmc.canonicalize(model)
+    twin = hf_lmc.to_hf(hf_lmc.random_symmetry(canonical.spec, seed=7, dtype=torch.float32).apply(canonical))
+    model.save_pretrained(tmp_path / "a")
+    twin.save_pretrained(tmp_path / "b")
+    return model, tmp_path / "a", tmp_path / "b"
+
+
+def _digits_like(path, n=8):
+    torch.save({"pixel_values": torch.randn(n, 3, 8, 8), "labels": torch.randint(0, 3, (n,))}, path)
+    return str(path)
+
+
+def test_sweep_writes_models_and_one_summary_table(tmp_path):
+    model, a, b = _twins(tmp_path)
+    data = _digits_like(tmp_path / "d.pt")
+    recipe = {
+        "name": "twins",
+        "sweep": [{"name": "one", "models": [str(a), str(b)]}, {"name": "two", "models": [str(b), str(a)]}],
+        "method": ["weight", "average"],
+        "eval": {"data": {"files": [data], "batch_size": 4}, "alphas": [0, 0.5, 1]},
+        "output": {"dir": str(tmp_path / "out"), "shard_size": "3KB"},
+    }
+    result = run_recipe(recipe, progress=False)
+    out = tmp_path / "out"
+    assert [(r.group, r.method) for r in result.runs] == [("one", "weight"), ("one", "average"), ("two", "weight"), ("two", "average")]
+    for run in result.runs[::2]:
+        assert abs(run.barrier) < 1e-4 and run.barriers["average"] > 1e-3  # twins: alignment removes the barrier
+    merged = MODEL_CLASSES["vit"].from_pretrained(out / "one" / "weight").eval()
+    inputs = sample_inputs(model.config)
+    assert relative_error(logits(merged, inputs), logits(model, inputs)) < 1e-3
+    assert (out / "one" / "weight" / "model.safetensors.index.json").is_file()  # shard_size reached the writer
+    card = (out / "two" / "weight" / "README.md").read_text()
+    assert str(out / "two" / "weight") in card and ".tmp-" not in card  # names the final folder
+    table = (out / "summary.md").read_text()
+    assert "# twins" in table and "| models | average | weight |" in table and "| two |" in table
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["folder"] for r in rows] == ["one/weight", "one/average", "two/weight", "two/average"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["runs"][0]["average_barrier"] == pytest.approx(result.runs[0].barriers["average"])
+    assert summary["recipe"]["eval"]["alphas"] == [0, 0.5, 1] and summary["recipe"]["learn"]["steps"] == 200  # defaults filled in
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+    with pytest.raises(FileExistsError, match="output.overwrite"):
+        run_recipe(recipe, progress=False)
+
+
+def test_a_failing_run_leaves_nothing_and_pushes_nothing(tmp_path):
+    _, a, b = _twins(tmp_path)
+    api = RecordingApi()
+    recipe = {
+        "sweep": [{"name": "good", "models": [str(a), str(b)]}, {"name": "bad", "models": [str(a), str(tmp_path / "missing")]}],
+        "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m-{group}"},
+    }
+    with pytest.raises(RecipeError, match=r"^bad / weight: no such model folder"):
+        run_recipe(recipe, progress=False, api=api)
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name] and api.calls == []
+
+    recipe["sweep"].pop()
+    result = run_recipe(recipe, progress=False, api=api)
+    assert [call[:2] for call in api.calls] == [("create_repo", "me/m-good"), ("upload_folder", "me/m-good")]
+    assert result.runs[0].url == "https://huggingface.co/me/m-good"
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["runs"][0]["url"] == result.runs[0].url
+    assert "me/m-good" in (tmp_path / "out" / "good" / "weight" / "README.md").read_text()
+
+
+def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    config = tiny_configs()["gpt2"]
+    base = build_model(config, seed=1, dtype=torch.float32)
+    base.save_pretrained(tmp_path / "base")
+    char_tokenizer_folder(tmp_path / "base", config.vocab_size)
+    lora = get_peft_model(build_model(config, seed=1, dtype=torch.float32), LoraConfig(r=2, target_modules=["c_attn", "c_fc"], init_lora_weights=False))
+    lora.save_pretrained(tmp_path / "lora")
+    inputs = sample_inputs(config)
+    expected = logits(lora.eval(), inputs)
+
+    folded = MODEL_CLASSES["gpt2"].from_pretrained(fold_adapter(tmp_path / "base", tmp_path / "lora", tmp_path / "folded")).eval()
+    assert relative_error(logits(folded, inputs), expected) < 1e-5
+    assert relative_error(logits(base.eval(), inputs), expected) > 1e-3  # the adapter changes the function
+    assert (tmp_path / "folded" / "tokenizer.json").is_file()
+
+    recipe = _recipe(
+        models=[{"path": str(tmp_path / "base"), "adapter": str(tmp_path / "lora")}, str(tmp_path / "base")],
+        method="average", alpha=0.0, output={"dir": str(tmp_path / "out")},
+    )
+    run_recipe(recipe, progress=False)
+    merged = MODEL_CLASSES["gpt2"].from_pretrained(tmp_path / "out" / "average").eval()
+    assert relative_error(logits(merged, inputs), expected) < 1e-5  # alpha 0: the folded model itself
+    card = ModelCard.load(tmp_path / "out" / "average" / "README.md").data.to_dict()
+    assert card["base_model"] == [f"{tmp_path / 'base'}+{tmp_path / 'lora'}", str(tmp_path / "base")]
+
+    recipe["models"][0]["adapter"] = str(tmp_path / "no-lora")
+    recipe["output"]["dir"] = str(tmp_path / "out2")
+    with pytest.raises(RecipeError, match="^models / average: PEFT adapter: no such model folder: .*no-lora$"):
+        run_recipe(recipe, progress=False)
+
+
+def test_data_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("to be")
+    (tmp_path / "b.txt").write_text("or not")
+    assert load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]), "train") == ["to be", "or not"]
+    assert load_data(DataSpec(files=[str(tmp_path)]), "train") == str(tmp_path)  # a folder of .txt files: load_batches reads it
+    (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    rows = load_data(DataSpec(files=[str(tmp_path / "rows.jsonl")]), "train")
+    assert rows["text"] == ["one", "two"]
+    with pytest.raises(DataError, match="files mixes kinds"):
+        load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "rows.jsonl")]), "train")
+    with pytest.raises(DataError, match="no such data file: .*missing.txt"):
+        load_data(DataSpec(files=[str(tmp_path / "missing.txt")]), "train")
+    rows.save_to_disk(str(tmp_path / "saved"))
+    assert load_data(DataSpec(dataset=str(tmp_path / "saved")), "test") == str(tmp_path / "saved")
+    assert load_data(DataSpec(zoo="shakespeare"), "train") == zoo.shakespeare()[0]
+    excerpts = load_data(DataSpec(zoo="shakespeare", samples=64, seq_len=64), "test")
+    assert sum(map(len, excerpts)) >= 64 * 64 and all(any(e in play for play in zoo.shakespeare()[1]) for e in excerpts)  # held out
+
+
+def test_more_than_two_models_go_to_merge_models(tmp_path, monkeypatch):
+    recipe = _recipe(models=["a", "b", "c"], weights=[0.2, 0.3, 0.5], output={"dir": str(tmp_path / "out")})
+    monkeypatch.delattr(pipeline, "merge_models", raising=False)
+    with pytest.raises(RecipeError, match="merging 3 models needs hf_lmc.pipeline.merge_models"):
+        run_recipe(recipe, progress=False)
+    calls = []
+
+    def merge_models(models, output, **options):
+        calls.append((models, options))
+        Path(output).mkdir(parents=True)
+        return pipeline.MergeResult(Path(output), options["method"], 0.5)
+
+    monkeypatch.setattr(pipeline, "merge_models", merge_models, raising=False)
+    result = run_recipe(recipe, progress=False)
+    (models, options), = calls
+    assert models == ["a", "b", "c"] and options["weights"] == [0.2, 0.3, 0.5] and options["revisions"] == [None] * 3
+    assert result.runs[0].folder == Path("weight") and (tmp_path / "out" / "summary.md").is_file()
+
+
+def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
+    seen = {}
+
+    def fit(self, batches, **options):
+        seen.update(options)
+        return []
+
+    monkeypatch.setattr(hf_lmc.DualMatcher, "fit", fit)
+    _, a, b = _twins(tmp_path)
+    recipe = _recipe(
+        models=[str(a), str(b)], method="dual", data={"files": [_digits_like(tmp_path / "d.pt")], "batch_size": 4},
+        learn={"steps": 7, "lr": 1e-4, "schedule": "cosine", "warmup": 2},
+        accelerate={"mixed_precision": "bf16", "gradient_accumulation_steps": 4},
+        output={"dir": str(tmp_path / "out")},
+    )
+    run_recipe(recipe, progress=False)
+    assert (seen["steps"], seen["lr"], seen["schedule"], seen["warmup_steps"]) == (7, 1e-4, "cosine", 2)
+    assert (seen["mixed_precision"], seen["gradient_accumulation_steps"]) == ("bf16", 4)
+
+
+def test_refuses_to_run_in_several_processes(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match="runs in one process"):
+        run_recipe(_recipe(output={"dir": str(tmp_path / "o")}), progress=False)
+
+
+@pytest.fixture
+def tiny_zoo(monkeypatch):
+    """The zoo's architectures at toy width and depth, so the offline recipe runs in seconds."""
+    shrink = {
+        "gpt2": {"n_embd": 16, "n_layer": 1, "n_head": 2},
+        "pythia": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32},
+        "llama": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32},
+    }
+    for name, config in shrink.items():
+        monkeypatch.setitem(zoo.ZOO, name, zoo.ZOO[name].scaled(config=config, batch_size=4))
+
+
+def test_the_offline_recipe_runs(tiny_zoo, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["run", str(RECIPES / "zoo-offline.yaml"), "--set", "zoo.steps=2", "--set", f"zoo.cache={tmp_path / 'zoo'}",
+            "--set", f"output.dir={out}", "--set", "data.samples=4", "--set", "data.batch_size=4", "--set", "eval.data.samples=4", "--set", "eval.data.batch_size=4",
+            "--set", "eval.alphas=3"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| models | average | weight | activation |" in printed and "6 merged model(s)" in printed
+    for arch in ("gpt2", "pythia", "llama"):
+        for method in ("weight", "activation"):
+            card = ModelCard.load(out / arch / method / "README.md")
+            assert card.data.to_dict()["base_model"] == [f"zoo:{arch}/seed0", f"zoo:{arch}/seed1"]
+    assert (out / "summary.md").read_text().count("\n| ") == 4  # header + gpt2, pythia, llama
