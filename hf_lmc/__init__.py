@@ -8,8 +8,8 @@ from .adapters import UnsupportedModelError
 from .barriers import BarrierResult, barrier
 from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
 from .checkpoint import CheckpointError
-from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, WeightMatcher
-from .pipeline import MergeResult, merge
+from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, SimplexMatcher, UniverseMatcher, WeightMatcher
+from .pipeline import MergeResult, merge, merge_models
 from .spec import ArchSpec
 from .symmetry import Transform, random_symmetry
 
@@ -21,12 +21,15 @@ __all__ = [
     "MergeResult",
     "barrier",
     "merge",
+    "merge_models",
     "ArchSpec",
     "CanonicalModel",
     "CheckpointError",
     "DualMatcher",
     "LearnedMatcher",
+    "SimplexMatcher",
     "Transform",
+    "UniverseMatcher",
     "UnsupportedModelError",
     "WeightMatcher",
     "__version__",
