@@ -246,7 +246,7 @@ def _evaluate_into(result, method: str, models, batches, bar) -> None:
         bar.update()
 
 
-def simplex_barrier_of_models(
+def barrier_over_simplex(
     models: Sequence,
     data,
     *,
@@ -286,7 +286,7 @@ def simplex_barrier_of_loaded(
     learn: LearnOptions = LearnOptions(),
     transforms: dict[str, Sequence[Transform]] | None = None,
 ) -> SimplexBarrierResult:
-    """:func:`simplex_barrier_of_models` for loaded models; ``transforms`` holds alignments already computed."""
+    """:func:`barrier_over_simplex` for loaded models; ``transforms`` holds alignments already computed."""
     grid = simplex_grid(len(loaded), points) if isinstance(points, int) else [tuple(w) for w in points]
     batches = load_batches(data, loaded[0].model.config, loaded[0].folder, eval_options)
     result = SimplexBarrierResult(grid)
@@ -317,5 +317,42 @@ def plot(result: BarrierResult, path: str | Path, title: str = "loss along the l
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_simplex(result: SimplexBarrierResult, path: str | Path, names: Sequence[str] = ("A", "B", "C"), title: str = "") -> Path:
+    """Save a PNG of three models' simplex: one triangle per method, each grid point coloured by
+    its loss above ``sum_k w_k L(theta_k)`` (the quantity whose maximum is the barrier)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if len(result.points[0]) != 3:
+        raise ValueError(f"plot_simplex draws three models, got {len(result.points[0])}")
+    corners = [(0.0, 0.0), (1.0, 0.0), (0.5, 3**0.5 / 2)]
+    xs = [sum(w[k] * corners[k][0] for k in range(3)) for w in result.points]
+    ys = [sum(w[k] * corners[k][1] for k in range(3)) for w in result.points]
+    excess = {}
+    for method, losses in result.losses.items():
+        vertex = [losses[result.points.index(v)] for v in _vertices(3)]
+        excess[method] = [loss - sum(x * v for x, v in zip(w, vertex)) for w, loss in zip(result.points, losses)]
+    top = max(max(e) for e in excess.values())
+    bottom = min(0.0, min(min(e) for e in excess.values()))
+    fig, axes = plt.subplots(1, len(excess), figsize=(3.2 * len(excess), 3.2), dpi=120, squeeze=False)
+    for ax, (method, values) in zip(axes[0], excess.items()):
+        ax.fill(*zip(*corners), facecolor="none", edgecolor="0.6")
+        dots = ax.scatter(xs, ys, c=values, s=90, cmap="magma_r", vmin=bottom, vmax=top, edgecolors="0.3")
+        for (x, y), name in zip(corners, names):
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(0, 6 if y else -14), ha="center", fontsize=8)
+        ax.set_title(f"{method}\nbarrier {result.barriers[method]:.3f}", fontsize=9, pad=16)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.colorbar(dots, ax=axes[0].tolist(), shrink=0.8, label="loss above the vertices' plane")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    path = Path(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -27,7 +27,7 @@ from transformers import AutoConfig
 
 from .adapters import adapter_for
 from .alignment import DATA_METHODS, TRAINED_METHODS, LearnOptions, align_many, check_method
-from .barriers import BarrierResult, SimplexBarrierResult, barrier_of_loaded, plot, simplex_barrier_of_loaded
+from .barriers import BarrierResult, SimplexBarrierResult, barrier_of_loaded, plot, plot_simplex, simplex_barrier_of_loaded
 from .canonical import canonicalize, combine, export_config, hf_state_dict_groups, simplex_weights, weighted_sum
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
@@ -261,6 +261,9 @@ def merge_models(
                 plot(measured, Path(scratch) / plot_name, title=f"{Path(str(models[0])).name} ↔ {Path(str(models[1])).name}")
             else:
                 measured = simplex_barrier_of_loaded(loaded, eval_batches, points=alphas or 5, **options)
+                if count == 3:
+                    plot_name = "loss_over_simplex.png"
+                    plot_simplex(measured, Path(scratch) / plot_name, names=[Path(str(m)).name for m in models])
             del loaded
 
         card = merge_card(

@@ -159,6 +159,7 @@ def test_dual_merge_of_three_twins_with_the_simplex_barrier_in_the_card(tmp_path
     assert relative_error(logits(merged, inputs), logits(model, inputs)) < 1e-3
     card = (out / "README.md").read_text()
     assert "| method | `dual` |" in card and "worst point w" in card and "| dual |" in card and "| average |" in card
+    assert "loss_over_simplex.png" in card and (out / "loss_over_simplex.png").stat().st_size > 1000
     table = capsys.readouterr().out
     dual_row = next(line for line in table.splitlines() if line.startswith("| dual |"))
     assert abs(float(dual_row.split("|")[4])) < 1e-4  # twins: flat over the whole simplex
