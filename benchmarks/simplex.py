@@ -14,6 +14,9 @@ stays) and ``dual`` (all three trained). Learned methods train on 16-sample trai
 
     python benchmarks/simplex.py --entries vit gpt2            # trains seed 2 on first use
     python benchmarks/simplex.py --entries vit --points 6 --steps 400
+
+Writes ``benchmarks/plots/simplex_<entry>.png`` (one triangle per method) and the raw losses as
+``simplex_<entry>.json``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import hf_lmc
 from hf_lmc import zoo
 from hf_lmc.alignment import LearnOptions
-from hf_lmc.barriers import SimplexBarrierResult, simplex_barrier_of_loaded
+from hf_lmc.barriers import SimplexBarrierResult, plot_simplex, simplex_barrier_of_loaded
 from hf_lmc.evaluation import EvalOptions, load_batches
 from hf_lmc.loading import load_model
 from hf_lmc.symmetry import Transform
@@ -68,8 +72,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="learned / dual training steps (default: 200)")
     parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
     parser.add_argument("--concentration", type=float, default=0.1, help="Dirichlet concentration of the training weights (default: 0.1)")
+    parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where simplex_<entry>.png/.json go (default: benchmarks/plots)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
+    args.plots_dir.mkdir(parents=True, exist_ok=True)
 
     learn = LearnOptions(steps=args.steps, lr=args.lr, concentration=args.concentration)
     rows = [
@@ -78,6 +84,9 @@ def main() -> None:
     ]
     for name in args.entries:
         result, seconds = measure(name, args.methods, args.points, learn, not args.quiet)
+        (args.plots_dir / f"simplex_{name}.json").write_text(result.to_json())
+        path = plot_simplex(result, args.plots_dir / f"simplex_{name}.png", names=("seed 0", "seed 1", "seed 2"), title=f"zoo {name} triple: held-out loss above the vertices' plane")
+        print(f"{name}: plot in {path}", file=sys.stderr)
         vanilla = result.barriers.get("average")
         centre = min(range(len(result.points)), key=lambda i: max(abs(x - 1 / 3) for x in result.points[i]))
         for label, value in result.barriers.items():

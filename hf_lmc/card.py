@@ -26,7 +26,8 @@ def merge_card(
 ) -> ModelCard:
     """A card with Hub metadata (``base_model``, ``base_model_relation: merge``, tags, license).
 
-    ``alpha_or_weights``: B's weight for two models, or a list of one weight per base model.
+    ``alpha_or_weights``: B's weight for two models, or (more than two) a list of one weight per
+    base model, shown model by model.
     """
     data = ModelCardData(
         base_model=list(base_models),
@@ -42,7 +43,9 @@ def merge_card(
             "the residual stream makes them differ, so this checkpoint has `tie_word_embeddings=False`."
         )
     sym = ", ".join(symmetries) if not isinstance(symmetries, str) else symmetries
-    weights = list(alpha_or_weights) if isinstance(alpha_or_weights, (list, tuple)) else None
+    # More than two models: a weight per model; two models keep the alpha row as they always had.
+    many = isinstance(alpha_or_weights, (list, tuple)) and len(base_models) > 2
+    weights = list(alpha_or_weights) if many else None
     return ModelCard.from_template(
         data,
         template_path=str(TEMPLATE),
