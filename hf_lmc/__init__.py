@@ -8,8 +8,8 @@ from .adapters import UnsupportedModelError
 from .barriers import BarrierResult, barrier
 from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
 from .checkpoint import CheckpointError
-from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, WeightMatcher
-from .pipeline import MergeResult, merge
+from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, SimplexMatcher, UniverseMatcher, WeightMatcher
+from .pipeline import MergeResult, merge, merge_models
 from .recipe import Recipe, RecipeError, load_recipe
 from .runner import RecipeResult, run_recipe
 from .spec import ArchSpec
@@ -28,12 +28,15 @@ __all__ = [
     "RecipeResult",
     "load_recipe",
     "run_recipe",
+    "merge_models",
     "ArchSpec",
     "CanonicalModel",
     "CheckpointError",
     "DualMatcher",
     "LearnedMatcher",
+    "SimplexMatcher",
     "Transform",
+    "UniverseMatcher",
     "UnsupportedModelError",
     "WeightMatcher",
     "__version__",

@@ -4,10 +4,17 @@ Every method yields a pair of exact transforms ``(T_A, T_B)``; the merge is
 ``(1 - alpha) T_A(A) + alpha T_B(B)``. Data-free weight matching and activation matching move
 B only (``T_A`` is the identity); learned matching trains ``T_B`` from weight matching's
 solution, and dual matching trains both. ``average`` is the vanilla baseline and moves nothing.
+
+For M > 2 models (:func:`align_many`) every method yields one transform per model and the merge
+is ``sum_k w_k T_k(theta_k)``: ``weight`` is universe matching (:class:`~hf_lmc.UniverseMatcher`),
+``learned`` and ``dual`` refine it on data at weights ``w ~ Dirichlet(concentration * 1)``
+(:class:`~hf_lmc.SimplexMatcher`; ``learned`` keeps the first model's transform fixed, ``dual``
+trains all). Activation matching stays a two-model method.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .canonical import CanonicalModel
@@ -18,6 +25,8 @@ METHODS = ("average", "weight", "activation", "learned", "dual")
 DATA_METHODS = ("activation", "learned", "dual")
 #: Methods whose transforms are trained (soft permutations are hardened before export).
 TRAINED_METHODS = ("learned", "dual")
+#: Methods that merge more than two models.
+MULTI_METHODS = ("average", "weight", "learned", "dual")
 
 
 @dataclass(frozen=True)
@@ -38,12 +47,17 @@ class LearnOptions:
     lambda_range: tuple[float, float] = (0.4, 0.6)
     mixed_precision: str = "no"
     gradient_accumulation_steps: int = 1
+    #: More than two models: the weights of each step are drawn from Dirichlet(concentration * 1).
+    concentration: float = 0.1
 
 
-def check_method(method: str, data, flag: str = "--data") -> None:
-    """Fail early, with what to do, for an unknown method or a data method without data."""
+def check_method(method: str, data, flag: str = "--data", count: int = 2) -> None:
+    """Fail early, with what to do, for an unknown method, a two-model method given ``count`` > 2
+    models, or a data method without data."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    if count > 2 and method not in MULTI_METHODS:
+        raise ValueError(f"method {method!r} aligns two models; for {count} use one of {', '.join(MULTI_METHODS)}")
     if method in DATA_METHODS and data is None:
         raise ValueError(
             f"method {method!r} learns from data: pass {flag} (a text file or folder, a datasets id, or .pt tensors for ViT)"
@@ -74,8 +88,45 @@ def align(
     matcher = matcher_class(
         a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range
     )
+    _fit(matcher, batches, learn, progress)
+    return matcher.transforms()
+
+
+def _fit(matcher, batches, learn: LearnOptions, progress: bool) -> None:
     matcher.fit(
         batches, steps=learn.steps, lr=learn.lr, schedule=learn.schedule, warmup_steps=learn.warmup,
         mixed_precision=learn.mixed_precision, gradient_accumulation_steps=learn.gradient_accumulation_steps, progress=progress,
     )
+
+
+def align_many(
+    method: str,
+    models: Sequence[CanonicalModel],
+    weights: Sequence[float] | None = None,
+    *,
+    symmetries="full",
+    batches=None,
+    learn: LearnOptions = LearnOptions(),
+    progress: bool = True,
+) -> list[Transform]:
+    """One transform per model for ``method``; the merge is ``sum_k weights[k] T_k(models[k])``.
+
+    Two models go through :func:`align` (so a two-model merge is the same however it is asked
+    for); more go through universe matching and its learned refinement.
+    """
+    from .matching import SimplexMatcher, UniverseMatcher
+
+    if len(models) == 2:
+        return list(align(method, *models, symmetries=symmetries, batches=batches, learn=learn, progress=progress))
+    check_method(method, batches, count=len(models))
+    if method == "average":
+        raise ValueError("average interpolates the stored parameters and has no canonical transforms")
+    start = UniverseMatcher(symmetries, progress=progress).fit(models, weights)
+    if method == "weight":
+        return start
+    matcher = SimplexMatcher(
+        models, init=start, learns_first=method == "dual", symmetries=symmetries, permutations=learn.permutations,
+        orthogonal=learn.orthogonal, concentration=learn.concentration,
+    )
+    _fit(matcher, batches, learn, progress)
     return matcher.transforms()

@@ -4,23 +4,29 @@
 evenly spaced alpha grid (11 points by default). ``average`` interpolates the stock HF
 parameters as they are (the vanilla baseline); every other method of :mod:`hf_lmc.alignment`
 interpolates canonical forms after aligning the models.
+
+For M models the path becomes the simplex they span, and the barrier its worst point:
+``max_w [ L(sum_k w_k theta_k) - sum_k w_k L(theta_k) ]`` over a grid of the simplex (every
+point with coordinates in steps of ``1/(points-1)``, plus the centre). With two models this is
+exactly the barrier above on the same alpha grid.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from .canonical import canonicalize, interpolate, to_hf
+from .canonical import combine, canonicalize, to_hf, weighted_sum
 from .evaluation import EvalOptions, evaluate, load_batches
 from .loading import LoadedModel, load_model
-from .alignment import DATA_METHODS, LearnOptions, align, check_method
+from .alignment import DATA_METHODS, LearnOptions, align_many, check_method
 from .symmetry import Transform
 
 
@@ -62,9 +68,112 @@ def alpha_grid(points: int) -> list[float]:
     return [i / (points - 1) for i in range(points)]
 
 
-def _lerp_state(model: PreTrainedModel, a: dict, b: dict, alpha: float) -> PreTrainedModel:
-    model.load_state_dict({k: torch.lerp(v, b[k], alpha) if v.is_floating_point() else v for k, v in a.items()})
-    return model
+def simplex_grid(count: int, points: int) -> list[tuple[float, ...]]:
+    """Every point of the simplex of ``count`` models whose coordinates are multiples of
+    ``1/(points-1)``, plus the centre if it is not one of them. Vertices (the models themselves)
+    come first, in model order; with two models the points are ``(1 - alpha, alpha)`` of
+    :func:`alpha_grid`."""
+    if count < 2:
+        raise ValueError(f"a simplex grid needs at least 2 models, got {count}")
+    steps = len(alpha_grid(points)) - 1
+    grid = [tuple(c / steps for c in reversed(combo)) for combo in _compositions(steps, count)]
+    grid.sort(key=lambda w: (-max(w), [-x for x in w]))  # vertices first, then edges, ...
+    centre = (1.0 / count,) * count
+    if not any(all(abs(x - c) < 1e-12 for x, c in zip(w, centre)) for w in grid):
+        grid.append(centre)
+    return grid
+
+
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every tuple of ``parts`` non-negative integers summing to ``total``."""
+    for cuts in itertools.combinations(range(total + parts - 1), parts - 1):
+        edges = (-1, *cuts, total + parts - 1)
+        yield tuple(edges[i + 1] - edges[i] - 1 for i in range(parts))
+
+
+def simplex_barrier(points: Sequence[Sequence[float]], losses: Sequence[float]) -> float:
+    """``max_w`` of the loss above the plane through the vertices' losses (``points`` must hold
+    every vertex); with two models, :func:`loss_barrier`."""
+    vertex = {}
+    for w, loss in zip(points, losses):
+        for k, x in enumerate(w):
+            if x == 1.0:
+                vertex[k] = loss
+    if len(vertex) != len(points[0]):
+        raise ValueError("the grid must contain every vertex (each model on its own)")
+    return max(loss - sum(x * vertex[k] for k, x in enumerate(w)) for w, loss in zip(points, losses))
+
+
+@dataclass
+class SimplexBarrierResult:
+    """Losses (and accuracies, for classifiers) over a grid of the simplex, per method."""
+
+    points: list[tuple[float, ...]]
+    losses: dict[str, list[float]] = field(default_factory=dict)
+    accuracies: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def barriers(self) -> dict[str, float]:
+        return {method: simplex_barrier(self.points, losses) for method, losses in self.losses.items()}
+
+    def worst(self, method: str) -> tuple[float, ...]:
+        """The grid point where ``method``'s loss rises furthest above the vertices' plane."""
+        vertex = [self.losses[method][self.points.index(w)] for w in _vertices(len(self.points[0]))]
+        excess = [loss - sum(x * v for x, v in zip(w, vertex)) for w, loss in zip(self.points, self.losses[method])]
+        return self.points[max(range(len(excess)), key=excess.__getitem__)]
+
+    def centre_loss(self, method: str) -> float:
+        count = len(self.points[0])
+        return self.losses[method][min(range(len(self.points)), key=lambda i: max(abs(x - 1 / count) for x in self.points[i]))]
+
+    def table(self) -> str:
+        """A markdown table: loss at the centre, the worst grid point, the barrier and its ratio to averaging."""
+        vanilla = self.barriers.get("average")
+        rows = ["| method | loss at the centre | worst point w | barrier | ratio to average |", "|---|---|---|---|---|"]
+        for method, value in self.barriers.items():
+            ratio = f"{value / vanilla:.3f}" if vanilla and vanilla > 0 else "—"
+            worst = "(" + ", ".join(f"{x:.2f}" for x in self.worst(method)) + ")"
+            rows.append(f"| {method} | {self.centre_loss(method):.4f} | {worst} | {value:.4f} | {ratio} |")
+        return "\n".join(rows)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self) | {"barriers": self.barriers}, indent=2)
+
+
+def _vertices(count: int) -> list[tuple[float, ...]]:
+    return [tuple(1.0 if j == k else 0.0 for j in range(count)) for k in range(count)]
+
+
+def _merges(
+    method: str,
+    loaded: Sequence[LoadedModel],
+    points: Sequence[Sequence[float]],
+    *,
+    symmetries,
+    fit_batches,
+    learn: LearnOptions,
+    transforms: Sequence[Transform] | None = None,
+) -> Iterator[PreTrainedModel]:
+    """The stock model at each point ``w`` of ``points`` (one weight per model) for ``method``:
+    ``average`` mixes the stored weights, every other method the aligned canonical forms
+    (``transforms`` when given, else aligned here with uniform weights)."""
+    if method == "average":
+        states = [m.model.state_dict() for m in loaded]
+        scratch = copy.deepcopy(loaded[0].model)
+        for w in points:
+            mixed = {k: weighted_sum([s[k] for s in states], w) if v.is_floating_point() else v for k, v in states[0].items()}
+            scratch.load_state_dict(mixed)
+            yield scratch
+        return
+    canonical = [canonicalize(m.model) for m in loaded]
+    if transforms is None:
+        transforms = align_many(
+            method, canonical, symmetries=symmetries, batches=fit_batches if method in DATA_METHODS else None, learn=learn, progress=False
+        )
+    dtype = next(loaded[0].model.parameters()).dtype
+    moved = [t.to(dtype).apply(c).materialize() if t.maps or k else c for k, (t, c) in enumerate(zip(transforms, canonical))]
+    for w in points:
+        yield to_hf(combine(moved, w))
 
 
 def barrier(
@@ -119,29 +228,74 @@ def barrier_of_loaded(
     result = BarrierResult(grid)
     bar = tqdm(total=len(methods) * len(grid), desc="loss along the path", disable=not progress)
     for method in methods:
-        if method == "average":
-            state_a, state_b = a.model.state_dict(), b.model.state_dict()
-            scratch = copy.deepcopy(a.model)
-            models = (_lerp_state(scratch, state_a, state_b, alpha) for alpha in grid)
-        else:
-            ca, cb = canonicalize(a.model), canonicalize(b.model)
-            if transforms and method in transforms:
-                transform_a, transform_b = transforms[method]
-            else:
-                transform_a, transform_b = align(
-                    method, ca, cb, symmetries=symmetries, batches=fit_batches if method in DATA_METHODS else None,
-                    learn=learn, progress=False,
-                )
-            dtype = next(a.model.parameters()).dtype
-            moved_a = transform_a.to(dtype).apply(ca).materialize() if transform_a.maps else ca
-            moved_b = transform_b.to(dtype).apply(cb).materialize()
-            models = (to_hf(interpolate(moved_a, moved_b, alpha)) for alpha in grid)
-        for model in models:
-            scores = evaluate(model, batches)
-            result.losses.setdefault(method, []).append(scores.loss)
-            if scores.accuracy is not None:
-                result.accuracies.setdefault(method, []).append(scores.accuracy)
-            bar.update()
+        models = _merges(
+            method, (a, b), [(1 - alpha, alpha) for alpha in grid], symmetries=symmetries, fit_batches=fit_batches, learn=learn,
+            transforms=(transforms or {}).get(method),
+        )
+        _evaluate_into(result, method, models, batches, bar)
+    bar.close()
+    return result
+
+
+def _evaluate_into(result, method: str, models, batches, bar) -> None:
+    for model in models:
+        scores = evaluate(model, batches)
+        result.losses.setdefault(method, []).append(scores.loss)
+        if scores.accuracy is not None:
+            result.accuracies.setdefault(method, []).append(scores.accuracy)
+        bar.update()
+
+
+def barrier_over_simplex(
+    models: Sequence,
+    data,
+    *,
+    methods=("average", "weight"),
+    points: int = 5,
+    symmetries="full",
+    eval_options: EvalOptions = EvalOptions(),
+    fit_data=None,
+    fit_options: EvalOptions = EvalOptions(split="train"),
+    learn: LearnOptions = LearnOptions(),
+    revisions: Sequence[str | None] | None = None,
+    progress: bool = True,
+) -> SimplexBarrierResult:
+    """Evaluate every method over a grid of the simplex of ``models`` (:func:`simplex_grid` with
+    ``points`` per edge): the M-model :func:`barrier`. Forms of models and data as there."""
+    for method in methods:
+        check_method(method, fit_data, flag="--fit-data", count=len(models))
+    loaded = [load_model(m, r) for m, r in zip(models, revisions or [None] * len(models))]
+    first = loaded[0]
+    fit_batches = load_batches(fit_data, first.model.config, first.folder, fit_options) if fit_data is not None else None
+    return simplex_barrier_of_loaded(
+        loaded, data, methods=methods, points=points, symmetries=symmetries, eval_options=eval_options, progress=progress,
+        fit_batches=fit_batches, learn=learn,
+    )
+
+
+def simplex_barrier_of_loaded(
+    loaded: Sequence[LoadedModel],
+    data,
+    *,
+    methods,
+    points: int | Sequence[Sequence[float]],
+    symmetries,
+    eval_options,
+    progress,
+    fit_batches=None,
+    learn: LearnOptions = LearnOptions(),
+    transforms: dict[str, Sequence[Transform]] | None = None,
+) -> SimplexBarrierResult:
+    """:func:`barrier_over_simplex` for loaded models; ``transforms`` holds alignments already computed."""
+    grid = simplex_grid(len(loaded), points) if isinstance(points, int) else [tuple(w) for w in points]
+    batches = load_batches(data, loaded[0].model.config, loaded[0].folder, eval_options)
+    result = SimplexBarrierResult(grid)
+    bar = tqdm(total=len(methods) * len(grid), desc="loss over the simplex", disable=not progress)
+    for method in methods:
+        models = _merges(
+            method, loaded, grid, symmetries=symmetries, fit_batches=fit_batches, learn=learn, transforms=(transforms or {}).get(method)
+        )
+        _evaluate_into(result, method, models, batches, bar)
     bar.close()
     return result
 
@@ -163,5 +317,42 @@ def plot(result: BarrierResult, path: str | Path, title: str = "loss along the l
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_simplex(result: SimplexBarrierResult, path: str | Path, names: Sequence[str] = ("A", "B", "C"), title: str = "") -> Path:
+    """Save a PNG of three models' simplex: one triangle per method, each grid point coloured by
+    its loss above ``sum_k w_k L(theta_k)`` (the quantity whose maximum is the barrier)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if len(result.points[0]) != 3:
+        raise ValueError(f"plot_simplex draws three models, got {len(result.points[0])}")
+    corners = [(0.0, 0.0), (1.0, 0.0), (0.5, 3**0.5 / 2)]
+    xs = [sum(w[k] * corners[k][0] for k in range(3)) for w in result.points]
+    ys = [sum(w[k] * corners[k][1] for k in range(3)) for w in result.points]
+    excess = {}
+    for method, losses in result.losses.items():
+        vertex = [losses[result.points.index(v)] for v in _vertices(3)]
+        excess[method] = [loss - sum(x * v for x, v in zip(w, vertex)) for w, loss in zip(result.points, losses)]
+    top = max(max(e) for e in excess.values())
+    bottom = min(0.0, min(min(e) for e in excess.values()))
+    fig, axes = plt.subplots(1, len(excess), figsize=(3.2 * len(excess), 3.2), dpi=120, squeeze=False)
+    for ax, (method, values) in zip(axes[0], excess.items()):
+        ax.fill(*zip(*corners), facecolor="none", edgecolor="0.6")
+        dots = ax.scatter(xs, ys, c=values, s=90, cmap="magma_r", vmin=bottom, vmax=top, edgecolors="0.3")
+        for (x, y), name in zip(corners, names):
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(0, 6 if y else -14), ha="center", fontsize=8)
+        ax.set_title(f"{method}\nbarrier {result.barriers[method]:.3f}", fontsize=9, pad=16)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.colorbar(dots, ax=axes[0].tolist(), shrink=0.8, label="loss above the vertices' plane")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    path = Path(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -8,7 +8,8 @@ time, and transforms / interpolations compose lazily on top without copying the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,59 @@ def interpolate(a: CanonicalModel, b: CanonicalModel, alpha: float) -> Canonical
         return {name: torch.lerp(t, gb.pop(name).to(t.dtype), alpha) for name, t in drain(ga)}
 
     return CanonicalModel(a.spec, a.config, load)
+
+
+def weighted_sum(tensors: Sequence[Tensor], weights: Sequence[float | Tensor]) -> Tensor:
+    """``sum_k weights[k] tensors[k]`` in the first tensor's dtype; ``weights`` sum to 1.
+
+    Two tensors go through ``torch.lerp(t0, t1, w1)``, the very operation :func:`interpolate`
+    runs, so a two-model merge through the M-model code is bit for bit the two-model merge.
+    Differentiable in the tensors and in tensor weights.
+    """
+    first = tensors[0]
+    if len(tensors) == 2:
+        return torch.lerp(first, tensors[1].to(first.dtype), weights[1])
+    total = first * weights[0]
+    for t, w in zip(tensors[1:], weights[1:]):
+        total = total + t.to(first.dtype) * w
+    return total
+
+
+def simplex_weights(weights: Sequence[float] | None, count: int, flag: str = "--weights") -> tuple[float, ...]:
+    """``weights`` checked to be a point of the simplex (``count`` entries, >= 0, sum 1);
+    ``None`` gives uniform weights."""
+    if weights is None:
+        return (1.0 / count,) * count
+    weights = tuple(float(w) for w in weights)
+    if len(weights) != count:
+        raise ValueError(f"{flag} needs one weight per model: got {len(weights)} for {count} models")
+    if not all(w >= 0 and math.isfinite(w) for w in weights):
+        raise ValueError(f"{flag} must be >= 0, got {' '.join(f'{w:g}' for w in weights)}")
+    if abs(sum(weights) - 1) > 1e-6:
+        raise ValueError(f"{flag} must sum to 1, got {' '.join(f'{w:g}' for w in weights)} (sum {sum(weights):g})")
+    return weights
+
+
+def combine(models: Sequence[CanonicalModel], weights: Sequence[float]) -> CanonicalModel:
+    """``sum_k weights[k] models[k]``, tensor by tensor (lazy): the M-model :func:`interpolate`.
+
+    ``weights`` must sum to 1 (a point of the simplex); the result exports under the first
+    model's config, so every model must be aligned to the same architecture and shapes. One
+    group of each model is alive at a time.
+    """
+    if len(models) != len(weights) or not models:
+        raise ValueError(f"combine needs one weight per model, got {len(weights)} weights for {len(models)} models")
+    first = models[0]
+    for other in models[1:]:
+        if other.spec != first.spec:
+            raise ValueError(f"cannot combine models of different architectures: {first.spec} vs {other.spec}")
+    weights = [float(w) for w in weights]
+
+    def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:
+        loaded = [m.group(group, rows) for m in models]  # fresh dicts: popping frees each input once used
+        return {name: weighted_sum([t] + [g.pop(name) for g in loaded[1:]], weights) for name, t in drain(loaded[0])}
+
+    return CanonicalModel(first.spec, first.config, load)
 
 
 def drain(tensors: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:

@@ -24,7 +24,11 @@ def merge_card(
     notes: list[str] = (),
     repo_hint: str | None = None,
 ) -> ModelCard:
-    """A card with Hub metadata (``base_model``, ``base_model_relation: merge``, tags, license)."""
+    """A card with Hub metadata (``base_model``, ``base_model_relation: merge``, tags, license).
+
+    ``alpha_or_weights``: B's weight for two models, or (more than two) a list of one weight per
+    base model, shown model by model.
+    """
     data = ModelCardData(
         base_model=list(base_models),
         base_model_relation="merge",
@@ -39,13 +43,17 @@ def merge_card(
             "the residual stream makes them differ, so this checkpoint has `tie_word_embeddings=False`."
         )
     sym = ", ".join(symmetries) if not isinstance(symmetries, str) else symmetries
+    # More than two models: a weight per model; two models keep the alpha row as they always had.
+    many = isinstance(alpha_or_weights, (list, tuple)) and len(base_models) > 2
+    weights = list(alpha_or_weights) if many else None
     return ModelCard.from_template(
         data,
         template_path=str(TEMPLATE),
-        model_name=f"Merge of {' and '.join(Path(m).name for m in base_models)}",
-        base_models=[f"`{m}`" for m in base_models],
+        model_name=f"Merge of {_listed([Path(m).name for m in base_models])}",
+        base_models_text=_listed([f"`{m}`" for m in base_models]),
         method=method,
         alpha=alpha_or_weights,
+        weights=[(f"`{m}`", f"{w:.4g}") for m, w in zip(base_models, weights)] if weights else None,
         symmetries=sym or "none (plain average of the stored weights)",
         model_type=model_type,
         notes=notes,
@@ -54,6 +62,11 @@ def merge_card(
         repo_hint=repo_hint or "path/to/merged-model",
         auto_class="AutoModelForImageClassification" if model_type == "vit" else "AutoModelForCausalLM",
     )
+
+
+def _listed(items: list[str]) -> str:
+    """``a and b``, ``a, b and c``."""
+    return " and ".join(items) if len(items) <= 2 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def inherited_license(folders: list[Path]) -> str | None:

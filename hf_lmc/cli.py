@@ -15,6 +15,7 @@ examples:
   hf-lmc merge ./a ./b --output ./avg --method average                # vanilla baseline
   hf-lmc merge ./a ./b --output ./act --method activation --data train.txt      # align on activations
   hf-lmc merge ./a ./b --output ./dual --method dual --data train.txt --steps 200   # both learn
+  hf-lmc merge ./a ./b ./c --output ./abc --weights 0.5 0.25 0.25     # universe matching of 3 models
   hf-lmc barrier ./a ./b --data plays.txt --plot path.png             # vanilla vs aligned path
   hf-lmc barrier ./a ./b --data test.txt --method learned --fit-data train.txt
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
@@ -76,21 +77,35 @@ def _learn_options(args: argparse.Namespace):
     from .alignment import LearnOptions
 
     return LearnOptions(
-        steps=args.steps, lr=args.lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations, orthogonal=args.orthogonal
+        steps=args.steps, lr=args.lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
+        orthogonal=args.orthogonal, concentration=args.concentration,
     )
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .pipeline import merge
+    from .pipeline import merge, merge_models
 
-    result = merge(
-        args.model_a, args.model_b, args.output,
-        method=args.method, alpha=args.alpha, symmetries=args.symmetries,
+    models = args.models
+    if len(models) < 2:
+        raise ValueError(f"merge needs at least 2 models, got {len(models)}")
+    if args.alpha is not None and args.weights is not None:
+        raise ValueError("pass either --alpha (two models) or --weights (one per model), not both")
+    if args.alpha is not None and len(models) != 2:
+        raise ValueError(f"--alpha is the weight of MODEL_B when merging two models; for {len(models)} pass --weights w1 ... w{len(models)}")
+    if args.revisions is not None and (args.revision_a or args.revision_b):
+        raise ValueError("pass either --revisions or --revision-a/--revision-b, not both")
+    revisions = [None if r == "-" else r for r in args.revisions] if args.revisions is not None else [args.revision_a, args.revision_b] + [None] * (len(models) - 2)
+    options = dict(
+        method=args.method, symmetries=args.symmetries,
         data=args.data, data_options=_eval_options(args, args.data_split), learn=_learn_options(args),
-        revision_a=args.revision_a, revision_b=args.revision_b, dtype=args.dtype, shard_size=args.shard_size,
-        eval_data=args.eval_data, eval_options=_eval_options(args), alphas=args.alphas,
-        push_to_hub=args.push_to_hub, private=args.private, overwrite=args.overwrite,
+        dtype=args.dtype, shard_size=args.shard_size, eval_data=args.eval_data, eval_options=_eval_options(args),
+        alphas=args.alphas, push_to_hub=args.push_to_hub, private=args.private, overwrite=args.overwrite,
     )
+    if args.weights is None and len(models) == 2:
+        alpha = 0.5 if args.alpha is None else args.alpha
+        result = merge(*models, args.output, alpha=alpha, revision_a=revisions[0], revision_b=revisions[1], **options)
+    else:
+        result = merge_models(models, args.output, weights=args.weights, revisions=revisions, **options)
     if result.barrier is not None:
         print(result.barrier.table())
     print(f"merged model written to {result.output}")
@@ -126,9 +141,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_eval_options(parser: argparse.ArgumentParser, title: str) -> None:
+def _add_eval_options(parser: argparse.ArgumentParser, title: str, many: bool = False) -> None:
     group = parser.add_argument_group(title)
-    group.add_argument("--alphas", type=int, default=11, metavar="N", help="points on the alpha grid (default: 11)")
+    if many:
+        group.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
+    else:
+        group.add_argument("--alphas", type=int, default=11, metavar="N", help="points on the alpha grid (default: 11)")
     group.add_argument("--batch-size", type=int, default=8, metavar="N", help="batch size of every data set (default: 8)")
     group.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per block (default: min(128, context))")
     group.add_argument("--max-batches", type=int, default=None, metavar="N", help="use at most N batches of each data set")
@@ -140,7 +158,8 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group = parser.add_argument_group(
         "data-driven alignment (--method activation, learned, dual)",
         "activation matching reads calibration batches; learned (B learns) and dual (A and B learn) matching "
-        "train the symmetry transforms on the loss along the path, starting from weight matching",
+        "train the symmetry transforms on the loss along the path, starting from weight matching; with 3+ models "
+        "they start from universe matching and train at Dirichlet-sampled weights (learned: the first model stays)",
     )
     group.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
     group.add_argument("--steps", type=int, default=200, metavar="N", help="training steps of learned and dual matching (default: 200)")
@@ -149,19 +168,27 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warmup steps of the schedule (default: 0)")
     group.add_argument("--permutations", choices=["ste", "sinkhorn"], default="ste", help="MLP unit and head permutations: straight-through Hungarian or Sinkhorn (default: ste)")
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
+    group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1)")
 
 
-def _add_model_options(parser: argparse.ArgumentParser, with_alpha: bool = False) -> None:
-    parser.add_argument("model_a", metavar="MODEL_A", help="local folder or Hub id (alpha = 0)")
-    parser.add_argument("model_b", metavar="MODEL_B", help="local folder or Hub id (alpha = 1)")
+def _add_model_options(parser: argparse.ArgumentParser, many: bool = False) -> None:
+    """Models, revisions and method; ``many``: two or more models with --alpha / --weights (merge)."""
+    if many:
+        parser.add_argument("models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)")
+    else:
+        parser.add_argument("model_a", metavar="MODEL_A", help="local folder or Hub id (alpha = 0)")
+        parser.add_argument("model_b", metavar="MODEL_B", help="local folder or Hub id (alpha = 1)")
     group = parser.add_argument_group("models")
     group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
     group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
+    if many:
+        group.add_argument("--revisions", nargs="+", default=None, metavar="REV", help="Hub revision of every model, in order ('-' for the default branch)")
     method = parser.add_argument_group("method")
-    method.add_argument("--method", choices=list(METHODS), default="weight", help="alignment before interpolation (default: weight, data-free)")
+    method.add_argument("--method", choices=list(METHODS), default="weight", help="alignment before interpolation (default: weight, data-free; universe matching for 3+ models)")
     method.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="symmetry group the alignment searches (default: full)")
-    if with_alpha:
-        method.add_argument("--alpha", type=float, default=0.5, help="weight of MODEL_B in [0, 1] (default: 0.5)")
+    if many:
+        method.add_argument("--alpha", type=float, default=None, help="two models: weight of MODEL_B in [0, 1] (default: 0.5)")
+        method.add_argument("--weights", type=float, nargs="+", default=None, metavar="W", help="one weight per model, >= 0, summing to 1 (default: uniform)")
 
 
 def cmd_symmetries(args: argparse.Namespace) -> int:
@@ -195,13 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = commands.add_parser(
         "merge",
-        help="merge two checkpoints into one stock HF checkpoint with a model card",
+        help="merge two or more checkpoints into one stock HF checkpoint with a model card",
         description="Align the models (weight matching by default) and write (1-alpha)*A + alpha*aligned(B) "
-        "as an ordinary HF folder: sharded safetensors, config, tokenizer files, model card.",
+        "as an ordinary HF folder: sharded safetensors, config, tokenizer files, model card. With three or "
+        "more models: sum_k w_k*aligned(model k), every model aligned to one shared reference (universe matching).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_options(merge, with_alpha=True)
+    _add_model_options(merge, many=True)
     out = merge.add_argument_group("output")
     out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
     out.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -212,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--private", action="store_true", help="create the Hub repo as private")
     evaluation = merge.add_argument_group("evaluation (optional: adds the barrier table and plot to the card)")
     evaluation.add_argument("--eval-data", default=None, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(merge, "data settings")
+    _add_eval_options(merge, "data settings", many=True)
     _add_learn_options(merge, "--data")
     merge.set_defaults(run=cmd_merge)
 

@@ -1,6 +1,9 @@
-"""The merge pipeline: two checkpoints in, one stock HF checkpoint (with a model card) out.
+"""The merge pipeline: two (or more) checkpoints in, one stock HF checkpoint (with a model card) out.
 
-``merged = (1 - alpha) T_A(A) + alpha T_B(B)``: alpha=0 gives A's function, alpha=1 B's.
+``merged = (1 - alpha) T_A(A) + alpha T_B(B)``: alpha=0 gives A's function, alpha=1 B's. With
+M models (:func:`merge_models`) ``merged = sum_k w_k T_k(theta_k)`` for weights ``w`` on the
+simplex; two models through :func:`merge_models` are exactly :func:`merge` with
+``alpha = w[1]``.
 ``average`` interpolates the stored parameters as they are (the vanilla baseline); the other
 methods (:mod:`hf_lmc.alignment`) interpolate canonical forms after aligning the models. Reading
 and writing stream layer by layer from the checkpoints (learned and dual matching hold both
@@ -14,7 +17,7 @@ import logging
 import math
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +26,9 @@ from torch import Tensor
 from transformers import AutoConfig
 
 from .adapters import adapter_for
-from .alignment import DATA_METHODS, TRAINED_METHODS, LearnOptions, align, check_method
-from .barriers import BarrierResult, barrier_of_loaded, plot
-from .canonical import block_rows, canonicalize, export_config, hf_state_dict_groups, interpolate
+from .alignment import DATA_METHODS, TRAINED_METHODS, LearnOptions, align_many, check_method
+from .barriers import BarrierResult, SimplexBarrierResult, barrier_of_loaded, plot, plot_simplex, simplex_barrier_of_loaded
+from .canonical import block_rows, canonicalize, combine, export_config, hf_state_dict_groups, simplex_weights, weighted_sum
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .evaluation import EvalOptions, load_batches
@@ -44,9 +47,10 @@ class MergeResult:
 
     output: Path
     method: str
-    alpha: float
-    barrier: BarrierResult | None = None
+    alpha: float | None  # the weight of the second model when there are two; None for more
+    barrier: BarrierResult | SimplexBarrierResult | None = None
     url: str | None = None
+    weights: tuple[float, ...] = ()  # one per model, summing to 1
 
 
 _HARDENED = (
@@ -76,33 +80,42 @@ def _check_same_architecture(config_a, config_b, a: str, b: str) -> None:
         raise ValueError(f"{a} and {b} differ in shape ({'; '.join(spec_differences(spec_a, spec_b))}); merge needs models of one shape")
 
 
-def _average_groups(folder_a: Path, folder_b: Path, config, alpha: float) -> Iterator[dict[str, Tensor]]:
-    """HF tensors of the plain average, one layer's worth at a time (keys grouped by layer)."""
+def _average_groups(folders: Sequence[Path], config, weights: Sequence[float]) -> Iterator[dict[str, Tensor]]:
+    """HF tensors of the plain weighted average, one layer's worth at a time (keys grouped by layer)."""
     adapter = adapter_for(config)
-    a, b = Checkpoint(folder_a, adapter), Checkpoint(folder_b, adapter)
-    missing = set(a) ^ set(b)
-    if missing:
-        raise ValueError(f"the checkpoints hold different tensors (e.g. {sorted(missing)[0]!r}); merge needs one architecture")
-    for keys in _by_layer(sorted(a)):
+    first, *rest = (Checkpoint(folder, adapter) for folder in folders)
+    for other in rest:
+        missing = set(first) ^ set(other)
+        if missing:
+            raise ValueError(f"the checkpoints hold different tensors (e.g. {sorted(missing)[0]!r}); merge needs one architecture")
+    for keys in _by_layer(sorted(first)):
         out = {}
         for key in keys:
-            ta, tb = a[key], b[key]
-            if ta.shape != tb.shape:
-                raise ValueError(f"{key} has shape {tuple(ta.shape)} in A but {tuple(tb.shape)} in B")
-            out[key] = _lerp_rows(ta, tb, alpha) if ta.is_floating_point() else ta
+            tensors = [first[key]] + [other[key] for other in rest]
+            for k, t in enumerate(tensors[1:], 1):
+                if t.shape != tensors[0].shape:
+                    raise ValueError(f"{key} has shape {tuple(tensors[0].shape)} in {_model_name(0, len(tensors))} but {tuple(t.shape)} in {_model_name(k, len(tensors))}")
+            ta = tensors[0]
+            out[key] = _weighted_rows(tensors, weights) if ta.is_floating_point() else ta
         yield out
 
 
-def _lerp_rows(a: Tensor, b: Tensor, alpha: float, block: int = 16 << 20) -> Tensor:
-    """``lerp(a, b, alpha)`` in float32, stored in ``a``'s dtype, ~``block`` elements at a time
-    (a vocabulary-sized matrix never needs float32 copies of itself)."""
-    if a.dim() == 0 or a.numel() <= block:
-        return torch.lerp(a.float(), b.float(), alpha).to(a.dtype)
-    out = torch.empty_like(a)
-    rows = max(1, block // max(1, a[0].numel()))
-    for start in range(0, a.shape[0], rows):
+def _model_name(k: int, count: int) -> str:
+    """How messages name model ``k``: A and B for a pair, model 1..M otherwise."""
+    return "AB"[k] if count == 2 else f"model {k + 1}"
+
+
+def _weighted_rows(tensors: list[Tensor], weights, block: int = 16 << 20) -> Tensor:
+    """``sum_k weights[k] tensors[k]`` in float32, stored in the first tensor's dtype, ~``block``
+    elements at a time (a vocabulary-sized matrix never needs float32 copies of itself)."""
+    first = tensors[0]
+    if first.dim() == 0 or first.numel() <= block:
+        return weighted_sum([t.float() for t in tensors], weights).to(first.dtype)
+    out = torch.empty_like(first)
+    rows = max(1, block // max(1, first[0].numel()))
+    for start in range(0, first.shape[0], rows):
         part = slice(start, start + rows)
-        out[part] = torch.lerp(a[part].float(), b[part].float(), alpha)
+        out[part] = weighted_sum([t[part].float() for t in tensors], weights)
     return out
 
 
@@ -160,15 +173,73 @@ def merge(
     check_method(method, data)
     if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
         raise ValueError(f"--alpha must lie in [0, 1], got {alpha}")
+    return merge_models(
+        [model_a, model_b], output, weights=(1 - alpha, alpha), method=method, symmetries=symmetries, data=data,
+        data_options=data_options, learn=learn, revisions=(revision_a, revision_b), dtype=dtype, shard_size=shard_size,
+        eval_data=eval_data, eval_options=eval_options, alphas=alphas, push_to_hub=push_to_hub, private=private,
+        overwrite=overwrite, progress=progress, api=api,
+    )
+
+
+def merge_models(
+    models: Sequence[str | Path],
+    output: str | Path,
+    *,
+    weights: Sequence[float] | None = None,
+    method: str = "weight",
+    symmetries="full",
+    data=None,
+    data_options: EvalOptions = EvalOptions(split="train"),
+    learn: LearnOptions = LearnOptions(),
+    revisions: Sequence[str | None] | None = None,
+    dtype: str | torch.dtype | None = None,
+    shard_size: str | int = "5GB",
+    eval_data=None,
+    eval_options: EvalOptions = EvalOptions(),
+    alphas: int | None = None,
+    push_to_hub: str | None = None,
+    private: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    api=None,
+) -> MergeResult:
+    """Merge M >= 2 checkpoints of one architecture into ``sum_k w_k T_k(theta_k)``, written as a
+    stock HF folder to ``output``.
+
+    Args:
+        models: local folders or Hub ids; the first one's config, tokenizer and dtype are used.
+        weights: one per model, >= 0, summing to 1 (default: uniform).
+        method: ``"average"`` (vanilla), ``"weight"`` (data-free; universe matching for more
+            than two models), ``"learned"`` or ``"dual"`` (transforms trained on ``data`` at
+            ``w ~ Dirichlet(learn.concentration * 1)``; ``learned`` keeps the first model's
+            transform fixed, ``dual`` trains all), and for two models ``"activation"``.
+            See :mod:`hf_lmc.alignment`.
+        revisions: Hub revision per model (``None`` entries: the default branch).
+        alphas: evaluation grid: points per edge of the simplex (default 11 for two models,
+            the alpha grid of :func:`merge`; 5 for more).
+        The other arguments are those of :func:`merge`. With ``eval_data`` the card gets the
+        barrier table (for more than two models: over the simplex grid, its worst point).
+    """
+    models = list(models)
+    count = len(models)
+    if count < 2:
+        raise ValueError(f"merge needs at least 2 models, got {count}")
+    check_method(method, data, count=count)
+    weights = simplex_weights(weights, count)
+    revisions = list(revisions) if revisions is not None else [None] * count
+    if len(revisions) != count:
+        raise ValueError(f"revisions needs one entry per model (None for the default): got {len(revisions)} for {count} models")
     kinds = resolve_kinds(symmetries)
     out_dtype = _dtype(dtype)
     output = Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
 
-    folder_a, folder_b = resolve_checkpoint(model_a, revision_a), resolve_checkpoint(model_b, revision_b)
-    config_a, config_b = AutoConfig.from_pretrained(folder_a), AutoConfig.from_pretrained(folder_b)
-    _check_same_architecture(config_a, config_b, str(model_a), str(model_b))
+    folders = [resolve_checkpoint(m, r) for m, r in zip(models, revisions)]
+    configs = [AutoConfig.from_pretrained(f) for f in folders]
+    for k in range(1, count):
+        _check_same_architecture(configs[0], configs[k], str(models[0]), str(models[k]))
+    config_a, folder_a = configs[0], folders[0]
 
     # Data problems surface before any long alignment work.
     eval_batches = load_batches(eval_data, config_a, folder_a, eval_options) if eval_data is not None else None
@@ -177,17 +248,17 @@ def merge(
     with tempfile.TemporaryDirectory() as scratch:
         transforms = None
         if method == "average":
-            config, groups = config_a, _average_groups(folder_a, folder_b, config_a, alpha)
+            config, groups = config_a, _average_groups(folders, config_a, weights)
             untied, total_groups = False, None
         else:
-            a, b = canonicalize(folder_a, dtype=torch.float32), canonicalize(folder_b, dtype=torch.float32)
+            canonical = [canonicalize(f, dtype=torch.float32) for f in folders]
             batches = load_batches(data, config_a, folder_a, data_options) if method in DATA_METHODS else None
             # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
-            transforms = tuple(
-                t.to(torch.float32) for t in align(method, a, b, symmetries=kinds, batches=batches, learn=learn, progress=progress)
-            )
-            transform_a, transform_b = transforms
-            merged = interpolate(transform_a.apply(a), transform_b.apply(b), alpha)
+            transforms = [
+                t.to(torch.float32)
+                for t in align_many(method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress)
+            ]
+            merged = combine([t.apply(c) for t, c in zip(transforms, canonical)], weights)
             config = export_config(merged)
             out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
             groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
@@ -195,23 +266,29 @@ def merge(
             untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
 
         if eval_batches is not None:
-            loaded = [load_model(f) for f in (folder_a, folder_b)]
-            measured = barrier_of_loaded(
-                *loaded, eval_batches, methods=("average", method) if method != "average" else ("average",),
-                alphas=alphas, symmetries=kinds, eval_options=eval_options, progress=progress,
-                transforms={method: transforms} if transforms is not None else None,
+            loaded = [load_model(f) for f in folders]
+            options = dict(
+                methods=("average", method) if method != "average" else ("average",), symmetries=kinds,
+                eval_options=eval_options, progress=progress, transforms={method: transforms} if transforms is not None else None,
             )
+            if count == 2:
+                measured = barrier_of_loaded(*loaded, eval_batches, alphas=alphas or 11, **options)
+                plot_name = "loss_along_path.png"
+                plot(measured, Path(scratch) / plot_name, title=f"{Path(str(models[0])).name} ↔ {Path(str(models[1])).name}")
+            else:
+                measured = simplex_barrier_of_loaded(loaded, eval_batches, points=alphas or 5, **options)
+                if count == 3:
+                    plot_name = "loss_over_simplex.png"
+                    plot_simplex(measured, Path(scratch) / plot_name, names=[Path(str(m)).name for m in models])
             del loaded
-            plot_name = "loss_along_path.png"
-            plot(measured, Path(scratch) / plot_name, title=f"{Path(str(model_a)).name} ↔ {Path(str(model_b)).name}")
 
         card = merge_card(
-            base_models=[str(model_a), str(model_b)],
+            base_models=[str(m) for m in models],
             method=method,
             symmetries=sorted(kinds) if method != "average" else [],
             notes=[_HARDENED] if method in TRAINED_METHODS and learn.permutations == "sinkhorn" else [],
-            alpha_or_weights=alpha,
-            license=inherited_license([folder_a, folder_b]),
+            alpha_or_weights=weights[1] if count == 2 else list(weights),
+            license=inherited_license(folders),
             model_type=config_a.model_type,
             tied_embeddings_dropped=untied,
             barrier_table=measured.table() if measured else None,
@@ -224,4 +301,4 @@ def merge(
             card=card, extra_files=extra, overwrite=overwrite, progress=progress, total_groups=total_groups,
         )
     url = push_folder(output, push_to_hub, private=private, api=api) if push_to_hub else None
-    return MergeResult(output, method, alpha, measured, url)
+    return MergeResult(output, method, weights[1] if count == 2 else None, measured, url, weights)

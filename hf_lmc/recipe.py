@@ -149,6 +149,9 @@ class LearnSpec(_Section):
     permutations: Literal["ste", "sinkhorn"] = Field(LearnOptions.permutations, description="straight-through Hungarian or Sinkhorn")
     orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
     lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")
+    concentration: float = Field(
+        LearnOptions.concentration, gt=0, description="more than two models: weights of each step ~ Dirichlet(concentration * 1)"
+    )
 
     @field_validator("schedule")
     @classmethod

@@ -1,6 +1,6 @@
 """Running a recipe: every (group of models, method) is one merge, and one summary covers them all.
 
-Two models go to :func:`hf_lmc.pipeline.merge`, more to ``hf_lmc.pipeline.merge_models``
+Two models go to :func:`hf_lmc.pipeline.merge`, more to :func:`hf_lmc.pipeline.merge_models`
 (:func:`merge_group`). Models are resolved once per recipe (zoo members trained or read from
 the cache, PEFT adapters folded into their base model), data sets are loaded once, and every
 merge, model card and summary is written into a staging folder that is renamed onto
@@ -158,20 +158,14 @@ def run_recipe(
 
 def merge_group(models: Sequence[str | Path], output: Path, *, revisions: Sequence[str | None], weights, alphas, **options):
     """Merge two models with :func:`hf_lmc.pipeline.merge` (``weights`` is B's alpha), or more
-    with ``hf_lmc.pipeline.merge_models`` (``weights`` one per model, or ``None`` for uniform)."""
+    with :func:`hf_lmc.pipeline.merge_models` (``weights`` one per model, or ``None`` for uniform)."""
     from . import pipeline
 
     if len(models) == 2:
         return pipeline.merge(
             models[0], models[1], output, alpha=weights, revision_a=revisions[0], revision_b=revisions[1], alphas=alphas, **options
         )
-    merge_models = getattr(pipeline, "merge_models", None)
-    if merge_models is None:
-        raise RecipeError(
-            f"merging {len(models)} models needs hf_lmc.pipeline.merge_models, which this version of hf_lmc does not have; "
-            "give two models per group"
-        )
-    return merge_models(list(models), output, weights=weights, revisions=list(revisions), **options)
+    return pipeline.merge_models(list(models), output, weights=weights, revisions=list(revisions), **options)
 
 
 def write_summary(result: RecipeResult, folder: Path) -> None:

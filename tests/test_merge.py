@@ -207,11 +207,13 @@ def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
     assert abs(report["barriers"]["activation"]) < 1e-4
 
 
-def test_plain_average_lerps_large_tensors_in_row_blocks_exactly():
-    from hf_lmc.pipeline import _lerp_rows
+def test_plain_average_sums_large_tensors_in_row_blocks_exactly():
+    from hf_lmc.canonical import weighted_sum
+    from hf_lmc.pipeline import _weighted_rows
 
     g = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(17, 3, generator=g).half() for _ in range(2))
-    expected = torch.lerp(a.float(), b.float(), 0.3).half()
-    assert torch.equal(_lerp_rows(a, b, 0.3, block=5), expected)  # blocks of one row
-    assert torch.equal(_lerp_rows(a, b, 0.3), expected)
+    a, b, c = (torch.randn(17, 3, generator=g).half() for _ in range(3))
+    for tensors, weights in (([a, b], [0.7, 0.3]), ([a, b, c], [0.2, 0.5, 0.3])):
+        expected = weighted_sum([t.float() for t in tensors], weights).half()
+        assert torch.equal(_weighted_rows(tensors, weights, block=5), expected)  # blocks of one row
+        assert torch.equal(_weighted_rows(tensors, weights), expected)

@@ -1,5 +1,8 @@
 """The interpolant ``(1 - alpha) T_A(A) + alpha T_B(B)`` evaluated by the stock HF model, differentiably.
 
+With M endpoints it is the point ``sum_k w_k T_k(theta_k)`` of the simplex they span: the same
+code, with the two-model path as the case ``w = (1 - alpha, alpha)``.
+
 Learned matching trains the parameters of ``T`` through the loss of the interpolated model on
 real batches (DESIGN §4). Nothing here re-implements a forward pass: canonical tensors are
 exported with the same code as :func:`hf_lmc.to_hf` (the adapter's ``hf_group``), and the stock
@@ -22,18 +25,20 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton
+from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton, weighted_sum
 from ..spec import Group
 from ..symmetry import Transform
 
 
 @dataclass
 class _Point:
-    """Where on the path the current call evaluates: shared by the interpolant and its layers."""
+    """Where in the simplex the current call evaluates: shared by the interpolant and its layers.
 
-    transform_b: Transform | None = None
-    alpha: float | Tensor = 0.5
-    transform_a: Transform | None = None
+    ``transforms[k]`` moves endpoint k (``None``: it stays as it is); ``weights`` sum to 1.
+    """
+
+    transforms: tuple[Transform | None, ...] = ()
+    weights: tuple[float | Tensor, ...] = ()
 
 
 class _RebuiltLayer(nn.Module):
@@ -57,23 +62,28 @@ class _RebuiltLayer(nn.Module):
 
 
 class Interpolant(nn.Module):
-    """Evaluate ``(1 - alpha) T_A(a) + alpha T_B(b)`` with the stock model class of ``a``.
+    """Evaluate ``(1 - alpha) T_A(a) + alpha T_B(b)`` (or ``sum_k w_k T_k(m_k)``) with the stock
+    model class of the first endpoint.
 
     Args:
-        a, b: canonical endpoints of one architecture and shape (kept as they are: frozen).
+        a, b, *more: canonical endpoints of one architecture and shape (kept as they are: frozen).
         checkpoint_layers: rebuild each layer's weights inside gradient checkpointing (see the
             module docstring); off, every layer's weights stay alive until backward.
+
+    ``interpolant(T_B, alpha, T_A, **batch)`` runs the two-model path;
+    ``interpolant.at(transforms, weights, **batch)`` any point of the simplex.
     """
 
-    def __init__(self, a: CanonicalModel, b: CanonicalModel, *, checkpoint_layers: bool = True):
+    def __init__(self, a: CanonicalModel, b: CanonicalModel, *more: CanonicalModel, checkpoint_layers: bool = True):
         super().__init__()
-        if a.spec != b.spec:
-            raise ValueError("the two canonical models differ in architecture or shape")
+        if any(m.spec != a.spec for m in (b, *more)):
+            raise ValueError("the canonical models differ in architecture or shape")
         # Tied embeddings cannot survive a learned transform of B: the interpolant is untied.
         config = copy.deepcopy(a.config)
         if hasattr(config, "tie_word_embeddings"):
             config.tie_word_embeddings = False
-        self.a, self.b = CanonicalModel(a.spec, config, a.load_group), b
+        self.models = (CanonicalModel(a.spec, config, a.load_group), b, *more)
+        self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
         self.template = skeleton(self.a.adapter.model_class, self.config).eval()
         for module in self.template.modules():  # no weights of its own: every call supplies them
@@ -108,12 +118,12 @@ class Interpolant(nn.Module):
         return build
 
     def _group(self, group: Group, point: _Point) -> dict[str, Tensor]:
-        """HF tensors of one group of the interpolant at ``point`` on the path."""
-        ga, gb = self.a.group(group), self.b.group(group)
-        if point.transform_a is not None:
-            ga = {n: point.transform_a.apply_tensor(n, t) for n, t in ga.items()}
-        gb = {n: point.transform_b.apply_tensor(n, t) for n, t in gb.items()}
-        merged = {n: torch.lerp(t, gb[n].to(t.dtype), point.alpha) for n, t in ga.items()}
+        """HF tensors of one group of the interpolant at ``point``."""
+        moved = []
+        for model, transform in zip(self.models, point.transforms):
+            tensors = model.group(group)
+            moved.append({n: transform.apply_tensor(n, t) for n, t in tensors.items()} if transform is not None else tensors)
+        merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
 
     def state(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None) -> dict[str, Tensor]:
@@ -126,7 +136,14 @@ class Interpolant(nn.Module):
         return {k: v for group in hf_state_dict_groups(merged, self.config) for k, v in group.items()}
 
     def forward(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None, **batch):
-        point = _Point(transform, alpha, transform_a)
+        """The two-model path at ``alpha``: ``(1 - alpha) T_A(a) + alpha T(b)``."""
+        return self.at((transform_a, transform), (1 - alpha, alpha), **batch)
+
+    def at(self, transforms, weights, **batch):
+        """The stock model's output at ``sum_k weights[k] transforms[k](m_k)`` (``None``: m_k as it is)."""
+        if len(transforms) != len(self.models) or len(weights) != len(self.models):
+            raise ValueError(f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each")
+        point = _Point(tuple(transforms), tuple(weights))
         if hasattr(self.config, "use_cache"):
             batch.setdefault("use_cache", False)  # a KV cache would be filled twice by checkpoint recomputation
         self._point = point

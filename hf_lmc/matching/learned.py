@@ -5,6 +5,10 @@ toward one shared linear path. Both start from weight matching (B's transform) a
 (A's), sample ``lambda ~ U(0.4, 0.6)`` per call, and evaluate the interpolant with the stock HF
 class. ``merge(alpha)`` hardens the transforms and returns a stock model: an exact symmetry of
 each endpoint at ``alpha = 0`` and ``alpha = 1``.
+
+``SimplexMatcher`` is the same for M models: each carries a transform toward one shared point,
+starting from universe matching, trained at weights ``w ~ Dirichlet(0.1 * 1)`` over the simplex.
+All three share the training loop (:class:`PathTrainer`) and the interpolant.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -20,74 +24,20 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..canonical import canonicalize, interpolate, to_hf
+from ..canonical import canonicalize, combine, interpolate, simplex_weights, to_hf
 from ..symmetry import Transform
 from .interpolant import Interpolant
 from .trainable import TrainableTransform
+from .universe import UniverseMatcher
 from .weight import WeightMatcher
 
 INITS = ("weight", "identity")
 _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 
 
-class DualMatcher(nn.Module):
-    """Both models learn their transforms toward one shared linear path.
-
-    Args:
-        model_a, model_b: stock HF models (or checkpoint folders) of one architecture and shape.
-        init: ``"weight"`` (B's transform starts at weight matching's solution) or ``"identity"``.
-        symmetries: the group weight matching searches for the initialisation.
-        permutations: ``"ste"`` or ``"sinkhorn"`` (MLP units).
-        orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
-        lambda_range: interpolation weights are drawn uniformly from this range.
-        dtype: dtype of the frozen endpoint weights and of the transform parameters.
-        checkpoint_layers: rebuild each layer's interpolated weights inside gradient
-            checkpointing, so only one layer's transformed weights are alive at a time.
-    """
-
-    learns_a = True
-
-    def __init__(
-        self,
-        model_a,
-        model_b,
-        *,
-        init: str = "weight",
-        symmetries="full",
-        permutations: str = "ste",
-        orthogonal: str = "cayley",
-        lambda_range: tuple[float, float] = (0.4, 0.6),
-        dtype: torch.dtype = torch.float32,
-        checkpoint_layers: bool = True,
-    ):
-        super().__init__()
-        if init not in INITS:
-            raise ValueError(f"unknown init {init!r}; choose from {INITS}")
-        low, high = lambda_range
-        if not 0.0 <= low <= high <= 1.0:
-            raise ValueError(f"lambda_range must satisfy 0 <= low <= high <= 1, got {lambda_range}")
-        self.lambda_range = (float(low), float(high))
-        self.dtype = dtype
-        a = canonicalize(model_a, dtype=dtype).materialize()
-        b = canonicalize(model_b, dtype=dtype).materialize()
-        start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
-        options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
-        self.transform_b = TrainableTransform(a.spec, start, **options)
-        self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
-        self.interpolant = Interpolant(a, b, checkpoint_layers=checkpoint_layers)
-
-    def sample_lambda(self) -> Tensor:
-        low, high = self.lambda_range
-        return torch.empty(()).uniform_(low, high)
-
-    def forward(self, batch: dict[str, Tensor], alpha: float | Tensor | None = None) -> Tensor:
-        """The interpolated model's loss on ``batch`` at ``alpha`` (sampled when ``None``)."""
-        alpha = self.sample_lambda() if alpha is None else alpha
-        inputs = dict(batch)
-        if "labels" not in inputs and "input_ids" in inputs:
-            inputs["labels"] = inputs["input_ids"]  # causal LM: next-token loss
-        transform_a = self.transform_a() if self.transform_a is not None else None
-        return self.interpolant(self.transform_b(), alpha, transform_a, **inputs).loss
+class PathTrainer(nn.Module):
+    """The training loop shared by the learned matchers: ``self(batch)`` is the loss at a sampled
+    point of the path (or simplex); the transforms' parameters are what trains."""
 
     def fit(
         self,
@@ -104,7 +54,7 @@ class DualMatcher(nn.Module):
         checkpoint_every: int | None = None,
         resume: bool = False,
         progress: bool = True,
-        callback: Callable[[int, DualMatcher], None] | None = None,
+        callback: Callable[[int, PathTrainer], None] | None = None,
     ) -> list[float]:
         """Train the transforms for ``steps`` batches with Adam under :mod:`accelerate`.
 
@@ -164,6 +114,70 @@ class DualMatcher(nn.Module):
                     (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
         return losses
 
+
+def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    inputs = dict(batch)
+    if "labels" not in inputs and "input_ids" in inputs:
+        inputs["labels"] = inputs["input_ids"]  # causal LM: next-token loss
+    return inputs
+
+
+class DualMatcher(PathTrainer):
+    """Both models learn their transforms toward one shared linear path.
+
+    Args:
+        model_a, model_b: stock HF models (or checkpoint folders) of one architecture and shape.
+        init: ``"weight"`` (B's transform starts at weight matching's solution) or ``"identity"``.
+        symmetries: the group weight matching searches for the initialisation.
+        permutations: ``"ste"`` or ``"sinkhorn"`` (MLP units).
+        orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
+        lambda_range: interpolation weights are drawn uniformly from this range.
+        dtype: dtype of the frozen endpoint weights and of the transform parameters.
+        checkpoint_layers: rebuild each layer's interpolated weights inside gradient
+            checkpointing, so only one layer's transformed weights are alive at a time.
+    """
+
+    learns_a = True
+
+    def __init__(
+        self,
+        model_a,
+        model_b,
+        *,
+        init: str = "weight",
+        symmetries="full",
+        permutations: str = "ste",
+        orthogonal: str = "cayley",
+        lambda_range: tuple[float, float] = (0.4, 0.6),
+        dtype: torch.dtype = torch.float32,
+        checkpoint_layers: bool = True,
+    ):
+        super().__init__()
+        if init not in INITS:
+            raise ValueError(f"unknown init {init!r}; choose from {INITS}")
+        low, high = lambda_range
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"lambda_range must satisfy 0 <= low <= high <= 1, got {lambda_range}")
+        self.lambda_range = (float(low), float(high))
+        self.dtype = dtype
+        a = canonicalize(model_a, dtype=dtype).materialize()
+        b = canonicalize(model_b, dtype=dtype).materialize()
+        start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
+        options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
+        self.transform_b = TrainableTransform(a.spec, start, **options)
+        self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
+        self.interpolant = Interpolant(a, b, checkpoint_layers=checkpoint_layers)
+
+    def sample_lambda(self) -> Tensor:
+        low, high = self.lambda_range
+        return torch.empty(()).uniform_(low, high)
+
+    def forward(self, batch: dict[str, Tensor], alpha: float | Tensor | None = None) -> Tensor:
+        """The interpolated model's loss on ``batch`` at ``alpha`` (sampled when ``None``)."""
+        alpha = self.sample_lambda() if alpha is None else alpha
+        transform_a = self.transform_a() if self.transform_a is not None else None
+        return self.interpolant(self.transform_b(), alpha, transform_a, **_labelled(batch)).loss
+
     def transforms(self) -> tuple[Transform, Transform]:
         """The exact (hardened) transforms of A and B the parameters currently select."""
         transform_a = self.transform_a.harden() if self.transform_a is not None else Transform()
@@ -181,3 +195,93 @@ class LearnedMatcher(DualMatcher):
     """Only B learns its transform (one-sided learned matching); A stays as it is."""
 
     learns_a = False
+
+
+class SimplexMatcher(PathTrainer):
+    """M models learn their transforms toward one shared point: the M-model dual matching.
+
+    Every point ``sum_k w_k T_k(theta_k)`` of the simplex the aligned models span should have
+    low loss, so each call trains at weights ``w ~ Dirichlet(concentration * 1)``: with the
+    default 0.1 most draws lie near the vertices and edges, where a merge of a few models
+    must already work, and some deep inside.
+
+    Args:
+        models: stock HF models (or checkpoint folders) of one architecture and shape.
+        init: ``"weight"`` (start from universe matching, :class:`UniverseMatcher`),
+            ``"identity"``, or one :class:`Transform` per model.
+        learns_first: ``False`` keeps the first model's starting transform fixed (one model
+            anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
+        concentration: the Dirichlet concentration of the sampled weights.
+        symmetries, permutations, orthogonal, dtype, checkpoint_layers: as for
+            :class:`DualMatcher`.
+    """
+
+    def __init__(
+        self,
+        models: Sequence,
+        *,
+        init: str | Sequence[Transform] = "weight",
+        learns_first: bool = True,
+        symmetries="full",
+        permutations: str = "ste",
+        orthogonal: str = "cayley",
+        concentration: float = 0.1,
+        dtype: torch.dtype = torch.float32,
+        checkpoint_layers: bool = True,
+    ):
+        super().__init__()
+        if len(models) < 2:
+            raise ValueError(f"SimplexMatcher needs at least 2 models, got {len(models)}")
+        if isinstance(init, str) and init not in INITS:
+            raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass one Transform per model")
+        if not concentration > 0:
+            raise ValueError(f"concentration must be > 0, got {concentration}")
+        self.concentration = float(concentration)
+        self.dtype = dtype
+        canonical = [canonicalize(m, dtype=dtype).materialize() for m in models]
+        if init == "weight":
+            start = UniverseMatcher(symmetries, progress=False).fit(canonical)
+        elif init == "identity":
+            start = [Transform()] * len(canonical)
+        elif len(init) != len(canonical):
+            raise ValueError(f"init has {len(init)} transforms for {len(canonical)} models; pass one per model")
+        else:
+            start = list(init)
+        # A model that does not learn is moved once, here, and costs nothing per step.
+        self.fixed_first = None if learns_first else start[0]
+        if self.fixed_first is not None:
+            canonical[0] = self.fixed_first.to(dtype).apply(canonical[0]).materialize()
+        options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
+        first = 0 if learns_first else 1
+        self.learned = nn.ModuleList(TrainableTransform(canonical[0].spec, t, **options) for t in start[first:])
+        self.interpolant = Interpolant(*canonical, checkpoint_layers=checkpoint_layers)
+
+    @property
+    def count(self) -> int:
+        return len(self.interpolant.models)
+
+    def sample_weights(self) -> Tensor:
+        concentration = torch.full((self.count,), self.concentration)
+        return torch.distributions.Dirichlet(concentration).sample()
+
+    def forward(self, batch: dict[str, Tensor], weights: Sequence[float] | Tensor | None = None) -> Tensor:
+        """The loss of ``sum_k w_k T_k(theta_k)`` on ``batch`` (``w`` sampled when ``None``)."""
+        weights = self.sample_weights() if weights is None else weights
+        current = [t() for t in self.learned]
+        transforms = current if self.fixed_first is None else [None, *current]
+        return self.interpolant.at(transforms, weights, **_labelled(batch)).loss
+
+    def transforms(self) -> list[Transform]:
+        """One exact (hardened) transform per model, in the order the models were given."""
+        hardened = [t.harden() for t in self.learned]
+        return hardened if self.fixed_first is None else [self.fixed_first, *hardened]
+
+    @torch.no_grad()
+    def merge(self, weights: Sequence[float] | None = None) -> PreTrainedModel:
+        """A stock HF model computing ``sum_k w_k T_k(theta_k)`` with exact transforms (uniform by default)."""
+        weights = simplex_weights(weights, self.count, "weights")
+        hardened = [t.harden().to(self.dtype) for t in self.learned]
+        models = self.interpolant.models  # the first one already moved when it does not learn
+        moved = [models[0] if self.fixed_first is not None else hardened.pop(0).apply(models[0])]
+        moved += [t.apply(m) for t, m in zip(hardened, models[1:])]
+        return to_hf(combine(moved, weights))
