@@ -22,6 +22,7 @@ from .evaluation import EvalOptions, evaluate, load_batches
 from .loading import LoadedModel, load_model
 from .alignment import DATA_METHODS, LearnOptions, align, check_method
 from .symmetry import Transform
+from .widths import spec_of, to_common_shape
 
 
 @dataclass
@@ -118,15 +119,20 @@ def barrier_of_loaded(
     batches = load_batches(data, a.model.config, a.folder, eval_options)
     result = BarrierResult(grid)
     bar = tqdm(total=len(methods) * len(grid), desc="loss along the path", disable=not progress)
+    one_shape = spec_of(a.model.config) == spec_of(b.model.config)
     for method in methods:
-        if method == "average":
+        if method == "average" and one_shape:
             state_a, state_b = a.model.state_dict(), b.model.state_dict()
             scratch = copy.deepcopy(a.model)
             models = (_lerp_state(scratch, state_a, state_b, alpha) for alpha in grid)
         else:
-            ca, cb = canonicalize(a.model), canonicalize(b.model)
+            # Models of two widths meet in one shape (exact; hf_lmc.widths); there, "average"
+            # interpolates the embedded models with no alignment.
+            ca, cb = to_common_shape(canonicalize(a.model), canonicalize(b.model))
             if transforms and method in transforms:
                 transform_a, transform_b = transforms[method]
+            elif method == "average":
+                transform_a, transform_b = Transform(), Transform()
             else:
                 transform_a, transform_b = align(
                     method, ca, cb, symmetries=symmetries, batches=fit_batches if method in DATA_METHODS else None,

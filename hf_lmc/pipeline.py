@@ -32,8 +32,8 @@ from .evaluation import EvalOptions, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
-from .spec import spec_differences
-from .symmetry import resolve_kinds
+from .symmetry import Transform, resolve_kinds
+from .widths import common_spec, describe, to_common_shape
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,13 @@ def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
-def _check_same_architecture(config_a, config_b, a: str, b: str) -> None:
+def _check_same_architecture(config_a, config_b, a: str, b: str) -> list[str]:
+    """Fail on models no merge covers; the card notes for models of two widths (none for one)."""
     if config_a.model_type != config_b.model_type:
         raise ValueError(f"{a} is a {config_a.model_type} model but {b} is a {config_b.model_type} model; merge needs one architecture")
     spec_a, spec_b = adapter_for(config_a).spec(config_a), adapter_for(config_b).spec(config_b)
-    if spec_a != spec_b:
-        raise ValueError(f"{a} and {b} differ in shape ({'; '.join(spec_differences(spec_a, spec_b))}); merge needs models of one shape")
+    common = common_spec(spec_a, spec_b, a, b)  # one line naming what no width embedding covers
+    return [f"{name} was {describe(spec, common)}." for name, spec in ((a, spec_a), (b, spec_b)) if spec != common]
 
 
 def _average_groups(folder_a: Path, folder_b: Path, config, alpha: float) -> Iterator[dict[str, Tensor]]:
@@ -154,7 +155,7 @@ def merge(
 
     folder_a, folder_b = resolve_checkpoint(model_a, revision_a), resolve_checkpoint(model_b, revision_b)
     config_a, config_b = AutoConfig.from_pretrained(folder_a), AutoConfig.from_pretrained(folder_b)
-    _check_same_architecture(config_a, config_b, str(model_a), str(model_b))
+    width_notes = _check_same_architecture(config_a, config_b, str(model_a), str(model_b))
 
     # Data problems surface before any long alignment work.
     eval_batches = load_batches(eval_data, config_a, folder_a, eval_options) if eval_data is not None else None
@@ -162,16 +163,19 @@ def merge(
     plot_name = None
     with tempfile.TemporaryDirectory() as scratch:
         transforms = None
-        if method == "average":
+        if method == "average" and not width_notes:
             config, groups = config_a, _average_groups(folder_a, folder_b, config_a, alpha)
             untied = False
         else:
             a, b = canonicalize(folder_a, dtype=torch.float32), canonicalize(folder_b, dtype=torch.float32)
+            a, b = to_common_shape(a, b, str(model_a), str(model_b))  # models of two widths: exactly into one shape
             batches = load_batches(data, config_a, folder_a, data_options) if method in DATA_METHODS else None
-            # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
-            transforms = tuple(
-                t.to(torch.float32) for t in align(method, a, b, symmetries=kinds, batches=batches, learn=learn, progress=progress)
-            )
+            if method == "average":  # two widths: the embedded models, interpolated as they are
+                transforms = (Transform(), Transform())
+            else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
+                transforms = tuple(
+                    t.to(torch.float32) for t in align(method, a, b, symmetries=kinds, batches=batches, learn=learn, progress=progress)
+                )
             transform_a, transform_b = transforms
             merged = interpolate(transform_a.apply(a), transform_b.apply(b), alpha)
             config = export_config(merged)
@@ -194,7 +198,7 @@ def merge(
             base_models=[str(model_a), str(model_b)],
             method=method,
             symmetries=sorted(kinds) if method != "average" else [],
-            notes=[_HARDENED] if method in TRAINED_METHODS and learn.permutations == "sinkhorn" else [],
+            notes=([_HARDENED] if method in TRAINED_METHODS and learn.permutations == "sinkhorn" else []) + width_notes,
             alpha_or_weights=alpha,
             license=inherited_license([folder_a, folder_b]),
             model_type=config_a.model_type,

@@ -37,6 +37,9 @@ class Adapter:
     heads_input: str = ""
     #: ... and the MLP down projection (its input is the MLP units).
     mlp_input: str = ""
+    #: ``ArchSpec`` width field -> the config key that sets it (models of two widths are merged
+    #: at a common shape, :mod:`hf_lmc.widths`); widths the config derives need no entry.
+    width_keys: dict[str, str] = {}
 
     def spec(self, config: PretrainedConfig) -> ArchSpec:
         raise NotImplementedError
