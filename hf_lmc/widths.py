@@ -40,7 +40,7 @@ What is exact: each embedded model computes its source's logits to rounding, so 
 alpha=0 is A's function and at alpha=1 B's, both in the common shape, with A's config (one eps:
 models must share it). What is not: nothing else claims to be (the merge in between is the
 merge). What is not supported (a one-line error each): different layer counts, vocabularies or
-label sets, head sizes, rotary dims, norm kinds or eps, or GQA layouts that do not nest.
+label sets, head sizes, rotary dims, norm kinds or eps.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from torch import Tensor
 from transformers import PretrainedConfig
 
 from .canonical import CanonicalModel, drain
-from .spec import ArchSpec, Group
+from .spec import ArchSpec, Group, spec_differences
 from .symmetry import axes_of
 
 #: Spec fields that may differ between two models to merge; every other field must agree.
@@ -68,11 +68,12 @@ def common_spec(a: ArchSpec, b: ArchSpec, name_a: str = "A", name_b: str = "B") 
     """The shape both models are merged in: each width the larger of the two.
 
     Raises :class:`WidthError` (one line, naming the fields) when the models differ in anything
-    but the widths, or when their GQA groups cannot both sit in the common shape.
+    but the widths. GQA: the common shape has the larger number of KV heads and the larger
+    number of query heads per KV head, so both layouts nest in it (usually one model's).
     """
     if a == b:
         return a
-    other = [f"{k} {getattr(a, k)} vs {getattr(b, k)}" for k in a.__dataclass_fields__ if k not in WIDTH_FIELDS and getattr(a, k) != getattr(b, k)]
+    other = [d for d in spec_differences(a, b) if d.split(" ", 1)[0] not in WIDTH_FIELDS]
     if other:
         raise WidthError(
             f"{name_a} and {name_b} differ in {'; '.join(other)}; hf_lmc merges models of one architecture that differ at most "
@@ -80,14 +81,13 @@ def common_spec(a: ArchSpec, b: ArchSpec, name_a: str = "A", name_b: str = "B") 
         )
     kv = max(a.num_kv_heads, b.num_kv_heads)
     group = max(a.group_size, b.group_size)
-    spec = dataclasses.replace(
+    return dataclasses.replace(
         a,
         hidden_size=max(a.hidden_size, b.hidden_size),
         intermediate_size=max(a.intermediate_size, b.intermediate_size),
-        num_heads=kv * group,
+        num_heads=kv * group,  # every KV group of either model nests in one of these
         num_kv_heads=kv,
     )
-    return spec
 
 
 def spec_of(config: PretrainedConfig) -> ArchSpec:
@@ -101,9 +101,12 @@ def resized_config(config: PretrainedConfig, spec: ArchSpec) -> PretrainedConfig
     from .adapters import adapter_for
 
     adapter = adapter_for(config)
-    resized = config.__class__.from_dict(config.to_dict())
-    for field, key in adapter.width_keys.items():
-        setattr(resized, key, getattr(spec, field))
+    widths = {key: getattr(spec, field) for field, key in adapter.width_keys.items()}
+    try:  # built anew, so that the config class validates the new widths
+        resized = config.__class__.from_dict({**config.to_dict(), **widths})
+    except Exception as err:  # transformers raises several types, some over several lines
+        reason = str(err).strip().splitlines()[-1].strip()
+        raise WidthError(f"the common shape ({widths}) is not a valid {config.model_type} config: {reason}") from err
     if adapter.spec(resized) != spec:  # a table entry missing or a config that derives widths its own way
         raise WidthError(f"cannot express the shape {spec} as a {config.model_type} config")
     return resized

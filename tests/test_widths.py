@@ -108,6 +108,11 @@ def test_unsupported_shape_differences_are_rejected_in_one_line():
         with pytest.raises(WidthError, match=message) as caught:
             common_spec(gpt2, dataclasses.replace(gpt2, **change))
         assert "\n" not in str(caught.value) and "at most in width" in str(caught.value)
+    # LLaMA: 4 heads / 2 KV heads and 5 / 5 nest in 10 / 5, but HF wants d = 12 divisible by 10 heads.
+    llama = spec_of(tiny_configs()["llama"])
+    other = dataclasses.replace(llama, hidden_size=10, num_heads=5, num_kv_heads=5)
+    with pytest.raises(WidthError, match="not a valid llama config: .*not a multiple"):
+        resized_config(tiny_configs()["llama"], common_spec(dataclasses.replace(llama, hidden_size=12), other))
     with pytest.raises(WidthError, match="narrower shape"):
         embed(hf_lmc.canonicalize(build_model(tiny_configs()["gpt2"])), dataclasses.replace(gpt2, hidden_size=4, num_heads=1, num_kv_heads=1))
 
