@@ -4,32 +4,27 @@ For each family with a narrower zoo entry (``zoo.NARROW``: GPT-2 128 -> 96 wide,
 heads, MLP 512 -> 384; ViT 64 -> 48, 4 -> 3 heads, MLP 128 -> 96), three pairs of
 independently trained models (different seeds: initialisation and data order):
 
-* ``wide ↔ wide``: seeds 0 and 1 of the wide entry (the equal-width case of benchmarks/barriers.py);
+* ``wide ↔ wide``: seeds 0 and 1 of the wide entry (the equal-width pair of benchmarks/barriers.py);
 * ``wide ↔ narrow``: wide seed 1 (A) and narrow seed 0 (B), B embedded exactly into A's shape;
 * ``narrow ↔ narrow``: seeds 0 and 1 of the narrow entry.
 
 ``average`` is the vanilla baseline: the stored weights for one width, the embedded (zero-padded)
-canonical models with no alignment for two. Learned matching trains 200 steps (Adam, lr 3e-3,
-16 sequences / images a step) from the weight-matching solution.
+canonical models with no alignment for two. Rows and settings are those of benchmarks/barriers.py
+(learned matching: 200 steps, Adam lr 3e-3, from the weight-matching solution).
 
     python benchmarks/widths.py                          # gpt2 and vit (trains the narrow members on first use)
-    python benchmarks/widths.py --families vit --methods average weight
+    python benchmarks/widths.py --families vit --pairs wide mixed --methods average weight
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 
-import hf_lmc
+from barriers import HEADER, METHODS, measure, table_rows
+
 from hf_lmc import zoo
 from hf_lmc.alignment import LearnOptions
-from hf_lmc.evaluation import EvalOptions
 from hf_lmc.widths import spec_of
-
-METHODS = ("average", "weight", "learned")
-
 
 PAIRS = ("wide", "mixed", "narrow")
 
@@ -47,29 +42,18 @@ def pairs(family: str) -> dict[str, tuple[str, tuple[str, int], tuple[str, int]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", nargs="+", default=list(zoo.NARROW), choices=list(zoo.NARROW), help="zoo families (default: all with a narrow entry)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="methods to measure (default: all)")
     parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=PAIRS, help="which pairs (default: all three)")
-    parser.add_argument("--steps", type=int, default=200, help="learned matching steps (default: 200)")
+    labels = [m[0] for m in METHODS]
+    parser.add_argument("--methods", nargs="+", default=["average", "weight", "learned"], choices=labels, help="rows (default: average weight learned)")
+    parser.add_argument("--steps", type=int, default=200, help="learned matching steps, also the number of fitting batches (default: 200)")
     args = parser.parse_args()
-    learn = LearnOptions(steps=args.steps)
-    rows = ["| family | pair (d_A / d_B) | method | loss A / B | loss at α=0.5 | barrier | acc. at α=0.5 |", "|---|---|---|---|---|---|---|"]
+    rows = list(HEADER)
     for family in args.families:
-        data, fit = zoo.held_out(family), zoo.fit_batches(family, learn.steps)
         for label, (name_a, seed_a), (name_b, seed_b) in (pairs(family)[kind] for kind in args.pairs):
-            a, b = zoo.train(name_a, seed_a), zoo.train(name_b, seed_b)
+            folders = zoo.train(name_a, seed_a), zoo.train(name_b, seed_b)
             widths = " / ".join(str(spec_of(zoo.build_config(zoo.ZOO[name])).hidden_size) for name in (name_a, name_b))
-            for method in args.methods:
-                start = time.perf_counter()
-                result = hf_lmc.barrier(
-                    a, b, data, methods=(method,), eval_options=EvalOptions(batch_size=16), fit_data=fit, learn=learn, progress=False
-                )
-                losses, middle = result.losses[method], len(result.alphas) // 2
-                acc = result.accuracies.get(method)
-                print(f"{family} {label} {method}: barrier {result.barriers[method]:.3f} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
-                rows.append(
-                    f"| {family} | {label} ({widths}) | {method} | {losses[0]:.3f} / {losses[-1]:.3f} | {losses[middle]:.3f} | "
-                    f"{result.barriers[method]:.3f} | {f'{acc[middle]:.3f}' if acc else '—'} |"
-                )
+            result = measure(family, False, args.methods, LearnOptions(steps=args.steps), pair=folders)
+            rows += table_rows(f"{family} {label} (d {widths})", result)
     print("\n".join(rows))
 
 
