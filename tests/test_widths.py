@@ -132,6 +132,11 @@ def test_cli_merges_two_widths_into_the_wider_stock_checkpoint(tmp_path, capsys)
         assert (merged.config.n_embd, merged.config.n_head, merged.config.n_inner) == (12, 3, 40)
         assert relative_error(logits(merged, inputs), logits(expected, inputs)) < 1e-5
         assert "embedded exactly into the common shape (hidden_size 8 → 12" in (out / "README.md").read_text()
+    # The barrier path: both methods start at A and end at B (average: the embedded models, unaligned).
+    batches = [sample_inputs(narrow_config, seed=s, batch=4, length=8) for s in range(2)]
+    result = hf_lmc.barrier(tmp_path / "wide", tmp_path / "narrow", batches, methods=("average", "weight"), alphas=3, progress=False)
+    for end in (0, -1):
+        assert result.losses["average"][end] == pytest.approx(result.losses["weight"][end], rel=1e-5)
     deeper = build_model(type(narrow_config).from_dict({**narrow_config.to_dict(), "n_layer": 3}), seed=3, dtype=torch.float32)
     deeper.save_pretrained(tmp_path / "deeper")
     capsys.readouterr()
