@@ -36,8 +36,12 @@ METHODS = (
 )
 
 
-def measure(name: str, progress: bool, methods: list[str], learn: LearnOptions) -> BarrierResult:
-    a, b = zoo.pair(name, progress=progress)
+HEADER = ["| pair | method | loss A / B | loss at α=0.5 | barrier | ratio to average | acc. at α=0.5 |", "|---|---|---|---|---|---|---|"]
+
+
+def measure(name: str, progress: bool, methods: list[str], learn: LearnOptions, pair: tuple[Path, Path] | None = None) -> BarrierResult:
+    """Every row of ``methods`` on zoo ``name``'s pair (or on ``pair``, two folders of that family)."""
+    a, b = pair or zoo.pair(name, progress=progress)
     data = zoo.held_out(name)
     fit = zoo.fit_batches(name, learn.steps)  # training split: calibration (activation) and training (learned, dual)
     options = EvalOptions(batch_size=16)
@@ -61,7 +65,8 @@ def measure(name: str, progress: bool, methods: list[str], learn: LearnOptions) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pairs", nargs="+", default=list(zoo.ZOO), choices=list(zoo.ZOO), help="zoo pairs to measure (default: all)")
+    default = [name for name in zoo.ZOO if name not in zoo.NARROW.values()]  # two widths: benchmarks/widths.py
+    parser.add_argument("--pairs", nargs="+", default=default, choices=list(zoo.ZOO), help=f"zoo pairs to measure (default: {' '.join(default)})")
     parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where the PNGs go (default: benchmarks/plots)")
     parser.add_argument("--methods", nargs="+", default=[m[0] for m in METHODS], choices=[m[0] for m in METHODS], help="rows to measure (default: all)")
     parser.add_argument("--steps", type=int, default=200, help="learned / dual training steps, also the number of calibration batches (default: 200)")
@@ -70,21 +75,28 @@ def main() -> None:
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
 
-    rows = ["| pair | method | loss A / B | loss at α=0.5 | barrier | ratio to average | acc. at α=0.5 |", "|---|---|---|---|---|---|---|"]
+    rows = list(HEADER)
     for name in args.pairs:
         result = measure(name, not args.quiet, args.methods, LearnOptions(steps=args.steps, lr=args.lr))
         path = plot(result, args.plots_dir / f"{name}.png", title=f"zoo {name}: held-out loss along the path")
         print(f"{name}: plot in {path}", file=sys.stderr)
-        middle = len(result.alphas) // 2
-        vanilla = result.barriers.get("average")
-        for label, value in result.barriers.items():
-            losses = result.losses[label]
-            acc = result.accuracies.get(label)
-            rows.append(
-                f"| {name} | {label} | {losses[0]:.3f} / {losses[-1]:.3f} | {losses[middle]:.3f} | {value:.3f} | "
-                f"{f'{value / vanilla:.2f}' if vanilla else '—'} | {f'{acc[middle]:.3f}' if acc else '—'} |"
-            )
+        rows += table_rows(name, result)
     print("\n".join(rows))
+
+
+def table_rows(name: str, result: BarrierResult) -> list[str]:
+    """One markdown row per method (columns of :data:`HEADER`)."""
+    middle = len(result.alphas) // 2
+    vanilla = result.barriers.get("average")
+    rows = []
+    for label, value in result.barriers.items():
+        losses = result.losses[label]
+        acc = result.accuracies.get(label)
+        rows.append(
+            f"| {name} | {label} | {losses[0]:.3f} / {losses[-1]:.3f} | {losses[middle]:.3f} | {value:.3f} | "
+            f"{f'{value / vanilla:.2f}' if vanilla else '—'} | {f'{acc[middle]:.3f}' if acc else '—'} |"
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from .evaluation import EvalOptions, evaluate, load_batches
 from .loading import LoadedModel, load_model
 from .alignment import DATA_METHODS, LearnOptions, align_many, check_method
 from .symmetry import Transform
+from .widths import spec_of, to_common_shape
 
 
 @dataclass
@@ -157,7 +158,8 @@ def _merges(
     """The stock model at each point ``w`` of ``points`` (one weight per model) for ``method``:
     ``average`` mixes the stored weights, every other method the aligned canonical forms
     (``transforms`` when given, else aligned here with uniform weights)."""
-    if method == "average":
+    one_shape = all(spec_of(m.model.config) == spec_of(loaded[0].model.config) for m in loaded)
+    if method == "average" and one_shape:
         states = [m.model.state_dict() for m in loaded]
         scratch = copy.deepcopy(loaded[0].model)
         for w in points:
@@ -166,6 +168,10 @@ def _merges(
             yield scratch
         return
     canonical = [canonicalize(m.model) for m in loaded]
+    if not one_shape:  # models of two widths meet in one shape (exact; hf_lmc.widths)
+        canonical = list(to_common_shape(*canonical))
+        if method == "average":  # there, the embedded models interpolated with no alignment
+            transforms = [Transform() for _ in canonical]
     if transforms is None:
         transforms = align_many(
             method, canonical, symmetries=symmetries, batches=fit_batches if method in DATA_METHODS else None, learn=learn, progress=False

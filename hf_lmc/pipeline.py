@@ -35,8 +35,8 @@ from .evaluation import EvalOptions, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
-from .spec import spec_differences
-from .symmetry import resolve_kinds
+from .symmetry import Transform, resolve_kinds
+from .widths import common_spec, describe, to_common_shape
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +72,13 @@ def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
-def _check_same_architecture(config_a, config_b, a: str, b: str) -> None:
+def _check_same_architecture(config_a, config_b, a: str, b: str) -> list[str]:
+    """Fail on models no merge covers; the card notes for models of two widths (none for one)."""
     if config_a.model_type != config_b.model_type:
         raise ValueError(f"{a} is a {config_a.model_type} model but {b} is a {config_b.model_type} model; merge needs one architecture")
     spec_a, spec_b = adapter_for(config_a).spec(config_a), adapter_for(config_b).spec(config_b)
-    if spec_a != spec_b:
-        raise ValueError(f"{a} and {b} differ in shape ({'; '.join(spec_differences(spec_a, spec_b))}); merge needs models of one shape")
+    common = common_spec(spec_a, spec_b, a, b)  # one line naming what no width embedding covers
+    return [f"{name} was {describe(spec, common)}." for name, spec in ((a, spec_a), (b, spec_b)) if spec != common]
 
 
 def _average_groups(folders: Sequence[Path], config, weights: Sequence[float]) -> Iterator[dict[str, Tensor]]:
@@ -237,8 +238,11 @@ def merge_models(
 
     folders = [resolve_checkpoint(m, r) for m, r in zip(models, revisions)]
     configs = [AutoConfig.from_pretrained(f) for f in folders]
+    width_notes = []
     for k in range(1, count):
-        _check_same_architecture(configs[0], configs[k], str(models[0]), str(models[k]))
+        width_notes += _check_same_architecture(configs[0], configs[k], str(models[0]), str(models[k]))
+    if width_notes and count > 2:
+        raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
     config_a, folder_a = configs[0], folders[0]
 
     # Data problems surface before any long alignment work.
@@ -247,17 +251,21 @@ def merge_models(
     plot_name = None
     with tempfile.TemporaryDirectory() as scratch:
         transforms = None
-        if method == "average":
+        if method == "average" and not width_notes:
             config, groups = config_a, _average_groups(folders, config_a, weights)
             untied, total_groups = False, None
         else:
             canonical = [canonicalize(f, dtype=torch.float32) for f in folders]
+            if width_notes:  # models of two widths: exactly into one shape
+                canonical = list(to_common_shape(*canonical, str(models[0]), str(models[1])))
             batches = load_batches(data, config_a, folder_a, data_options) if method in DATA_METHODS else None
-            # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
-            transforms = [
-                t.to(torch.float32)
-                for t in align_many(method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress)
-            ]
+            if method == "average":  # two widths: the embedded models, interpolated as they are
+                transforms = [Transform() for _ in canonical]
+            else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
+                transforms = [
+                    t.to(torch.float32)
+                    for t in align_many(method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress)
+                ]
             merged = combine([t.apply(c) for t, c in zip(transforms, canonical)], weights)
             config = export_config(merged)
             out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
@@ -286,7 +294,7 @@ def merge_models(
             base_models=[str(m) for m in models],
             method=method,
             symmetries=sorted(kinds) if method != "average" else [],
-            notes=[_HARDENED] if method in TRAINED_METHODS and learn.permutations == "sinkhorn" else [],
+            notes=([_HARDENED] if method in TRAINED_METHODS and learn.permutations == "sinkhorn" else []) + width_notes,
             alpha_or_weights=weights[1] if count == 2 else list(weights),
             license=inherited_license(folders),
             model_type=config_a.model_type,

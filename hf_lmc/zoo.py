@@ -97,6 +97,13 @@ ZOO: dict[str, ZooEntry] = {
     ),
 }
 
+# Narrower members of the same families (same head size, so fewer heads; residual and MLP width
+# shrink together), for merging models of two widths (:mod:`hf_lmc.widths`).
+ZOO["gpt2-narrow"] = ZOO["gpt2"].scaled(name="gpt2-narrow", config={"n_embd": 96, "n_head": 3})
+ZOO["vit-narrow"] = ZOO["vit"].scaled(name="vit-narrow", config={"hidden_size": 48, "num_attention_heads": 3, "intermediate_size": 96})
+#: Each narrower entry, by the entry it narrows.
+NARROW = {"gpt2": "gpt2-narrow", "vit": "vit-narrow"}
+
 
 def _entry(name: str | ZooEntry) -> ZooEntry:
     if isinstance(name, ZooEntry):

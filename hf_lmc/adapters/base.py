@@ -41,6 +41,9 @@ class Adapter:
     #: tensors of the embed / head groups, whose algebra is row by row, so export can stream
     #: them in blocks of rows.
     vocab_keys: tuple[str, ...] = ()
+    #: ``ArchSpec`` width field -> the config key that sets it (models of two widths are merged
+    #: at a common shape, :mod:`hf_lmc.widths`); widths the config derives need no entry.
+    width_keys: dict[str, str] = {}
 
     def spec(self, config: PretrainedConfig) -> ArchSpec:
         raise NotImplementedError

@@ -17,6 +17,7 @@ class GPT2Adapter(Adapter):
     model_class = GPT2LMHeadModel
     heads_input = "transformer.h.{i}.attn.c_proj"
     mlp_input = "transformer.h.{i}.mlp.c_proj"
+    width_keys = {"hidden_size": "n_embd", "intermediate_size": "n_inner", "num_heads": "n_head"}
     # Hub checkpoints saved from ``GPT2Model`` (e.g. ``gpt2`` itself) carry no ``transformer.`` prefix.
     legacy_renames = ((r"^(?!transformer\.|lm_head\.)", "transformer."),)
     vocab_keys = ("transformer.wte.weight", "lm_head.weight")

@@ -21,6 +21,7 @@ class GPTNeoXAdapter(Adapter):
     model_class = GPTNeoXForCausalLM
     heads_input = "gpt_neox.layers.{i}.attention.dense"
     mlp_input = "gpt_neox.layers.{i}.mlp.dense_4h_to_h"
+    width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}
     legacy_renames = ((r"^embed_out\.", "lm_head."),)
     vocab_keys = ("gpt_neox.embed_in.weight", "lm_head.weight")
     ignored_keys = (r"\.attention\.(masked_)?bias$", r"\.rotary_emb\.inv_freq$")

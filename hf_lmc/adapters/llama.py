@@ -24,6 +24,10 @@ class LlamaAdapter(Adapter):
     model_class = LlamaForCausalLM
     heads_input = "model.layers.{i}.self_attn.o_proj"
     mlp_input = "model.layers.{i}.mlp.down_proj"
+    width_keys = {
+        "hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",  # explicit: hidden_size / heads may change it
+    }
     ignored_keys = (r"\.rotary_emb\.inv_freq$",)
     vocab_keys = ("model.embed_tokens.weight", "lm_head.weight")
 

@@ -22,6 +22,7 @@ class ViTAdapter(Adapter):
     model_class = ViTForImageClassification
     heads_input = "vit.layers.{i}.attention.o_proj"
     mlp_input = "vit.layers.{i}.mlp.fc2"
+    width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}
     # transformers 4.x names (``encoder.layer.N.attention.attention.query`` ...). Order matters:
     # ``attention.output.dense`` must be renamed before the MLP's ``output.dense``.
     legacy_renames = (

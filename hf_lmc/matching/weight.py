@@ -341,7 +341,8 @@ def _circuit_norms(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -
     """``|V_i^T C_i| |V'_j^T C'_j|`` for every head pair, from per-head moments ``V V^T``, ``C C^T``."""
     norm_a = (vec_a * cov_a).sum((-1, -2)).clamp_min(0).sqrt()
     norm_b = (vec_b * cov_b).sum((-1, -2)).clamp_min(0).sqrt()
-    return (norm_a[:, None] * norm_b[None, :]).clamp_min(1e-300)
+    # A zero head (padded in by hf_lmc.widths) has zero similarity to every head: 0 / tiny, not 0 / 0.
+    return (norm_a[:, None] * norm_b[None, :]).clamp_min(torch.finfo(norm_a.dtype).tiny)
 
 
 def _stack(pairs):
@@ -355,5 +356,8 @@ def _double(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 def _check_compatible(a: CanonicalModel, b: CanonicalModel) -> ArchSpec:
     if a.spec != b.spec:
         diffs = "; ".join(spec_differences(a.spec, b.spec))
-        raise ValueError(f"models differ in architecture ({diffs}); hf_lmc merges models of one architecture and shape")
+        raise ValueError(
+            f"models differ in architecture ({diffs}); hf_lmc matches models of one shape "
+            f"(models of two widths: hf_lmc.widths.to_common_shape(a, b) first)"
+        )
     return a.spec
