@@ -371,8 +371,8 @@ def test_streamed_shards_are_standard_safetensors(tmp_path):
 @pytest.mark.parametrize("tied", [False, True])
 def test_vocabulary_groups_stream_in_row_blocks(tmp_path, arch, tied):
     """Embed and head in blocks of token rows (canonicalise -> transform -> lerp -> export) write
-    the checkpoint whole groups write (to float32 rounding: BLAS may order a short block's sums
-    differently), and a folder's row window is exactly a slice of the whole."""
+    the checkpoint whole groups write, and a folder's row window is a slice of the whole (both to
+    float32 rounding: BLAS may order a short block's sums differently)."""
     from safetensors.torch import load_file
 
     from hf_lmc.canonical import hf_state_dict_groups, interpolate
@@ -389,7 +389,7 @@ def test_vocabulary_groups_stream_in_row_blocks(tmp_path, arch, tied):
         window = moved.group(group, slice(3, 11))
         for name, t in whole.items():
             expected = t[3:11] if name in a.spec.token_row_names() else t
-            torch.testing.assert_close(window[name], expected, rtol=0, atol=0, msg=name)
+            torch.testing.assert_close(window[name], expected, rtol=1e-6, atol=1e-7, msg=name)
 
     merged = interpolate(a, moved, 0.3)
     config_out = hf_lmc.canonical.export_config(merged)

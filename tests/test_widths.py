@@ -137,6 +137,19 @@ def test_cli_merges_two_widths_into_the_wider_stock_checkpoint(tmp_path, capsys)
     result = hf_lmc.barrier(tmp_path / "wide", tmp_path / "narrow", batches, methods=("average", "weight"), alphas=3, progress=False)
     for end in (0, -1):
         assert result.losses["average"][end] == pytest.approx(result.losses["weight"][end], rel=1e-5)
+    # The embedded model streams token rows like any other (export writes embed / head in row blocks).
+    a, b = to_common_shape(hf_lmc.canonicalize(tmp_path / "wide"), hf_lmc.canonicalize(tmp_path / "narrow"))
+    for group in ("embed", "head"):
+        window, whole = b.group(group, slice(2, 9)), b.group(group)
+        for name, t in whole.items():
+            expected = t[2:9] if name in b.spec.token_row_names() else t
+            torch.testing.assert_close(window[name], expected, rtol=1e-6, atol=1e-7)  # BLAS may sum a short block in another order
+    # Several models of different widths: one line saying they merge two at a time.
+    capsys.readouterr()
+    three = [str(tmp_path / m) for m in ("wide", "narrow", "narrow")]
+    assert main(["merge", *three, "-o", str(tmp_path / "three")]) != 0
+    err = capsys.readouterr().err
+    assert "merge two at a time" in err and err.count("\n") == 1 and not (tmp_path / "three").exists(), err
     deeper = build_model(type(narrow_config).from_dict({**narrow_config.to_dict(), "n_layer": 3}), seed=3, dtype=torch.float32)
     deeper.save_pretrained(tmp_path / "deeper")
     capsys.readouterr()
