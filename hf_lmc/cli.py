@@ -390,7 +390,7 @@ def _return_freed_memory_promptly() -> None:
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD = 4 MiB
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
     except (OSError, AttributeError):
         pass
 

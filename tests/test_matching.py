@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
-from hf_lmc.matching.solvers import assign, match_gl, match_rotary
+from hf_lmc.matching.solvers import assign, assign_product, match_gl, match_rotary
 from hf_lmc.symmetry.sample import random_gl, rotary_block
 from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, CONFIGS, build_model, logits, relative_error, sample_inputs
@@ -99,6 +99,31 @@ def test_assign_convention_matches_block_monomial():
     sim = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
     # target 0 matches source 1, target 1 matches source 2, target 2 matches source 0
     assert assign(sim).tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "structure, candidates",
+    [
+        ("independent", 32),  # no structure: the optimum leaves the candidates, certificate rounds add edges
+        ("independent", 1),  # candidates with no full matching: widened
+        ("permuted", 2),  # a noisy permutation, the shape of real MLP unit similarities
+        ("ties", 4),  # bfloat16 similarities with many exact ties
+    ],
+)
+def test_sparse_assignment_is_as_good_as_dense(structure, candidates):
+    """``assign_product`` solves on a few candidates per row and certifies the result by LP
+    duality: its total similarity equals the dense optimum (permutations may differ at ties)."""
+    n, width = 1024, 48  # n * n reaches the sparse path
+    gen = torch.Generator().manual_seed(len(structure) + candidates)
+    left = torch.randn(n, width, generator=gen)
+    right = left[torch.randperm(n, generator=gen)] + torch.randn(n, width, generator=gen) if structure == "permuted" else torch.randn(n, width, generator=gen)
+    if structure == "ties":
+        left, right = left.sign().bfloat16(), right.sign().bfloat16()
+    similarity = (left @ right.T).double()
+    total = lambda perm: similarity[perm, torch.arange(n)].sum().item()  # noqa: E731
+    sparse = assign_product(left, right, candidates=candidates)
+    assert sorted(sparse.tolist()) == list(range(n))
+    assert total(sparse) == pytest.approx(total(assign(left @ right.T)), rel=1e-9, abs=1e-9)
 
 
 @pytest.mark.parametrize("d", [2, 5, 16])

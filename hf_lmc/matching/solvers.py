@@ -6,11 +6,12 @@ data transforms as ``M x`` and "covector" data as ``M^{-T} x``. All math runs in
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 from torch import Tensor
 
 from ..linalg import householder_to_first, single_threaded
@@ -45,52 +46,111 @@ def polar_fixing_ones(m: Tensor) -> Tensor:
     return reflect(inner)
 
 
-_LARGE = 1 << 20  # cost matrices at least this big reuse one buffer (small ones are cheap to allocate)
-
-
-@functools.lru_cache(maxsize=1)
-def _cost_buffer(shape: tuple[int, int]) -> Tensor:
-    """One reused float64 cost matrix for the large (MLP) assignments, which are all one size:
-    allocating and page-faulting a fresh 0.5 GB array per layer costs as much as the assignment."""
-    return torch.empty(shape, dtype=torch.float64)
-
-
-def release_assignment_buffer() -> None:
-    """Free the reused cost matrix (after a matching run)."""
-    _cost_buffer.cache_clear()
-
-
 def assign(similarity: Tensor) -> Tensor:
     """The permutation ``perm`` maximising ``sum_h similarity[perm[h], h]``.
 
     ``similarity[i, j]`` compares target block ``i`` with source block ``j``; the result
     sends source ``j`` to position ``perm[j]`` (the convention of :class:`BlockMonomial`).
     """
-    cost = _cost_matrix(tuple(similarity.shape))
-    cost.copy_(similarity.detach())
-    return _solve(cost)
+    cost = similarity.detach().to(torch.float64, copy=True).neg_()
+    rows, cols = linear_sum_assignment(cost.numpy())  # a C-contiguous float64 array: not copied
+    return _perm_from_pairs(torch.as_tensor(rows).long(), torch.as_tensor(cols).long(), similarity.shape[1])
 
 
-def assign_product(left: Tensor, right: Tensor, rows: int = 1024) -> Tensor:
-    """:func:`assign` on ``left @ right.T``, computed a block of rows at a time straight into the
-    float64 cost matrix, so the product is never held in its own dtype as well."""
-    cost = _cost_matrix((left.shape[0], right.shape[0]))
-    for i in range(0, left.shape[0], rows):
-        cost[i : i + rows].copy_(left[i : i + rows] @ right.T)
-    return _solve(cost)
-
-
-def _cost_matrix(shape: tuple[int, int]) -> Tensor:
-    n = shape[0] * shape[1]
-    return _cost_buffer(shape) if n >= _LARGE else torch.empty(shape, dtype=torch.float64)
-
-
-def _solve(similarity: Tensor) -> Tensor:
-    """Linear assignment maximising a float64 ``similarity`` matrix, negated in place."""
-    rows, cols = linear_sum_assignment(similarity.neg_().numpy())  # a C-contiguous float64 array: not copied
-    perm = torch.empty(similarity.shape[1], dtype=torch.long)
-    perm[torch.as_tensor(cols)] = torch.as_tensor(rows)
+def _perm_from_pairs(rows: Tensor, cols: Tensor, n: int) -> Tensor:
+    perm = torch.empty(n, dtype=torch.long)
+    perm[cols] = rows
     return perm
+
+
+_SPARSE_FROM = 1 << 20  # products at least this big are assigned sparsely (below, dense is cheaper)
+
+
+def assign_product(left: Tensor, right: Tensor, rows: int = 1024, candidates: int = 32) -> Tensor:
+    """:func:`assign` on ``left @ right.T``, exactly, without a dense float64 cost matrix.
+
+    The product is kept in its own dtype (the float64 matrix ``linear_sum_assignment`` needs is
+    4x a bfloat16 one: 537 MB at FFN 8192). The assignment is solved on each row's
+    ``candidates`` best columns, then certified optimal for the whole matrix by LP duality
+    (:func:`_certified_sparse_assignment`), adding any column the certificate rejects.
+    """
+    n, m = left.shape[0], right.shape[0]
+    product = torch.empty(n, m, dtype=torch.promote_types(left.dtype, right.dtype))
+    for i in range(0, n, rows):
+        torch.matmul(left[i : i + rows], right.T, out=product[i : i + rows])
+    if n != m or n * m < _SPARSE_FROM:
+        return assign(product)
+    return _certified_sparse_assignment(product, candidates, rows)
+
+
+def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int) -> Tensor:
+    """Maximum-similarity permutation of a square matrix, solved on a sparse set of edges.
+
+    Minimising ``cost = top - similarity + 1`` (positive: sparse solvers read zeros as missing
+    edges; a constant shift does not change which permutation is best):
+
+    1. solve on each row's ``candidates`` best columns (``min_weight_full_bipartite_matching``);
+    2. duals: column potentials ``v`` are shortest paths under ``v_j <= v_pi(i) + cost_ij -
+       cost_i,pi(i)`` over the sparse edges (Bellman-Ford, vectorised), and
+       ``u_i = cost_i,pi(i) - v_pi(i)``, so matched edges are tight;
+    3. if every reduced cost ``cost_ij - u_i - v_j`` of the *dense* matrix is non-negative, the
+       duals are feasible and the matching is optimal (complementary slackness). Otherwise the
+       violating edges join the sparse set and it goes again.
+    """
+    n = similarity.shape[0]
+    top = float(similarity.max())
+    k = min(candidates, n)
+    edge_rows, edge_cols = [], []
+    for i in range(0, n, rows):
+        block = similarity[i : i + rows].float()
+        edge_cols.append(block.topk(k, dim=1).indices.reshape(-1))
+        edge_rows.append(torch.arange(i, i + block.shape[0]).repeat_interleave(k))
+    edge_rows, edge_cols = torch.cat(edge_rows), torch.cat(edge_cols)
+    for _ in range(n):  # each round adds at least one edge; in practice one or two rounds
+        cost = top - similarity[edge_rows, edge_cols].double() + 1
+        graph = csr_matrix((cost.numpy(), (edge_rows.numpy(), edge_cols.numpy())), shape=(n, n))
+        try:
+            matched_rows, matched_cols = min_weight_full_bipartite_matching(graph)
+        except ValueError:  # no full matching among the candidates: widen them
+            return _certified_sparse_assignment(similarity, 4 * k, rows) if 4 * k < n else assign(similarity)
+        matched_rows, matched_cols = torch.as_tensor(matched_rows).long(), torch.as_tensor(matched_cols).long()
+        col_of = torch.empty(n, dtype=torch.long)
+        col_of[matched_rows] = matched_cols
+        u, v = _assignment_duals(edge_rows, edge_cols, cost, col_of, top)
+        if u is None:  # no convergence (round-off cycles): let the dense solver decide
+            return assign(similarity)
+        tol = 1e-9 * (abs(top) + 1)
+        new_rows, new_cols = [], []
+        for i in range(0, n, check := max(1, rows // 4)):  # float64 blocks of rows: 16 MB at n = 8192
+            reduced = (top + 1 - u[i : i + check, None]) - similarity[i : i + check].double() - v[None, :]
+            r, c = torch.nonzero(reduced < -tol, as_tuple=True)
+            new_rows.append(r + i)
+            new_cols.append(c)
+        new_rows, new_cols = torch.cat(new_rows), torch.cat(new_cols)
+        if new_rows.numel() == 0:
+            return _perm_from_pairs(matched_rows, matched_cols, n)
+        edge_rows, edge_cols = torch.cat([edge_rows, new_rows]), torch.cat([edge_cols, new_cols])
+    return assign(similarity)
+
+
+def _assignment_duals(
+    edge_rows: Tensor, edge_cols: Tensor, cost: Tensor, col_of: Tensor, top: float
+) -> tuple[Tensor | None, Tensor | None]:
+    """Dual potentials ``(u, v)`` of an optimal sparse assignment, or ``(None, None)``."""
+    n = col_of.shape[0]
+    matched_cost = torch.empty(n, dtype=torch.float64)
+    is_matched = edge_cols == col_of[edge_rows]
+    matched_cost[edge_rows[is_matched]] = cost[is_matched]
+    weight = cost - matched_cost[edge_rows]  # v_j <= v_pi(i) + weight
+    source = col_of[edge_rows]
+    v = torch.zeros(n, dtype=torch.float64)  # a virtual source with a zero edge to every column
+    slack = 1e-12 * (abs(top) + 1)
+    for _ in range(n + 1):  # Bellman-Ford, all edges at once
+        relaxed = v.scatter_reduce(0, edge_cols, v[source] + weight, reduce="amin")
+        if not bool((relaxed < v - slack).any()):
+            return matched_cost - v[col_of], v
+        v = relaxed
+    return None, None  # a negative cycle: round-off, or the matching was not optimal
 
 
 def assign_heads(similarity: Tensor, num_kv_heads: int) -> tuple[Tensor, Tensor]:

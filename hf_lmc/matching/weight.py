@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..canonical import CanonicalModel
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
-from .solvers import Moments, assign, assign_heads, assign_product, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones, release_assignment_buffer
+from .solvers import Moments, assign, assign_heads, assign_product, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones
 
 
 def _residual_axis(name: str) -> int | None:
@@ -127,7 +127,6 @@ class WeightMatcher:
             if not predicted < current * (1 - self.tol) or best_objective < EXACT:
                 break
             residual = refit
-        release_assignment_buffer()
         return best
 
     def _cast(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
