@@ -102,7 +102,7 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
     k = min(candidates, n)
     edge_rows, edge_cols = [], []
     for i in range(0, n, rows):
-        block = similarity[i : i + rows].float()
+        block = similarity[i : i + rows]
         edge_cols.append(block.topk(k, dim=1).indices.reshape(-1))
         edge_rows.append(torch.arange(i, i + block.shape[0]).repeat_interleave(k))
     edge_rows, edge_cols = torch.cat(edge_rows), torch.cat(edge_cols)
@@ -119,18 +119,33 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
         u, v = _assignment_duals(edge_rows, edge_cols, cost, col_of, top)
         if u is None:  # no convergence (round-off cycles): let the dense solver decide
             return assign(similarity)
-        tol = 1e-9 * (abs(top) + 1)
-        new_rows, new_cols = [], []
-        for i in range(0, n, check := max(1, rows // 4)):  # float64 blocks of rows: 16 MB at n = 8192
-            reduced = (top + 1 - u[i : i + check, None]) - similarity[i : i + check].double() - v[None, :]
-            r, c = torch.nonzero(reduced < -tol, as_tuple=True)
-            new_rows.append(r + i)
-            new_cols.append(c)
-        new_rows, new_cols = torch.cat(new_rows), torch.cat(new_cols)
+        new_rows, new_cols = _violations(similarity, u, v, top, rows)
         if new_rows.numel() == 0:
             return _perm_from_pairs(matched_rows, matched_cols, n)
         edge_rows, edge_cols = torch.cat([edge_rows, new_rows]), torch.cat([edge_cols, new_cols])
     return assign(similarity)
+
+
+def _violations(similarity: Tensor, u: Tensor, v: Tensor, top: float, rows: int) -> tuple[Tensor, Tensor]:
+    """Entries whose reduced cost ``top + 1 - similarity_ij - u_i - v_j`` is negative (below
+    ``-1e-9`` of the scale): screened in float32 with a bound on its rounding error, then
+    decided in float64, so nothing is missed and the dense float64 matrix never exists."""
+    tol = 1e-9 * (abs(top) + 1)
+    row_term, col_term = top + 1 - u, v
+    scale = float(row_term.abs().max() + similarity.abs().max().double() + col_term.abs().max())
+    screen = 8 * torch.finfo(torch.float32).eps * scale  # float32 error of a - s - b is below this
+    row32, col32 = row_term.float(), col_term.float()
+    found_rows, found_cols = [], []
+    step = max(1, rows // 4)  # float32 blocks of 8 MB at n = 8192
+    for i in range(0, similarity.shape[0], step):
+        block = similarity[i : i + step]
+        r, c = torch.nonzero((row32[i : i + step, None] - block.float()) - col32[None, :] < screen, as_tuple=True)
+        r = r + i
+        exact = row_term[r] - similarity[r, c].double() - col_term[c]
+        keep = exact < -tol
+        found_rows.append(r[keep])
+        found_cols.append(c[keep])
+    return torch.cat(found_rows), torch.cat(found_cols)
 
 
 def _assignment_duals(
