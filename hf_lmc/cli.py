@@ -18,6 +18,7 @@ examples:
   hf-lmc merge ./a ./b ./c --output ./abc --weights 0.5 0.25 0.25     # universe matching of 3 models
   hf-lmc barrier ./a ./b --data plays.txt --plot path.png             # vanilla vs aligned path
   hf-lmc barrier ./a ./b --data test.txt --method learned --fit-data train.txt
+  hf-lmc barrier ./a ./b ./c --data plays.txt --plot simplex.png      # 3+ models: worst point of the simplex
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
   hf-lmc run recipes/zoo-offline.yaml                                 # a whole run (or sweep) from a YAML recipe
@@ -92,9 +93,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ValueError("pass either --alpha (two models) or --weights (one per model), not both")
     if args.alpha is not None and len(models) != 2:
         raise ValueError(f"--alpha is the weight of MODEL_B when merging two models; for {len(models)} pass --weights w1 ... w{len(models)}")
-    if args.revisions is not None and (args.revision_a or args.revision_b):
-        raise ValueError("pass either --revisions or --revision-a/--revision-b, not both")
-    revisions = [None if r == "-" else r for r in args.revisions] if args.revisions is not None else [args.revision_a, args.revision_b] + [None] * (len(models) - 2)
+    revisions = _revisions(args, len(models))
     options = dict(
         method=args.method, symmetries=args.symmetries,
         data=args.data, data_options=_eval_options(args, args.data_split), learn=_learn_options(args),
@@ -115,18 +114,40 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_barrier(args: argparse.Namespace) -> int:
-    from .barriers import barrier, plot
+    from .barriers import barrier, barrier_over_simplex, plot, plot_simplex
 
+    models = args.models
+    if len(models) < 2:
+        raise ValueError(f"barrier needs at least 2 models, got {len(models)}")
+    revisions = _revisions(args, len(models))
     methods = ("average",) if args.method == "average" else ("average", args.method)
-    result = barrier(
-        args.model_a, args.model_b, args.data, methods=methods, alphas=args.alphas, symmetries=args.symmetries,
-        eval_options=_eval_options(args), fit_data=args.fit_data, fit_options=_eval_options(args, args.data_split),
-        learn=_learn_options(args), revision_a=args.revision_a, revision_b=args.revision_b,
+    common = dict(
+        methods=methods, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.fit_data,
+        fit_options=_eval_options(args, args.data_split), learn=_learn_options(args),
     )
-    if args.plot:
-        plot(result, args.plot)
+    if len(models) == 2:
+        result = barrier(*models, args.data, alphas=args.alphas or 11, revision_a=revisions[0], revision_b=revisions[1], **common)
+        if args.plot:
+            plot(result, args.plot)
+    else:
+        if args.plot and len(models) != 3:
+            raise ValueError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
+        result = barrier_over_simplex(models, args.data, points=args.alphas or 5, revisions=revisions, **common)
+        if args.plot:
+            plot_simplex(result, args.plot)
     print(result.to_json() if args.json else result.table())
     return 0
+
+
+def _revisions(args: argparse.Namespace, count: int) -> list[str | None]:
+    """One revision per model from ``--revisions`` or ``--revision-a/--revision-b``."""
+    if args.revisions is not None and (args.revision_a or args.revision_b):
+        raise ValueError("pass either --revisions or --revision-a/--revision-b, not both")
+    if args.revisions is None:
+        return [args.revision_a, args.revision_b] + [None] * (count - 2)
+    if len(args.revisions) != count:
+        raise ValueError(f"--revisions takes one entry per model ('-' for the default branch): got {len(args.revisions)} for {count} models")
+    return [None if r == "-" else r for r in args.revisions]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -171,8 +192,8 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1)")
 
 
-def _add_model_options(parser: argparse.ArgumentParser, many: bool = False) -> None:
-    """Models, revisions and method; ``many``: two or more models with --alpha / --weights (merge)."""
+def _add_model_options(parser: argparse.ArgumentParser, many: bool = False, weights: bool = False) -> None:
+    """Models, revisions and method; ``many``: two or more models; ``weights``: --alpha / --weights (merge)."""
     if many:
         parser.add_argument("models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)")
     else:
@@ -186,7 +207,7 @@ def _add_model_options(parser: argparse.ArgumentParser, many: bool = False) -> N
     method = parser.add_argument_group("method")
     method.add_argument("--method", choices=list(METHODS), default="weight", help="alignment before interpolation (default: weight, data-free; universe matching for 3+ models)")
     method.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="symmetry group the alignment searches (default: full)")
-    if many:
+    if weights:
         method.add_argument("--alpha", type=float, default=None, help="two models: weight of MODEL_B in [0, 1] (default: 0.5)")
         method.add_argument("--weights", type=float, nargs="+", default=None, metavar="W", help="one weight per model, >= 0, summing to 1 (default: uniform)")
 
@@ -229,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_options(merge, many=True)
+    _add_model_options(merge, many=True, weights=True)
     out = merge.add_argument_group("output")
     out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
     out.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -246,19 +267,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bar = commands.add_parser(
         "barrier",
-        help="measure the loss barrier along the vanilla and aligned linear paths",
+        help="measure the loss barrier along the vanilla and aligned linear paths (or over the simplex of 3+ models)",
         description="Evaluate held-out loss along (1-alpha)*A + alpha*B for vanilla averaging and for the "
-        "aligned path, and report the barrier: the largest excess over the line between the endpoints.",
+        "aligned path, and report the barrier: the largest excess over the line between the endpoints. With 3+ "
+        "models, the same over a grid of the simplex: the largest L(sum_k w_k theta_k) - sum_k w_k L(theta_k).",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_options(bar)
+    _add_model_options(bar, many=True)
     data = bar.add_argument_group("data")
     data.add_argument("--data", required=True, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(bar, "data settings")
+    _add_eval_options(bar, "data settings", many=True)
     _add_learn_options(bar, "--fit-data")
     report = bar.add_argument_group("report")
-    report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot")
+    report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot (three models: the simplex triangle)")
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
     bar.set_defaults(run=cmd_barrier)
 

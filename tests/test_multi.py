@@ -3,6 +3,8 @@ the simplex barrier, and ``merge_models`` / ``hf-lmc merge A B C`` end to end.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from huggingface_hub import ModelCard
@@ -163,6 +165,18 @@ def test_dual_merge_of_three_twins_with_the_simplex_barrier_in_the_card(tmp_path
     table = capsys.readouterr().out
     dual_row = next(line for line in table.splitlines() if line.startswith("| dual |"))
     assert abs(float(dual_row.split("|")[4])) < 1e-4  # twins: flat over the whole simplex
+
+
+def test_barrier_cli_over_the_simplex_of_three_twins(tmp_path, capsys):
+    _, folders = _twin_folders(tmp_path, "vit")
+    torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
+    plot = tmp_path / "simplex.png"
+    args = ["barrier", *map(str, folders), "--data", str(tmp_path / "eval.pt"), "--alphas", "3", "--json", "--plot", str(plot)]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["points"]) == len(simplex_grid(3, 3)) and abs(report["barriers"]["weight"]) < 1e-4
+    assert set(report["barriers"]) == {"average", "weight"} and plot.stat().st_size > 1000
+    _fails(["barrier", *map(str, folders), "--data", "x.pt", "--revisions", "main"], capsys, tmp_path, "one entry per model")
 
 
 def test_bad_multi_model_input(tmp_path, capsys):
