@@ -162,12 +162,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_eval_options(parser: argparse.ArgumentParser, title: str, many: bool = False) -> None:
+def _add_eval_options(parser: argparse.ArgumentParser, title: str) -> None:
     group = parser.add_argument_group(title)
-    if many:
-        group.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
-    else:
-        group.add_argument("--alphas", type=int, default=11, metavar="N", help="points on the alpha grid (default: 11)")
+    group.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
     group.add_argument("--batch-size", type=int, default=8, metavar="N", help="batch size of every data set (default: 8)")
     group.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per block (default: min(128, context))")
     group.add_argument("--max-batches", type=int, default=None, metavar="N", help="use at most N batches of each data set")
@@ -192,18 +189,13 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1)")
 
 
-def _add_model_options(parser: argparse.ArgumentParser, many: bool = False, weights: bool = False) -> None:
-    """Models, revisions and method; ``many``: two or more models; ``weights``: --alpha / --weights (merge)."""
-    if many:
-        parser.add_argument("models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)")
-    else:
-        parser.add_argument("model_a", metavar="MODEL_A", help="local folder or Hub id (alpha = 0)")
-        parser.add_argument("model_b", metavar="MODEL_B", help="local folder or Hub id (alpha = 1)")
+def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -> None:
+    """Two or more models, their revisions and the method; ``weights``: --alpha / --weights (merge)."""
+    parser.add_argument("models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)")
     group = parser.add_argument_group("models")
     group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
     group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
-    if many:
-        group.add_argument("--revisions", nargs="+", default=None, metavar="REV", help="Hub revision of every model, in order ('-' for the default branch)")
+    group.add_argument("--revisions", nargs="+", default=None, metavar="REV", help="Hub revision of every model, in order ('-' for the default branch)")
     method = parser.add_argument_group("method")
     method.add_argument("--method", choices=list(METHODS), default="weight", help="alignment before interpolation (default: weight, data-free; universe matching for 3+ models)")
     method.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="symmetry group the alignment searches (default: full)")
@@ -250,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_options(merge, many=True, weights=True)
+    _add_model_options(merge, weights=True)
     out = merge.add_argument_group("output")
     out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
     out.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -261,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_argument("--private", action="store_true", help="create the Hub repo as private")
     evaluation = merge.add_argument_group("evaluation (optional: adds the barrier table and plot to the card)")
     evaluation.add_argument("--eval-data", default=None, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(merge, "data settings", many=True)
+    _add_eval_options(merge, "data settings")
     _add_learn_options(merge, "--data")
     merge.set_defaults(run=cmd_merge)
 
@@ -274,10 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_options(bar, many=True)
+    _add_model_options(bar)
     data = bar.add_argument_group("data")
     data.add_argument("--data", required=True, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(bar, "data settings", many=True)
+    _add_eval_options(bar, "data settings")
     _add_learn_options(bar, "--fit-data")
     report = bar.add_argument_group("report")
     report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot (three models: the simplex triangle)")
