@@ -98,7 +98,7 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
        violating edges join the sparse set and it goes again.
     """
     n = similarity.shape[0]
-    top = float(similarity.max())
+    top, largest = float(similarity.max()), float(similarity.abs().max())
     k = min(candidates, n)
     edge_rows, edge_cols = [], []
     for i in range(0, n, rows):
@@ -119,20 +119,21 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
         u, v = _assignment_duals(edge_rows, edge_cols, cost, col_of, top)
         if u is None:  # no convergence (round-off cycles): let the dense solver decide
             return assign(similarity)
-        new_rows, new_cols = _violations(similarity, u, v, top, rows)
+        new_rows, new_cols = _violations(similarity, u, v, top, largest, rows)
         if new_rows.numel() == 0:
             return _perm_from_pairs(matched_rows, matched_cols, n)
         edge_rows, edge_cols = torch.cat([edge_rows, new_rows]), torch.cat([edge_cols, new_cols])
     return assign(similarity)
 
 
-def _violations(similarity: Tensor, u: Tensor, v: Tensor, top: float, rows: int) -> tuple[Tensor, Tensor]:
+def _violations(similarity: Tensor, u: Tensor, v: Tensor, top: float, largest: float, rows: int) -> tuple[Tensor, Tensor]:
     """Entries whose reduced cost ``top + 1 - similarity_ij - u_i - v_j`` is negative (below
     ``-1e-9`` of the scale): screened in float32 with a bound on its rounding error, then
-    decided in float64, so nothing is missed and the dense float64 matrix never exists."""
+    decided in float64, so nothing is missed and the dense float64 matrix never exists.
+    ``largest`` is ``max |similarity|``, which bounds the screen's error with the potentials'."""
     tol = 1e-9 * (abs(top) + 1)
     row_term, col_term = top + 1 - u, v
-    scale = float(row_term.abs().max() + similarity.abs().max().double() + col_term.abs().max())
+    scale = float(row_term.abs().max()) + largest + float(col_term.abs().max())
     screen = 8 * torch.finfo(torch.float32).eps * scale  # float32 error of a - s - b is below this
     row32, col32 = row_term.float(), col_term.float()
     found_rows, found_cols = [], []
