@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from .canonical import combine, canonicalize, to_hf, weighted_sum
 from .evaluation import EvalOptions, evaluate, load_batches
-from .loading import LoadedModel, load_model
+from .loading import LoadedModel, load_model, revisions_per_model
 from .alignment import DATA_METHODS, LearnOptions, align_many, check_method
 from .symmetry import Transform
 from .widths import spec_of, to_common_shape
@@ -95,6 +95,12 @@ def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 def simplex_barrier(points: Sequence[Sequence[float]], losses: Sequence[float]) -> float:
     """``max_w`` of the loss above the plane through the vertices' losses (``points`` must hold
     every vertex); with two models, :func:`loss_barrier`."""
+    return max(excess_over_vertices(points, losses))
+
+
+def excess_over_vertices(points: Sequence[Sequence[float]], losses: Sequence[float]) -> list[float]:
+    """Each grid point's loss above ``sum_k w_k L(theta_k)``, the plane through the vertices'
+    losses (``points`` must hold every vertex)."""
     vertex = {}
     for w, loss in zip(points, losses):
         for k, x in enumerate(w):
@@ -102,7 +108,7 @@ def simplex_barrier(points: Sequence[Sequence[float]], losses: Sequence[float]) 
                 vertex[k] = loss
     if len(vertex) != len(points[0]):
         raise ValueError("the grid must contain every vertex (each model on its own)")
-    return max(loss - sum(x * vertex[k] for k, x in enumerate(w)) for w, loss in zip(points, losses))
+    return [loss - sum(x * vertex[k] for k, x in enumerate(w)) for w, loss in zip(points, losses)]
 
 
 @dataclass
@@ -119,8 +125,7 @@ class SimplexBarrierResult:
 
     def worst(self, method: str) -> tuple[float, ...]:
         """The grid point where ``method``'s loss rises furthest above the vertices' plane."""
-        vertex = [self.losses[method][self.points.index(w)] for w in _vertices(len(self.points[0]))]
-        excess = [loss - sum(x * v for x, v in zip(w, vertex)) for w, loss in zip(self.points, self.losses[method])]
+        excess = excess_over_vertices(self.points, self.losses[method])
         return self.points[max(range(len(excess)), key=excess.__getitem__)]
 
     def centre_loss(self, method: str) -> float:
@@ -139,10 +144,6 @@ class SimplexBarrierResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self) | {"barriers": self.barriers}, indent=2)
-
-
-def _vertices(count: int) -> list[tuple[float, ...]]:
-    return [tuple(1.0 if j == k else 0.0 for j in range(count)) for k in range(count)]
 
 
 def _merges(
@@ -270,7 +271,7 @@ def barrier_over_simplex(
     ``points`` per edge): the M-model :func:`barrier`. Forms of models and data as there."""
     for method in methods:
         check_method(method, fit_data, flag="--fit-data", count=len(models))
-    loaded = [load_model(m, r) for m, r in zip(models, revisions or [None] * len(models))]
+    loaded = [load_model(m, r) for m, r in zip(models, revisions_per_model(revisions, len(models)))]
     first = loaded[0]
     fit_batches = load_batches(fit_data, first.model.config, first.folder, fit_options) if fit_data is not None else None
     return simplex_barrier_of_loaded(
@@ -340,10 +341,7 @@ def plot_simplex(result: SimplexBarrierResult, path: str | Path, names: Sequence
     corners = [(0.0, 0.0), (1.0, 0.0), (0.5, 3**0.5 / 2)]
     xs = [sum(w[k] * corners[k][0] for k in range(3)) for w in result.points]
     ys = [sum(w[k] * corners[k][1] for k in range(3)) for w in result.points]
-    excess = {}
-    for method, losses in result.losses.items():
-        vertex = [losses[result.points.index(v)] for v in _vertices(3)]
-        excess[method] = [loss - sum(x * v for x, v in zip(w, vertex)) for w, loss in zip(result.points, losses)]
+    excess = {method: excess_over_vertices(result.points, losses) for method, losses in result.losses.items()}
     top = max(max(e) for e in excess.values())
     bottom = min(0.0, min(min(e) for e in excess.values()))
     fig, axes = plt.subplots(1, len(excess), figsize=(3.2 * len(excess), 3.2), dpi=120, squeeze=False)

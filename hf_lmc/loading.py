@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,3 +33,12 @@ def load_model(reference, revision: str | None = None) -> LoadedModel:
     Checkpoint(folder, adapter)  # fail on missing / corrupt shards with our message, not transformers'
     model = adapter.model_class.from_pretrained(folder)
     return LoadedModel(model.eval(), folder)
+
+
+def revisions_per_model(revisions: Sequence[str | None] | None, count: int) -> list[str | None]:
+    """One Hub revision per model (``None``: the default branch); fails on a list of the wrong length."""
+    if revisions is None:
+        return [None] * count
+    if len(revisions) != count:
+        raise ValueError(f"revisions needs one entry per model (None for the default): got {len(revisions)} for {count} models")
+    return list(revisions)

@@ -34,7 +34,7 @@ from .checkpoint import Checkpoint
 from .evaluation import EvalOptions, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
-from .loading import load_model
+from .loading import load_model, revisions_per_model
 from .symmetry import Transform, resolve_kinds
 from .widths import common_spec, describe, to_common_shape
 
@@ -171,7 +171,6 @@ def merge(
         push_to_hub: repo id to upload the folder to (``private`` for a private repo).
         overwrite: replace an existing ``output`` folder.
     """
-    check_method(method, data)
     if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
         raise ValueError(f"--alpha must lie in [0, 1], got {alpha}")
     return merge_models(
@@ -227,9 +226,7 @@ def merge_models(
         raise ValueError(f"merge needs at least 2 models, got {count}")
     check_method(method, data, count=count)
     weights = simplex_weights(weights, count)
-    revisions = list(revisions) if revisions is not None else [None] * count
-    if len(revisions) != count:
-        raise ValueError(f"revisions needs one entry per model (None for the default): got {len(revisions)} for {count} models")
+    revisions = revisions_per_model(revisions, count)
     kinds = resolve_kinds(symmetries)
     out_dtype = _dtype(dtype)
     output = Path(output)

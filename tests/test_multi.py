@@ -177,6 +177,8 @@ def test_barrier_cli_over_the_simplex_of_three_twins(tmp_path, capsys):
     assert len(report["points"]) == len(simplex_grid(3, 3)) and abs(report["barriers"]["weight"]) < 1e-4
     assert set(report["barriers"]) == {"average", "weight"} and plot.stat().st_size > 1000
     _fails(["barrier", *map(str, folders), "--data", "x.pt", "--revisions", "main"], capsys, tmp_path, "one entry per model")
+    with pytest.raises(ValueError, match="one entry per model"):  # the Python API checks it too
+        hf_lmc.barriers.barrier_over_simplex(folders, tmp_path / "eval.pt", revisions=["main"])
 
 
 def test_bad_multi_model_input(tmp_path, capsys):
