@@ -82,16 +82,10 @@ class CanonicalModel:
 def interpolate(a: CanonicalModel, b: CanonicalModel, alpha: float) -> CanonicalModel:
     """``(1 - alpha) a + alpha b``, tensor by tensor (lazy): alpha=0 is A, alpha=1 is B.
 
-    Exports under A's config, so B must be aligned to A's architecture and shapes.
+    Exports under A's config, so B must be aligned to A's architecture and shapes. The
+    two-model :func:`combine` (one ``torch.lerp`` per tensor).
     """
-    if a.spec != b.spec:
-        raise ValueError(f"cannot interpolate models of different architectures: {a.spec} vs {b.spec}")
-
-    def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:
-        ga, gb = a.group(group, rows), b.group(group, rows)  # fresh dicts: popping frees each input once used
-        return {name: torch.lerp(t, gb.pop(name).to(t.dtype), alpha) for name, t in drain(ga)}
-
-    return CanonicalModel(a.spec, a.config, load)
+    return combine([a, b], [1 - alpha, alpha])
 
 
 def weighted_sum(tensors: Sequence[Tensor], weights: Sequence[float | Tensor]) -> Tensor:
