@@ -1,7 +1,10 @@
 """Run by tests/test_learned.py under torchrun (2 processes, gloo) and as 1 process.
 
-Each process trains on its shard of the same global batches; the trained parameters are saved
-by the main process so the test can compare the 2-process run with the 1-process run.
+Each process trains on its shard of the same global batches; the trained parameters, the
+merge's logits and the endpoint elements each process holds are saved by the main process so
+the test can compare the 2-process runs (endpoints whole or sharded) with the 1-process run.
+
+    python tests/distributed_fit.py OUT [--shard-endpoints]
 """
 
 import json
@@ -15,22 +18,28 @@ from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
 
-def main(out: str) -> None:
-    accelerator = Accelerator(cpu=True)
+def main(out: str, shard: bool) -> None:
+    accelerator = Accelerator(cpu=True)  # first: sharded endpoints need the process group
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
     torch.manual_seed(0)  # the same lambda draws in every process
-    matcher = LearnedMatcher(model_a, model_b, dtype=torch.float64)
+    matcher = LearnedMatcher(model_a, model_b, dtype=torch.float64, shard_endpoints=shard)
     g = torch.Generator().manual_seed(0)
     global_batches = [torch.randint(0, config.vocab_size, (4, 10), generator=g) for _ in range(3)]
     shards = [{"input_ids": x.chunk(accelerator.num_processes)[accelerator.process_index]} for x in global_batches]
     losses = matcher.fit(shards, steps=3, lr=1e-2, accelerator=accelerator, progress=False)
+    merged = matcher.merge(0.5)  # a collective when the endpoints are sharded: every process calls it
+    with torch.no_grad():
+        logits = merged(global_batches[0]).logits
+    held = torch.tensor([float(sum(store.local_numel() for store in matcher.interpolant.endpoints))])
+    held = accelerator.gather(held).tolist()
     if accelerator.is_main_process:
-        torch.save({k: v.detach().clone() for k, v in matcher.state_dict().items() if "template" not in k and "interpolant" not in k}, out)
+        params = {k: v.detach().clone() for k, v in matcher.state_dict().items() if "template" not in k and "interpolant" not in k}
+        torch.save({"params": params, "logits": logits}, out)
         with open(out + ".json", "w") as f:
-            json.dump({"num_processes": accelerator.num_processes, "losses": losses}, f)
+            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "held": held}, f)
     accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--shard-endpoints" in sys.argv[2:])

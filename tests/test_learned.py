@@ -44,6 +44,26 @@ def test_training_lowers_the_interpolation_loss_and_endpoints_stay_exact(cls):
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
+def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
+    """``.to()`` / ``accelerator.prepare`` move the frozen endpoints with the transforms (they are
+    not buffers: DDP would broadcast them every step), and checkpoints hold only the transforms."""
+    config = tiny_configs()["gpt2"]
+    matcher = LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2))
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}
+    loss32 = matcher(batch, alpha=0.5)
+    matcher.double()
+    stored = [t for store in matcher.interpolant.endpoints for group in store.tensors.values() for t in group.values()]
+    assert stored and all(t.dtype == torch.float64 for t in stored)
+    assert matcher.interpolant(matcher.transform_b(), 0.5, **batch).logits.dtype == torch.float64  # (HF's loss upcasts)
+    torch.testing.assert_close(matcher(batch, alpha=0.5).float(), loss32, rtol=1e-5, atol=1e-6)
+    assert not any("endpoint" in k or "interpolant.models" in k for k in matcher.state_dict())
+    matcher.to("meta")
+    assert all(t.device.type == "meta" for store in matcher.interpolant.endpoints for g in store.tensors.values() for t in g.values())
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a multi-process launch without a process group yet
+    with pytest.raises(RuntimeError, match="create the Accelerator"):
+        LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2), init="identity", shard_endpoints=True)
+
+
 def test_bad_options_are_rejected():
     model = build_model(tiny_configs()["gpt2"], seed=0)
     with pytest.raises(ValueError, match="unknown init"):
@@ -107,6 +127,8 @@ def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
 
 
 def test_two_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
+    """DDP over 2 CPU processes, with the endpoints whole and sharded, trains and merges exactly
+    as 1 process does on the same global batches; sharded, each process holds half the endpoints."""
     import json
     import os
     import subprocess
@@ -116,13 +138,20 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path)
     root = Path(__file__).resolve().parent.parent
     env = os.environ | {"ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     script = str(root / "tests" / "distributed_fit.py")
-    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    subprocess.run([sys.executable, script, one], env=env, check=True, timeout=600, cwd=root)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, two]
-    subprocess.run(torchrun, env=env, check=True, timeout=600, cwd=root)
-    assert json.loads(Path(one + ".json").read_text())["num_processes"] == 1
-    assert json.loads(Path(two + ".json").read_text())["num_processes"] == 2  # really two processes
-    single, double = torch.load(one), torch.load(two)
-    assert single.keys() == double.keys() and single
-    for name in single:  # float64; Adam's normalisation lifts all-reduce rounding to ~1e-10
-        torch.testing.assert_close(double[name], single[name], rtol=1e-7, atol=1e-9, msg=name)
+    runs = {"one": [], "two": [], "two, sharded": ["--shard-endpoints"]}
+    for name, flags in runs.items():
+        out = str(tmp_path / name)
+        launch = [sys.executable] if name == "one" else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        subprocess.run([*launch, script, out, *flags], env=env, check=True, timeout=600, cwd=root)
+    info = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
+    assert [info[n]["num_processes"] for n in runs] == [1, 2, 2]  # really two processes
+    whole, = info["one"]["held"]
+    assert info["two"]["held"] == [whole, whole]
+    assert all(abs(h - whole / 2) <= 64 for h in info["two, sharded"]["held"])  # half each, up to padding
+    single = torch.load(tmp_path / "one")
+    for name in ("two", "two, sharded"):
+        other = torch.load(tmp_path / name)
+        assert single["params"].keys() == other["params"].keys() and single["params"]
+        for key in single["params"]:  # float64; Adam's normalisation lifts all-reduce rounding to ~1e-10
+            torch.testing.assert_close(other["params"][key], single["params"][key], rtol=1e-7, atol=1e-9, msg=f"{name}: {key}")
+        torch.testing.assert_close(other["logits"], single["logits"], rtol=1e-6, atol=1e-8, msg=name)

@@ -12,7 +12,9 @@ Memory (DESIGN §5): the model class is a weightless skeleton (its parameter slo
 so device moves and state dicts see only the transforms), and each transformer layer's interpolated weights are built *inside* that layer's call. With
 ``checkpoint_layers`` the call runs under :func:`torch.utils.checkpoint.checkpoint`, so a
 layer's transformed weights are freed after its forward and rebuilt in backward: only one
-layer's worth is alive at a time, next to the frozen endpoints and the activations.
+layer's worth is alive at a time, next to the frozen endpoints and the activations. The endpoints
+live in :class:`~hf_lmc.matching.endpoints.EndpointStore` objects: they follow the module's
+device and dtype moves, and with ``shard=True`` each process keeps only its slice of them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton, weighted_sum
 from ..spec import Group
 from ..symmetry import Transform
+from .endpoints import EndpointStore, shard_group
 
 
 @dataclass
@@ -69,12 +72,17 @@ class Interpolant(nn.Module):
         a, b, *more: canonical endpoints of one architecture and shape (kept as they are: frozen).
         checkpoint_layers: rebuild each layer's weights inside gradient checkpointing (see the
             module docstring); off, every layer's weights stay alive until backward.
+        shard: under ``torch.distributed`` with N > 1 processes, keep 1/N of every endpoint
+            per process and all-gather a layer's tensors when it is built
+            (:mod:`hf_lmc.matching.endpoints`); every call is then a collective.
 
     ``interpolant(T_B, alpha, T_A, **batch)`` runs the two-model path;
     ``interpolant.at(transforms, weights, **batch)`` any point of the simplex.
     """
 
-    def __init__(self, a: CanonicalModel, b: CanonicalModel, *more: CanonicalModel, checkpoint_layers: bool = True):
+    def __init__(
+        self, a: CanonicalModel, b: CanonicalModel, *more: CanonicalModel, checkpoint_layers: bool = True, shard: bool = False
+    ):
         super().__init__()
         if any(m.spec != a.spec for m in (b, *more)):
             raise ValueError("the canonical models differ in architecture or shape")
@@ -82,7 +90,9 @@ class Interpolant(nn.Module):
         config = copy.deepcopy(a.config)
         if hasattr(config, "tie_word_embeddings"):
             config.tie_word_embeddings = False
-        self.models = (CanonicalModel(a.spec, config, a.load_group), b, *more)
+        group = shard_group(shard)
+        self.endpoints = [EndpointStore(m, group) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)]
+        self.models = tuple(store.canonical() for store in self.endpoints)
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
         self.template = skeleton(self.a.adapter.model_class, self.config).eval()
@@ -97,6 +107,13 @@ class Interpolant(nn.Module):
             layer = owner.get_submodule(name)
             rebuilt = _RebuiltLayer(layer, self._layer_builder(i, path + "."), lambda: self._point, checkpoint_layers)
             owner.register_module(name, rebuilt)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Device and dtype moves (``.to``, ``.double()``, ``accelerator.prepare``) move the endpoints too."""
+        super()._apply(fn, recurse)
+        for store in self.endpoints:
+            store.apply(fn)
+        return self
 
     def train(self, mode: bool = True) -> "Interpolant":
         """The stock model always runs in eval mode (no dropout): the loss must be a function of

@@ -135,6 +135,10 @@ class DualMatcher(PathTrainer):
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
         checkpoint_layers: rebuild each layer's interpolated weights inside gradient
             checkpointing, so only one layer's transformed weights are alive at a time.
+        shard_endpoints: under ``torch.distributed`` (``accelerate launch``, ``torchrun``; create
+            the ``Accelerator`` first) keep 1/N of the frozen endpoints per process and
+            all-gather each layer when it is built (:mod:`hf_lmc.matching.endpoints`). Every
+            forward, and ``merge``, is then a collective: call them on every process.
     """
 
     learns_a = True
@@ -151,6 +155,7 @@ class DualMatcher(PathTrainer):
         lambda_range: tuple[float, float] = (0.4, 0.6),
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool = True,
+        shard_endpoints: bool = False,
     ):
         super().__init__()
         if init not in INITS:
@@ -166,7 +171,7 @@ class DualMatcher(PathTrainer):
         options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
         self.transform_b = TrainableTransform(a.spec, start, **options)
         self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
-        self.interpolant = Interpolant(a, b, checkpoint_layers=checkpoint_layers)
+        self.interpolant = Interpolant(a, b, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)
 
     def sample_lambda(self) -> Tensor:
         low, high = self.lambda_range
@@ -212,7 +217,7 @@ class SimplexMatcher(PathTrainer):
         learns_first: ``False`` keeps the first model's starting transform fixed (one model
             anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
         concentration: the Dirichlet concentration of the sampled weights.
-        symmetries, permutations, orthogonal, dtype, checkpoint_layers: as for
+        symmetries, permutations, orthogonal, dtype, checkpoint_layers, shard_endpoints: as for
             :class:`DualMatcher`.
     """
 
@@ -228,6 +233,7 @@ class SimplexMatcher(PathTrainer):
         concentration: float = 0.1,
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool = True,
+        shard_endpoints: bool = False,
     ):
         super().__init__()
         if len(models) < 2:
@@ -254,7 +260,7 @@ class SimplexMatcher(PathTrainer):
         options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
         first = 0 if learns_first else 1
         self.learned = nn.ModuleList(TrainableTransform(canonical[0].spec, t, **options) for t in start[first:])
-        self.interpolant = Interpolant(*canonical, checkpoint_layers=checkpoint_layers)
+        self.interpolant = Interpolant(*canonical, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)
 
     @property
     def count(self) -> int:
