@@ -47,6 +47,10 @@ def main() -> None:
     parser.add_argument("--schedule", default="constant", help="transformers scheduler name (default: constant)")
     parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0)")
     parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
+    parser.add_argument("--batch-size", type=int, default=16, help="training batch size (default: 16)")
+    parser.add_argument(
+        "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
 
@@ -54,7 +58,8 @@ def main() -> None:
     folder_a, folder_b = zoo.pair(args.pair, progress=not args.quiet)
     a, b = load_model(folder_a).model, load_model(folder_b).model
     eval_batches = load_batches(zoo.held_out(args.pair), a.config, folder_a, EvalOptions(batch_size=16))
-    fit = zoo.fit_batches(args.pair, args.steps)
+    fit = zoo.fit_batches(args.pair, args.steps, batch_size=args.batch_size)
+    train_batches = fit[:: max(1, args.steps // 8)][:8] if args.train_barrier else None
     grid = alpha_grid(11)
 
     curves: dict[str, dict[int, float]] = {}
@@ -62,6 +67,8 @@ def main() -> None:
         torch.manual_seed(0)  # same lambda draws for both methods
         matcher = MATCHERS[method](a, b, lambda_range=tuple(args.lambda_range))
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
+        if train_batches:
+            curves[f"{method} (train)"] = {0: held_out_barrier(matcher, train_batches, grid)[0]}
         start = time.perf_counter()
 
         def measure(step: int, matcher: DualMatcher, curve=curve, method=method, start=start) -> None:
@@ -70,13 +77,18 @@ def main() -> None:
                 curve[step] = barrier
                 where = grid[max(range(len(grid)), key=lambda i: losses[i] - ((1 - grid[i]) * losses[0] + grid[i] * losses[-1]))]
                 print(f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}), {time.perf_counter() - start:.0f} s", file=sys.stderr)
+                if train_batches:
+                    curves[f"{method} (train)"][step] = held_out_barrier(matcher, train_batches, grid)[0]
 
         matcher.fit(
             fit, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup, progress=not args.quiet, callback=measure
         )
 
     steps = sorted({s for curve in curves.values() for s in curve})
-    print(f"zoo {args.pair}: lr {args.lr}, schedule {args.schedule}, warmup {args.warmup}, lambda ~ U{tuple(args.lambda_range)}")
+    print(
+        f"zoo {args.pair}: lr {args.lr}, schedule {args.schedule}, warmup {args.warmup}, "
+        f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}"
+    )
     print("| steps | " + " | ".join(curves) + " |")
     print("|---|" + "---|" * len(curves))
     for step in steps:
