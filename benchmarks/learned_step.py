@@ -8,7 +8,10 @@ measures, each in its own process (wall time of the second of two steps, peak RS
   * ``dual``: one :class:`hf_lmc.DualMatcher` step on the same batch (both transforms trained:
     residual Cayley map, per-head GL maps, straight-through MLP permutations), with each
     layer's interpolated weights rebuilt inside gradient checkpointing;
-  * ``dual, no checkpointing``: the same with every layer's weights alive until backward.
+  * ``dual, no checkpointing``: the same with every layer's weights alive until backward;
+  * with ``--processes 2``: the dual step under DDP in 2 processes (one thread each, the batch
+    per process), with the endpoints whole in each process and sharded across them
+    (``shard_endpoints=True``); memory is per process (the larger of the two).
 
 Targets (issue 5): dual time <= 3x base; dual memory <= 2x the two endpoints' weights plus the
 base model's activations (activations = base peak - base weights - their gradients; a step's
@@ -16,6 +19,7 @@ memory = its peak RSS less the runtime's, i.e. RSS once torch, transformers and 
 
     python benchmarks/learned_step.py                   # batch 4 x 512 tokens
     python benchmarks/learned_step.py --batch 8 --seq 512
+    python benchmarks/learned_step.py --processes 2    # adds the 2-process rows (torchrun, gloo)
 """
 
 from __future__ import annotations
@@ -44,6 +48,18 @@ model_a = tf.GPTNeoXForCausalLM(config).eval()
 weights = sum(p.numel() * p.element_size() for p in model_a.parameters())
 if mode == "base":
     step = lambda: model_a(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+elif mode.startswith("ddp"):
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)  # first: sharding needs the process group
+    model_b = tf.GPTNeoXForCausalLM(config).eval()
+    matcher = DualMatcher(model_a, model_b, init="identity", shard_endpoints=(mode == "ddp-sharded"))
+    del model_a, model_b
+    model = accelerator.prepare(matcher)
+    params = [p for p in matcher.parameters() if p.requires_grad]
+    def step():
+        accelerator.backward(model({"input_ids": ids}))
+        for p in params:
+            p.grad = None
 else:
     model_b = tf.GPTNeoXForCausalLM(config).eval()
     matcher = DualMatcher(model_a, model_b, init="identity", checkpoint_layers=(mode == "dual"))
@@ -53,7 +69,8 @@ else:
         matcher({"input_ids": ids}).backward()
         for p in params:
             p.grad = None
-import gc; gc.collect()
+import ctypes, gc; gc.collect()
+ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand set-up's freed copies back, so the step's peak is its own
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak: set-up (both HF models + canonical copies) is not a step
 before = rss()
 times = []
@@ -61,12 +78,32 @@ for _ in range(2):
     start = time.perf_counter()
     step()
     times.append(time.perf_counter() - start)
-print(json.dumps({"wall": times[-1], "peak": hwm(), "before": before, "weights": weights, "runtime": runtime}))
+row = {"wall": times[-1], "peak": hwm(), "before": before, "weights": weights, "runtime": runtime}
+if mode.startswith("ddp"):
+    rows = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(rows, row)
+    row = max(rows, key=lambda r: r["peak"] - r["runtime"]) | {"wall": max(r["wall"] for r in rows)}
+    if not accelerator.is_main_process:
+        sys.exit(0)
+print(json.dumps(row))
 """
 
 
 def run(mode: str, batch: int, seq: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(seq)], capture_output=True, text=True)
+    if mode.startswith("ddp"):  # torchrun cannot take -c: the child goes through a temporary file
+        import os
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+            f.write(CHILD)
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", f.name]
+        env = os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+        try:
+            out = subprocess.run([*launch, mode, str(batch), str(seq)], capture_output=True, text=True, env=env)
+        finally:
+            os.unlink(f.name)
+    else:
+        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(seq)], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -76,8 +113,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (default: 512)")
+    parser.add_argument("--processes", type=int, default=1, choices=(1, 2), help="2: add the DDP rows, endpoints whole and sharded")
     args = parser.parse_args()
-    rows = {mode: run(mode, args.batch, args.seq) for mode in ("base", "dual", "dual-no-checkpointing")}
+    modes = ("base", "dual", "dual-no-checkpointing") + (("ddp", "ddp-sharded") if args.processes == 2 else ())
+    rows = {mode: run(mode, args.batch, args.seq) for mode in modes}
     base = rows["base"]
     weights = base["weights"]
     activations = base["peak"] - base["before"] - weights  # the step's growth, less the weight gradients
@@ -90,7 +129,13 @@ def main() -> None:
     print("| step | wall time (s) | × base | peak RSS (GB) | memory less runtime (GB) | vs budget |")
     print("|---|---|---|---|---|---|")
     for mode, row in rows.items():
-        label = {"base": "base model fwd+bwd", "dual": "dual (layer checkpointing)", "dual-no-checkpointing": "dual, no checkpointing"}[mode]
+        label = {
+            "base": "base model fwd+bwd",
+            "dual": "dual (layer checkpointing)",
+            "dual-no-checkpointing": "dual, no checkpointing",
+            "ddp": "dual, 2 processes (per process)",
+            "ddp-sharded": "dual, 2 processes, sharded endpoints (per process)",
+        }[mode]
         budget_cell = f"{row['memory'] / budget:.2f}" if mode != "base" else "—"
         print(
             f"| {label} | {row['wall']:.1f} | {row['wall'] / base['wall']:.2f} | {row['peak'] / 1e9:.2f} | "

@@ -33,11 +33,13 @@ def main(out: str, shard: bool) -> None:
         logits = merged(global_batches[0]).logits
     held = torch.tensor([float(sum(store.local_numel() for store in matcher.interpolant.endpoints))])
     held = accelerator.gather(held).tolist()
+    store = matcher.interpolant.endpoints[0]
+    layers = sum(t.numel() for g in range(store.spec.num_layers) for t in store.load(g).values())  # a collective when sharded
     if accelerator.is_main_process:
         params = {k: v.detach().clone() for k, v in matcher.state_dict().items() if "template" not in k and "interpolant" not in k}
         torch.save({"params": params, "logits": logits}, out)
         with open(out + ".json", "w") as f:
-            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "held": held}, f)
+            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "held": held, "layers_per_model": layers}, f)
     accelerator.wait_for_everyone()
 
 

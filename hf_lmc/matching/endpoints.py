@@ -8,10 +8,11 @@ its own parameters: ``.to(device)`` (what ``accelerator.prepare`` calls), ``.dou
 move the endpoints too.
 
 Sharding (the ZeRO-3 pattern for frozen weights): with a process group of N processes, each
-process keeps a 1/N slice of every tensor (flattened and zero-padded to a multiple of N). A
-group's full tensors are all-gathered when a layer is built, and again when gradient
-checkpointing rebuilds it in backward; they are dropped after use. Memory per process: 1/N of
-every endpoint, plus the gathered tensors of the layer in flight. All processes must build the
+process keeps a 1/N slice of every layer tensor (flattened and zero-padded to a multiple of N).
+A layer's full tensors are all-gathered when it is built, and again when gradient checkpointing
+rebuilds it in backward; they are dropped after use. Embedding and head stay whole (their
+tensors are needed through the whole step). Memory per process: 1/N of the endpoints' layers,
+their embeddings and heads, and the gathered tensors of the layer in flight. All processes must build the
 same groups in the same order, which the data-parallel loop does (and which makes
 ``merge()`` a collective: call it on every process).
 """
@@ -66,27 +67,34 @@ class EndpointStore:
         self.shapes: dict[str, torch.Size] = {}
         self.tensors: dict[Group, dict[str, Tensor]] = {}
         for group, tensors in model.groups():
-            self.tensors[group] = {name: self._shard(name, t) for name, t in tensors.items()}
+            # Only layers are sharded: the embedding and head groups are used (and kept for the
+            # residual map's gradient) through the whole step, so a gathered copy of them would
+            # be alive at the peak beside the shard, and sharding them would save nothing.
+            self.tensors[group] = {name: self._shard(name, t) if self.sharded(group) else t for name, t in tensors.items()}
+
+    def sharded(self, group: Group) -> bool:
+        """Whether this process holds only a slice of ``group``: layers, when N > 1."""
+        return isinstance(group, int) and self.world > 1
 
     def _shard(self, name: str, t: Tensor) -> Tensor:
-        self.shapes[name] = t.shape
-        if self.world == 1:
-            return t
+        self.shapes[name] = t.shape  # the whole tensor's: gathers restore it
         flat = t.detach().reshape(-1)
         chunk = -(-flat.numel() // self.world)
         padded = torch.nn.functional.pad(flat, (0, chunk * self.world - flat.numel()))
         return padded[self.rank * chunk : (self.rank + 1) * chunk].clone()  # a copy: the full tensor can go
 
     def _gather(self, name: str, shard: Tensor) -> Tensor:
-        if self.world == 1:
-            return shard
         out = torch.empty(shard.numel() * self.world, dtype=shard.dtype, device=shard.device)
         _all_gather(out, shard, self.process_group)
         shape = self.shapes[name]
         return out[: shape.numel()].view(shape)
 
     def load(self, group: Group, rows: slice | None = None) -> dict[str, Tensor]:
-        tensors = {name: self._gather(name, t) for name, t in self.tensors[group].items()}
+        tensors = self.tensors[group]
+        if self.sharded(group):
+            tensors = {name: self._gather(name, t) for name, t in tensors.items()}
+        else:
+            tensors = dict(tensors)  # a fresh dict: callers may empty it
         if rows is not None:
             token_rows = self.spec.token_row_names()
             tensors = {name: t[rows] if name in token_rows else t for name, t in tensors.items()}
@@ -102,5 +110,6 @@ class EndpointStore:
                 tensors[name] = fn(t)
 
     def local_numel(self) -> int:
-        """Elements this process holds (1/N of the endpoint when sharded over N, plus padding)."""
+        """Elements this process holds (sharded over N: 1/N of the layers plus padding, and the
+        whole embedding and head)."""
         return sum(t.numel() for tensors in self.tensors.values() for t in tensors.values())
