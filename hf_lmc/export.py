@@ -65,9 +65,15 @@ class _ShardWriter:
     """Streams tensors into safetensors shards, starting a new shard when one would overflow.
 
     Each tensor's bytes go to disk as it arrives, so memory holds one tensor rather than one
-    shard. A shard's header is only known once the shard is full: it is then written in front
+    shard. A shard's header is only known once the shard is full. Shards of ``HEADER_RESERVE_FROM``
+    bytes or more leave ``HEADER_RESERVE`` bytes in front of their data and write the header
+    there at the end, padded with spaces (as safetensors pads headers anyway), so each byte is
+    written once; a header that does not fit, or a smaller shard, is written in front of a copy
     of the data (an in-kernel file copy).
     """
+
+    HEADER_RESERVE = 64 << 10  # ~400 tensor entries; 0.1 % of the smallest shard that reserves it
+    HEADER_RESERVE_FROM = 64 << 20
 
     def __init__(self, folder: Path, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
@@ -97,6 +103,7 @@ class _ShardWriter:
             self.flush()
         if self.data is None:
             self.data = open(self._data_path(), "wb")  # noqa: SIM115 (closed in flush)
+            self.data.seek(self._reserved())
         self.entries[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [self.offset, self.offset + size]}
         self.total += size
 
@@ -108,17 +115,27 @@ class _ShardWriter:
     def _data_path(self) -> Path:
         return self.folder / f"shard-{len(self.shards):05d}.data"
 
+    def _reserved(self) -> int:
+        return self.HEADER_RESERVE if self.max_bytes >= self.HEADER_RESERVE_FROM else 0
+
     def flush(self) -> None:
         if self.data is None:
             return
-        self.data.close()
         header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # safetensors pads the header so the data is 8-byte aligned
-        path, data_path = self.folder / f"shard-{len(self.shards):05d}.tmp", self._data_path()
-        with open(path, "wb") as out, open(data_path, "rb") as src:
-            out.write(struct.pack("<Q", len(header)) + header)
-            _copy_file(src, out, self.offset)
-        data_path.unlink()
+        path, data_path, reserved = self.folder / f"shard-{len(self.shards):05d}.tmp", self._data_path(), self._reserved()
+        if 8 + len(header) <= reserved:  # the header fits in front of the data: write it in place
+            self.data.seek(0)
+            self.data.write(struct.pack("<Q", reserved - 8) + header.ljust(reserved - 8))
+            self.data.close()
+            data_path.rename(path)
+        else:
+            self.data.close()
+            header += b" " * (-len(header) % 8)  # safetensors pads the header so the data is 8-byte aligned
+            with open(path, "wb") as out, open(data_path, "rb") as src:
+                out.write(struct.pack("<Q", len(header)) + header)
+                src.seek(reserved)
+                _copy_file(src, out, self.offset)
+            data_path.unlink()
         self.shards.append((path, list(self.entries)))
         self.entries, self.data, self.offset = {}, None, 0
 
@@ -162,12 +179,13 @@ def _write_row_blocks(writer: _ShardWriter, group: RowBlocks, prepare) -> None:
 
 
 def _copy_file(src, dst, size: int) -> None:
-    """Append ``size`` bytes of ``src`` to ``dst``: in the kernel where the OS can, else in Python.
+    """Append ``size`` bytes of ``src``, from its current position, to ``dst``: in the kernel
+    where the OS can, else in Python.
 
     Whatever the kernel copied before stopping or failing stays; Python copies the rest.
     """
     dst.flush()
-    copied = 0
+    start, copied = src.tell(), 0
     try:
         while copied < size:
             n = os.copy_file_range(src.fileno(), dst.fileno(), size - copied)
@@ -177,7 +195,7 @@ def _copy_file(src, dst, size: int) -> None:
     except (AttributeError, OSError):  # no copy_file_range (not Linux) or not across these files
         pass
     if copied < size:
-        src.seek(copied)
+        src.seek(start + copied)
         dst.seek(0, os.SEEK_END)
         shutil.copyfileobj(src, dst, 16 << 20)
 

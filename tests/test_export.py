@@ -340,7 +340,20 @@ def test_push_folder_defaults(tmp_path):
     assert u_kwargs["commit_message"] == "Upload merge made with hf-lmc"
 
 
-def test_streamed_shards_are_standard_safetensors(tmp_path):
+@pytest.mark.parametrize(
+    "reserve, reserve_from",
+    [(64 << 10, 1 << 62), (64 << 10, 0), (128, 0)],
+    ids=["header-then-copy", "header-in-place", "reserve-too-small"],
+)
+def test_streamed_shards_are_standard_safetensors(tmp_path, monkeypatch, reserve, reserve_from):
+    """Every way a shard gets its header (written in front of a copy of the data, in a reserved
+    space in front of it, or copied after all when it outgrows that space) gives a shard that
+    safetensors reads back bit for bit."""
+    monkeypatch.setattr(export._ShardWriter, "HEADER_RESERVE", reserve)
+    monkeypatch.setattr(export._ShardWriter, "HEADER_RESERVE_FROM", reserve_from)
+    copies = []
+    real_copy = export._copy_file
+    monkeypatch.setattr(export, "_copy_file", lambda src, dst, size: copies.append(size) or real_copy(src, dst, size))
     tensors = {
         "a": torch.randn(3, 4),
         "b": torch.randn(5).bfloat16(),
@@ -365,6 +378,7 @@ def test_streamed_shards_are_standard_safetensors(tmp_path):
         assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors)
+    assert (not copies) == (reserve_from == 0 and reserve > 128)  # in place: each byte written once
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama"])

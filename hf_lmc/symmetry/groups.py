@@ -40,14 +40,17 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, perm: Tenso
         shape[axis] = -1
         t = t * scale.reshape(shape)  # a 1 x 1 block is its own transpose
         mats = None
+    if mats is None:  # a pure block permutation: one gather along the axis, no moved copies
+        b = t.shape[axis] // n
+        source = torch.argsort(perm).to(t.device)  # y[perm[h]] = x[h]  <=>  y = x[argsort(perm)]
+        index = source if b == 1 else (source[:, None] * b + torch.arange(b, device=t.device)).reshape(-1)
+        return t.index_select(axis, index)
     x = t.movedim(axis, -1)
     lead = x.shape[:-1]
     x = x.reshape(*lead, n, -1)
-    if mats is not None:
-        mats = mats.to(dtype=x.dtype, device=x.device)
-        # vector: y_h = M_h x_h ; covector passes M^{-1} with transpose=True: y_h = M_h^{-T} x_h
-        x = torch.einsum("...hb,hcb->...hc", x, mats) if not transpose else torch.einsum("...hb,hbc->...hc", x, mats)
-    # y[perm[h]] = x[h]  <=>  y = x[argsort(perm)]
+    mats = mats.to(dtype=x.dtype, device=x.device)
+    # vector: y_h = M_h x_h ; covector passes M^{-1} with transpose=True: y_h = M_h^{-T} x_h
+    x = torch.einsum("...hb,hcb->...hc", x, mats) if not transpose else torch.einsum("...hb,hbc->...hc", x, mats)
     x = x.index_select(-2, torch.argsort(perm).to(x.device))
     return x.reshape(*lead, -1).movedim(-1, axis)
 
