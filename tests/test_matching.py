@@ -87,6 +87,21 @@ def test_balanced_gl_matching_inverts_any_gl_map():
     torch.testing.assert_close(m @ m_inv, torch.eye(5, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("head_dim, vec_width, cov_width", [(4, 2, 2), (6, 4, 4), (4, 2, 4)])
+def test_gl_matching_inverts_gl_maps_of_rank_deficient_heads(head_dim, vec_width, cov_width):
+    """A head wider than its data (``vec^T cov`` of rank below head_dim) has no balanced form;
+    the least-squares fallback still recovers a GL map exactly, and a well-conditioned one."""
+    g = torch.Generator().manual_seed(head_dim + vec_width + cov_width)
+    m0, m0_inv = random_gl(head_dim, g, log_scale=1.0)
+    vec = torch.randn(head_dim, vec_width, dtype=torch.float64, generator=g)
+    cov = torch.randn(head_dim, cov_width, dtype=torch.float64, generator=g)
+    m, m_inv = match_gl(vec, cov, m0 @ vec, m0_inv.T @ cov)
+    assert torch.isfinite(m).all() and torch.linalg.cond(m) < 1e3
+    torch.testing.assert_close(m @ m0 @ vec, vec)
+    torch.testing.assert_close(m_inv.T @ m0_inv.T @ cov, cov)
+    torch.testing.assert_close(m @ m_inv, torch.eye(head_dim, dtype=torch.float64))
+
+
 def test_rotary_matching_inverts_any_rope_commuting_map():
     g = torch.Generator().manual_seed(1)
     m0, m0_inv = rotary_block(torch.rand(2, dtype=torch.float64) + 0.5, torch.rand(2, dtype=torch.float64) * 6, 4, 6, random_gl(2, g))
@@ -142,3 +157,18 @@ def test_centred_polar_is_the_best_orthogonal_map_fixing_ones(d):
     for seed in range(5):
         other = orthogonal_fixing_ones(random_orthogonal(d - 1, torch.Generator().manual_seed(seed)))
         assert (other * m).sum() <= (r * m).sum() + 1e-12
+
+
+def test_unit_covariance_keeps_its_digits_under_large_means():
+    """MLP unit correlations come from a float32 cross moment; units with a mean far above their
+    spread (a unit that sees two distinct inputs, say) must not lose the covariance to cancellation."""
+    from hf_lmc.matching.activation import _Units
+
+    g = torch.Generator().manual_seed(0)
+    xa = 100.0 + 0.01 * torch.randn(600, 6, dtype=torch.float64, generator=g)
+    xb = 100.0 + 0.01 * torch.randn(600, 6, dtype=torch.float64, generator=g)
+    units = _Units(6)
+    for chunk_a, chunk_b in zip(xa.split(200), xb.split(200)):
+        units.add(chunk_a, chunk_b)
+    expected = (xa - xa.mean(0)).T @ (xb - xb.mean(0)) / 600
+    torch.testing.assert_close(units.covariance(), expected, rtol=0, atol=1e-4 * 0.01**2)

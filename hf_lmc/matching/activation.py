@@ -171,7 +171,7 @@ class ActivationMatcher:
         if "mlp" in self.kinds:
             std_a = (rms_a.square() - mean_a.square()).clamp_min(0).sqrt().clamp_min(1e-12)
             std_b = (rms_b.square() - mean_b.square()).clamp_min(0).sqrt().clamp_min(1e-12)
-            covariance = units.ab.double() / n - mean_a[:, None] * mean_b[None, :]
+            covariance = units.covariance()
             perm = assign(covariance / (std_a[:, None] * std_b[None, :]) + _TIE_BREAK * (weights_a @ weights_b.T))
         else:
             perm = torch.arange(spec.intermediate_size)
@@ -261,20 +261,37 @@ class _Cross:
 
 
 class _Units:
-    """MLP unit statistics: the cross moment (float32, ``F x F``) and per-unit sums (float64)."""
+    """MLP unit statistics: the cross moment (float32, ``F x F``) and per-unit sums (float64).
+
+    The cross moment accumulates activations minus a per-unit shift (the first batch's mean):
+    the covariance ``E[ab] - E[a] E[b]`` of units with a large mean would otherwise cancel
+    away float32's digits, and with them the weight tie-break between units the data cannot
+    tell apart.
+    """
 
     def __init__(self, width: int):
         self.ab = torch.zeros(width, width, dtype=torch.float32)
         self.sum_a, self.sum_b, self.sq_a, self.sq_b = (torch.zeros(width, dtype=torch.float64) for _ in range(4))
+        self.shift_a = self.shift_b = None
         self.tokens = 0
 
     def add(self, xa: Tensor, xb: Tensor) -> None:
-        self.ab += xa.float().T @ xb.float()
+        if xa.shape[0] == 0:
+            return
+        if self.shift_a is None:
+            self.shift_a, self.shift_b = xa.mean(0), xb.mean(0)
+        self.ab += (xa - self.shift_a).float().T @ (xb - self.shift_b).float()
         self.sum_a += xa.sum(0)
         self.sum_b += xb.sum(0)
         self.sq_a += xa.square().sum(0)
         self.sq_b += xb.square().sum(0)
         self.tokens += xa.shape[0]
+
+    def covariance(self) -> Tensor:
+        """Per unit pair, ``E[a b] - E[a] E[b]`` over all tokens (float64)."""
+        n = self.tokens
+        mean_a, mean_b = self.sum_a / n - self.shift_a, self.sum_b / n - self.shift_b
+        return self.ab.double() / n - mean_a[:, None] * mean_b[None, :]
 
 
 class _Layer:

@@ -224,11 +224,13 @@ class Moments:
 
 
 @single_threaded
-def _balancing(p: Tensor, r: Tensor, ridge: float = 1e-12) -> tuple[Tensor, Tensor]:
+def _balancing(p: Tensor, r: Tensor, ridge: float = 1e-12) -> tuple[Tensor, Tensor, Tensor]:
     """``T`` with ``T P T^T = T^{-T} R T^{-1} = diag`` for moments ``P = vec vec^T``, ``R = cov cov^T``.
 
     The balanced realisation is unique up to an orthogonal map commuting with the diagonal,
     so two models related by any GL map have balanced forms related by an orthogonal one.
+    Also returns the squared balanced values (the diagonal squared): it exists only where
+    they are all positive, i.e. where ``vec^T cov`` has full rank ``b``.
     """
     b = p.shape[0]
     eye = torch.eye(b, dtype=p.dtype)
@@ -240,22 +242,51 @@ def _balancing(p: Tensor, r: Tensor, ridge: float = 1e-12) -> tuple[Tensor, Tens
     root = evals.clamp_min(1e-300).sqrt().sqrt()  # Sigma^{1/2}, Sigma^2 = evals
     t = root[:, None] * evecs.T @ chol_inv
     t_inv = chol @ evecs / root[None, :]
-    return t, t_inv
+    return t, t_inv, evals
+
+
+def _rank_deficient(evals: Tensor, tol: float = 1e-10) -> bool:
+    return bool(evals[0] <= tol * evals[-1])
+
+
+@single_threaded
+def _match_gl_least_squares(moments: Moments) -> tuple[Tensor, Tensor]:
+    """GL matching where a balanced form does not exist (``vec^T cov`` of rank below ``b``).
+
+    That happens when a head is wider than the data it sees (``head_dim > hidden_size`` in
+    tiny configs, a dead head): the equations ``M vec_b = vec_a``, ``M^T cov_a = cov_b`` then
+    leave ``M`` free on a subspace. ``M`` minimises their squared residual plus a vanishing
+    pull ``lam |M - s I|^2`` that fixes the free part at a scale ``s`` matching the data. The
+    normal equations are the Sylvester equation ``cov_aa M + M vec_bb + lam M = c``, solved in
+    the two eigenbases. Exact whenever B is a GL transform of A.
+    """
+    b, dtype = moments.vec_aa.shape[0], moments.vec_aa.dtype
+    tr = [float(m.trace()) for m in (moments.vec_aa, moments.vec_bb, moments.cov_aa, moments.cov_bb)]
+    scale = ((tr[0] * tr[3]) / (tr[1] * tr[2])) ** 0.25 if min(tr) > 0 else 1.0
+    lam = 1e-10 * (tr[1] + tr[2]) / b + 1e-300
+    ea, ua = torch.linalg.eigh(moments.cov_aa)
+    eb, ub = torch.linalg.eigh(moments.vec_bb)
+    c = moments.vec_ab + moments.cov_ab + lam * scale * torch.eye(b, dtype=dtype)
+    m = ua @ ((ua.T @ c @ ub) / (ea.clamp_min(0)[:, None] + eb.clamp_min(0)[None, :] + lam)) @ ub.T
+    return m, torch.linalg.inv(m)
 
 
 def match_gl(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -> tuple[Tensor, Tensor]:
     """An invertible ``M`` (and ``M^{-1}``) with ``M vec_b ~ vec_a`` and ``M^{-T} cov_b ~ cov_a``.
 
     Both sides are brought to their balanced form, then aligned by an orthogonal Procrustes
-    step; exact whenever B is a GL transform of A.
+    step; exact whenever B is a GL transform of A. Where no balanced form exists (``vec^T cov``
+    rank-deficient) a least-squares solve takes over, equally exact.
     """
     return match_gl_moments(Moments.of(vec_a, cov_a, vec_b, cov_b))
 
 
 def match_gl_moments(moments: Moments) -> tuple[Tensor, Tensor]:
     """:func:`match_gl` from the data's second moments."""
-    ta, ta_inv = _balancing(moments.vec_aa, moments.cov_aa)
-    tb, tb_inv = _balancing(moments.vec_bb, moments.cov_bb)
+    ta, ta_inv, sigma_a = _balancing(moments.vec_aa, moments.cov_aa)
+    tb, tb_inv, sigma_b = _balancing(moments.vec_bb, moments.cov_bb)
+    if _rank_deficient(sigma_a) or _rank_deficient(sigma_b):
+        return _match_gl_least_squares(moments)
     cross = ta @ moments.vec_ab @ tb.T + ta_inv.T @ moments.cov_ab @ tb_inv
     r = polar(cross)
     return ta_inv @ r @ tb, tb_inv @ r.T @ ta
