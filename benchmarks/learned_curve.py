@@ -3,7 +3,7 @@
 Over a full symmetry group the merged function depends only on ``T_A^-1 T_B`` (DESIGN §4), so
 dual matching cannot reach a function one-sided matching cannot; any gain is in optimisation.
 This trains :class:`hf_lmc.LearnedMatcher` and :class:`hf_lmc.DualMatcher` on the same zoo pair,
-the same batches (fresh training-split batches of 16 every step) and the same optimiser
+the same batches (fresh training-split batches of ``--batch-size`` every step) and the same optimiser
 settings, and every ``--every`` steps measures the held-out barrier of the hardened merge on an
 11-point alpha grid (DESIGN §1). Prints one markdown table: steps × method → barrier.
 
@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0)")
     parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size (default: 16)")
+    parser.add_argument("--permutations", default="ste", choices=["ste", "sinkhorn"], help="permutation parameterisation (default: ste)")
+    parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
     )
@@ -65,7 +67,9 @@ def main() -> None:
     curves: dict[str, dict[int, float]] = {}
     for method in args.methods:
         torch.manual_seed(0)  # same lambda draws for both methods
-        matcher = MATCHERS[method](a, b, lambda_range=tuple(args.lambda_range))
+        matcher = MATCHERS[method](
+            a, b, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal
+        )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
         if train_batches:
             curves[f"{method} (train)"] = {0: held_out_barrier(matcher, train_batches, grid)[0]}
@@ -87,7 +91,8 @@ def main() -> None:
     steps = sorted({s for curve in curves.values() for s in curve})
     print(
         f"zoo {args.pair}: lr {args.lr}, schedule {args.schedule}, warmup {args.warmup}, "
-        f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}"
+        f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
+        f"permutations {args.permutations}, orthogonal {args.orthogonal}"
     )
     print("| steps | " + " | ".join(curves) + " |")
     print("|---|" + "---|" * len(curves))
