@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="training steps (default: 1000)")
     parser.add_argument("--every", type=int, default=250, help="measure the barrier every N steps (default: 250)")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default: 3e-3)")
+    parser.add_argument("--residual-lr", type=float, default=None, help="the residual maps' learning rate (default: --lr)")
     parser.add_argument("--schedule", default="constant", help="transformers scheduler name (default: constant)")
     parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0)")
     parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
@@ -85,12 +86,12 @@ def main() -> None:
                     curves[f"{method} (train)"][step] = held_out_barrier(matcher, train_batches, grid)[0]
 
         matcher.fit(
-            fit, steps=args.steps, lr=args.lr, schedule=args.schedule, warmup_steps=args.warmup, progress=not args.quiet, callback=measure
+            fit, steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup_steps=args.warmup, progress=not args.quiet, callback=measure
         )
 
     steps = sorted({s for curve in curves.values() for s in curve})
     print(
-        f"zoo {args.pair}: lr {args.lr}, schedule {args.schedule}, warmup {args.warmup}, "
+        f"zoo {args.pair}: lr {args.lr} (residual {args.residual_lr or args.lr}), schedule {args.schedule}, warmup {args.warmup}, "
         f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
         f"permutations {args.permutations}, orthogonal {args.orthogonal}"
     )

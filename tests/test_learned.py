@@ -72,6 +72,24 @@ def test_bad_options_are_rejected():
         DualMatcher(model, model, lambda_range=(0.6, 0.4))
 
 
+def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
+    config = tiny_configs()["llama"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))}]
+    moved = {}
+    for residual_lr in (None, 1e-12):
+        torch.manual_seed(0)
+        matcher = DualMatcher(model_a, model_b, dtype=torch.float64)
+        before = {name: p.detach().clone() for name, p in matcher.named_parameters()}
+        matcher.fit(batches, steps=1, lr=1e-2, residual_lr=residual_lr, progress=False)  # Adam's first step: ~lr per element
+        moved[residual_lr] = {name: (p - before[name]).abs().max().item() for name, p in matcher.named_parameters()}
+    residual = [name for name in moved[None] if ".residual." in name]
+    assert residual and all(moved[None][name] > 1e-4 and moved[1e-12][name] < 1e-9 for name in residual)
+    assert all(moved[1e-12][name] == pytest.approx(moved[None][name], rel=1e-3) for name in moved[None] if name not in residual and moved[None][name] > 1e-4)
+    with pytest.raises(ValueError, match="residual_lr"):
+        matcher.fit(batches, steps=1, residual_lr=0.0, progress=False)
+
+
 def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
