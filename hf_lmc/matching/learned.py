@@ -89,10 +89,10 @@ class PathTrainer(nn.Module):
             raise ValueError(f"steps must be >= 0, got {steps}")
         if not 0 <= warmup_steps <= max(steps, 0):
             raise ValueError(f"warmup_steps must lie in [0, steps={steps}], got {warmup_steps}")
-        if accelerator is None:
-            accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
         if residual_lr is not None and not residual_lr > 0:
             raise ValueError(f"residual_lr must be > 0, got {residual_lr}")
+        if accelerator is None:
+            accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
         optimizer = torch.optim.Adam(self._parameter_groups(residual_lr), lr=lr)
         updates = max(math.ceil(steps / accelerator.gradient_accumulation_steps), 1)  # optimizer steps
         if schedule == "constant" and warmup_steps:
