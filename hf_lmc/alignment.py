@@ -40,6 +40,7 @@ class LearnOptions:
 
     steps: int = 200
     lr: float = 3e-3
+    residual_lr: float | None = None  # the residual maps' learning rate (None: lr)
     schedule: str = "constant"  # a transformers scheduler name: "constant", "cosine", "linear", ...
     warmup: int = 0  # linear warmup steps
     permutations: str = "ste"
@@ -94,7 +95,7 @@ def align(
 
 def _fit(matcher, batches, learn: LearnOptions, progress: bool) -> None:
     matcher.fit(
-        batches, steps=learn.steps, lr=learn.lr, schedule=learn.schedule, warmup_steps=learn.warmup,
+        batches, steps=learn.steps, lr=learn.lr, residual_lr=learn.residual_lr, schedule=learn.schedule, warmup_steps=learn.warmup,
         mixed_precision=learn.mixed_precision, gradient_accumulation_steps=learn.gradient_accumulation_steps, progress=progress,
     )
 

@@ -78,7 +78,7 @@ def _learn_options(args: argparse.Namespace):
     from .alignment import LearnOptions
 
     return LearnOptions(
-        steps=args.steps, lr=args.lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
+        steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
         orthogonal=args.orthogonal, concentration=args.concentration,
     )
 
@@ -182,9 +182,16 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
     group.add_argument("--steps", type=int, default=200, metavar="N", help="training steps of learned and dual matching (default: 200)")
     group.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate of learned and dual matching (default: 3e-3)")
+    group.add_argument(
+        "--residual-lr", type=float, default=None, metavar="LR",
+        help="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: --lr)",
+    )
     group.add_argument("--schedule", choices=SCHEDULES, default="constant", help="learning-rate schedule (default: constant)")
     group.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warmup steps of the schedule (default: 0)")
-    group.add_argument("--permutations", choices=["ste", "sinkhorn"], default="ste", help="MLP unit and head permutations: straight-through Hungarian or Sinkhorn (default: ste)")
+    group.add_argument(
+        "--permutations", choices=["ste", "sinkhorn", "fixed"], default="ste",
+        help="MLP unit and head permutations: straight-through Hungarian, Sinkhorn, or fixed at weight matching's (default: ste)",
+    )
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
     group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1; 1.0 gave lower simplex barriers on the zoo triples, see the README)")
 

@@ -144,9 +144,14 @@ class LearnSpec(_Section):
 
     steps: int = Field(LearnOptions.steps, ge=0, description="training steps")
     lr: float = Field(LearnOptions.lr, gt=0, description="Adam learning rate")
+    residual_lr: float | None = Field(
+        LearnOptions.residual_lr, gt=0, description="learning rate of the residual (orthogonal) maps (default: lr)"
+    )
     schedule: str = Field(LearnOptions.schedule, description="learning-rate schedule: a transformers scheduler name (constant, cosine, linear, ...)")
     warmup: int = Field(LearnOptions.warmup, ge=0, description="linear warmup steps of the schedule")
-    permutations: Literal["ste", "sinkhorn"] = Field(LearnOptions.permutations, description="straight-through Hungarian or Sinkhorn")
+    permutations: Literal["ste", "sinkhorn", "fixed"] = Field(
+        LearnOptions.permutations, description="straight-through Hungarian, Sinkhorn, or fixed at weight matching's"
+    )
     orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
     lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")
     concentration: float = Field(

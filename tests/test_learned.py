@@ -7,6 +7,7 @@ import torch
 
 import hf_lmc
 from hf_lmc.matching.learned import DualMatcher, LearnedMatcher
+from hf_lmc.symmetry.params import PermutationParam
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, logits, relative_error, sample_inputs
 
@@ -64,12 +65,41 @@ def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
         LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2), init="identity", shard_endpoints=True)
 
 
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
+def test_fixed_permutations_keep_the_starting_assignment_and_train_the_rest(cls):
+    """``permutations="fixed"``: no scores to train, the hardened unit and head orders stay
+    weight matching's, and the continuous maps still learn (SwiGLU scales included)."""
+    config = tiny_configs()["llama"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}]
+    torch.manual_seed(0)
+    matcher = cls(model_a, model_b, permutations="fixed", dtype=torch.float64)
+    assert not any(isinstance(m, PermutationParam) for m in matcher.modules())
+    start = matcher.transforms()[1]
+    before = matcher(batches[0], alpha=0.5).item()
+    matcher.fit(batches, steps=15, lr=1e-2, progress=False)
+    assert matcher(batches[0], alpha=0.5).item() < before
+    learned = matcher.transforms()[1]
+    for space in start.maps:
+        if space.startswith("mlp."):
+            assert torch.equal(learned.maps[space].map.perm, start.maps[space].map.perm)
+            assert not torch.equal(learned.maps[space].map.blocks, start.maps[space].map.blocks)  # the scales learn
+        elif space.startswith("attn."):
+            assert torch.equal(learned.maps[space].qk.perm, start.maps[space].qk.perm)
+            assert torch.equal(learned.maps[space].query_perm, start.maps[space].query_perm)
+    inputs = sample_inputs(config)
+    assert relative_error(logits(matcher.merge(0.0), inputs), logits(model_a, inputs)) < 1e-6
+    assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
+
+
 def test_bad_options_are_rejected():
     model = build_model(tiny_configs()["gpt2"], seed=0)
     with pytest.raises(ValueError, match="unknown init"):
         DualMatcher(model, model, init="random")
     with pytest.raises(ValueError, match="lambda_range"):
         DualMatcher(model, model, lambda_range=(0.6, 0.4))
+    with pytest.raises(ValueError, match="permutation parameterisation 'frozen'.*fixed"):
+        DualMatcher(model, model, permutations="frozen")
 
 
 def test_residual_lr_trains_the_residual_maps_at_their_own_rate():

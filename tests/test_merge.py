@@ -188,6 +188,8 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
             "--batch-size", "4", "--steps", "3", "--lr", "1e-4", "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3"]
     if method == "dual":
         args += ["--permutations", "sinkhorn"]
+    if method == "learned":
+        args += ["--permutations", "fixed", "--residual-lr", "1e-5"]
     assert main(args) == 0
     merged = MODEL_CLASSES["vit"].from_pretrained(tmp_path / "m").eval()
     inputs = sample_inputs(model.config)

@@ -93,6 +93,7 @@ def test_errors_name_the_key_on_one_line():
     assert "output.push_to_hub: 2 methods would push to one repo; put {method} in the repo id" in message
     assert "learn.schedule: unknown schedule 'cosine_decay'; choose from linear, cosine" in _error(_recipe(learn={"schedule": "cosine_decay"}))
     assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"warmup": 300}))
+    assert "learn.residual_lr: Input should be greater than 0" in _error(_recipe(learn={"residual_lr": 0}))
     both = _error(_recipe(learn={"lambda_range": [0.7, 0.2]}, accelerate={"mixed_precision": "fp8"}))
     assert "learn.lambda_range: needs 0 <= low <= high <= 1" in both and "accelerate.mixed_precision: Input should be 'no', 'fp16' or 'bf16'" in both
 
@@ -273,12 +274,12 @@ def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
     _, a, b = _twins(tmp_path)
     recipe = _recipe(
         models=[str(a), str(b)], method="dual", data={"files": [_digits_like(tmp_path / "d.pt")], "batch_size": 4},
-        learn={"steps": 7, "lr": 1e-4, "schedule": "cosine", "warmup": 2},
+        learn={"steps": 7, "lr": 1e-4, "residual_lr": 5e-5, "schedule": "cosine", "warmup": 2, "permutations": "fixed"},
         accelerate={"mixed_precision": "bf16", "gradient_accumulation_steps": 4},
         output={"dir": str(tmp_path / "out")},
     )
     run_recipe(recipe, progress=False)
-    assert (seen["steps"], seen["lr"], seen["schedule"], seen["warmup_steps"]) == (7, 1e-4, "cosine", 2)
+    assert (seen["steps"], seen["lr"], seen["residual_lr"], seen["schedule"], seen["warmup_steps"]) == (7, 1e-4, 5e-5, "cosine", 2)
     assert (seen["mixed_precision"], seen["gradient_accumulation_steps"]) == ("bf16", 4)
 
 

@@ -147,7 +147,8 @@ class DualMatcher(PathTrainer):
         model_a, model_b: stock HF models (or checkpoint folders) of one architecture and shape.
         init: ``"weight"`` (B's transform starts at weight matching's solution) or ``"identity"``.
         symmetries: the group weight matching searches for the initialisation.
-        permutations: ``"ste"`` or ``"sinkhorn"`` (MLP units).
+        permutations: ``"ste"``, ``"sinkhorn"`` (MLP units and heads), or ``"fixed"`` (keep the
+            starting assignments; only the continuous maps train).
         orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
         lambda_range: interpolation weights are drawn uniformly from this range.
         dtype: dtype of the frozen endpoint weights and of the transform parameters.

@@ -5,7 +5,8 @@ map becomes an :class:`OrthogonalParam`, each KV head's QK map a :class:`GLParam
 :class:`RotaryParam` under RoPE), each OV map a :class:`GLParam`, each layer's MLP units a
 :class:`PermutationParam` (with learnable log-scales for SwiGLU), and the order of the KV
 heads (each with its query heads) a :class:`PermutationParam` too (under GQA a query head's
-part within its group stays as initialised).
+part within its group stays as initialised). ``permutations="fixed"`` keeps the initial unit and
+head assignments (weight matching's) and trains only the continuous maps around them.
 ``forward()`` returns the current :class:`~hf_lmc.Transform` (differentiable); ``harden()``
 returns the exact group element export applies.
 """
@@ -17,7 +18,10 @@ from torch import nn
 
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
-from ..symmetry.params import GLParam, OrthogonalParam, PermutationParam, RotaryParam
+from ..symmetry.params import PERMUTATION_METHODS, GLParam, OrthogonalParam, PermutationParam, RotaryParam
+
+#: How the unit and head assignments train: the parameterisations, or ``"fixed"`` (not at all).
+PERMUTATIONS = (*PERMUTATION_METHODS, "fixed")
 
 
 class _AttentionParams(nn.Module):
@@ -39,7 +43,8 @@ class _AttentionParams(nn.Module):
         g = spec.group_size
         query = torch.arange(spec.num_heads)
         self.register_buffer("within_group", (query // g) * g + self.query_perm % g)
-        self.heads = PermutationParam(kv, init=self.kv_perm, method=permutations, dtype=dtype) if kv > 1 else None
+        learns = kv > 1 and permutations != "fixed"
+        self.heads = PermutationParam(kv, init=self.kv_perm, method=permutations, dtype=dtype) if learns else None
 
     def forward(self) -> AttentionMap | DenseAttentionMap:
         def monomial(params, perm):
@@ -59,10 +64,16 @@ class _MlpParams(nn.Module):
         n = spec.intermediate_size
         perm = init.map.perm if init is not None else torch.arange(n)
         scale = init.map.blocks[:, 0, 0].to(dtype) if init is not None else torch.ones(n, dtype=dtype)
-        self.units = PermutationParam(n, init=perm, method=permutations, dtype=dtype)
+        if permutations == "fixed":  # no n x n scores: a plain gather, as export applies it
+            self.units = None
+            self.register_buffer("perm", perm.clone())
+        else:
+            self.units = PermutationParam(n, init=perm, method=permutations, dtype=dtype)
         self.log_scale = nn.Parameter(scale.log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
 
-    def forward(self) -> DenseMlpMap:
+    def forward(self) -> MlpMap | DenseMlpMap:
+        if self.units is None:
+            return MlpMap(BlockMonomial.scaled_permutation(self.perm, self.log_scale.exp()))
         matrix, perm = self.units.matrix_and_perm()
         return DenseMlpMap(matrix, self.log_scale.exp(), perm)
 
@@ -80,6 +91,8 @@ class TrainableTransform(nn.Module):
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
+        if permutations not in PERMUTATIONS:
+            raise ValueError(f"unknown permutation parameterisation {permutations!r}; choose from {PERMUTATIONS}")
         maps = init.maps if init is not None else {}
         residual = maps.get("residual")
         self.residual = OrthogonalParam(
