@@ -41,6 +41,23 @@ def test_orthogonal_param_starts_at_init_and_stays_orthogonal(method, fix_ones):
         torch.testing.assert_close(o @ u, u, rtol=0, atol=1e-12)
 
 
+def test_cayley_and_exp_agree_to_second_order():
+    """The Cayley map is taken at half the angle, so a step of the parameters turns the map as far
+    under either parameterisation: ``|cayley(A) - exp(A)| = O(|A|^3)``."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(6, 6, dtype=F64, generator=g)
+    gaps = []
+    for size in (1e-1, 1e-2):
+        maps = []
+        for method in ("cayley", "exp"):
+            param = OrthogonalParam(6, method=method, dtype=F64)
+            with torch.no_grad():
+                param.weight.copy_(size * w)
+            maps.append(param())
+        gaps.append((maps[0] - maps[1]).abs().max().item())
+    assert gaps[1] < 2e-3 * gaps[0]  # a tenth of the angle: a thousandth of the gap (third order)
+
+
 @pytest.mark.parametrize("method", ["cayley", "exp", "polar"])
 def test_orthogonal_param_descends_to_a_procrustes_target(method):
     """Gradient steps reach the Procrustes solution while staying orthogonal throughout."""

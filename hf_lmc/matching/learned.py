@@ -76,7 +76,7 @@ class PathTrainer(nn.Module):
         (``"constant"``, ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first
         ``warmup_steps`` of them warming up linearly. ``residual_lr`` sets the residual
         (orthogonal) maps' learning rate apart from the rest (default ``lr``): one step of it
-        turns every layer's stream at once, and under Cayley twice as far as under ``exp``.
+        turns every layer's stream at once.
         With ``checkpoint_dir``, ``accelerator.save_state`` runs every ``checkpoint_every``
         steps (and at the end); ``resume=True`` continues from the last saved step, replaying
         the data order. ``callback(step, matcher)`` runs after every batch (e.g. to

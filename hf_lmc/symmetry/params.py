@@ -4,7 +4,9 @@ Each module holds free parameters and produces a group element that stays *in* i
 every parameter value, so gradient steps never leave the set of function-preserving maps:
 
 * :class:`OrthogonalParam` — ``O = O_0 f(A)`` with ``A`` skew-symmetric and ``f`` the Cayley
-  map or the matrix exponential, or ``O = polar(M)`` (projection of a free matrix). With
+  map ``(I - A/2)^{-1} (I + A/2)`` or the matrix exponential (the two agree to second order in
+  ``A``, so one Adam step turns the map equally far under either), or ``O = polar(M)``
+  (projection of a free matrix). With
   ``fix_ones`` (LayerNorm models) the map is built in the Householder frame that sends
   ``u = 1/sqrt(d)`` to ``e_1``, so it fixes ``u`` exactly.
 * :class:`GLParam` — ``M = M_0 exp(A)`` with ``A`` free; the inverse ``exp(-A) M_0^{-1}``
@@ -95,7 +97,10 @@ class OrthogonalParam(nn.Module):
         if self.method == "exp":
             return self.base @ torch.linalg.matrix_exp(a)
         eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-        return self.base @ torch.linalg.solve(eye - a, eye + a)  # Cayley: (I - A)^{-1} (I + A)
+        # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
+        # is I + 2A + ...: per Adam step it turned the whole stream twice as far as exp, and the
+        # LLaMA zoo barrier was 0.074 against 0.061 at half the rate (README, learned matching).
+        return self.base @ torch.linalg.solve(eye - a / 2, eye + a / 2)
 
     def forward(self) -> Tensor:
         inner = self._inner()
