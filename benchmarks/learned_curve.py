@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0)")
     parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size (default: 16)")
-    parser.add_argument("--permutations", default="ste", choices=["ste", "sinkhorn", "fixed"], help="permutation parameterisation (default: ste)")
+    parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="permutation parameterisation (default: fixed)")
     parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"

@@ -6,7 +6,8 @@ measures, each in its own process (wall time of the second of two steps, peak RS
 
   * ``base``: one forward + backward of model A on the batch (its weights trainable);
   * ``dual``: one :class:`hf_lmc.DualMatcher` step on the same batch (both transforms trained:
-    residual Cayley map, per-head GL maps, straight-through MLP permutations), with each
+    residual Cayley map, per-head GL maps; ``--permutations ste`` adds straight-through MLP and
+    head permutations), with each
     layer's interpolated weights rebuilt inside gradient checkpointing;
   * ``dual, no checkpointing``: the same with every layer's weights alive until backward;
   * with ``--processes 2``: the dual step under DDP in 2 processes (one thread each, the batch
@@ -34,7 +35,7 @@ import json, re, sys, time
 import torch, transformers as tf
 from hf_lmc import DualMatcher
 
-mode, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mode, batch, seq, permutations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def rss():
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 def hwm():
@@ -52,7 +53,7 @@ elif mode.startswith("ddp"):
     from accelerate import Accelerator
     accelerator = Accelerator(cpu=True)  # first: sharding needs the process group
     model_b = tf.GPTNeoXForCausalLM(config).eval()
-    matcher = DualMatcher(model_a, model_b, init="identity", shard_endpoints=(mode == "ddp-sharded"))
+    matcher = DualMatcher(model_a, model_b, init="identity", permutations=permutations, shard_endpoints=(mode == "ddp-sharded"))
     del model_a, model_b
     model = accelerator.prepare(matcher)
     params = [p for p in matcher.parameters() if p.requires_grad]
@@ -62,7 +63,7 @@ elif mode.startswith("ddp"):
             p.grad = None
 else:
     model_b = tf.GPTNeoXForCausalLM(config).eval()
-    matcher = DualMatcher(model_a, model_b, init="identity", checkpoint_layers=(mode == "dual"))
+    matcher = DualMatcher(model_a, model_b, init="identity", permutations=permutations, checkpoint_layers=(mode == "dual"))
     del model_a, model_b
     params = [p for p in matcher.parameters() if p.requires_grad]
     def step():
@@ -89,7 +90,7 @@ print(json.dumps(row))
 """
 
 
-def run(mode: str, batch: int, seq: int) -> dict:
+def run(mode: str, batch: int, seq: int, permutations: str) -> dict:
     if mode.startswith("ddp"):  # torchrun cannot take -c: the child goes through a temporary file
         import os
         import tempfile
@@ -99,11 +100,11 @@ def run(mode: str, batch: int, seq: int) -> dict:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", f.name]
         env = os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
         try:
-            out = subprocess.run([*launch, mode, str(batch), str(seq)], capture_output=True, text=True, env=env)
+            out = subprocess.run([*launch, mode, str(batch), str(seq), permutations], capture_output=True, text=True, env=env)
         finally:
             os.unlink(f.name)
     else:
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(seq)], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(seq), permutations], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -113,17 +114,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (default: 512)")
+    parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="how the dual step's MLP and head permutations train (default: fixed)")
     parser.add_argument("--processes", type=int, default=1, choices=(1, 2), help="2: add the DDP rows, endpoints whole and sharded")
     args = parser.parse_args()
     modes = ("base", "dual", "dual-no-checkpointing") + (("ddp", "ddp-sharded") if args.processes == 2 else ())
-    rows = {mode: run(mode, args.batch, args.seq) for mode in modes}
+    rows = {mode: run(mode, args.batch, args.seq, args.permutations) for mode in modes}
     base = rows["base"]
     weights = base["weights"]
     activations = base["peak"] - base["before"] - weights  # the step's growth, less the weight gradients
     budget = 2 * (2 * weights) + activations
     for row in rows.values():
         row["memory"] = row["peak"] - row["runtime"]  # peak RSS less the interpreter + libraries
-    print(f"\nPythia-160M shape, float32, batch {args.batch} x {args.seq} tokens, 2 CPU cores; "
+    print(f"\nPythia-160M shape, float32, permutations {args.permutations}, batch {args.batch} x {args.seq} tokens, 2 CPU cores; "
           f"one model's weights {weights / 1e9:.2f} GB, base activations {activations / 1e9:.2f} GB, "
           f"memory budget (2 x both endpoints + activations) {budget / 1e9:.2f} GB\n")
     print("| step | wall time (s) | × base | peak RSS (GB) | memory less runtime (GB) | vs budget |")

@@ -73,11 +73,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
     parser.add_argument("--concentration", type=float, default=0.1, help="Dirichlet concentration of the training weights (default: 0.1)")
     parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where simplex_<entry>.png/.json go (default: benchmarks/plots)")
+    parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="learned / dual: how the unit and head permutations train (default: fixed)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
 
-    learn = LearnOptions(steps=args.steps, lr=args.lr, concentration=args.concentration)
+    learn = LearnOptions(steps=args.steps, lr=args.lr, concentration=args.concentration, permutations=args.permutations)
     rows = [
         "| triple | method | loss A / B / C | loss at the centre | worst point w | barrier | ratio to average | acc. at the centre | time (s) |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -43,7 +43,7 @@ class LearnOptions:
     residual_lr: float | None = None  # the residual maps' learning rate (None: lr)
     schedule: str = "constant"  # a transformers scheduler name: "constant", "cosine", "linear", ...
     warmup: int = 0  # linear warmup steps
-    permutations: str = "ste"
+    permutations: str = "fixed"  # weight matching's assignment; "ste" / "sinkhorn" train it
     orthogonal: str = "cayley"
     lambda_range: tuple[float, float] = (0.4, 0.6)
     mixed_precision: str = "no"

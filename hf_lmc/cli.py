@@ -189,8 +189,8 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument("--schedule", choices=SCHEDULES, default="constant", help="learning-rate schedule (default: constant)")
     group.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warmup steps of the schedule (default: 0)")
     group.add_argument(
-        "--permutations", choices=["ste", "sinkhorn", "fixed"], default="ste",
-        help="MLP unit and head permutations: straight-through Hungarian, Sinkhorn, or fixed at weight matching's (default: ste)",
+        "--permutations", choices=["fixed", "ste", "sinkhorn"], default="fixed",
+        help="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian or Sinkhorn (default: fixed)",
     )
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
     group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1; 1.0 gave lower simplex barriers on the zoo triples, see the README)")

@@ -149,8 +149,8 @@ class LearnSpec(_Section):
     )
     schedule: str = Field(LearnOptions.schedule, description="learning-rate schedule: a transformers scheduler name (constant, cosine, linear, ...)")
     warmup: int = Field(LearnOptions.warmup, ge=0, description="linear warmup steps of the schedule")
-    permutations: Literal["ste", "sinkhorn", "fixed"] = Field(
-        LearnOptions.permutations, description="straight-through Hungarian, Sinkhorn, or fixed at weight matching's"
+    permutations: Literal["fixed", "ste", "sinkhorn"] = Field(
+        LearnOptions.permutations, description="fixed at weight matching's, or trained: straight-through Hungarian or Sinkhorn"
     )
     orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
     lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")

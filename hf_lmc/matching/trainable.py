@@ -86,7 +86,7 @@ class TrainableTransform(nn.Module):
         spec: ArchSpec,
         init: Transform | None = None,
         *,
-        permutations: str = "ste",
+        permutations: str = "fixed",
         orthogonal: str = "cayley",
         dtype: torch.dtype = torch.float32,
     ):
