@@ -24,6 +24,7 @@ from hf_lmc import zoo
 from hf_lmc.alignment import LearnOptions
 from hf_lmc.barriers import BarrierResult, plot
 from hf_lmc.evaluation import EvalOptions
+from hf_lmc.matching.trainable import PERMUTATIONS
 
 #: (label, method, symmetries) rows per pair.
 METHODS = (
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=[m[0] for m in METHODS], choices=[m[0] for m in METHODS], help="rows to measure (default: all)")
     parser.add_argument("--steps", type=int, default=200, help="learned / dual training steps, also the number of calibration batches (default: 200)")
     parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
-    parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="learned / dual: how the unit and head permutations train (default: fixed)")
+    parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="learned / dual: how the unit and head permutations train (default: fixed)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ from hf_lmc.barriers import alpha_grid, loss_barrier
 from hf_lmc.canonical import interpolate, to_hf
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
 from hf_lmc.loading import load_model
+from hf_lmc.matching.trainable import PERMUTATIONS
 
 MATCHERS = {"learned": LearnedMatcher, "dual": DualMatcher}
 
@@ -49,7 +50,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0)")
     parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size (default: 16)")
-    parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="permutation parameterisation (default: fixed)")
+    parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="permutation parameterisation (default: fixed)")
     parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"

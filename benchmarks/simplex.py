@@ -32,6 +32,7 @@ from hf_lmc.alignment import LearnOptions
 from hf_lmc.barriers import SimplexBarrierResult, plot_simplex, simplex_barrier_of_loaded
 from hf_lmc.evaluation import EvalOptions, load_batches
 from hf_lmc.loading import load_model
+from hf_lmc.matching.trainable import PERMUTATIONS
 from hf_lmc.symmetry import Transform
 
 LABELS = ("average", "weight (to first)", "weight", "learned", "dual")
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
     parser.add_argument("--concentration", type=float, default=0.1, help="Dirichlet concentration of the training weights (default: 0.1)")
     parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where simplex_<entry>.png/.json go (default: benchmarks/plots)")
-    parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="learned / dual: how the unit and head permutations train (default: fixed)")
+    parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="learned / dual: how the unit and head permutations train (default: fixed)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)

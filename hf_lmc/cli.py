@@ -37,6 +37,7 @@ examples:
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
 SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
+PERMUTATIONS = ("fixed", "ste", "sinkhorn")  # hf_lmc.matching.trainable.PERMUTATIONS, without importing torch
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -189,7 +190,7 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument("--schedule", choices=SCHEDULES, default="constant", help="learning-rate schedule (default: constant)")
     group.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warmup steps of the schedule (default: 0)")
     group.add_argument(
-        "--permutations", choices=["fixed", "ste", "sinkhorn"], default="fixed",
+        "--permutations", choices=PERMUTATIONS, default="fixed",
         help="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian or Sinkhorn (default: fixed)",
     )
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")

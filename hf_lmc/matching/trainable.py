@@ -20,8 +20,8 @@ from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
 from ..symmetry.params import PERMUTATION_METHODS, GLParam, OrthogonalParam, PermutationParam, RotaryParam
 
-#: How the unit and head assignments train: the parameterisations, or ``"fixed"`` (not at all).
-PERMUTATIONS = (*PERMUTATION_METHODS, "fixed")
+#: How the unit and head assignments train: ``"fixed"`` (not at all; the default), or a parameterisation.
+PERMUTATIONS = ("fixed", *PERMUTATION_METHODS)
 
 
 class _AttentionParams(nn.Module):
