@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from hf_lmc import DualMatcher, LearnedMatcher, zoo
+from hf_lmc import ActivationMatcher, DualMatcher, LearnedMatcher, canonicalize, zoo
 from hf_lmc.barriers import alpha_grid, loss_barrier
 from hf_lmc.canonical import interpolate, to_hf
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
@@ -51,6 +51,10 @@ def main() -> None:
     parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size (default: 16)")
     parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="permutation parameterisation (default: fixed)")
+    parser.add_argument(
+        "--init", default="weight", choices=["weight", "activation"],
+        help="starting transform of B: weight matching's, or activation matching's on 200 training batches of 16 (default: weight)",
+    )
     parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
@@ -65,12 +69,15 @@ def main() -> None:
     fit = zoo.fit_batches(args.pair, args.steps, batch_size=args.batch_size)
     train_batches = fit[:: max(1, args.steps // 8)][:8] if args.train_barrier else None
     grid = alpha_grid(11)
+    init = "weight"
+    if args.init == "activation":  # calibrated as the barrier table's activation row
+        init = ActivationMatcher(zoo.fit_batches(args.pair, 200), progress=False).fit(canonicalize(a), canonicalize(b))
 
     curves: dict[str, dict[int, float]] = {}
     for method in args.methods:
         torch.manual_seed(0)  # same lambda draws for both methods
         matcher = MATCHERS[method](
-            a, b, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal
+            a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal
         )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
         if train_batches:
@@ -94,7 +101,8 @@ def main() -> None:
     print(
         f"zoo {args.pair}: lr {args.lr} (residual {args.residual_lr or args.lr}), schedule {args.schedule}, warmup {args.warmup}, "
         f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
-        f"permutations {args.permutations}, orthogonal {args.orthogonal}"
+        f"permutations {args.permutations}, orthogonal {args.orthogonal}, init {args.init}, "
+        f"device {'cuda' if torch.cuda.is_available() else 'cpu'}"
     )
     print("| steps | " + " | ".join(curves) + " |")
     print("|---|" + "---|" * len(curves))

@@ -93,6 +93,32 @@ def test_fixed_permutations_keep_the_starting_assignment_and_train_the_rest(cls)
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
+def test_a_given_starting_transform_is_where_training_starts(cls):
+    """``init=`` an exact Transform of B (here activation matching's): the untrained matcher
+    selects it, fixed permutations keep its assignments through training, and the endpoints stay exact."""
+    config = tiny_configs()["gpt_neox"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)} for _ in range(3)]
+    start = hf_lmc.ActivationMatcher(batches, progress=False).fit(hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b))
+    weight_start = cls(model_a, model_b, dtype=torch.float64).transforms()[1]
+    matcher = cls(model_a, model_b, init=start, dtype=torch.float64)
+    transform_b = matcher.transforms()[1]
+    b = hf_lmc.canonicalize(model_b, dtype=torch.float64)
+    for (group, mine), (_, theirs) in zip(transform_b.apply(b).groups(), start.to(torch.float64).apply(b).groups()):
+        for name in theirs:
+            torch.testing.assert_close(mine[name], theirs[name], rtol=1e-10, atol=1e-12, msg=f"{group}: {name}")
+    differs = [s for s in start.maps if s.startswith("mlp.") and not torch.equal(start.maps[s].map.perm, weight_start.maps[s].map.perm)]
+    assert differs  # the two starts really assign differently here
+    matcher.fit(batches, steps=5, lr=1e-2, progress=False)
+    learned = matcher.transforms()[1]
+    assert all(torch.equal(learned.maps[s].map.perm, start.maps[s].map.perm) for s in start.maps if s.startswith("mlp."))
+    inputs = sample_inputs(config)
+    assert relative_error(logits(matcher.merge(0.0), inputs), logits(model_a, inputs)) < 1e-10
+    assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-10
+
+
 def test_bad_options_are_rejected():
     model = build_model(tiny_configs()["gpt2"], seed=0)
     with pytest.raises(ValueError, match="unknown init"):

@@ -145,7 +145,10 @@ class DualMatcher(PathTrainer):
 
     Args:
         model_a, model_b: stock HF models (or checkpoint folders) of one architecture and shape.
-        init: ``"weight"`` (B's transform starts at weight matching's solution) or ``"identity"``.
+        init: ``"weight"`` (B's transform starts at weight matching's solution), ``"identity"``,
+            or B's starting :class:`Transform` itself (e.g. :class:`ActivationMatcher`'s, whose
+            unit and head assignments come from what the units compute; with
+            ``permutations="fixed"`` the start's assignments are the ones kept).
         symmetries: the group weight matching searches for the initialisation.
         permutations: ``"fixed"`` keeps the starting unit and head assignments and trains only
             the continuous maps (measured best on every zoo pair, README); ``"ste"`` or
@@ -168,7 +171,7 @@ class DualMatcher(PathTrainer):
         model_a,
         model_b,
         *,
-        init: str = "weight",
+        init: str | Transform = "weight",
         symmetries="full",
         permutations: str = "fixed",
         orthogonal: str = "cayley",
@@ -178,8 +181,8 @@ class DualMatcher(PathTrainer):
         shard_endpoints: bool = False,
     ):
         super().__init__()
-        if init not in INITS:
-            raise ValueError(f"unknown init {init!r}; choose from {INITS}")
+        if not isinstance(init, Transform) and init not in INITS:
+            raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass B's starting Transform")
         low, high = lambda_range
         if not 0.0 <= low <= high <= 1.0:
             raise ValueError(f"lambda_range must satisfy 0 <= low <= high <= 1, got {lambda_range}")
@@ -187,7 +190,10 @@ class DualMatcher(PathTrainer):
         self.dtype = dtype
         a = canonicalize(model_a, dtype=dtype).materialize()
         b = canonicalize(model_b, dtype=dtype).materialize()
-        start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
+        if isinstance(init, Transform):
+            start = init
+        else:
+            start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
         options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
         self.transform_b = TrainableTransform(a.spec, start, **options)
         self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
