@@ -1,0 +1,104 @@
+"""Learned matching on a CUDA device: the same training as on the CPU, and exact merges.
+
+Skipped where no GPU is present (CI has none). ``accelerator.prepare`` moves the matcher, and
+with it the frozen endpoints (which are neither parameters nor buffers), onto the device; the
+float64 run must then follow a CPU run step for step, and ``merge`` must stay an exact
+symmetry of each endpoint, also after training under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from hf_lmc import DualMatcher
+from hf_lmc.verify import float64_rmsnorm, tiny_configs
+from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state(cpu_accelerator, monkeypatch):
+    """The device, not the suite's CPU default (tests/conftest.py); and since one process holds
+    one accelerate state (device, mixed precision), each test starts anew."""
+    monkeypatch.delenv("ACCELERATE_USE_CPU")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _batches(config, dtype: torch.dtype, count: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    if config.model_type == "vit":
+        shape = (4, config.num_channels, config.image_size, config.image_size)
+        return [
+            {"pixel_values": torch.randn(shape, generator=g, dtype=torch.float64).to(dtype), "labels": torch.randint(0, config.num_labels, (4,), generator=g)}
+            for _ in range(count)
+        ]
+    return [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)} for _ in range(count)]
+
+
+def _pair(arch: str, dtype: torch.dtype):
+    config = tiny_configs()[arch]
+    return config, build_model(config, seed=1, dtype=dtype), build_model(config, seed=2, dtype=dtype)
+
+
+def _cuda(inputs: dict) -> dict:
+    return {k: v.cuda() for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_dual_matching_on_cuda_follows_the_cpu_run_and_merges_exactly(arch):
+    config, model_a, model_b = _pair(arch, torch.float64)
+    batches = _batches(config, torch.float64, count=3)
+    with float64_rmsnorm():
+        torch.manual_seed(0)  # the same lambda draws in both runs
+        on_cpu = DualMatcher(model_a, model_b, dtype=torch.float64)
+        optimizer = torch.optim.Adam(on_cpu.parameters(), lr=1e-2)  # what fit runs at a constant rate
+        for batch in batches:
+            on_cpu(batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.manual_seed(0)
+        on_gpu = DualMatcher(model_a, model_b, dtype=torch.float64)
+        on_gpu.fit(batches, steps=3, lr=1e-2, accelerator=Accelerator(), progress=False)
+
+        assert all(p.device.type == "cuda" for p in on_gpu.parameters())
+        stores = on_gpu.interpolant.endpoints
+        assert all(t.device.type == "cuda" for store in stores for group in store.tensors.values() for t in group.values())
+        for (name, p), (_, q) in zip(on_cpu.named_parameters(), on_gpu.named_parameters()):
+            torch.testing.assert_close(q.cpu(), p, rtol=1e-7, atol=1e-9, msg=name)
+
+        inputs = sample_inputs(config, dtype=torch.float64)
+        for alpha, endpoint in ((0.0, model_a), (1.0, model_b)):
+            merged = on_gpu.merge(alpha)
+            assert next(merged.parameters()).device.type == "cuda"
+            assert relative_error(logits(merged, _cuda(inputs)).cpu(), logits(endpoint, inputs)) < 1e-10
+        middle = logits(on_gpu.merge(0.5), _cuda(inputs)).cpu()
+        assert relative_error(middle, logits(on_cpu.merge(0.5), inputs)) < 1e-9
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_bf16_autocast_trains_on_cuda_and_the_merge_stays_exact(arch):
+    """Autocast covers the training loop only: ``merge`` builds float32 weights from the exact
+    (hardened) transforms, so the endpoints are reproduced to float32 precision."""
+    config, model_a, model_b = _pair(arch, torch.float32)
+    batches = _batches(config, torch.float32, count=1)
+    torch.manual_seed(0)
+    matcher = DualMatcher(model_a, model_b)
+    with torch.no_grad():
+        before = matcher(batches[0], alpha=0.5).item()
+    losses = matcher.fit(batches, steps=20, lr=1e-2, mixed_precision="bf16", progress=False)
+    assert torch.isfinite(torch.tensor(losses)).all()
+    assert next(matcher.parameters()).device.type == "cuda"
+    with torch.no_grad():
+        after = matcher(_cuda(batches[0]), alpha=0.5).item()
+    assert after < before
+    inputs = sample_inputs(config)
+    for alpha, endpoint in ((0.0, model_a), (1.0, model_b)):
+        merged = matcher.merge(alpha)
+        assert next(merged.parameters()).dtype == torch.float32
+        assert relative_error(logits(merged, _cuda(inputs)).cpu(), logits(endpoint, inputs)) < 1e-5
