@@ -73,13 +73,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="learned / dual training steps, also the number of calibration batches (default: 200)")
     parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
     parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="learned / dual: how the unit and head permutations train (default: fixed)")
+    parser.add_argument(
+        "--objective", default="labels", choices=["labels", "ensemble"],
+        help="learned / dual: train toward the labels or the endpoints' mixed predictions (default: labels)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
 
     rows = list(HEADER)
     for name in args.pairs:
-        result = measure(name, not args.quiet, args.methods, LearnOptions(steps=args.steps, lr=args.lr, permutations=args.permutations))
+        result = measure(name, not args.quiet, args.methods, LearnOptions(steps=args.steps, lr=args.lr, permutations=args.permutations, objective=args.objective))
         path = plot(result, args.plots_dir / f"{name}.png", title=f"zoo {name}: held-out loss along the path")
         print(f"{name}: plot in {path}", file=sys.stderr)
         rows += table_rows(name, result)

@@ -24,6 +24,7 @@ from hf_lmc.barriers import alpha_grid, loss_barrier
 from hf_lmc.canonical import interpolate, to_hf
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
 from hf_lmc.loading import load_model
+from hf_lmc.matching.learned import OBJECTIVES
 from hf_lmc.matching.trainable import PERMUTATIONS
 
 MATCHERS = {"learned": LearnedMatcher, "dual": DualMatcher}
@@ -55,6 +56,10 @@ def main() -> None:
         "--init", default="weight", choices=["weight", "activation"],
         help="starting transform of B: weight matching's, or activation matching's on 200 training batches of 16 (default: weight)",
     )
+    parser.add_argument(
+        "--objective", default="labels", choices=list(OBJECTIVES),
+        help="train toward the batch's labels or the endpoints' predictions mixed at the same lambda (default: labels)",
+    )
     parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
@@ -77,7 +82,8 @@ def main() -> None:
     for method in args.methods:
         torch.manual_seed(0)  # same lambda draws for both methods
         matcher = MATCHERS[method](
-            a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal
+            a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal,
+            objective=args.objective,
         )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
         if train_batches:
@@ -101,7 +107,7 @@ def main() -> None:
     print(
         f"zoo {args.pair}: lr {args.lr} (residual {args.residual_lr or args.lr}), schedule {args.schedule}, warmup {args.warmup}, "
         f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
-        f"permutations {args.permutations}, orthogonal {args.orthogonal}, init {args.init}, "
+        f"permutations {args.permutations}, orthogonal {args.orthogonal}, init {args.init}, objective {args.objective}, "
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}"
     )
     print("| steps | " + " | ".join(curves) + " |")

@@ -46,6 +46,7 @@ class LearnOptions:
     permutations: str = "fixed"  # weight matching's assignment; "ste" / "sinkhorn" train it
     orthogonal: str = "cayley"
     lambda_range: tuple[float, float] = (0.4, 0.6)
+    objective: str = "labels"  # or "ensemble": toward the endpoints' mixed predictions
     mixed_precision: str = "no"
     gradient_accumulation_steps: int = 1
     #: More than two models: the weights of each step are drawn from Dirichlet(concentration * 1).
@@ -87,7 +88,8 @@ def align(
         return Transform(), ActivationMatcher(batches, symmetries, progress=progress).fit(a, b)
     matcher_class = DualMatcher if method == "dual" else LearnedMatcher
     matcher = matcher_class(
-        a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range
+        a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range,
+        objective=learn.objective,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()
@@ -127,7 +129,7 @@ def align_many(
         return start
     matcher = SimplexMatcher(
         models, init=start, learns_first=method == "dual", symmetries=symmetries, permutations=learn.permutations,
-        orthogonal=learn.orthogonal, concentration=learn.concentration,
+        orthogonal=learn.orthogonal, concentration=learn.concentration, objective=learn.objective,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()

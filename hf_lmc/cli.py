@@ -38,6 +38,7 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
 SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
 PERMUTATIONS = ("fixed", "ste", "sinkhorn")  # hf_lmc.matching.trainable.PERMUTATIONS, without importing torch
+OBJECTIVES = ("labels", "ensemble")  # hf_lmc.matching.learned.OBJECTIVES, without importing torch
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -80,7 +81,7 @@ def _learn_options(args: argparse.Namespace):
 
     return LearnOptions(
         steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
-        orthogonal=args.orthogonal, concentration=args.concentration,
+        orthogonal=args.orthogonal, concentration=args.concentration, objective=args.objective,
     )
 
 
@@ -194,6 +195,11 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
         help="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian or Sinkhorn (default: fixed)",
     )
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
+    group.add_argument(
+        "--objective", choices=OBJECTIVES, default="labels",
+        help="train the merge toward the data's labels, or toward the models' own predictions mixed at the same weights "
+        "(ensemble: one extra forward per model and step; lower barriers on the zoo language models, see the README) (default: labels)",
+    )
     group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1; 1.0 gave lower simplex barriers on the zoo triples, see the README)")
 
 

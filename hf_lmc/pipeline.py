@@ -57,6 +57,17 @@ _HARDENED = (
     "MLP permutations were learned as Sinkhorn soft permutations and hardened (linear assignment) "
     "before export, so the merged weights apply exact permutations of each model."
 )
+_ENSEMBLE = (
+    "The transforms were trained toward the models' own predictions mixed at the same weights "
+    "(objective `ensemble`), not toward the training data's labels."
+)
+
+
+def _training_notes(method: str, learn: LearnOptions) -> list[str]:
+    """Model-card notes on how a trained method's transforms were learned."""
+    if method not in TRAINED_METHODS:
+        return []
+    return ([_HARDENED] if learn.permutations == "sinkhorn" else []) + ([_ENSEMBLE] if learn.objective == "ensemble" else [])
 
 
 def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -291,7 +302,7 @@ def merge_models(
             base_models=[str(m) for m in models],
             method=method,
             symmetries=sorted(kinds) if method != "average" else [],
-            notes=([_HARDENED] if method in TRAINED_METHODS and learn.permutations == "sinkhorn" else []) + width_notes,
+            notes=_training_notes(method, learn) + width_notes,
             alpha_or_weights=weights[1] if count == 2 else list(weights),
             license=inherited_license(folders),
             model_type=config_a.model_type,

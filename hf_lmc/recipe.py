@@ -153,6 +153,9 @@ class LearnSpec(_Section):
         LearnOptions.permutations, description="fixed at weight matching's, or trained: straight-through Hungarian or Sinkhorn"
     )
     orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
+    objective: Literal["labels", "ensemble"] = Field(
+        LearnOptions.objective, description="train toward the data's labels, or toward the models' predictions mixed at the same weights"
+    )
     lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")
     concentration: float = Field(
         LearnOptions.concentration, gt=0, description="more than two models: weights of each step ~ Dirichlet(concentration * 1)"

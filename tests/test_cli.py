@@ -46,8 +46,10 @@ def test_cli_method_list_is_the_alignment_table():
     from typing import get_args
 
     from hf_lmc import alignment, cli
+    from hf_lmc.matching.learned import OBJECTIVES
     from hf_lmc.matching.trainable import PERMUTATIONS
     from hf_lmc.recipe import LearnSpec
 
     assert cli.METHODS == alignment.METHODS
     assert cli.PERMUTATIONS == PERMUTATIONS == get_args(LearnSpec.model_fields["permutations"].annotation)
+    assert cli.OBJECTIVES == OBJECTIVES == get_args(LearnSpec.model_fields["objective"].annotation)

@@ -119,6 +119,47 @@ def test_a_given_starting_transform_is_where_training_starts(cls):
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-10
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "vit"])
+def test_ensemble_objective_is_the_cross_entropy_to_the_endpoints_mixture(arch):
+    """``objective="ensemble"``: the loss at ``alpha`` is the cross-entropy of the interpolated
+    model's predictions to ``(1 - alpha) p_A + alpha p_B`` (stock models' probabilities); it
+    trains, and the merge stays exact at the endpoints."""
+    config = tiny_configs()[arch]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    inputs = sample_inputs(config, dtype=torch.float64, batch=4)
+    batch = dict(inputs) | ({"labels": torch.tensor([0, 1, 2, 0])} if arch == "vit" else {})  # labels are ignored
+    matcher = DualMatcher(model_a, model_b, objective="ensemble", dtype=torch.float64)
+    alpha = 0.3
+    with torch.no_grad():
+        target = (1 - alpha) * logits(model_a, inputs).softmax(-1) + alpha * logits(model_b, inputs).softmax(-1)
+        point = matcher.interpolant(matcher.transform_b(), alpha, matcher.transform_a(), **inputs).logits
+        expected = -(target * point.log_softmax(-1)).sum(-1).mean()
+        assert matcher(batch, alpha=alpha).item() == pytest.approx(expected.item(), rel=1e-10)
+        # A twin of A: the mixture is A's own distribution, and the loss is its entropy.
+        twin = DualMatcher(model_a, model_a, objective="ensemble", dtype=torch.float64)
+        p = logits(model_a, inputs).softmax(-1)
+        assert twin(batch, alpha=0.5).item() == pytest.approx(-(p * p.log()).sum(-1).mean().item(), rel=1e-8)
+    before = matcher(batch, alpha=0.5).item()
+    matcher.fit([batch], steps=15, lr=1e-2, progress=False)
+    assert matcher(batch, alpha=0.5).item() < before
+    probe = sample_inputs(config, seed=1, dtype=torch.float64)
+    assert relative_error(logits(matcher.merge(0.0), probe), logits(model_a, probe)) < 1e-10
+    assert relative_error(logits(matcher.merge(1.0), probe), logits(model_b, probe)) < 1e-10
+
+
+def test_ensemble_objective_mixes_every_endpoint_of_the_simplex():
+    config = tiny_configs()["gpt2"]
+    models = [build_model(config, seed=s) for s in (1, 2, 3)]
+    inputs = sample_inputs(config, dtype=torch.float64, batch=3)
+    matcher = hf_lmc.SimplexMatcher(models, init="identity", objective="ensemble", dtype=torch.float64)
+    weights = (0.5, 0.3, 0.2)
+    with torch.no_grad():
+        target = sum(w * logits(m, inputs).softmax(-1) for w, m in zip(weights, models))
+        point = logits(matcher.merge(list(weights)), inputs)  # identity transforms: the plain weighted average
+        expected = -(target * point.log_softmax(-1)).sum(-1).mean()
+        assert matcher(inputs, weights=weights).item() == pytest.approx(expected.item(), rel=1e-10)
+
+
 def test_bad_options_are_rejected():
     model = build_model(tiny_configs()["gpt2"], seed=0)
     with pytest.raises(ValueError, match="unknown init"):
@@ -127,6 +168,8 @@ def test_bad_options_are_rejected():
         DualMatcher(model, model, lambda_range=(0.6, 0.4))
     with pytest.raises(ValueError, match="permutation parameterisation 'frozen'.*fixed"):
         DualMatcher(model, model, permutations="frozen")
+    with pytest.raises(ValueError, match="unknown objective 'kl'.*ensemble"):
+        DualMatcher(model, model, objective="kl")
 
 
 def test_residual_lr_trains_the_residual_maps_at_their_own_rate():

@@ -189,7 +189,7 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     if method == "dual":
         args += ["--permutations", "sinkhorn"]
     if method == "learned":
-        args += ["--permutations", "fixed", "--residual-lr", "1e-5"]
+        args += ["--permutations", "fixed", "--residual-lr", "1e-5", "--objective", "ensemble"]
     assert main(args) == 0
     merged = MODEL_CLASSES["vit"].from_pretrained(tmp_path / "m").eval()
     inputs = sample_inputs(model.config)
@@ -197,6 +197,7 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     card = (tmp_path / "m" / "README.md").read_text()
     assert f"| method | `{method}` |" in card and f"| {method} |" in card  # the barrier table has the method's row
     assert ("hardened" in card) == (method == "dual")
+    assert ("objective `ensemble`" in card) == (method == "learned")
 
 
 def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):

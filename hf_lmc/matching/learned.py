@@ -33,12 +33,46 @@ from .universe import UniverseMatcher
 from .weight import WeightMatcher
 
 INITS = ("weight", "identity")
+#: What the point of the path is trained toward: the batch's ``"labels"``, or the endpoints'
+#: ``"ensemble"`` at the same weights (soft targets: the mixture of their predicted distributions).
+OBJECTIVES = ("labels", "ensemble")
 _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 
 
 class PathTrainer(nn.Module):
     """The training loop shared by the learned matchers: ``self(batch)`` is the loss at a sampled
     point of the path (or simplex); the transforms' parameters are what trains."""
+
+    interpolant: Interpolant
+    objective: str
+
+    def _point_loss(self, batch: dict[str, Tensor], transforms, weights) -> Tensor:
+        """The loss of the point ``sum_k w_k T_k(theta_k)`` on ``batch``, per ``self.objective``.
+
+        ``"ensemble"``: the cross-entropy of the point's predictions to ``sum_k w_k p_k``, the
+        endpoints' predicted distributions mixed at the same weights (computed without gradient).
+        By convexity that mixture's loss is at most ``sum_k w_k L_k``, the barrier's reference,
+        so a point that matches it has no barrier; and unlike one-hot labels it says, at every
+        position, what the two models predict together. (On a classifier whose endpoints are
+        near one-hot the two objectives coincide.)
+        """
+        if self.objective == "labels":
+            return self.interpolant.at(transforms, weights, **_labelled(batch)).loss
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        count = len(self.interpolant.models)
+        with torch.no_grad():
+            target = 0
+            for k, w in enumerate(weights):
+                alone = [0.0] * count
+                alone[k] = 1.0
+                target = target + w * _wide(self.interpolant.at([None] * count, alone, **inputs).logits).softmax(-1)
+        log_probs = _wide(self.interpolant.at(transforms, weights, **inputs).logits).log_softmax(-1)
+        per_position = -(target * log_probs).sum(-1)
+        mask = inputs.get("attention_mask")
+        if mask is None or per_position.dim() != mask.dim():
+            return per_position.mean()
+        mask = mask.to(per_position.dtype)
+        return (per_position * mask).sum() / mask.sum()
 
     def _parameter_groups(self, residual_lr: float | None) -> list[dict]:
         """Adam parameter groups: the residual maps' at ``residual_lr`` (when given), the rest at the base rate."""
@@ -133,6 +167,17 @@ class PathTrainer(nn.Module):
         return losses
 
 
+def _wide(logits: Tensor) -> Tensor:
+    """Logits in at least float32 (softmax of half-precision logits under autocast loses digits)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _check_objective(objective: str) -> str:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; choose from {OBJECTIVES}")
+    return objective
+
+
 def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     inputs = dict(batch)
     if "labels" not in inputs and "input_ids" in inputs:
@@ -155,6 +200,9 @@ class DualMatcher(PathTrainer):
             ``"sinkhorn"`` train the assignments too (n x n scores per layer).
         orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
         lambda_range: interpolation weights are drawn uniformly from this range.
+        objective: ``"labels"`` (the batch's cross-entropy) or ``"ensemble"`` (cross-entropy to
+            the endpoints' predictions mixed at the same ``lambda``; costs a forward of each
+            endpoint per step).
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
         checkpoint_layers: rebuild each layer's interpolated weights inside gradient
             checkpointing, so only one layer's transformed weights are alive at a time.
@@ -176,11 +224,13 @@ class DualMatcher(PathTrainer):
         permutations: str = "fixed",
         orthogonal: str = "cayley",
         lambda_range: tuple[float, float] = (0.4, 0.6),
+        objective: str = "labels",
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool = True,
         shard_endpoints: bool = False,
     ):
         super().__init__()
+        self.objective = _check_objective(objective)
         if not isinstance(init, Transform) and init not in INITS:
             raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass B's starting Transform")
         low, high = lambda_range
@@ -207,7 +257,7 @@ class DualMatcher(PathTrainer):
         """The interpolated model's loss on ``batch`` at ``alpha`` (sampled when ``None``)."""
         alpha = self.sample_lambda() if alpha is None else alpha
         transform_a = self.transform_a() if self.transform_a is not None else None
-        return self.interpolant(self.transform_b(), alpha, transform_a, **_labelled(batch)).loss
+        return self._point_loss(batch, (transform_a, self.transform_b()), (1 - alpha, alpha))
 
     def transforms(self) -> tuple[Transform, Transform]:
         """The exact (hardened) transforms of A and B the parameters currently select."""
@@ -243,8 +293,8 @@ class SimplexMatcher(PathTrainer):
         learns_first: ``False`` keeps the first model's starting transform fixed (one model
             anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
         concentration: the Dirichlet concentration of the sampled weights.
-        symmetries, permutations, orthogonal, dtype, checkpoint_layers, shard_endpoints: as for
-            :class:`DualMatcher`.
+        symmetries, permutations, orthogonal, objective, dtype, checkpoint_layers, shard_endpoints:
+            as for :class:`DualMatcher` (``"ensemble"`` mixes the M endpoints at the sampled weights).
     """
 
     def __init__(
@@ -257,11 +307,13 @@ class SimplexMatcher(PathTrainer):
         permutations: str = "fixed",
         orthogonal: str = "cayley",
         concentration: float = 0.1,
+        objective: str = "labels",
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool = True,
         shard_endpoints: bool = False,
     ):
         super().__init__()
+        self.objective = _check_objective(objective)
         if len(models) < 2:
             raise ValueError(f"SimplexMatcher needs at least 2 models, got {len(models)}")
         if isinstance(init, str) and init not in INITS:
@@ -301,7 +353,7 @@ class SimplexMatcher(PathTrainer):
         weights = self.sample_weights() if weights is None else weights
         current = [t() for t in self.learned]
         transforms = current if self.fixed_first is None else [None, *current]
-        return self.interpolant.at(transforms, weights, **_labelled(batch)).loss
+        return self._point_loss(batch, transforms, weights)
 
     def transforms(self) -> list[Transform]:
         """One exact (hardened) transform per model, in the order the models were given."""
