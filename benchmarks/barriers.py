@@ -24,6 +24,7 @@ from hf_lmc import zoo
 from hf_lmc.alignment import LearnOptions
 from hf_lmc.barriers import BarrierResult, plot
 from hf_lmc.evaluation import EvalOptions
+from hf_lmc.matching.learned import OBJECTIVES
 from hf_lmc.matching.trainable import PERMUTATIONS
 
 #: (label, method, symmetries) rows per pair.
@@ -74,7 +75,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
     parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="learned / dual: how the unit and head permutations train (default: fixed)")
     parser.add_argument(
-        "--objective", default="labels", choices=["labels", "ensemble"],
+        "--objective", default="labels", choices=list(OBJECTIVES),
         help="learned / dual: train toward the labels or the endpoints' mixed predictions (default: labels)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

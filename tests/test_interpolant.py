@@ -108,3 +108,26 @@ def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing
     torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
     for g_plain, g_checkpointed in zip(results[False][1], results[True][1]):
         torch.testing.assert_close(g_checkpointed, g_plain)
+
+
+@settings(max_examples=8, deadline=None)
+@given(arch=st.sampled_from(ARCHITECTURES), data=st.data())
+def test_an_endpoint_alone_is_its_stock_model(arch, data):
+    """``endpoint(k)`` (what the ensemble objective mixes) builds endpoint k from its own tensors
+    only, and computes exactly the stock model it was canonicalised from."""
+    config = data.draw(CONFIGS[arch]())
+    models = [build_model(config, seed=s, dtype=torch.float64) for s in (1, 2, 3)]
+    interpolant = Interpolant(*(hf_lmc.canonicalize(m) for m in models))
+    inputs = sample_inputs(config, dtype=torch.float64)
+    reads = []
+    for store in interpolant.endpoints:  # count whose tensors each call loads
+        store.load = (lambda load, store: lambda group, rows=None: reads.append(store) or load(group, rows))(store.load, store)
+    interpolant.models = tuple(store.canonical() for store in interpolant.endpoints)
+    with float64_rmsnorm():
+        for k, model in enumerate(models):
+            reads.clear()
+            out = interpolant.endpoint(k, **inputs)
+            assert relative_error(out.logits, logits(model, inputs)) < 1e-10
+            assert reads and all(store is interpolant.endpoints[k] for store in reads)
+    with pytest.raises(ValueError, match="no endpoint 3"):
+        interpolant.endpoint(3, **inputs)

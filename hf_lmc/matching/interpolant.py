@@ -37,11 +37,14 @@ from .endpoints import EndpointStore, shard_group
 class _Point:
     """Where in the simplex the current call evaluates: shared by the interpolant and its layers.
 
-    ``transforms[k]`` moves endpoint k (``None``: it stays as it is); ``weights`` sum to 1.
+    ``transforms[i]`` moves the i-th endpoint the point mixes (``None``: it stays as it is) and
+    ``weights`` sum to 1; ``members`` names those endpoints (``None``: all of them, in order), so
+    a point of one endpoint reads (and, sharded, gathers) that endpoint's tensors alone.
     """
 
     transforms: tuple[Transform | None, ...] = ()
     weights: tuple[float | Tensor, ...] = ()
+    members: tuple[int, ...] | None = None
 
 
 class _RebuiltLayer(nn.Module):
@@ -77,7 +80,8 @@ class Interpolant(nn.Module):
             (:mod:`hf_lmc.matching.endpoints`); every call is then a collective.
 
     ``interpolant(T_B, alpha, T_A, **batch)`` runs the two-model path;
-    ``interpolant.at(transforms, weights, **batch)`` any point of the simplex.
+    ``interpolant.at(transforms, weights, **batch)`` any point of the simplex;
+    ``interpolant.endpoint(k, **batch)`` endpoint ``k`` alone.
     """
 
     def __init__(
@@ -137,8 +141,9 @@ class Interpolant(nn.Module):
     def _group(self, group: Group, point: _Point) -> dict[str, Tensor]:
         """HF tensors of one group of the interpolant at ``point``."""
         moved = []
-        for model, transform in zip(self.models, point.transforms):
-            tensors = model.group(group)
+        members = point.members if point.members is not None else range(len(self.models))
+        for k, transform in zip(members, point.transforms):
+            tensors = self.models[k].group(group)
             moved.append({n: transform.apply_tensor(n, t) for n, t in tensors.items()} if transform is not None else tensors)
         merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
@@ -160,7 +165,16 @@ class Interpolant(nn.Module):
         """The stock model's output at ``sum_k weights[k] transforms[k](m_k)`` (``None``: m_k as it is)."""
         if len(transforms) != len(self.models) or len(weights) != len(self.models):
             raise ValueError(f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each")
-        point = _Point(tuple(transforms), tuple(weights))
+        return self._evaluate(_Point(tuple(transforms), tuple(weights)), batch)
+
+    def endpoint(self, k: int, **batch):
+        """Endpoint ``k``'s own output, unmoved: built from its tensors alone (no zero-weight
+        copies of the others), so it is exactly the stock model it was made from."""
+        if not 0 <= k < len(self.models):
+            raise ValueError(f"the interpolant has {len(self.models)} endpoints; there is no endpoint {k}")
+        return self._evaluate(_Point((None,), (1.0,), (k,)), batch)
+
+    def _evaluate(self, point: _Point, batch: dict):
         if hasattr(self.config, "use_cache"):
             batch.setdefault("use_cache", False)  # a KV cache would be filled twice by checkpoint recomputation
         self._point = point

@@ -59,13 +59,8 @@ class PathTrainer(nn.Module):
         if self.objective == "labels":
             return self.interpolant.at(transforms, weights, **_labelled(batch)).loss
         inputs = {k: v for k, v in batch.items() if k != "labels"}
-        count = len(self.interpolant.models)
         with torch.no_grad():
-            target = 0
-            for k, w in enumerate(weights):
-                alone = [0.0] * count
-                alone[k] = 1.0
-                target = target + w * _wide(self.interpolant.at([None] * count, alone, **inputs).logits).softmax(-1)
+            target = sum(w * _wide(self.interpolant.endpoint(k, **inputs).logits).softmax(-1) for k, w in enumerate(weights))
         log_probs = _wide(self.interpolant.at(transforms, weights, **inputs).logits).log_softmax(-1)
         per_position = -(target * log_probs).sum(-1)
         mask = inputs.get("attention_mask")
