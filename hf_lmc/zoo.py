@@ -104,6 +104,15 @@ ZOO["vit-narrow"] = ZOO["vit"].scaled(name="vit-narrow", config={"hidden_size": 
 #: Each narrower entry, by the entry it narrows.
 NARROW = {"gpt2": "gpt2-narrow", "vit": "vit-narrow"}
 
+# Twice as wide (same head size, twice the heads and MLP units; depth, data and training as the
+# base entry), for measuring how the merge barrier falls with width (``benchmarks/learned_curve.py``).
+ZOO["pythia-wide"] = ZOO["pythia"].scaled(name="pythia-wide", config={"hidden_size": 256, "num_attention_heads": 8, "intermediate_size": 1024})
+ZOO["llama-wide"] = ZOO["llama"].scaled(
+    name="llama-wide", config={"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 688}
+)
+#: Each wider entry, by the entry it widens.
+WIDE = {"pythia": "pythia-wide", "llama": "llama-wide"}
+
 
 def _entry(name: str | ZooEntry) -> ZooEntry:
     if isinstance(name, ZooEntry):

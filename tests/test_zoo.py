@@ -46,6 +46,23 @@ def test_members_train_from_their_seed_and_are_cached(name, tmp_path, monkeypatc
     assert evaluate(model_a, batches).loss > 0
 
 
+@pytest.mark.parametrize("variants, ratio", [(zoo.NARROW, None), (zoo.WIDE, 2)])
+def test_width_variants_change_only_the_width(variants, ratio):
+    """Narrow and wide entries keep the family, depth, head size and training; only the width moves."""
+    from hf_lmc.widths import spec_of
+
+    for base, variant in variants.items():
+        spec, other = (spec_of(zoo.build_config(zoo.ZOO[name])) for name in (base, variant))
+        assert (other.num_layers, other.head_dim, other.model_type) == (spec.num_layers, spec.head_dim, spec.model_type)
+        assert zoo.ZOO[variant].scaled(name=base, config=zoo.ZOO[base].config) == zoo.ZOO[base]  # same training
+        if ratio is not None:
+            assert (other.hidden_size, other.intermediate_size, other.num_heads, other.num_kv_heads) == (
+                ratio * spec.hidden_size, ratio * spec.intermediate_size, ratio * spec.num_heads, ratio * spec.num_kv_heads,
+            )
+        else:
+            assert other.hidden_size < spec.hidden_size
+
+
 def test_training_is_reproducible(tmp_path):
     entry = zoo.ZOO["llama"].scaled(steps=2, warmup=1)
     first = zoo.train(entry, 3, cache=tmp_path / "one", progress=False)
