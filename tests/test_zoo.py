@@ -12,6 +12,7 @@ from hf_lmc import zoo
 from hf_lmc.cli import main
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
 from hf_lmc.loading import load_model
+from hf_lmc.widths import spec_of
 
 
 def test_shipped_corpus_splits_by_whole_play():
@@ -49,8 +50,6 @@ def test_members_train_from_their_seed_and_are_cached(name, tmp_path, monkeypatc
 @pytest.mark.parametrize("variants, ratio", [(zoo.NARROW, None), (zoo.WIDE, 2)])
 def test_width_variants_change_only_the_width(variants, ratio):
     """Narrow and wide entries keep the family, depth, head size and training; only the width moves."""
-    from hf_lmc.widths import spec_of
-
     for base, variant in variants.items():
         spec, other = (spec_of(zoo.build_config(zoo.ZOO[name])) for name in (base, variant))
         assert (other.num_layers, other.head_dim, other.model_type) == (spec.num_layers, spec.head_dim, spec.model_type)
