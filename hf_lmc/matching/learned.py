@@ -45,6 +45,7 @@ class PathTrainer(nn.Module):
 
     interpolant: Interpolant
     objective: str
+    label = "learned matching"  # the progress bar's name for this matcher
 
     def _point_loss(self, batch: dict[str, Tensor], transforms, weights) -> Tensor:
         """The loss of the point ``sum_k w_k T_k(theta_k)`` on ``batch``, per ``self.objective``.
@@ -140,7 +141,7 @@ class PathTrainer(nn.Module):
         for _ in range(start):  # replay the data order up to where the saved run stopped
             next(stream)
         losses = []
-        bar = tqdm(range(start, steps), desc="learned matching", disable=not progress or not accelerator.is_local_main_process)
+        bar = tqdm(range(start, steps), desc=self.label, disable=not progress or not accelerator.is_local_main_process)
         for step in bar:
             batch = {k: v.to(accelerator.device) for k, v in next(stream).items()}
             with accelerator.accumulate(model):
@@ -208,6 +209,7 @@ class DualMatcher(PathTrainer):
     """
 
     learns_a = True
+    label = "dual matching"
 
     def __init__(
         self,
@@ -271,6 +273,7 @@ class LearnedMatcher(DualMatcher):
     """Only B learns its transform (one-sided learned matching); A stays as it is."""
 
     learns_a = False
+    label = "learned matching"
 
 
 class SimplexMatcher(PathTrainer):
@@ -291,6 +294,8 @@ class SimplexMatcher(PathTrainer):
         symmetries, permutations, orthogonal, objective, dtype, checkpoint_layers, shard_endpoints:
             as for :class:`DualMatcher` (``"ensemble"`` mixes the M endpoints at the sampled weights).
     """
+
+    label = "simplex matching"
 
     def __init__(
         self,
