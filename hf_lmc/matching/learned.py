@@ -45,7 +45,7 @@ class PathTrainer(nn.Module):
 
     interpolant: Interpolant
     objective: str
-    label = "learned matching"  # the progress bar's name for this matcher
+    label: str  # the progress bar's name for this matcher; each concrete matcher sets it
 
     def _point_loss(self, batch: dict[str, Tensor], transforms, weights) -> Tensor:
         """The loss of the point ``sum_k w_k T_k(theta_k)`` on ``batch``, per ``self.objective``.
