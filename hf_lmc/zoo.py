@@ -110,8 +110,9 @@ ZOO["pythia-wide"] = ZOO["pythia"].scaled(name="pythia-wide", config={"hidden_si
 ZOO["llama-wide"] = ZOO["llama"].scaled(
     name="llama-wide", config={"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 688}
 )
+ZOO["vit-wide"] = ZOO["vit"].scaled(name="vit-wide", config={"hidden_size": 128, "num_attention_heads": 8, "intermediate_size": 256})
 #: Each wider entry, by the entry it widens.
-WIDE = {"pythia": "pythia-wide", "llama": "llama-wide"}
+WIDE = {"pythia": "pythia-wide", "llama": "llama-wide", "vit": "vit-wide"}
 
 
 def _entry(name: str | ZooEntry) -> ZooEntry:
