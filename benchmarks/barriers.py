@@ -5,8 +5,8 @@ held-out loss on an 11-point alpha grid for each method, prints a markdown table
 ratio to vanilla, accuracy at alpha = 0.5 for ViT) and saves one PNG per pair with the loss
 along the path. ``weight (perm.)`` restricts weight matching to permutations, to show which
 symmetry class carries the alignment. Activation matching calibrates on 200 training batches;
-learned and dual matching train 200 steps on them (16 sequences / images each, Adam lr 3e-3)
-from the weight-matching solution.
+learned and dual matching train 200 steps on them (16 sequences / images each, Adam lr 3e-3,
+half the lambda draws near the path's worst point) from the weight-matching solution.
 
     python benchmarks/barriers.py                       # all pairs (trains them on first use)
     python benchmarks/barriers.py --pairs gpt2 vit --plots-dir /tmp/plots
@@ -79,13 +79,20 @@ def main() -> None:
         "--objective", default="labels", choices=list(OBJECTIVES),
         help="learned / dual: train toward the labels or the endpoints' mixed predictions (default: labels)",
     )
+    parser.add_argument(
+        "--worst-fraction", type=float, default=LearnOptions.worst_fraction,
+        help=f"learned / dual: share of lambda draws near the path's current worst point (default: {LearnOptions.worst_fraction})",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
 
     rows = list(HEADER)
     for name in args.pairs:
-        result = measure(name, not args.quiet, args.methods, LearnOptions(steps=args.steps, lr=args.lr, permutations=args.permutations, objective=args.objective))
+        learn = LearnOptions(
+            steps=args.steps, lr=args.lr, permutations=args.permutations, objective=args.objective, worst_fraction=args.worst_fraction,
+        )
+        result = measure(name, not args.quiet, args.methods, learn)
         path = plot(result, args.plots_dir / f"{name}.png", title=f"zoo {name}: held-out loss along the path")
         print(f"{name}: plot in {path}", file=sys.stderr)
         rows += table_rows(name, result)

@@ -68,6 +68,11 @@ def main() -> None:
     parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
     )
+    parser.add_argument(
+        "--worst-fraction", type=float, default=0.5,
+        help="share of lambda draws near the path's current worst point, the rest uniform over --lambda-range (default: 0.5)",
+    )
+    parser.add_argument("--locate-every", type=int, default=50, help="re-locate the worst point every N steps (default: 50)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
 
@@ -87,7 +92,7 @@ def main() -> None:
         torch.manual_seed(0)  # same lambda draws for both methods
         matcher = MATCHERS[method](
             a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal,
-            objective=args.objective,
+            objective=args.objective, worst_fraction=args.worst_fraction,
         )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
         if train_batches:
@@ -99,12 +104,16 @@ def main() -> None:
                 barrier, losses = held_out_barrier(matcher, eval_batches, grid)
                 curve[step] = barrier
                 where = grid[max(range(len(grid)), key=lambda i: losses[i] - ((1 - grid[i]) * losses[0] + grid[i] * losses[-1]))]
-                print(f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}), {time.perf_counter() - start:.0f} s", file=sys.stderr)
+                print(
+                    f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}; drawing near {float(matcher.worst_alpha):.1f}), "
+                    f"{time.perf_counter() - start:.0f} s", file=sys.stderr,
+                )
                 if train_batches:
                     curves[f"{method} (train)"][step] = held_out_barrier(matcher, train_batches, grid)[0]
 
         matcher.fit(
-            fit, steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup_steps=args.warmup, progress=not args.quiet, callback=measure
+            fit, steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup_steps=args.warmup,
+            locate_every=args.locate_every, progress=not args.quiet, callback=measure,
         )
 
     steps = sorted({s for curve in curves.values() for s in curve})
@@ -112,6 +121,7 @@ def main() -> None:
         f"zoo {args.pair}: lr {args.lr} (residual {args.residual_lr or args.lr}), schedule {args.schedule}, warmup {args.warmup}, "
         f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
         f"permutations {args.permutations}, orthogonal {args.orthogonal}, init {args.init}, objective {args.objective}, "
+        f"worst fraction {args.worst_fraction} (located every {args.locate_every}), "
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}"
     )
     print("| steps | " + " | ".join(curves) + " |")

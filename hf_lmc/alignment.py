@@ -46,6 +46,7 @@ class LearnOptions:
     permutations: str = "fixed"  # weight matching's assignment; "ste" / "sinkhorn" train it
     orthogonal: str = "cayley"
     lambda_range: tuple[float, float] = (0.4, 0.6)
+    worst_fraction: float = 0.5  # share of draws near the path's current worst point (two models)
     objective: str = "labels"  # or "ensemble": toward the endpoints' mixed predictions
     mixed_precision: str = "no"
     gradient_accumulation_steps: int = 1
@@ -89,7 +90,7 @@ def align(
     matcher_class = DualMatcher if method == "dual" else LearnedMatcher
     matcher = matcher_class(
         a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range,
-        objective=learn.objective,
+        worst_fraction=learn.worst_fraction, objective=learn.objective,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()

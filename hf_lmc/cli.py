@@ -81,7 +81,7 @@ def _learn_options(args: argparse.Namespace):
 
     return LearnOptions(
         steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
-        orthogonal=args.orthogonal, concentration=args.concentration, objective=args.objective,
+        orthogonal=args.orthogonal, concentration=args.concentration, objective=args.objective, worst_fraction=args.worst_fraction,
     )
 
 
@@ -174,6 +174,17 @@ def _add_eval_options(parser: argparse.ArgumentParser, title: str) -> None:
     group.add_argument("--data-split", default="train", metavar="SPLIT", help="split of a datasets id for fitting (default: train)")
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {value}")
+    return value
+
+
 def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group = parser.add_argument_group(
         "data-driven alignment (--method activation, learned, dual)",
@@ -199,6 +210,11 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
         "--objective", choices=OBJECTIVES, default="labels",
         help="train the merge toward the data's labels, or toward the models' own predictions mixed at the same weights "
         "(ensemble: one extra forward per model and step; lower barriers on the zoo language models, see the README) (default: labels)",
+    )
+    group.add_argument(
+        "--worst-fraction", type=_fraction, default=0.5, metavar="F",
+        help="two models: share of training weights drawn near the path's current worst point, the rest from U(0.4, 0.6) "
+        "(re-located every 50 steps; 0: all uniform) (default: 0.5)",
     )
     group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1; 1.0 gave lower simplex barriers on the zoo triples, see the README)")
 

@@ -157,6 +157,10 @@ class LearnSpec(_Section):
         LearnOptions.objective, description="train toward the data's labels, or toward the models' predictions mixed at the same weights"
     )
     lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")
+    worst_fraction: float = Field(
+        LearnOptions.worst_fraction, ge=0, le=1,
+        description="two models: share of the weights drawn near the path's current worst point instead (0: all from lambda_range)",
+    )
     concentration: float = Field(
         LearnOptions.concentration, gt=0, description="more than two models: weights of each step ~ Dirichlet(concentration * 1)"
     )

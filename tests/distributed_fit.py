@@ -27,7 +27,9 @@ def main(out: str, shard: bool) -> None:
     g = torch.Generator().manual_seed(0)
     global_batches = [torch.randint(0, config.vocab_size, (4, 10), generator=g) for _ in range(3)]
     shards = [{"input_ids": x.chunk(accelerator.num_processes)[accelerator.process_index]} for x in global_batches]
-    losses = matcher.fit(shards, steps=3, lr=1e-2, accelerator=accelerator, progress=False)
+    located = []  # the worst point, re-located after every step (on each process's shards, averaged)
+    record = lambda step, m: located.append(float(m.worst_alpha))  # noqa: E731
+    losses = matcher.fit(shards, steps=3, lr=1e-2, accelerator=accelerator, locate_every=1, callback=record, progress=False)
     merged = matcher.merge(0.5)  # a collective when the endpoints are sharded: every process calls it
     with torch.no_grad():
         logits = merged(global_batches[0]).logits
@@ -39,7 +41,7 @@ def main(out: str, shard: bool) -> None:
         params = {k: v.detach().clone() for k, v in matcher.state_dict().items() if "template" not in k and "interpolant" not in k}
         torch.save({"params": params, "logits": logits}, out)
         with open(out + ".json", "w") as f:
-            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "held": held, "layers_per_model": layers}, f)
+            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "located": located, "held": held, "layers_per_model": layers}, f)
     accelerator.wait_for_everyone()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hf_lmc.cli import main
@@ -53,3 +54,10 @@ def test_cli_method_list_is_the_alignment_table():
     assert cli.METHODS == alignment.METHODS
     assert cli.PERMUTATIONS == PERMUTATIONS == get_args(LearnSpec.model_fields["permutations"].annotation)
     assert cli.OBJECTIVES == OBJECTIVES == get_args(LearnSpec.model_fields["objective"].annotation)
+
+
+def test_an_out_of_range_fraction_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["merge", "./no/such/a", "./no/such/b", "--output", "out", "--worst-fraction", "1.5"])
+    assert exit_info.value.code == 2
+    assert "argument --worst-fraction: must lie in [0, 1], got 1.5" in capsys.readouterr().err

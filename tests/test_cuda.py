@@ -91,8 +91,9 @@ def test_bf16_autocast_trains_on_cuda_and_the_merge_stays_exact(arch):
     matcher = DualMatcher(model_a, model_b)
     with torch.no_grad():
         before = matcher(batches[0], alpha=0.5).item()
-    losses = matcher.fit(batches, steps=20, lr=1e-2, mixed_precision="bf16", progress=False)
+    losses = matcher.fit(batches, steps=20, lr=1e-2, mixed_precision="bf16", locate_every=5, progress=False)
     assert torch.isfinite(torch.tensor(losses)).all()
+    assert matcher.worst_alpha.device.type == "cuda" and 0.1 <= float(matcher.worst_alpha) <= 0.9  # located on the GPU
     assert next(matcher.parameters()).device.type == "cuda"
     with torch.no_grad():
         after = matcher(_cuda(batches[0]), alpha=0.5).item()

@@ -170,6 +170,59 @@ def test_bad_options_are_rejected():
         DualMatcher(model, model, permutations="frozen")
     with pytest.raises(ValueError, match="unknown objective 'kl'.*ensemble"):
         DualMatcher(model, model, objective="kl")
+    with pytest.raises(ValueError, match="worst_fraction"):
+        DualMatcher(model, model, worst_fraction=1.5)
+    with pytest.raises(ValueError, match="at least one batch"):
+        DualMatcher(model, model).locate_worst([])
+    with pytest.raises(ValueError, match="locate_every"):
+        DualMatcher(model, model).fit([], steps=1, locate_every=0, progress=False)
+
+
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
+def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_follow_it(cls):
+    """``locate_worst`` against the barrier measured the user's way: stock merged models on the
+    same batches; then the draws: near that point (``worst_fraction=1``) or in the range (0)."""
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    matcher = cls(model_a, model_b, dtype=torch.float64, worst_fraction=1.0)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
+    optimizer = torch.optim.Adam([p for p in matcher.parameters() if p.requires_grad], lr=3e-2)
+    for _ in range(5):  # away from weight matching's start, so the path is not the symmetric one
+        matcher(batches[0], alpha=0.5).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    alphas = [i / 10 for i in range(11)]
+    with torch.no_grad():
+        losses = [sum(matcher.merge(alpha)(**b, labels=b["input_ids"]).loss.item() for b in batches) / 2 for alpha in alphas]
+    excess = [loss - ((1 - alpha) * losses[0] + alpha * losses[-1]) for alpha, loss in zip(alphas, losses)]
+    expected = alphas[max(range(1, 10), key=excess.__getitem__)]
+    matcher.worst_alpha.fill_(0.9 if expected < 0.7 else 0.1)  # so locating has to move it
+    assert matcher.locate_worst(batches) == pytest.approx(expected) and float(matcher.worst_alpha) == pytest.approx(expected)
+    draws = torch.stack([matcher.sample_lambda() for _ in range(200)])
+    assert (draws - expected).abs().max() <= 0.05 + 1e-9 and draws.std() > 0.01
+    matcher.worst_fraction = 0.0
+    draws = torch.stack([matcher.sample_lambda() for _ in range(200)])
+    assert draws.min() >= 0.4 and draws.max() <= 0.6
+
+
+def test_fit_relocates_the_worst_point_on_its_last_two_batches():
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(3)]
+    seen = {}
+
+    def check(step, matcher):  # after step s the last two batches are s-2 and s-1 (cycled)
+        located = float(matcher.worst_alpha)
+        seen[step] = located
+        if step % 2 == 0:
+            assert located == matcher.locate_worst([batches[(step - 2) % 3], batches[(step - 1) % 3]])
+
+    torch.manual_seed(0)
+    matcher = DualMatcher(model_a, model_b, dtype=torch.float64)
+    matcher.fit(batches, steps=4, lr=1e-2, locate_every=2, callback=check, progress=False)
+    assert sorted(seen) == [1, 2, 3, 4] and seen[1] == 0.5  # the middle of lambda_range until first located
 
 
 def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
@@ -214,12 +267,13 @@ def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
 
 
 def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
-    """A run killed mid-way (here: by its callback) resumes with its optimizer and LR schedule."""
+    """A run killed mid-way (here: by its callback) resumes with its optimizer, LR schedule and
+    the worst point its draws follow."""
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(3)]
-    options = {"steps": 6, "lr": 1e-2, "schedule": "cosine", "warmup_steps": 2, "progress": False}
+    options = {"steps": 6, "lr": 1e-2, "schedule": "cosine", "warmup_steps": 2, "locate_every": 2, "progress": False}
 
     def fresh():
         torch.manual_seed(0)  # lambda draws
@@ -240,6 +294,7 @@ def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
     assert len(resumed.fit(batches, checkpoint_dir=tmp_path / "ckpt", resume=True, **options)) == 2
     for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
         torch.testing.assert_close(p, q, msg=name)
+    assert float(resumed.worst_alpha) == float(straight.worst_alpha)  # the buffer the draws follow is saved too
     with pytest.raises(ValueError, match="warmup_steps"):
         fresh().fit(batches, steps=2, warmup_steps=3, progress=False)
 
@@ -263,6 +318,7 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path)
         subprocess.run([*launch, script, out, *flags], env=env, check=True, timeout=600, cwd=root)
     info = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
     assert [info[n]["num_processes"] for n in runs] == [1, 2, 2]  # really two processes
+    assert info["two"]["located"] == info["two, sharded"]["located"] == info["one"]["located"]  # one worst point for all
     whole, = info["one"]["held"]
     assert info["two"]["held"] == [whole, whole]
     layers = 2 * info["two, sharded"]["layers_per_model"]  # both endpoints' layer tensors
