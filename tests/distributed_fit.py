@@ -43,6 +43,8 @@ def main(out: str, shard: bool) -> None:
         with open(out + ".json", "w") as f:
             json.dump({"num_processes": accelerator.num_processes, "losses": losses, "located": located, "held": held, "layers_per_model": layers}, f)
     accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():  # an orderly teardown: gloo's threads end before the process does
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
