@@ -24,7 +24,8 @@ import time
 import torch
 
 from hf_lmc import ActivationMatcher, DualMatcher, LearnedMatcher, canonicalize, zoo
-from hf_lmc.barriers import alpha_grid, loss_barrier
+from hf_lmc.alignment import LearnOptions
+from hf_lmc.barriers import alpha_grid, excess_over_line, loss_barrier
 from hf_lmc.canonical import interpolate, to_hf
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
 from hf_lmc.loading import load_model
@@ -69,8 +70,8 @@ def main() -> None:
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
     )
     parser.add_argument(
-        "--worst-fraction", type=float, default=0.5,
-        help="share of lambda draws near the path's current worst point, the rest uniform over --lambda-range (default: 0.5)",
+        "--worst-fraction", type=float, default=LearnOptions.worst_fraction,
+        help=f"share of lambda draws near the path's current worst point, the rest uniform over --lambda-range (default: {LearnOptions.worst_fraction})",
     )
     parser.add_argument("--locate-every", type=int, default=50, help="re-locate the worst point every N steps (default: 50)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -103,7 +104,7 @@ def main() -> None:
             if step % args.every == 0 or step == args.steps:
                 barrier, losses = held_out_barrier(matcher, eval_batches, grid)
                 curve[step] = barrier
-                where = grid[max(range(len(grid)), key=lambda i: losses[i] - ((1 - grid[i]) * losses[0] + grid[i] * losses[-1]))]
+                where = grid[max(range(len(grid)), key=excess_over_line(grid, losses).__getitem__)]
                 print(
                     f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}; drawing near {float(matcher.worst_alpha):.1f}), "
                     f"{time.perf_counter() - start:.0f} s", file=sys.stderr,

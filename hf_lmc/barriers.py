@@ -57,10 +57,15 @@ class BarrierResult:
         return json.dumps(asdict(self) | {"barriers": self.barriers}, indent=2)
 
 
+def excess_over_line(alphas: Sequence[float], losses: Sequence[float]) -> list[float]:
+    """The loss at each alpha above the straight line between the endpoints' losses."""
+    start, end = losses[0], losses[-1]
+    return [loss - ((1 - a) * start + a * end) for a, loss in zip(alphas, losses)]
+
+
 def loss_barrier(alphas: list[float], losses: list[float]) -> float:
     """``max_alpha`` of the loss above the straight line between the endpoints."""
-    start, end = losses[0], losses[-1]
-    return max(loss - ((1 - a) * start + a * end) for a, loss in zip(alphas, losses))
+    return max(excess_over_line(alphas, losses))
 
 
 def alpha_grid(points: int) -> list[float]:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..barriers import alpha_grid, excess_over_line
 from ..canonical import canonicalize, combine, interpolate, simplex_weights, to_hf
 from ..symmetry import Transform
 from ..symmetry.params import OrthogonalParam
@@ -41,7 +42,7 @@ OBJECTIVES = ("labels", "ensemble")
 _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 #: Where the worst point of the path is looked for: the barrier's 11-point grid (DESIGN §1).
 #: Draws near it are uniform within half a grid step of it.
-WORST_GRID = tuple(i / 10 for i in range(11))
+WORST_GRID = tuple(alpha_grid(11))
 
 
 class PathTrainer(nn.Module):
@@ -309,9 +310,8 @@ class DualMatcher(PathTrainer):
             losses = losses.to(device)
             torch.distributed.all_reduce(losses)
             losses = losses.cpu() / torch.distributed.get_world_size()
-        alphas = torch.tensor(WORST_GRID, dtype=torch.float64)
-        excess = losses - ((1 - alphas) * losses[0] + alphas * losses[-1])
-        self.worst_alpha.fill_(WORST_GRID[1 + int(excess[1:-1].argmax())])
+        excess = excess_over_line(WORST_GRID, losses.tolist())
+        self.worst_alpha.fill_(WORST_GRID[max(range(1, len(WORST_GRID) - 1), key=excess.__getitem__)])
         return float(self.worst_alpha)
 
     def forward(self, batch: dict[str, Tensor], alpha: float | Tensor | None = None) -> Tensor:
