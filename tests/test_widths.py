@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import transformers as tf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -76,6 +77,15 @@ def test_narrower_model_embeds_exactly_and_merges_reproduce_both_endpoints(arch)
             _endpoints_check(config, data.draw(wider(config)), seed, swap)
 
     run()
+
+
+def test_a_head_wider_than_the_narrow_stream_stays_exact():
+    """Found by the property above: a 2-wide LLaMA with 6-dim heads embedded at width 5. Its OV
+    data fills two of the head's six directions, and the least-squares GL map had condition
+    number 5e10 (merge error 2e-7); the solver now caps it at 1e6."""
+    shape = dict(vocab_size=5, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=6)
+    with float64_rmsnorm():
+        _endpoints_check(tf.LlamaConfig(hidden_size=2, **shape), tf.LlamaConfig(hidden_size=5, **shape), seed=1, swap=False)
 
 
 @pytest.mark.parametrize("centred", [True, False], ids=["layernorm", "rmsnorm"])
