@@ -83,6 +83,10 @@ def main() -> None:
         "--worst-fraction", type=float, default=LearnOptions.worst_fraction,
         help=f"learned / dual: share of lambda draws near the path's current worst point (default: {LearnOptions.worst_fraction})",
     )
+    parser.add_argument(
+        "--input-noise", type=float, default=LearnOptions.input_noise,
+        help=f"learned / dual, image pairs only: std of Gaussian noise on the training images (default: {LearnOptions.input_noise})",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
@@ -91,6 +95,7 @@ def main() -> None:
     for name in args.pairs:
         learn = LearnOptions(
             steps=args.steps, lr=args.lr, permutations=args.permutations, objective=args.objective, worst_fraction=args.worst_fraction,
+            input_noise=args.input_noise if zoo.ZOO[name].model_type == "vit" else 0.0,
         )
         result = measure(name, not args.quiet, args.methods, learn)
         path = plot(result, args.plots_dir / f"{name}.png", title=f"zoo {name}: held-out loss along the path")

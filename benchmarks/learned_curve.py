@@ -10,6 +10,7 @@ settings, and every ``--every`` steps measures the held-out barrier of the harde
     python benchmarks/learned_curve.py --pair gpt2 --steps 1000 --every 250
     python benchmarks/learned_curve.py --pair gpt2 --steps 3000 --schedule cosine --lr 1e-2 --warmup 100
     python benchmarks/learned_curve.py --pair pythia-wide --batch-size 64 --schedule cosine --lr 1e-2 --warmup 50
+    python benchmarks/learned_curve.py --pair vit --batch-size 64 --schedule cosine --lr 5e-3 --warmup 50 --input-noise 0.25 --seed 1
 
 The ``-wide`` pairs (``zoo.WIDE``) are their family at twice the width, trained the same way:
 how the barrier learned matching reaches falls with width.
@@ -74,14 +75,24 @@ def main() -> None:
         help=f"share of lambda draws near the path's current worst point, the rest uniform over --lambda-range (default: {LearnOptions.worst_fraction})",
     )
     parser.add_argument("--locate-every", type=int, default=50, help="re-locate the worst point every N steps (default: 50)")
+    parser.add_argument(
+        "--input-noise", type=float, default=LearnOptions.input_noise, metavar="SIGMA",
+        help=f"ViT pairs: std of Gaussian noise on the training images, drawn afresh every step (pixels span [-1, 1]; default: {LearnOptions.input_noise})",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0,
+        help="seed of the batch order, lambda draws and input noise (default: 0, the runs of record)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     folder_a, folder_b = zoo.pair(args.pair, progress=not args.quiet)
     a, b = load_model(folder_a).model, load_model(folder_b).model
     eval_batches = load_batches(zoo.held_out(args.pair), a.config, folder_a, EvalOptions(batch_size=16))
-    fit = zoo.fit_batches(args.pair, args.steps, batch_size=args.batch_size)
+    fit = zoo.fit_batches(args.pair, args.steps, batch_size=args.batch_size, seed=1234 + args.seed)
+    if args.input_noise and "pixel_values" not in fit[0]:
+        parser.error("--input-noise applies to the ViT pairs only")
     train_batches = fit[:: max(1, args.steps // 8)][:8] if args.train_barrier else None
     grid = alpha_grid(11)
     init = "weight"
@@ -90,10 +101,10 @@ def main() -> None:
 
     curves: dict[str, dict[int, float]] = {}
     for method in args.methods:
-        torch.manual_seed(0)  # same lambda draws for both methods
+        torch.manual_seed(args.seed)  # same lambda draws for both methods
         matcher = MATCHERS[method](
             a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal,
-            objective=args.objective, worst_fraction=args.worst_fraction,
+            objective=args.objective, worst_fraction=args.worst_fraction, input_noise=args.input_noise,
         )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
         if train_batches:
@@ -122,7 +133,7 @@ def main() -> None:
         f"zoo {args.pair}: lr {args.lr} (residual {args.residual_lr or args.lr}), schedule {args.schedule}, warmup {args.warmup}, "
         f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
         f"permutations {args.permutations}, orthogonal {args.orthogonal}, init {args.init}, objective {args.objective}, "
-        f"worst fraction {args.worst_fraction} (located every {args.locate_every}), "
+        f"worst fraction {args.worst_fraction} (located every {args.locate_every}), input noise {args.input_noise}, seed {args.seed}, "
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}"
     )
     print("| steps | " + " | ".join(curves) + " |")

@@ -48,6 +48,7 @@ class LearnOptions:
     lambda_range: tuple[float, float] = (0.4, 0.6)
     worst_fraction: float = 0.5  # share of draws near the path's current worst point (two models)
     objective: str = "labels"  # or "ensemble": toward the endpoints' mixed predictions
+    input_noise: float = 0.0  # image models: std of Gaussian noise on pixel_values while training
     mixed_precision: str = "no"
     gradient_accumulation_steps: int = 1
     #: More than two models: the weights of each step are drawn from Dirichlet(concentration * 1).
@@ -90,7 +91,7 @@ def align(
     matcher_class = DualMatcher if method == "dual" else LearnedMatcher
     matcher = matcher_class(
         a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range,
-        worst_fraction=learn.worst_fraction, objective=learn.objective,
+        worst_fraction=learn.worst_fraction, objective=learn.objective, input_noise=learn.input_noise,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()
@@ -130,7 +131,7 @@ def align_many(
         return start
     matcher = SimplexMatcher(
         models, init=start, learns_first=method == "dual", symmetries=symmetries, permutations=learn.permutations,
-        orthogonal=learn.orthogonal, concentration=learn.concentration, objective=learn.objective,
+        orthogonal=learn.orthogonal, concentration=learn.concentration, objective=learn.objective, input_noise=learn.input_noise,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()

@@ -56,8 +56,32 @@ def test_cli_method_list_is_the_alignment_table():
     assert cli.OBJECTIVES == OBJECTIVES == get_args(LearnSpec.model_fields["objective"].annotation)
 
 
+def test_learning_flags_default_to_the_library_and_reach_it():
+    """``cli.py`` spells its defaults as literals (``--help`` imports no torch): they must be
+    :class:`LearnOptions`' own, and every flag must arrive in it."""
+    from hf_lmc import cli
+    from hf_lmc.alignment import LearnOptions
+
+    parser = cli.build_parser()
+    assert cli._learn_options(parser.parse_args(["merge", "a", "b", "--output", "o"])) == LearnOptions()
+    flags = ["--steps", "7", "--lr", "0.1", "--residual-lr", "0.2", "--schedule", "cosine", "--warmup", "3", "--permutations", "ste",
+             "--orthogonal", "exp", "--objective", "ensemble", "--worst-fraction", "0.3", "--input-noise", "0.25", "--concentration", "2"]
+    options = cli._learn_options(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
+    assert options == LearnOptions(
+        steps=7, lr=0.1, residual_lr=0.2, schedule="cosine", warmup=3, permutations="ste", orthogonal="exp", objective="ensemble",
+        worst_fraction=0.3, input_noise=0.25, concentration=2.0,
+    )
+
+
 def test_an_out_of_range_fraction_is_refused_before_any_work(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["merge", "./no/such/a", "./no/such/b", "--output", "out", "--worst-fraction", "1.5"])
     assert exit_info.value.code == 2
     assert "argument --worst-fraction: must lie in [0, 1], got 1.5" in capsys.readouterr().err
+
+
+def test_negative_input_noise_is_refused_before_any_work(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["merge", "./no/such/a", "./no/such/b", "--output", "out", "--input-noise", "-0.1"])
+    assert exit_info.value.code == 2
+    assert "argument --input-noise: must be >= 0, got -0.1" in capsys.readouterr().err

@@ -147,6 +147,32 @@ def test_ensemble_objective_is_the_cross_entropy_to_the_endpoints_mixture(arch):
     assert relative_error(logits(matcher.merge(1.0), probe), logits(model_b, probe)) < 1e-10
 
 
+@pytest.mark.parametrize("objective", ["labels", "ensemble"])
+def test_input_noise_is_fresh_gaussian_noise_on_the_images_in_training_mode(objective):
+    """``input_noise=sigma``: each training-mode call is the noiseless loss at ``pixel_values +
+    sigma * z``, ``z ~ N(0, 1)`` drawn afresh (the ensemble's targets see the same noisy images);
+    ``eval()`` turns it off, as it does dropout. ``locate_worst`` sees the same noisy images."""
+    config = tiny_configs()["vit"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    batch = dict(sample_inputs(config, dtype=torch.float64, batch=4)) | {"labels": torch.tensor([0, 1, 2, 0])}
+    noisy = DualMatcher(model_a, model_b, input_noise=0.3, objective=objective, dtype=torch.float64)
+    clean = DualMatcher(model_a, model_b, objective=objective, dtype=torch.float64)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        loss = noisy(batch, alpha=0.3).item()
+        torch.manual_seed(5)
+        moved = {**batch, "pixel_values": batch["pixel_values"] + 0.3 * torch.randn_like(batch["pixel_values"])}
+        assert loss == pytest.approx(clean(moved, alpha=0.3).item(), rel=1e-12)
+        assert noisy(batch, alpha=0.3).item() != pytest.approx(loss, rel=1e-6)  # fresh noise, another loss
+        torch.manual_seed(6)
+        located = noisy.locate_worst([batch])
+        torch.manual_seed(6)
+        moved = {**batch, "pixel_values": batch["pixel_values"] + 0.3 * torch.randn_like(batch["pixel_values"])}
+        assert located == clean.locate_worst([moved])
+        noisy.eval()
+        assert noisy(batch, alpha=0.3).item() == pytest.approx(clean(batch, alpha=0.3).item(), rel=1e-12)
+
+
 def test_ensemble_objective_mixes_every_endpoint_of_the_simplex():
     config = tiny_configs()["gpt2"]
     models = [build_model(config, seed=s) for s in (1, 2, 3)]
@@ -172,6 +198,13 @@ def test_bad_options_are_rejected():
         DualMatcher(model, model, objective="kl")
     with pytest.raises(ValueError, match="worst_fraction"):
         DualMatcher(model, model, worst_fraction=1.5)
+    with pytest.raises(ValueError, match="input_noise must be >= 0"):
+        DualMatcher(model, model, input_noise=-0.1)
+    with pytest.raises(ValueError, match="input_noise perturbs images, and GPT2LMHeadModel takes input_ids: use input_noise=0"):
+        hf_lmc.SimplexMatcher([model, model, model], input_noise=0.1)
+    vit = build_model(tiny_configs()["vit"], seed=0)
+    with pytest.raises(ValueError, match=r"this batch has none \(keys: labels\)"):
+        DualMatcher(vit, vit, input_noise=0.1)({"labels": torch.zeros(1, dtype=torch.long)})
     with pytest.raises(ValueError, match="at least one batch"):
         DualMatcher(model, model).locate_worst([])
     with pytest.raises(ValueError, match="locate_every"):

@@ -95,6 +95,7 @@ def test_errors_name_the_key_on_one_line():
     assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"warmup": 300}))
     assert "learn.residual_lr: Input should be greater than 0" in _error(_recipe(learn={"residual_lr": 0}))
     assert "learn.worst_fraction: Input should be less than or equal to 1" in _error(_recipe(learn={"worst_fraction": 1.5}))
+    assert "learn.input_noise: Input should be greater than or equal to 0" in _error(_recipe(learn={"input_noise": -0.1}))
     both = _error(_recipe(learn={"lambda_range": [0.7, 0.2]}, accelerate={"mixed_precision": "fp8"}))
     assert "learn.lambda_range: needs 0 <= low <= high <= 1" in both and "accelerate.mixed_precision: Input should be 'no', 'fp16' or 'bf16'" in both
 

@@ -24,6 +24,8 @@ class Adapter:
 
     #: ``config.model_type`` values this adapter handles.
     model_types: tuple[str, ...] = ()
+    #: The keyword the model's forward takes its input by: token ids, or images.
+    input_name: str = "input_ids"
     #: The stock transformers class that canonical models export to.
     model_class: type[PreTrainedModel]
     #: ``(pattern, replacement)`` regexes turning legacy checkpoint keys into current ones.

@@ -20,6 +20,7 @@ _ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 class ViTAdapter(Adapter):
     model_types = ("vit",)
     model_class = ViTForImageClassification
+    input_name = "pixel_values"
     heads_input = "vit.layers.{i}.attention.o_proj"
     mlp_input = "vit.layers.{i}.mlp.fc2"
     width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..barriers import alpha_grid, excess_over_line
-from ..canonical import canonicalize, combine, interpolate, simplex_weights, to_hf
+from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
 from ..symmetry import Transform
 from ..symmetry.params import OrthogonalParam
 from .interpolant import Interpolant
@@ -53,6 +53,27 @@ class PathTrainer(nn.Module):
     objective: str
     label: str  # the progress bar's name for this matcher; each concrete matcher sets it
     seeks_worst = False  # whether fit() re-locates the path's worst point (see DualMatcher)
+    input_noise = 0.0  # std of the Gaussian noise on pixel_values in training mode (see DualMatcher)
+
+    def _set_input_noise(self, input_noise: float, model: CanonicalModel) -> None:
+        if not input_noise >= 0:
+            raise ValueError(f"input_noise must be >= 0, got {input_noise}")
+        if input_noise and model.adapter.input_name != "pixel_values":
+            raise ValueError(
+                f"input_noise perturbs images, and {model.adapter.model_class.__name__} takes {model.adapter.input_name}: "
+                "use input_noise=0"
+            )
+        self.input_noise = float(input_noise)
+
+    def _perturbed(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``batch`` with fresh Gaussian noise of std ``input_noise`` on its ``pixel_values``, in
+        training mode (as dropout is); unchanged otherwise."""
+        if not (self.input_noise and self.training):
+            return batch
+        pixels = batch.get("pixel_values")
+        if pixels is None:
+            raise ValueError(f"input_noise perturbs pixel_values, and this batch has none (keys: {', '.join(batch)})")
+        return {**batch, "pixel_values": pixels + self.input_noise * torch.randn_like(pixels)}
 
     def _point_loss(self, batch: dict[str, Tensor], transforms, weights) -> Tensor:
         """The loss of the point ``sum_k w_k T_k(theta_k)`` on ``batch``, per ``self.objective``.
@@ -64,6 +85,7 @@ class PathTrainer(nn.Module):
         position, what the two models predict together. (On a classifier whose endpoints are
         near one-hot the two objectives coincide.)
         """
+        batch = self._perturbed(batch)
         if self.objective == "labels":
             return self.interpolant.at(transforms, weights, **_labelled(batch)).loss
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -221,6 +243,13 @@ class DualMatcher(PathTrainer):
         objective: ``"labels"`` (the batch's cross-entropy) or ``"ensemble"`` (cross-entropy to
             the endpoints' predictions mixed at the same ``lambda``; costs a forward of each
             endpoint per step).
+        input_noise: image models: the std of Gaussian noise added to ``pixel_values`` afresh at
+            every training-mode call (in the model's input units). Endpoints that have memorised
+            their training images have no loss on them to speak of, so the transforms learn to fit
+            those images rather than the path on new ones; noise of about the size at which the
+            endpoints' loss on training images reaches their held-out loss restores that. On the
+            zoo's ViT (pixels in [-1, 1]) 0.25 took the 1000-step barrier from 0.050 / 0.061 to
+            0.029 / 0.016 nats (learned / dual, mean of three seeds; README).
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
         checkpoint_layers: rebuild each layer's interpolated weights inside gradient
             checkpointing, so only one layer's transformed weights are alive at a time.
@@ -245,6 +274,7 @@ class DualMatcher(PathTrainer):
         lambda_range: tuple[float, float] = (0.4, 0.6),
         worst_fraction: float = 0.5,
         objective: str = "labels",
+        input_noise: float = 0.0,
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool = True,
         shard_endpoints: bool = False,
@@ -265,6 +295,7 @@ class DualMatcher(PathTrainer):
         self.dtype = dtype
         a = canonicalize(model_a, dtype=dtype).materialize()
         b = canonicalize(model_b, dtype=dtype).materialize()
+        self._set_input_noise(input_noise, a)
         if isinstance(init, Transform):
             start = init
         else:
@@ -297,7 +328,7 @@ class DualMatcher(PathTrainer):
         losses = torch.zeros(len(WORST_GRID), dtype=torch.float64)
         count = 0
         for batch in batches:
-            inputs = _labelled(batch)
+            inputs = _labelled(self._perturbed(batch))
             ends = [self.interpolant.endpoint(k, **inputs).loss for k in (0, 1)]
             inner = [self.interpolant.at(transforms, (1 - alpha, alpha), **inputs).loss for alpha in WORST_GRID[1:-1]]
             losses += torch.stack([ends[0], *inner, ends[1]]).double().cpu()
@@ -355,7 +386,7 @@ class SimplexMatcher(PathTrainer):
         learns_first: ``False`` keeps the first model's starting transform fixed (one model
             anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
         concentration: the Dirichlet concentration of the sampled weights.
-        symmetries, permutations, orthogonal, objective, dtype, checkpoint_layers, shard_endpoints:
+        symmetries, permutations, orthogonal, objective, input_noise, dtype, checkpoint_layers, shard_endpoints:
             as for :class:`DualMatcher` (``"ensemble"`` mixes the M endpoints at the sampled weights).
     """
 
@@ -372,6 +403,7 @@ class SimplexMatcher(PathTrainer):
         orthogonal: str = "cayley",
         concentration: float = 0.1,
         objective: str = "labels",
+        input_noise: float = 0.0,
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool = True,
         shard_endpoints: bool = False,
@@ -387,6 +419,7 @@ class SimplexMatcher(PathTrainer):
         self.concentration = float(concentration)
         self.dtype = dtype
         canonical = [canonicalize(m, dtype=dtype).materialize() for m in models]
+        self._set_input_noise(input_noise, canonical[0])
         if init == "weight":
             start = UniverseMatcher(symmetries, progress=False).fit(canonical)
         elif init == "identity":
