@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 EXAMPLES = """\
@@ -175,26 +175,28 @@ def _add_eval_options(parser: argparse.ArgumentParser, title: str) -> None:
     group.add_argument("--data-split", default="train", metavar="SPLIT", help="split of a datasets id for fitting (default: train)")
 
 
-def _non_negative(text: str) -> float:
-    """An argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _number(low: float, high: float | None = None) -> Callable[[str], float]:
+    """An argparse type: a number in ``[low, high]`` (``[low, inf)`` without ``high``; NaN refused)."""
+    if high is None:
+        wanted, verdict = f">= {low:g}", f"must be >= {low:g}"
+    else:
+        wanted = f"in [{low:g}, {high:g}]"
+        verdict = f"must lie {wanted}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {text!r}") from None
+        if not (low <= value and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"{verdict}, got {value}")
+        return value
+
+    return parse
 
 
-def _fraction(text: str) -> float:
-    """An argparse type: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {value}")
-    return value
+_fraction = _number(0.0, 1.0)
+_non_negative = _number(0.0)
 
 
 def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:

@@ -67,12 +67,14 @@ def _training_notes(method: str, learn: LearnOptions) -> list[str]:
     """Model-card notes on how a trained method's transforms were learned."""
     if method not in TRAINED_METHODS:
         return []
-    noise = [f"The transforms were trained on images with Gaussian noise of std {learn.input_noise:g} added afresh at every step."]
-    return (
-        ([_HARDENED] if learn.permutations == "sinkhorn" else [])
-        + ([_ENSEMBLE] if learn.objective == "ensemble" else [])
-        + (noise if learn.input_noise else [])
-    )
+    notes = [_HARDENED] if learn.permutations == "sinkhorn" else []
+    if learn.objective == "ensemble":
+        notes.append(_ENSEMBLE)
+    if learn.input_noise:
+        notes.append(
+            f"The transforms were trained on images with Gaussian noise of std {learn.input_noise:g} added afresh at every step."
+        )
+    return notes
 
 
 def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
