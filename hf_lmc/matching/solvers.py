@@ -14,8 +14,13 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 from torch import Tensor
 
-from ..linalg import householder_to_first, single_threaded
+from ..linalg import householder_to_first, single_threaded, single_threaded_context
 from ..symmetry.sample import rotary_block
+
+
+#: The least singular value a least-squares GL map keeps (and below which a
+#: Procrustes target leaves a direction free), relative to its largest.
+MIN_RELATIVE_SINGULAR_VALUE = 1e-6
 
 
 @single_threaded
@@ -32,18 +37,92 @@ def polar_fixing_ones(m: Tensor) -> Tensor:
     ``diag(1, X)``: ``X`` is the polar factor of ``(H m H)[1:, 1:]``. ``H`` acts in O(d^2), so
     this costs one (d-1) x (d-1) polar decomposition and no dense basis products.
     """
-    v = householder_to_first(m.shape[0], m.dtype, m.device)
-    if v is None:  # d == 1: the only such map is the identity
+    frame = _OnesFrame(m.shape[0], m.dtype, m.device)
+    if frame.v is None:  # d == 1: the only such map is the identity
         return torch.ones_like(m)
+    return frame.expand(polar(frame.reduce(m)))
 
-    def reflect(x: Tensor) -> Tensor:  # H x H with H = I - 2 v v^T
-        x = x - 2 * torch.outer(v, v @ x)
-        return x - 2 * torch.outer(x @ v, v)
 
-    inner = torch.zeros_like(m)
-    inner[0, 0] = 1.0
-    inner[1:, 1:] = polar(reflect(m)[1:, 1:])
-    return reflect(inner)
+class _OnesFrame:
+    """The Householder frame of :func:`polar_fixing_ones`: ``reduce(x) = (H x H)[1:, 1:]`` and
+    ``expand(X) = H diag(1, X) H`` (for d == 1 the only map fixing ``u`` is the identity)."""
+
+    def __init__(self, d: int, dtype: torch.dtype, device=None):
+        self.d, self.dtype, self.device = d, dtype, device
+        self.v = householder_to_first(d, dtype, device)
+
+    def _reflect(self, x: Tensor) -> Tensor:  # H x H with H = I - 2 v v^T, in O(d^2)
+        x = x - 2 * torch.outer(self.v, self.v @ x)
+        return x - 2 * torch.outer(x @ self.v, self.v)
+
+    def reduce(self, x: Tensor) -> Tensor:
+        return x[1:, 1:] if self.v is None else self._reflect(x)[1:, 1:]
+
+    def expand(self, inner: Tensor) -> Tensor:
+        full = torch.zeros(self.d, self.d, dtype=self.dtype, device=self.device)
+        full[0, 0] = 1.0
+        full[1:, 1:] = inner
+        return full if self.v is None else self._reflect(full)
+
+
+class CompletedPolar:
+    """The orthogonal ``R`` maximising ``tr(R^T m)``, completed where ``m`` leaves it free.
+
+    Where ``m = U S V^T`` has rank ``r < n``, ``tr(R^T m)`` fixes ``R`` only on its ``r``
+    singular directions: every ``R = U_r V_r^T + U_f Q V_f^T`` with ``Q`` orthogonal scores the
+    same. Two-sided pairs ``(A, B)`` with ``A ~ R B R^T`` (``add``; e.g. the circuits
+    ``W_Q^T W_K`` that every map but ``R`` leaves alone) choose ``Q``: ``solve`` maximises
+    ``sum tr(A^T R B R^T) / (|A| |B|)`` over it by alternating Procrustes, each step linear in
+    ``Q`` with the other factor of ``R`` held at the last estimate; exact when B is A moved by
+    an orthogonal ``R``. The directions ``m`` fixes are kept as they are, so where ``m`` has
+    full rank the result is :func:`polar`'s. Each pair is kept only as its four projections
+    on the ``k = n - r`` free directions (``4 k n`` numbers).
+
+    ``fixing_ones=True`` restricts ``R`` to the maps of :func:`polar_fixing_ones`, solved in
+    its Householder frame.
+    """
+
+    def __init__(self, m: Tensor, *, fixing_ones: bool = False, floor: float = MIN_RELATIVE_SINGULAR_VALUE):
+        m = m.double()
+        self._frame = _OnesFrame(m.shape[0], m.dtype, m.device) if fixing_ones else None
+        with single_threaded_context():  # as in polar: a full-rank m gives its result to the bit
+            u, sigma, vh = torch.linalg.svd(self._reduce(m))
+        rank = int((sigma > floor * sigma[0]).sum()) if sigma.numel() and sigma[0] > 0 else 0
+        self._fixed = u[:, :rank] @ vh[:rank]
+        self._u_free, self._v_free = u[:, rank:], vh[rank:].T
+        self._pairs: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+
+    @property
+    def free(self) -> int:
+        """How many directions ``m`` leaves free (``k``)."""
+        return self._u_free.shape[1]
+
+    def _reduce(self, x: Tensor) -> Tensor:
+        return x if self._frame is None else self._frame.reduce(x)
+
+    def add(self, a: Tensor, b: Tensor) -> None:
+        """Add a pair with ``a ~ R b R^T`` (n x n, in the original coordinates)."""
+        if not self.free:
+            return
+        a, b = self._reduce(a.double()), self._reduce(b.double())
+        norm = (torch.linalg.matrix_norm(a) * torch.linalg.matrix_norm(b)).sqrt()
+        if norm == 0:
+            return
+        a, b = a / norm, b / norm
+        uf, vf = self._u_free, self._v_free
+        self._pairs.append((uf.T @ a, uf.T @ a.T, b.T @ vf, b @ vf))
+
+    def solve(self, *, iterations: int = 100, tol: float = 1e-12) -> Tensor:
+        """``R`` (n x n): the fixed directions from ``m``, the free ones from the pairs."""
+        q = torch.eye(self.free, dtype=self._fixed.dtype, device=self._fixed.device)
+        for _ in range(iterations if self._pairs else 0):
+            r = self._fixed + self._u_free @ q @ self._v_free.T
+            target = sum(rows @ r @ cols + rows_t @ r @ cols_t for rows, rows_t, cols, cols_t in self._pairs)
+            q, previous = polar(target), q
+            if torch.linalg.matrix_norm(q - previous) <= tol * max(self.free, 1) ** 0.5:
+                break
+        r = self._fixed + self._u_free @ q @ self._v_free.T
+        return r if self._frame is None else self._frame.expand(r)
 
 
 def assign(similarity: Tensor) -> Tensor:
@@ -269,10 +348,6 @@ def _match_gl_least_squares(moments: Moments) -> tuple[Tensor, Tensor]:
     c = moments.vec_ab + moments.cov_ab + lam * scale * torch.eye(b, dtype=dtype)
     m = ua @ ((ua.T @ c @ ub) / (ea.clamp_min(0)[:, None] + eb.clamp_min(0)[None, :] + lam)) @ ub.T
     return _conditioned(m)
-
-
-#: The least singular value a least-squares GL map keeps, relative to its largest.
-MIN_RELATIVE_SINGULAR_VALUE = 1e-6
 
 
 def _conditioned(m: Tensor, floor: float = MIN_RELATIVE_SINGULAR_VALUE) -> tuple[Tensor, Tensor]:

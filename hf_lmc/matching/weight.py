@@ -3,7 +3,8 @@
 Coordinate descent on ``sum_t |A_t - T(B)_t|^2 / |A_t|^2`` over canonical tensors ``t``:
 
 1. residual map by Procrustes on the cross-covariance of every tensor touching the stream
-   (the first sweep uses only embeddings and head, whose other axes are already aligned);
+   (the first sweep uses only embeddings and head, whose other axes are already aligned; where
+   they span fewer directions than the stream, every layer's circuits complete it);
 2. per layer, heads assigned by their QK and OV circuits (invariant to per-head maps, never
    materialising a d x d circuit), then per-KV-head QK / OV maps by balanced GL matching
    (RoPE-restricted where RoPE applies);
@@ -22,7 +23,18 @@ from tqdm.auto import tqdm
 from ..canonical import CanonicalModel
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
-from .solvers import Moments, assign, assign_heads, assign_product, balanced_scales, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones
+from .solvers import (
+    CompletedPolar,
+    Moments,
+    assign,
+    assign_heads,
+    assign_product,
+    balanced_scales,
+    match_gl_moments,
+    match_rotary_moments,
+    polar,
+    polar_fixing_ones,
+)
 
 
 def _residual_axis(name: str) -> int | None:
@@ -97,7 +109,7 @@ class WeightMatcher:
         fixed = _ResidualStats(spec.hidden_size)
         for group in ("embed", "head"):
             fixed.add(self._cast(a.group(group)), self._cast(b.group(group)))
-        residual = self._solve_residual(spec, fixed)
+        residual = self._first_residual(spec, a, b, fixed)
         layer_maps: dict = {}
         best, best_objective = Transform(), float("inf")
         for sweep in range(self.max_sweeps):
@@ -155,6 +167,24 @@ class WeightMatcher:
         else:
             return None
         return ResidualMap.from_matrix(matrix)
+
+    def _first_residual(self, spec: ArchSpec, a: CanonicalModel, b: CanonicalModel, fixed: "_ResidualStats"):
+        """The residual map the first sweep matches layers under.
+
+        Embeddings and head fix it only on the directions they span. Where they span fewer
+        than the stream (a vocabulary or patch smaller than the width: the zoo's ViT spans 33
+        of 64), the rest is arbitrary, and a wrong start there leaves coordinate descent in a
+        local optimum (a GPT-NeoX twin with 5 tokens in a 32-wide stream ended 0.14 off). The
+        free directions are chosen from every layer's circuits, which no layer map moves
+        (:func:`_circuits`); the directions the embeddings and head fix are kept.
+        """
+        if "residual" not in self.kinds:
+            return self._solve_residual(spec, fixed)
+        completion = CompletedPolar(fixed.cross, fixing_ones=spec.centred)
+        for i in range(spec.num_layers if completion.free else 0):
+            for circuit_a, circuit_b in zip(_circuits(spec, i, a.group(i)), _circuits(spec, i, b.group(i))):
+                completion.add(circuit_a, circuit_b)
+        return ResidualMap.from_matrix(completion.solve())
 
     # -- layers ------------------------------------------------------------------------------
 
@@ -324,6 +354,28 @@ class _ResidualStats:
         """Mean relative squared distance with residual map ``residual`` (identity if None)."""
         inner = (self.weighted * residual.matrix.double()).sum() if residual is not None else self.weighted.trace()
         return max(self.constant - 2 * inner.item(), 0.0) / max(self.count, 1)
+
+
+def _circuits(spec: ArchSpec, i: int, group: dict[str, Tensor]) -> list[Tensor]:
+    """Layer ``i``'s d x d circuits, which the residual map ``R`` moves to ``R C R^T`` and no
+    other map moves: ``sum_h W_Q,h^T W_K,h`` and ``sum_h W_O,h W_V,h`` (per-head GL and
+    RoPE-commuting maps cancel inside each head, head permutations in the sum),
+    ``W_down W_up`` (unit permutations and SwiGLU scales cancel) and, for SwiGLU, the gate's
+    Gram matrix ``W_gate^T W_gate``. Float64, biases left out.
+    """
+    p = f"layers.{i}."
+    h, kv, dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    kv_of_query = torch.arange(h) // spec.group_size
+    q = group[p + "attn.q.weight"].double().reshape(h, dh, -1)
+    k = group[p + "attn.k.weight"].double().reshape(kv, dh, -1)[kv_of_query]
+    v = group[p + "attn.v.weight"].double().reshape(kv, dh, -1)[kv_of_query]
+    o = group[p + "attn.o.weight"].double().T.reshape(h, dh, -1)
+    circuits = [torch.einsum("hjd,hje->de", q, k), torch.einsum("hjd,hje->de", o, v)]
+    circuits.append(group[p + "mlp.down.weight"].double() @ group[p + "mlp.up.weight"].double())
+    if p + "mlp.gate.weight" in group:
+        gate = group[p + "mlp.gate.weight"].double()
+        circuits.append(gate.T @ gate)
+    return circuits
 
 
 def _squared_norm(t: Tensor) -> Tensor:
