@@ -6,7 +6,9 @@ ratio to vanilla, accuracy at alpha = 0.5 for ViT) and saves one PNG per pair wi
 along the path. ``weight (perm.)`` restricts weight matching to permutations, to show which
 symmetry class carries the alignment. Activation matching calibrates on 200 training batches;
 learned and dual matching train 200 steps on them (16 sequences / images each, Adam lr 3e-3,
-half the lambda draws near the path's worst point) from the weight-matching solution.
+half the lambda draws near the path's worst point) from the weight-matching solution. Each row
+seeds torch's global RNG with ``--seed`` first (the lambda draws and input noise), so a row is
+reproducible whatever other rows run.
 
     python benchmarks/barriers.py                       # all pairs (trains them on first use)
     python benchmarks/barriers.py --pairs gpt2 vit --plots-dir /tmp/plots
@@ -18,6 +20,8 @@ import argparse
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 import hf_lmc
 from hf_lmc import zoo
@@ -41,7 +45,9 @@ METHODS = (
 HEADER = ["| pair | method | loss A / B | loss at α=0.5 | barrier | ratio to average | acc. at α=0.5 |", "|---|---|---|---|---|---|---|"]
 
 
-def measure(name: str, progress: bool, methods: list[str], learn: LearnOptions, pair: tuple[Path, Path] | None = None) -> BarrierResult:
+def measure(
+    name: str, progress: bool, methods: list[str], learn: LearnOptions, pair: tuple[Path, Path] | None = None, seed: int = 0
+) -> BarrierResult:
     """Every row of ``methods`` on zoo ``name``'s pair (or on ``pair``, two folders of that family)."""
     a, b = pair or zoo.pair(name, progress=progress)
     data = zoo.held_out(name)
@@ -52,6 +58,7 @@ def measure(name: str, progress: bool, methods: list[str], learn: LearnOptions, 
         if label not in methods:
             continue
         start = time.perf_counter()
+        torch.manual_seed(seed)
         result = hf_lmc.barrier(
             a, b, data, methods=(method,), symmetries=symmetries, eval_options=options, fit_data=fit, learn=learn, progress=False
         )
@@ -87,6 +94,7 @@ def main() -> None:
         "--input-noise", type=float, default=LearnOptions.input_noise,
         help=f"learned / dual, image pairs only: std of Gaussian noise on the training images (default: {LearnOptions.input_noise})",
     )
+    parser.add_argument("--seed", type=int, default=0, help="seed of each row's lambda draws and input noise (default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +105,7 @@ def main() -> None:
             steps=args.steps, lr=args.lr, permutations=args.permutations, objective=args.objective, worst_fraction=args.worst_fraction,
             input_noise=args.input_noise if zoo.ZOO[name].model_type == "vit" else 0.0,
         )
-        result = measure(name, not args.quiet, args.methods, learn)
+        result = measure(name, not args.quiet, args.methods, learn, seed=args.seed)
         path = plot(result, args.plots_dir / f"{name}.png", title=f"zoo {name}: held-out loss along the path")
         print(f"{name}: plot in {path}", file=sys.stderr)
         rows += table_rows(name, result)
