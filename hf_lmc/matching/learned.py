@@ -249,7 +249,8 @@ class DualMatcher(PathTrainer):
             those images rather than the path on new ones; noise of about the size at which the
             endpoints' loss on training images reaches their held-out loss restores that. On the
             zoo's ViT (pixels in [-1, 1]) 0.25 took the 1000-step barrier from 0.050 / 0.061 to
-            0.029 / 0.016 nats (learned / dual, mean of three seeds; README).
+            0.029 / 0.016 nats (learned / dual, mean of three seeds, with weight matching's
+            previous first residual map; README).
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
         checkpoint_layers: rebuild each layer's interpolated weights inside gradient
             checkpointing, so only one layer's transformed weights are alive at a time.
