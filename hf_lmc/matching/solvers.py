@@ -38,8 +38,6 @@ def polar_fixing_ones(m: Tensor) -> Tensor:
     this costs one (d-1) x (d-1) polar decomposition and no dense basis products.
     """
     frame = _OnesFrame(m.shape[0], m.dtype, m.device)
-    if frame.v is None:  # d == 1: the only such map is the identity
-        return torch.ones_like(m)
     return frame.expand(polar(frame.reduce(m)))
 
 
