@@ -7,6 +7,8 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .adapters import ADAPTERS
+
 TEMPLATE = resources.files("hf_lmc") / "templates" / "merge.md"
 
 
@@ -60,7 +62,7 @@ def merge_card(
         barrier_table=barrier_table,
         plot_filename=plot_filename,
         repo_hint=repo_hint or "path/to/merged-model",
-        auto_class="AutoModelForImageClassification" if model_type == "vit" else "AutoModelForCausalLM",
+        auto_class=ADAPTERS[model_type].auto_class,
     )
 
 

@@ -26,6 +26,8 @@ class Adapter:
     model_types: tuple[str, ...] = ()
     #: The keyword the model's forward takes its input by: token ids, or images.
     input_name: str = "input_ids"
+    #: The ``transformers`` auto class the model card tells users to load the merge with.
+    auto_class: str = "AutoModelForCausalLM"
     #: The stock transformers class that canonical models export to.
     model_class: type[PreTrainedModel]
     #: ``(pattern, replacement)`` regexes turning legacy checkpoint keys into current ones.

@@ -21,6 +21,7 @@ class ViTAdapter(Adapter):
     model_types = ("vit",)
     model_class = ViTForImageClassification
     input_name = "pixel_values"
+    auto_class = "AutoModelForImageClassification"
     heads_input = "vit.layers.{i}.attention.o_proj"
     mlp_input = "vit.layers.{i}.mlp.fc2"
     width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}
