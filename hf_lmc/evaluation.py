@@ -39,7 +39,7 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
     """Evaluation batches for ``config``'s model from any of the accepted data forms."""
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict):
         return list(data)[: options.max_batches]  # already batches
-    if adapter_for(config).input_name == "pixel_values":
+    if adapter_for(config).takes_images:
         batches = _image_batches(data, processor_folder, options)
     else:
         batches = _text_batches(data, config, processor_folder, options)

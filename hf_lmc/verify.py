@@ -41,7 +41,7 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
 def sample_inputs(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int = 2, length: int = 9):
     """Random model inputs: token ids for language models, pixels for ViT."""
     g = torch.Generator().manual_seed(seed)
-    if adapter_for(config).input_name == "pixel_values":
+    if adapter_for(config).takes_images:
         shape = (batch, config.num_channels, config.image_size, config.image_size)
         return {"pixel_values": torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)}
     return {"input_ids": torch.randint(0, config.vocab_size, (batch, length), generator=g)}

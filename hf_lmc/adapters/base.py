@@ -49,6 +49,11 @@ class Adapter:
     #: at a common shape, :mod:`hf_lmc.widths`); widths the config derives need no entry.
     width_keys: dict[str, str] = {}
 
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model reads pixels (evaluation data, sample inputs, input noise) or tokens."""
+        return self.input_name == "pixel_values"
+
     def spec(self, config: PretrainedConfig) -> ArchSpec:
         raise NotImplementedError
 

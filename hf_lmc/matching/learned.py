@@ -58,7 +58,7 @@ class PathTrainer(nn.Module):
     def _set_input_noise(self, input_noise: float, model: CanonicalModel) -> None:
         if not input_noise >= 0:
             raise ValueError(f"input_noise must be >= 0, got {input_noise}")
-        if input_noise and model.adapter.input_name != "pixel_values":
+        if input_noise and not model.adapter.takes_images:
             raise ValueError(
                 f"input_noise perturbs images, and {model.adapter.model_class.__name__} takes {model.adapter.input_name}: "
                 "use input_noise=0"
