@@ -176,8 +176,8 @@ class WeightMatcher:
         of 64), the rest is arbitrary, and a wrong start there leaves coordinate descent in a
         local optimum (a GPT-NeoX twin with 5 tokens in a 32-wide stream ended 0.14 off). The
         free directions are chosen from every layer's circuits, which no layer map moves
-        (:func:`_circuits`); the directions the embeddings and head fix are kept. Only then does
-        this read the layers, one extra pass before the first sweep.
+        (:func:`_circuits`); the directions the embeddings and head fix are kept. Only when some
+        directions are free does this read the layers: one extra pass before the first sweep.
         """
         if "residual" not in self.kinds:
             return self._solve_residual(spec, fixed)
