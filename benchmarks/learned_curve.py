@@ -30,7 +30,7 @@ from hf_lmc.barriers import alpha_grid, excess_over_line, loss_barrier
 from hf_lmc.canonical import interpolate, to_hf
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
 from hf_lmc.loading import load_model
-from hf_lmc.matching.learned import OBJECTIVES
+from hf_lmc.matching.learned import FOCI, OBJECTIVES
 from hf_lmc.matching.trainable import PERMUTATIONS
 
 MATCHERS = {"learned": LearnedMatcher, "dual": DualMatcher}
@@ -71,6 +71,10 @@ def main() -> None:
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
     )
     parser.add_argument(
+        "--focus", choices=FOCI, default="worst",
+        help="where the --worst-fraction draws go: near the worst grid point, or near each in proportion to its excess over the line (default: worst)",
+    )
+    parser.add_argument(
         "--worst-fraction", type=float, default=LearnOptions.worst_fraction,
         help=f"share of lambda draws near the path's current worst point, the rest uniform over --lambda-range (default: {LearnOptions.worst_fraction})",
     )
@@ -104,7 +108,7 @@ def main() -> None:
         torch.manual_seed(args.seed)  # same lambda draws for both methods
         matcher = MATCHERS[method](
             a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal,
-            objective=args.objective, worst_fraction=args.worst_fraction, input_noise=args.input_noise,
+            objective=args.objective, worst_fraction=args.worst_fraction, focus=args.focus, input_noise=args.input_noise,
         )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
         if train_batches:
@@ -133,7 +137,7 @@ def main() -> None:
         f"zoo {args.pair}: lr {args.lr} (residual {args.residual_lr or args.lr}), schedule {args.schedule}, warmup {args.warmup}, "
         f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
         f"permutations {args.permutations}, orthogonal {args.orthogonal}, init {args.init}, objective {args.objective}, "
-        f"worst fraction {args.worst_fraction} (located every {args.locate_every}), input noise {args.input_noise}, seed {args.seed}, "
+        f"worst fraction {args.worst_fraction} (focus {args.focus}, located every {args.locate_every}), input noise {args.input_noise}, seed {args.seed}, "
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}"
     )
     print("| steps | " + " | ".join(curves) + " |")

@@ -47,6 +47,7 @@ class LearnOptions:
     orthogonal: str = "cayley"
     lambda_range: tuple[float, float] = (0.4, 0.6)
     worst_fraction: float = 0.5  # share of draws near the path's current worst point (two models)
+    focus: str = "worst"  # those draws: near the worst grid point, or "excess": near each in proportion to its excess
     objective: str = "labels"  # or "ensemble": toward the endpoints' mixed predictions
     input_noise: float = 0.0  # image models: std of Gaussian noise on pixel_values while training
     mixed_precision: str = "no"
@@ -91,7 +92,7 @@ def align(
     matcher_class = DualMatcher if method == "dual" else LearnedMatcher
     matcher = matcher_class(
         a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range,
-        worst_fraction=learn.worst_fraction, objective=learn.objective, input_noise=learn.input_noise,
+        worst_fraction=learn.worst_fraction, focus=learn.focus, objective=learn.objective, input_noise=learn.input_noise,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()

@@ -39,6 +39,7 @@ METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.align
 SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
 PERMUTATIONS = ("fixed", "ste", "sinkhorn")  # hf_lmc.matching.trainable.PERMUTATIONS, without importing torch
 OBJECTIVES = ("labels", "ensemble")  # hf_lmc.matching.learned.OBJECTIVES, without importing torch
+FOCI = ("worst", "excess")  # hf_lmc.matching.learned.FOCI, without importing torch
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -82,7 +83,7 @@ def _learn_options(args: argparse.Namespace):
     return LearnOptions(
         steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
         orthogonal=args.orthogonal, concentration=args.concentration, objective=args.objective, worst_fraction=args.worst_fraction,
-        input_noise=args.input_noise,
+        focus=args.focus, input_noise=args.input_noise,
     )
 
 
@@ -229,6 +230,11 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
         "--worst-fraction", type=_fraction, default=0.5, metavar="F",
         help="two models: share of training weights drawn near the path's current worst point, the rest from U(0.4, 0.6) "
         "(re-located every 50 steps; 0: all uniform) (default: 0.5)",
+    )
+    group.add_argument(
+        "--focus", choices=FOCI, default="worst",
+        help="two models: those draws go near the single worst grid point, or near every point above the line in "
+        "proportion to its excess (for paths with two humps of about one height) (default: worst)",
     )
     group.add_argument(
         "--input-noise", type=_non_negative, default=0.0, metavar="SIGMA",

@@ -161,6 +161,10 @@ class LearnSpec(_Section):
         LearnOptions.worst_fraction, ge=0, le=1,
         description="two models: share of the weights drawn near the path's current worst point instead (0: all from lambda_range)",
     )
+    focus: Literal["worst", "excess"] = Field(
+        LearnOptions.focus,
+        description="two models: those draws near the worst grid point, or near every point above the line in proportion to its excess",
+    )
     input_noise: float = Field(
         LearnOptions.input_noise, ge=0,
         description="image models: std of Gaussian noise added to the training images at every step (0: none)",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_lmc
-from hf_lmc.matching.learned import DualMatcher, LearnedMatcher
+from hf_lmc.matching.learned import WORST_GRID, DualMatcher, LearnedMatcher
 from hf_lmc.symmetry.params import PermutationParam
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, logits, relative_error, sample_inputs
@@ -232,11 +232,30 @@ def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_fol
     expected = alphas[max(range(1, 10), key=excess.__getitem__)]
     matcher.worst_alpha.fill_(0.9 if expected < 0.7 else 0.1)  # so locating has to move it
     assert matcher.locate_worst(batches) == pytest.approx(expected) and float(matcher.worst_alpha) == pytest.approx(expected)
+    torch.testing.assert_close(matcher.grid_excess, torch.tensor(excess, dtype=torch.float64), rtol=0, atol=1e-9)  # what focus='excess' draws from
     draws = torch.stack([matcher.sample_lambda() for _ in range(200)])
     assert (draws - expected).abs().max() <= 0.05 + 1e-9 and draws.std() > 0.01
     matcher.worst_fraction = 0.0
     draws = torch.stack([matcher.sample_lambda() for _ in range(200)])
     assert draws.min() >= 0.4 and draws.max() <= 0.6
+
+
+def test_excess_focus_draws_near_every_point_above_the_line_in_proportion_to_its_excess():
+    """Two humps of one height: ``focus="worst"`` trains on one of them, ``"excess"`` on both,
+    at rates proportional to their excess; points at or below the line get no draws."""
+    model = build_model(tiny_configs()["gpt2"], seed=0)
+    matcher = DualMatcher(model, model, worst_fraction=1.0, focus="excess")
+    assert 0.4 <= float(matcher.sample_lambda()) <= 0.6  # not located yet: the middle of lambda_range
+    excess = torch.zeros(len(WORST_GRID), dtype=torch.float64)
+    excess[3], excess[7], excess[5] = 0.03, 0.01, -0.02  # humps at alpha 0.3 and 0.7, the middle below the line
+    matcher.grid_excess.copy_(excess)
+    torch.manual_seed(0)
+    draws = torch.stack([matcher.sample_lambda() for _ in range(4000)])
+    near = {alpha: ((draws - alpha).abs() <= 0.05 + 1e-9).float().mean().item() for alpha in (0.3, 0.7)}
+    assert near[0.3] + near[0.7] == pytest.approx(1.0) and near[0.3] == pytest.approx(0.75, abs=0.03)
+    assert "grid_excess" in matcher.state_dict() and "grid_excess" not in DualMatcher(model, model).state_dict()
+    with pytest.raises(ValueError, match="unknown focus 'both'.*excess"):
+        DualMatcher(model, model, focus="both")
 
 
 def test_fit_relocates_the_worst_point_on_its_last_two_batches():

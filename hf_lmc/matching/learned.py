@@ -43,6 +43,9 @@ _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 #: Where the worst point of the path is looked for: the barrier's 11-point grid (DESIGN §1).
 #: Draws near it are uniform within half a grid step of it.
 WORST_GRID = tuple(alpha_grid(11))
+#: Which grid points the ``worst_fraction`` of draws go near: the single ``"worst"`` one, or each
+#: interior point in proportion to its ``"excess"`` over the line (see :class:`DualMatcher`).
+FOCI = ("worst", "excess")
 
 
 class PathTrainer(nn.Module):
@@ -240,6 +243,11 @@ class DualMatcher(PathTrainer):
             pushes its worst point out to alpha = 0.3 or 0.7, where the barrier is then measured;
             following it there took the Pythia zoo pair from 0.039 / 0.033 to 0.023 / 0.014
             nats (learned / dual, 1000 steps; README).
+        focus: where those draws go. ``"worst"``: near the one grid point of highest excess.
+            ``"excess"``: near each interior grid point with probability proportional to its
+            excess over the line (none where the path is at or below it), so a path with two
+            humps of about one height, whose argmax flips between them from one location to
+            the next, trains on both.
         objective: ``"labels"`` (the batch's cross-entropy) or ``"ensemble"`` (cross-entropy to
             the endpoints' predictions mixed at the same ``lambda``; costs a forward of each
             endpoint per step).
@@ -274,6 +282,7 @@ class DualMatcher(PathTrainer):
         orthogonal: str = "cayley",
         lambda_range: tuple[float, float] = (0.4, 0.6),
         worst_fraction: float = 0.5,
+        focus: str = "worst",
         objective: str = "labels",
         input_noise: float = 0.0,
         dtype: torch.dtype = torch.float32,
@@ -284,7 +293,9 @@ class DualMatcher(PathTrainer):
         self.objective = _check_objective(objective)
         if not 0.0 <= worst_fraction <= 1.0:
             raise ValueError(f"worst_fraction must lie in [0, 1], got {worst_fraction}")
-        self.worst_fraction = float(worst_fraction)
+        if focus not in FOCI:
+            raise ValueError(f"unknown focus {focus!r}; choose from {FOCI}")
+        self.worst_fraction, self.focus = float(worst_fraction), focus
         if not isinstance(init, Transform) and init not in INITS:
             raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass B's starting Transform")
         low, high = lambda_range
@@ -293,6 +304,9 @@ class DualMatcher(PathTrainer):
         self.lambda_range = (float(low), float(high))
         # Saved with the matcher's state (accelerate checkpoints), so a resumed run draws alike.
         self.register_buffer("worst_alpha", torch.tensor((low + high) / 2, dtype=torch.float64))
+        # The excess over the line at every grid point when last located (zero until then); saved
+        # only where the draws read it, so "worst" checkpoints keep their earlier layout.
+        self.register_buffer("grid_excess", torch.zeros(len(WORST_GRID), dtype=torch.float64), persistent=focus == "excess")
         self.dtype = dtype
         a = canonicalize(model_a, dtype=dtype).materialize()
         b = canonicalize(model_b, dtype=dtype).materialize()
@@ -311,18 +325,29 @@ class DualMatcher(PathTrainer):
         return self.worst_fraction > 0
 
     def sample_lambda(self) -> Tensor:
-        """A draw from ``lambda_range``, or (a ``worst_fraction`` of the time) near the worst point."""
+        """A draw from ``lambda_range``, or (a ``worst_fraction`` of the time) near the grid point
+        that ``focus`` picks."""
         low, high = self.lambda_range
         if self.seeks_worst and torch.rand(()) < self.worst_fraction:
-            centre, half = float(self.worst_alpha), (WORST_GRID[1] - WORST_GRID[0]) / 2
+            centre, half = self._focus_point(), (WORST_GRID[1] - WORST_GRID[0]) / 2
             low, high = max(centre - half, 0.0), min(centre + half, 1.0)
         return torch.empty(()).uniform_(low, high)
+
+    def _focus_point(self) -> float:
+        """The worst point, or (``focus="excess"``) an interior grid point drawn in proportion to
+        its located excess over the line; the worst point while no point stands above it."""
+        if self.focus == "excess":
+            weights = self.grid_excess[1:-1].clamp_min(0).cpu()
+            if weights.sum() > 0:
+                return WORST_GRID[1 + int(torch.multinomial(weights, 1))]
+        return float(self.worst_alpha)
 
     @torch.no_grad()
     def locate_worst(self, batches: Iterable[dict[str, Tensor]]) -> float:
         """Set (and return) :attr:`worst_alpha`: the interior alpha of the 11-point grid where the
         path's loss on ``batches`` (labels, whatever the training objective) stands highest above
-        the line between the endpoints' losses. Under ``torch.distributed`` the losses are
+        the line between the endpoints' losses (each point's excess goes to :attr:`grid_excess`,
+        which ``focus="excess"`` draws from). Under ``torch.distributed`` the losses are
         averaged over the processes first, so every process draws near the same point; call it
         on every process."""
         transforms = (self.transform_a() if self.transform_a is not None else None, self.transform_b())
@@ -343,6 +368,7 @@ class DualMatcher(PathTrainer):
             torch.distributed.all_reduce(losses)
             losses = losses.cpu() / torch.distributed.get_world_size()
         excess = excess_over_line(WORST_GRID, losses.tolist())
+        self.grid_excess.copy_(torch.tensor(excess, dtype=torch.float64))
         self.worst_alpha.fill_(WORST_GRID[max(range(1, len(WORST_GRID) - 1), key=excess.__getitem__)])
         return float(self.worst_alpha)
 
