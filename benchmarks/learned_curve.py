@@ -71,8 +71,8 @@ def main() -> None:
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
     )
     parser.add_argument(
-        "--focus", choices=FOCI, default="worst",
-        help="where the --worst-fraction draws go: near the worst grid point, or near each in proportion to its excess over the line (default: worst)",
+        "--focus", choices=FOCI, default=LearnOptions.focus,
+        help=f"where the --worst-fraction draws go: near the worst grid point, or near each in proportion to its excess over the line (default: {LearnOptions.focus})",
     )
     parser.add_argument(
         "--worst-fraction", type=float, default=LearnOptions.worst_fraction,
@@ -121,7 +121,7 @@ def main() -> None:
                 curve[step] = barrier
                 where = grid[max(range(len(grid)), key=excess_over_line(grid, losses).__getitem__)]
                 print(
-                    f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}; drawing near {float(matcher.worst_alpha):.1f}), "
+                    f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}; located on training batches at {float(matcher.worst_alpha):.1f}), "
                     f"{time.perf_counter() - start:.0f} s", file=sys.stderr,
                 )
                 if train_batches:

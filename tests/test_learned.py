@@ -241,8 +241,8 @@ def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_fol
 
 
 def test_excess_focus_draws_near_every_point_above_the_line_in_proportion_to_its_excess():
-    """Two humps of one height: ``focus="worst"`` trains on one of them, ``"excess"`` on both,
-    at rates proportional to their excess; points at or below the line get no draws."""
+    """Two humps above the line: ``"excess"`` draws near both, at rates proportional to their
+    excess; points at or below the line get no draws."""
     model = build_model(tiny_configs()["gpt2"], seed=0)
     matcher = DualMatcher(model, model, worst_fraction=1.0, focus="excess")
     assert 0.4 <= float(matcher.sample_lambda()) <= 0.6  # not located yet: the middle of lambda_range
