@@ -68,6 +68,10 @@ def main() -> None:
     )
     parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
+        "--frame", default="own", choices=["own", "target"],
+        help="where the trained factor of each map sits: M_0 f(A) (steps in the model's own coordinates) or f(A) M_0 (in A's; default: own)",
+    )
+    parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
     )
     parser.add_argument(
@@ -107,7 +111,7 @@ def main() -> None:
     for method in args.methods:
         torch.manual_seed(args.seed)  # same lambda draws for both methods
         matcher = MATCHERS[method](
-            a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal,
+            a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal, frame=args.frame,
             objective=args.objective, worst_fraction=args.worst_fraction, focus=args.focus, input_noise=args.input_noise,
         )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
@@ -136,7 +140,7 @@ def main() -> None:
     print(
         f"zoo {args.pair}: lr {args.lr} (residual {args.residual_lr or args.lr}), schedule {args.schedule}, warmup {args.warmup}, "
         f"lambda ~ U{tuple(args.lambda_range)}, batch size {args.batch_size}, "
-        f"permutations {args.permutations}, orthogonal {args.orthogonal}, init {args.init}, objective {args.objective}, "
+        f"permutations {args.permutations}, orthogonal {args.orthogonal} (frame {args.frame}), init {args.init}, objective {args.objective}, "
         f"worst fraction {args.worst_fraction} (focus {args.focus}, located every {args.locate_every}), input noise {args.input_noise}, seed {args.seed}, "
         f"device {'cuda' if torch.cuda.is_available() else 'cpu'}"
     )

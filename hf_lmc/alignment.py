@@ -45,6 +45,7 @@ class LearnOptions:
     warmup: int = 0  # linear warmup steps
     permutations: str = "fixed"  # weight matching's assignment; "ste" / "sinkhorn" train it
     orthogonal: str = "cayley"
+    frame: str = "own"  # where each map's trained factor sits: "own" (M_0 f(A)) or "target" (f(A) M_0)
     lambda_range: tuple[float, float] = (0.4, 0.6)
     worst_fraction: float = 0.5  # share of draws near the path's current worst point (two models)
     focus: str = "worst"  # those draws: near the worst grid point, or "excess": near each in proportion to its excess
@@ -91,7 +92,8 @@ def align(
         return Transform(), ActivationMatcher(batches, symmetries, progress=progress).fit(a, b)
     matcher_class = DualMatcher if method == "dual" else LearnedMatcher
     matcher = matcher_class(
-        a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, lambda_range=learn.lambda_range,
+        a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, frame=learn.frame,
+        lambda_range=learn.lambda_range,
         worst_fraction=learn.worst_fraction, focus=learn.focus, objective=learn.objective, input_noise=learn.input_noise,
     )
     _fit(matcher, batches, learn, progress)
@@ -132,7 +134,7 @@ def align_many(
         return start
     matcher = SimplexMatcher(
         models, init=start, learns_first=method == "dual", symmetries=symmetries, permutations=learn.permutations,
-        orthogonal=learn.orthogonal, concentration=learn.concentration, objective=learn.objective, input_noise=learn.input_noise,
+        orthogonal=learn.orthogonal, frame=learn.frame, concentration=learn.concentration, objective=learn.objective, input_noise=learn.input_noise,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()

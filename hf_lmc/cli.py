@@ -38,6 +38,7 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
 SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
 PERMUTATIONS = ("fixed", "ste", "sinkhorn")  # hf_lmc.matching.trainable.PERMUTATIONS, without importing torch
+FRAMES = ("own", "target")  # hf_lmc.symmetry.params.FRAMES
 OBJECTIVES = ("labels", "ensemble")  # hf_lmc.matching.learned.OBJECTIVES, without importing torch
 FOCI = ("worst", "excess")  # hf_lmc.matching.learned.FOCI, without importing torch
 
@@ -82,7 +83,7 @@ def _learn_options(args: argparse.Namespace):
 
     return LearnOptions(
         steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
-        orthogonal=args.orthogonal, concentration=args.concentration, objective=args.objective, worst_fraction=args.worst_fraction,
+        orthogonal=args.orthogonal, frame=args.frame, concentration=args.concentration, objective=args.objective, worst_fraction=args.worst_fraction,
         focus=args.focus, input_noise=args.input_noise,
     )
 
@@ -221,6 +222,11 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
         help="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian or Sinkhorn (default: fixed)",
     )
     group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
+    group.add_argument(
+        "--frame", choices=FRAMES, default="own",
+        help="where each map's trained factor sits: after the start, stepping in the model's own coordinates (own), "
+        "or before it, in the coordinates of the model it is aligned to (target; cayley or exp) (default: own)",
+    )
     group.add_argument(
         "--objective", choices=OBJECTIVES, default="labels",
         help="train the merge toward the data's labels, or toward the models' own predictions mixed at the same weights "

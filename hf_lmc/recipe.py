@@ -153,6 +153,10 @@ class LearnSpec(_Section):
         LearnOptions.permutations, description="fixed at weight matching's, or trained: straight-through Hungarian or Sinkhorn"
     )
     orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
+    frame: Literal["own", "target"] = Field(
+        LearnOptions.frame,
+        description="where each map's trained factor sits: stepping in the model's own coordinates, or in those of the model it is aligned to",
+    )
     objective: Literal["labels", "ensemble"] = Field(
         LearnOptions.objective, description="train toward the data's labels, or toward the models' predictions mixed at the same weights"
     )

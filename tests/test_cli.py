@@ -50,8 +50,10 @@ def test_cli_method_list_is_the_alignment_table():
     from hf_lmc.matching.learned import FOCI, OBJECTIVES
     from hf_lmc.matching.trainable import PERMUTATIONS
     from hf_lmc.recipe import LearnSpec
+    from hf_lmc.symmetry.params import FRAMES
 
     assert cli.METHODS == alignment.METHODS
+    assert cli.FRAMES == FRAMES == get_args(LearnSpec.model_fields["frame"].annotation)
     assert cli.PERMUTATIONS == PERMUTATIONS == get_args(LearnSpec.model_fields["permutations"].annotation)
     assert cli.OBJECTIVES == OBJECTIVES == get_args(LearnSpec.model_fields["objective"].annotation)
     assert cli.FOCI == FOCI == get_args(LearnSpec.model_fields["focus"].annotation)
@@ -66,10 +68,10 @@ def test_learning_flags_default_to_the_library_and_reach_it():
     parser = cli.build_parser()
     assert cli._learn_options(parser.parse_args(["merge", "a", "b", "--output", "o"])) == LearnOptions()
     flags = ["--steps", "7", "--lr", "0.1", "--residual-lr", "0.2", "--schedule", "cosine", "--warmup", "3", "--permutations", "ste",
-             "--orthogonal", "exp", "--objective", "ensemble", "--worst-fraction", "0.3", "--focus", "excess", "--input-noise", "0.25", "--concentration", "2"]
+             "--orthogonal", "exp", "--frame", "target", "--objective", "ensemble", "--worst-fraction", "0.3", "--focus", "excess", "--input-noise", "0.25", "--concentration", "2"]
     options = cli._learn_options(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
     assert options == LearnOptions(
-        steps=7, lr=0.1, residual_lr=0.2, schedule="cosine", warmup=3, permutations="ste", orthogonal="exp", objective="ensemble",
+        steps=7, lr=0.1, residual_lr=0.2, schedule="cosine", warmup=3, permutations="ste", orthogonal="exp", frame="target", objective="ensemble",
         worst_fraction=0.3, focus="excess", input_noise=0.25, concentration=2.0,
     )
 

@@ -12,6 +12,16 @@ from hf_lmc.verify import tiny_configs
 from tests.models import build_model, logits, relative_error, sample_inputs
 
 
+def _train(matcher, batch, steps: int, lr: float = 1e-2) -> None:
+    """Plain Adam on the interpolation loss at sampled weights (no ``fit``: the bare training-loop API)."""
+    optimizer = torch.optim.Adam([p for p in matcher.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        loss = matcher(batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
 def test_twin_stays_exact_from_weight_matching_init():
     config = tiny_configs()["gpt_neox"]
     model = build_model(config, seed=0, dtype=torch.float64)
@@ -34,16 +44,29 @@ def test_training_lowers_the_interpolation_loss_and_endpoints_stay_exact(cls):
     before = matcher(batch, alpha=0.5).item()
     trainable = [p for p in matcher.parameters() if p.requires_grad]
     assert trainable and not any(p.requires_grad for p in matcher.interpolant.template.parameters())
-    optimizer = torch.optim.Adam(trainable, lr=1e-2)
-    for _ in range(15):
-        loss = matcher(batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    _train(matcher, batch, steps=15)
     assert matcher(batch, alpha=0.5).item() < before
     inputs = sample_inputs(config)
     assert relative_error(logits(matcher.merge(0.0), inputs), logits(model_a, inputs)) < 1e-6
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoints(arch):
+    """``frame="target"`` changes where the trained factors sit, not the start or the group:
+    the same merge before training, and exact symmetries of each endpoint after it."""
+    config = tiny_configs()[arch]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    own = LearnedMatcher(model_a, model_b, dtype=torch.float64)
+    target = LearnedMatcher(model_a, model_b, frame="target", dtype=torch.float64)
+    inputs = sample_inputs(config)
+    assert relative_error(logits(target.merge(0.5), inputs), logits(own.merge(0.5), inputs)) < 1e-10
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}
+    before = target(batch, alpha=0.5).item()
+    _train(target, batch, steps=10)
+    assert target(batch, alpha=0.5).item() < before
+    assert relative_error(logits(target.merge(0.5), inputs), logits(own.merge(0.5), inputs)) > 1e-4  # it moved
+    assert relative_error(logits(target.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6  # (HF computes RoPE in float32)
 
 
 def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):

@@ -21,16 +21,16 @@ def _perturb(module: torch.nn.Module, seed: int, size: float = 0.5) -> None:
             p.add_(size * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
-@pytest.mark.parametrize("method", ["cayley", "exp", "polar"])
+@pytest.mark.parametrize(("method", "frame"), [("cayley", "own"), ("exp", "own"), ("polar", "own"), ("cayley", "target"), ("exp", "target")])
 @pytest.mark.parametrize("fix_ones", [False, True])
-def test_orthogonal_param_starts_at_init_and_stays_orthogonal(method, fix_ones):
+def test_orthogonal_param_starts_at_init_and_stays_orthogonal(method, frame, fix_ones):
     d = 7
     init = random_orthogonal(d, torch.Generator().manual_seed(0))
     if fix_ones:  # an orthogonal map that fixes u: the polar factor restricted to 1-perp
         from hf_lmc.matching.solvers import polar_fixing_ones
 
         init = polar_fixing_ones(init)
-    param = OrthogonalParam(d, init=init, method=method, fix_ones=fix_ones, dtype=F64)
+    param = OrthogonalParam(d, init=init, method=method, fix_ones=fix_ones, frame=frame, dtype=F64)
     torch.testing.assert_close(param(), init, rtol=0, atol=1e-12)
     _perturb(param, seed=1)
     o = param()
@@ -74,9 +74,10 @@ def test_orthogonal_param_descends_to_a_procrustes_target(method):
     assert (param() - target).abs().max() < 1e-3
 
 
-def test_gl_param_returns_exact_inverse_pairs():
+@pytest.mark.parametrize("frame", ["own", "target"])
+def test_gl_param_returns_exact_inverse_pairs(frame):
     m0, m0_inv = random_gl(4, torch.Generator().manual_seed(2), log_scale=0.5)
-    param = GLParam(4, init=(m0, m0_inv), dtype=F64)
+    param = GLParam(4, init=(m0, m0_inv), frame=frame, dtype=F64)
     m, m_inv = param()
     torch.testing.assert_close(m, m0, rtol=0, atol=1e-12)
     _perturb(param, seed=4)
@@ -110,9 +111,35 @@ def test_sinkhorn_is_doubly_stochastic():
     torch.testing.assert_close(s.sum(1), torch.ones(5), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["cayley", "exp"])
+def test_target_frame_is_the_own_frame_conjugated_by_the_start(method):
+    """``f(A) O_0 = O_0 f(O_0^T A O_0)``: the two frames reach the same maps, the trained factor
+    expressed in the coordinates on either side of the start (only Adam's steps differ)."""
+    d = 6
+    start = random_orthogonal(d, torch.Generator().manual_seed(5))
+    own = OrthogonalParam(d, init=start, method=method, dtype=F64)
+    target = OrthogonalParam(d, init=start, method=method, frame="target", dtype=F64)
+    _perturb(target, seed=6)
+    with torch.no_grad():
+        own.weight.copy_(start.T @ target.weight @ start)
+    torch.testing.assert_close(target(), own(), rtol=0, atol=1e-12)
+
+    m0, m0_inv = random_gl(4, torch.Generator().manual_seed(7), log_scale=0.5)
+    own_gl, target_gl = (GLParam(4, init=(m0, m0_inv), frame=f, dtype=F64) for f in ("own", "target"))
+    _perturb(target_gl, seed=8, size=0.2)
+    with torch.no_grad():
+        own_gl.weight.copy_(m0_inv @ target_gl.weight @ m0)
+    for x, y in zip(target_gl(), own_gl()):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-10)
+
+
 def test_unknown_parameterisations_are_rejected():
     with pytest.raises(ValueError, match="orthogonal parameterisation"):
         OrthogonalParam(3, method="givens")
+    with pytest.raises(ValueError, match="unknown frame"):
+        GLParam(3, frame="left")
+    with pytest.raises(ValueError, match="no fixed base"):
+        OrthogonalParam(3, method="polar", frame="target")
     with pytest.raises(ValueError, match="permutation parameterisation"):
         PermutationParam(3, method="gumbel")
 

@@ -234,6 +234,10 @@ class DualMatcher(PathTrainer):
             the continuous maps (measured best on every zoo pair, README); ``"ste"`` or
             ``"sinkhorn"`` train the assignments too (n x n scores per layer).
         orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
+        frame: where each continuous map's trained factor sits (:mod:`hf_lmc.symmetry.params`):
+            ``"own"``, ``M_0 f(A)``, Adam stepping in the coordinates of the model the map moves;
+            or ``"target"``, ``f(A) M_0``, stepping in those it moves them into (A's, for B's map).
+            The same group either way; only the optimiser's geometry differs.
         lambda_range: interpolation weights are drawn uniformly from this range (all of them
             with ``worst_fraction=0``).
         worst_fraction: the share of draws taken instead within 0.05 of the path's current worst
@@ -280,6 +284,7 @@ class DualMatcher(PathTrainer):
         symmetries="full",
         permutations: str = "fixed",
         orthogonal: str = "cayley",
+        frame: str = "own",
         lambda_range: tuple[float, float] = (0.4, 0.6),
         worst_fraction: float = 0.5,
         focus: str = "worst",
@@ -315,7 +320,7 @@ class DualMatcher(PathTrainer):
             start = init
         else:
             start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
-        options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
+        options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         self.transform_b = TrainableTransform(a.spec, start, **options)
         self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
         self.interpolant = Interpolant(a, b, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)
@@ -413,7 +418,7 @@ class SimplexMatcher(PathTrainer):
         learns_first: ``False`` keeps the first model's starting transform fixed (one model
             anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
         concentration: the Dirichlet concentration of the sampled weights.
-        symmetries, permutations, orthogonal, objective, input_noise, dtype, checkpoint_layers, shard_endpoints:
+        symmetries, permutations, orthogonal, frame, objective, input_noise, dtype, checkpoint_layers, shard_endpoints:
             as for :class:`DualMatcher` (``"ensemble"`` mixes the M endpoints at the sampled weights).
     """
 
@@ -428,6 +433,7 @@ class SimplexMatcher(PathTrainer):
         symmetries="full",
         permutations: str = "fixed",
         orthogonal: str = "cayley",
+        frame: str = "own",
         concentration: float = 0.1,
         objective: str = "labels",
         input_noise: float = 0.0,
@@ -459,7 +465,7 @@ class SimplexMatcher(PathTrainer):
         self.fixed_first = None if learns_first else start[0]
         if self.fixed_first is not None:
             canonical[0] = self.fixed_first.to(dtype).apply(canonical[0]).materialize()
-        options = {"permutations": permutations, "orthogonal": orthogonal, "dtype": dtype}
+        options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         first = 0 if learns_first else 1
         self.learned = nn.ModuleList(TrainableTransform(canonical[0].spec, t, **options) for t in start[first:])
         self.interpolant = Interpolant(*canonical, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)

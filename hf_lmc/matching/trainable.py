@@ -25,7 +25,7 @@ PERMUTATIONS = ("fixed", *PERMUTATION_METHODS)
 
 
 class _AttentionParams(nn.Module):
-    def __init__(self, spec: ArchSpec, init: AttentionMap | None, permutations: str, dtype):
+    def __init__(self, spec: ArchSpec, init: AttentionMap | None, permutations: str, frame: str, dtype):
         super().__init__()
         kv, dh = spec.num_kv_heads, spec.head_dim
         eye = BlockMonomial.identity(kv, dh, dtype=dtype)
@@ -34,10 +34,10 @@ class _AttentionParams(nn.Module):
         self.register_buffer("kv_perm", qk.perm.clone())
         self.register_buffer("query_perm", init.query_perm.clone() if init is not None else torch.arange(spec.num_heads))
         if spec.rotary_dim:
-            self.qk = nn.ModuleList(RotaryParam(dh, spec.rotary_dim, init=(qk.blocks[h], qk.inverse_blocks[h]), dtype=dtype) for h in range(kv))
+            self.qk = nn.ModuleList(RotaryParam(dh, spec.rotary_dim, init=(qk.blocks[h], qk.inverse_blocks[h]), frame=frame, dtype=dtype) for h in range(kv))
         else:
-            self.qk = nn.ModuleList(GLParam(dh, init=(qk.blocks[h], qk.inverse_blocks[h]), dtype=dtype) for h in range(kv))
-        self.ov = nn.ModuleList(GLParam(dh, init=(ov.blocks[h], ov.inverse_blocks[h]), dtype=dtype) for h in range(kv))
+            self.qk = nn.ModuleList(GLParam(dh, init=(qk.blocks[h], qk.inverse_blocks[h]), frame=frame, dtype=dtype) for h in range(kv))
+        self.ov = nn.ModuleList(GLParam(dh, init=(ov.blocks[h], ov.inverse_blocks[h]), frame=frame, dtype=dtype) for h in range(kv))
         # The order of the KV groups trains (with their query heads); under GQA, which query head
         # of a group plays which part stays as initialised.
         g = spec.group_size
@@ -88,6 +88,7 @@ class TrainableTransform(nn.Module):
         *,
         permutations: str = "fixed",
         orthogonal: str = "cayley",
+        frame: str = "own",
         dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
@@ -96,9 +97,9 @@ class TrainableTransform(nn.Module):
         maps = init.maps if init is not None else {}
         residual = maps.get("residual")
         self.residual = OrthogonalParam(
-            spec.hidden_size, init=residual.matrix if residual is not None else None, method=orthogonal, fix_ones=spec.centred, dtype=dtype
+            spec.hidden_size, init=residual.matrix if residual is not None else None, method=orthogonal, fix_ones=spec.centred, frame=frame, dtype=dtype
         )
-        self.attention = nn.ModuleList(_AttentionParams(spec, maps.get(f"attn.{i}"), permutations, dtype) for i in range(spec.num_layers))
+        self.attention = nn.ModuleList(_AttentionParams(spec, maps.get(f"attn.{i}"), permutations, frame, dtype) for i in range(spec.num_layers))
         self.mlp = nn.ModuleList(_MlpParams(spec, maps.get(f"mlp.{i}"), permutations, dtype) for i in range(spec.num_layers))
 
     def forward(self) -> Transform:

@@ -6,11 +6,13 @@ every parameter value, so gradient steps never leave the set of function-preserv
 * :class:`OrthogonalParam` — ``O = O_0 f(A)`` with ``A`` skew-symmetric and ``f`` the Cayley
   map ``(I - A/2)^{-1} (I + A/2)`` or the matrix exponential (the two agree to second order in
   ``A``, so one Adam step turns the map equally far under either), or ``O = polar(M)``
-  (projection of a free matrix). With
+  (projection of a free matrix). ``frame="target"`` puts the trained factor on the other side,
+  ``O = f(A) O_0``: the same set of maps, but Adam's per-coordinate steps are taken in the
+  coordinates the map moves the model *into* (A's, for B's transform) rather than its own. With
   ``fix_ones`` (LayerNorm models) the map is built in the Householder frame that sends
   ``u = 1/sqrt(d)`` to ``e_1``, so it fixes ``u`` exactly.
-* :class:`GLParam` — ``M = M_0 exp(A)`` with ``A`` free; the inverse ``exp(-A) M_0^{-1}``
-  comes with it, no matrix inversion of the product.
+* :class:`GLParam` — ``M = M_0 exp(A)`` (or ``exp(A) M_0`` with ``frame="target"``) with ``A``
+  free; the inverse ``exp(-A) M_0^{-1}`` comes with it, no matrix inversion of the product.
 * :class:`PermutationParam` — scores ``S``; the hard permutation is the linear assignment of
   ``S``. ``"ste"``: forward the hard permutation matrix, backward through the Sinkhorn
   relaxation (straight-through). ``"sinkhorn"``: forward the soft doubly stochastic matrix,
@@ -32,6 +34,9 @@ from ..linalg import householder_to_first
 from ..matching.solvers import assign
 
 ORTHOGONAL_METHODS = ("cayley", "exp", "polar")
+#: Where a map's trainable factor sits: ``"own"`` (``M_0 f(A)``: steps in the coordinates of the
+#: model the map moves) or ``"target"`` (``f(A) M_0``: steps in the coordinates it moves them into).
+FRAMES = ("own", "target")
 PERMUTATION_METHODS = ("ste", "sinkhorn")
 
 
@@ -40,6 +45,12 @@ def _householder_to_e1(d: int, dtype, device) -> Tensor:
     eye = torch.eye(d, dtype=dtype, device=device)
     v = householder_to_first(d, dtype, device)
     return eye if v is None else eye - 2 * torch.outer(v, v)
+
+
+def _check_frame(frame: str) -> str:
+    if frame not in FRAMES:
+        raise ValueError(f"unknown frame {frame!r}; choose from {FRAMES}")
+    return frame
 
 
 def _skew(a: Tensor) -> Tensor:
@@ -73,11 +84,15 @@ class _Polar(torch.autograd.Function):
 class OrthogonalParam(nn.Module):
     """A trainable orthogonal ``d x d`` map, starting at ``init`` (identity if omitted)."""
 
-    def __init__(self, d: int, *, init: Tensor | None = None, method: str = "cayley", fix_ones: bool = False, dtype=torch.float32):
+    def __init__(
+        self, d: int, *, init: Tensor | None = None, method: str = "cayley", fix_ones: bool = False, frame: str = "own", dtype=torch.float32
+    ):
         super().__init__()
         if method not in ORTHOGONAL_METHODS:
             raise ValueError(f"unknown orthogonal parameterisation {method!r}; choose from {ORTHOGONAL_METHODS}")
-        self.method, self.fix_ones = method, fix_ones
+        self.method, self.fix_ones, self.step_frame = method, fix_ones, _check_frame(frame)
+        if method == "polar" and frame != "own":
+            raise ValueError("the polar parameterisation has no fixed base to step around; frame='target' needs 'cayley' or 'exp'")
         init = torch.eye(d, dtype=dtype) if init is None else init.to(dtype)
         if fix_ones:
             h = _householder_to_e1(d, dtype, init.device)
@@ -95,12 +110,14 @@ class OrthogonalParam(nn.Module):
             return _Polar.apply(self.weight)
         a = _skew(self.weight)
         if self.method == "exp":
-            return self.base @ torch.linalg.matrix_exp(a)
-        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-        # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
-        # is I + 2A + ...: per Adam step it turned the whole stream twice as far as exp, and the
-        # LLaMA zoo barrier was 0.074 against 0.061 at half the rate (README, learned matching).
-        return self.base @ torch.linalg.solve(eye - a / 2, eye + a / 2)
+            factor = torch.linalg.matrix_exp(a)
+        else:
+            eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+            # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
+            # is I + 2A + ...: per Adam step it turned the whole stream twice as far as exp, and the
+            # LLaMA zoo barrier was 0.074 against 0.061 at half the rate (README, learned matching).
+            factor = torch.linalg.solve(eye - a / 2, eye + a / 2)
+        return self.base @ factor if self.step_frame == "own" else factor @ self.base
 
     def forward(self) -> Tensor:
         inner = self._inner()
@@ -115,8 +132,9 @@ class OrthogonalParam(nn.Module):
 class GLParam(nn.Module):
     """A trainable invertible ``b x b`` map ``M_0 exp(A)`` and its exact inverse."""
 
-    def __init__(self, b: int, *, init: tuple[Tensor, Tensor] | None = None, dtype=torch.float32):
+    def __init__(self, b: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = "own", dtype=torch.float32):
         super().__init__()
+        self.step_frame = _check_frame(frame)
         eye = torch.eye(b, dtype=dtype)
         base, base_inv = (eye, eye) if init is None else (init[0].to(dtype), init[1].to(dtype))
         self.register_buffer("base", base.clone())
@@ -124,7 +142,10 @@ class GLParam(nn.Module):
         self.weight = nn.Parameter(torch.zeros(b, b, dtype=dtype))
 
     def forward(self) -> tuple[Tensor, Tensor]:
-        return self.base @ torch.linalg.matrix_exp(self.weight), torch.linalg.matrix_exp(-self.weight) @ self.base_inv
+        step, step_inv = torch.linalg.matrix_exp(self.weight), torch.linalg.matrix_exp(-self.weight)
+        if self.step_frame == "own":
+            return self.base @ step, step_inv @ self.base_inv
+        return step @ self.base, self.base_inv @ step_inv
 
 
 def sinkhorn(scores: Tensor, temperature: float = 0.1, iterations: int = 20) -> Tensor:
@@ -187,7 +208,7 @@ class RotaryParam(nn.Module):
     ``exp(log_s) R(theta)``, plus a :class:`GLParam` block on the ``head_dim - rotary_dim``
     pass-through dims. Starts at ``init = (M, M^{-1})`` (which must have that form)."""
 
-    def __init__(self, head_dim: int, rotary_dim: int, *, init: tuple[Tensor, Tensor] | None = None, dtype=torch.float32):
+    def __init__(self, head_dim: int, rotary_dim: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = "own", dtype=torch.float32):
         super().__init__()
         half = rotary_dim // 2
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
@@ -199,7 +220,7 @@ class RotaryParam(nn.Module):
         self.log_scales = nn.Parameter(torch.log(torch.hypot(cos_part, sin_part)))
         self.angles = nn.Parameter(torch.atan2(sin_part, cos_part))
         rest = slice(rotary_dim, head_dim)
-        self.passthrough = GLParam(head_dim - rotary_dim, init=(m[rest, rest], m_inv[rest, rest]), dtype=dtype) if head_dim > rotary_dim else None
+        self.passthrough = GLParam(head_dim - rotary_dim, init=(m[rest, rest], m_inv[rest, rest]), frame=frame, dtype=dtype) if head_dim > rotary_dim else None
 
     def forward(self) -> tuple[Tensor, Tensor]:
         from .sample import rotary_block
