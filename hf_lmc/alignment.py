@@ -56,6 +56,15 @@ class LearnOptions:
     #: More than two models: the weights of each step are drawn from Dirichlet(concentration * 1).
     concentration: float = 0.1
 
+    def __post_init__(self):
+        # Here, not only where the maps are built: a conflict fails before models load or match.
+        # Only a non-default frame can conflict, and the defaults built at import time must not
+        # import the parameterisations (they import back into this package).
+        if self.frame != "own":
+            from .symmetry.params import check_orthogonal
+
+            check_orthogonal(self.orthogonal, self.frame)
+
 
 def check_method(method: str, data, flag: str = "--data", count: int = 2) -> None:
     """Fail early, with what to do, for an unknown method, a two-model method given ``count`` > 2

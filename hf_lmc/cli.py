@@ -38,7 +38,7 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
 SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
 PERMUTATIONS = ("fixed", "ste", "sinkhorn")  # hf_lmc.matching.trainable.PERMUTATIONS, without importing torch
-FRAMES = ("own", "target")  # hf_lmc.symmetry.params.FRAMES
+FRAMES = ("own", "target")  # hf_lmc.symmetry.params.FRAMES, without importing torch
 OBJECTIVES = ("labels", "ensemble")  # hf_lmc.matching.learned.OBJECTIVES, without importing torch
 FOCI = ("worst", "excess")  # hf_lmc.matching.learned.FOCI, without importing torch
 

@@ -83,6 +83,13 @@ def test_an_out_of_range_fraction_is_refused_before_any_work(capsys):
     assert "argument --worst-fraction: must lie in [0, 1], got 1.5" in capsys.readouterr().err
 
 
+def test_a_frame_the_parameterisation_cannot_take_is_refused_before_any_work(capsys):
+    """Checked when the options are read, not when the maps are built after loading and matching."""
+    assert main(["merge", "./no/such/a", "./no/such/b", "--output", "out", "--method", "learned", "--data", "./no/such/data",
+                 "--orthogonal", "polar", "--frame", "target"]) == 2
+    assert "hf-lmc: error: the polar parameterisation has no fixed base to step around" in capsys.readouterr().err
+
+
 def test_negative_input_noise_is_refused_before_any_work(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["merge", "./no/such/a", "./no/such/b", "--output", "out", "--input-noise", "-0.1"])

@@ -53,6 +53,14 @@ def _check_frame(frame: str) -> str:
     return frame
 
 
+def check_orthogonal(method: str, frame: str = "own") -> None:
+    """Refuse an unknown orthogonal parameterisation or frame, or one the method cannot take."""
+    if method not in ORTHOGONAL_METHODS:
+        raise ValueError(f"unknown orthogonal parameterisation {method!r}; choose from {ORTHOGONAL_METHODS}")
+    if method == "polar" and _check_frame(frame) != "own":
+        raise ValueError("the polar parameterisation has no fixed base to step around; frame='target' needs 'cayley' or 'exp'")
+
+
 def _skew(a: Tensor) -> Tensor:
     return a - a.mT
 
@@ -88,11 +96,8 @@ class OrthogonalParam(nn.Module):
         self, d: int, *, init: Tensor | None = None, method: str = "cayley", fix_ones: bool = False, frame: str = "own", dtype=torch.float32
     ):
         super().__init__()
-        if method not in ORTHOGONAL_METHODS:
-            raise ValueError(f"unknown orthogonal parameterisation {method!r}; choose from {ORTHOGONAL_METHODS}")
+        check_orthogonal(method, frame)
         self.method, self.fix_ones, self.step_frame = method, fix_ones, _check_frame(frame)
-        if method == "polar" and frame != "own":
-            raise ValueError("the polar parameterisation has no fixed base to step around; frame='target' needs 'cayley' or 'exp'")
         init = torch.eye(d, dtype=dtype) if init is None else init.to(dtype)
         if fix_ones:
             h = _householder_to_e1(d, dtype, init.device)
