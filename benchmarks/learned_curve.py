@@ -68,8 +68,8 @@ def main() -> None:
     )
     parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
-        "--frame", default="own", choices=["own", "target"],
-        help="where the trained factor of each map sits: M_0 f(A) (steps in the model's own coordinates) or f(A) M_0 (in A's; default: own)",
+        "--frame", default="own", choices=["own", "target", "both"],
+        help="where the trained factor of each map sits: M_0 f(A) (steps in the model's own coordinates), f(A) M_0 (in A's) or f(L) M_0 f(A) (both, as dual's relative map; default: own)",
     )
     parser.add_argument(
         "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"

@@ -10,6 +10,8 @@ measures, each in its own process (wall time of the second of two steps, peak RS
     head permutations), with each
     layer's interpolated weights rebuilt inside gradient checkpointing;
   * ``dual, no checkpointing``: the same with every layer's weights alive until backward;
+  * with ``--one-sided``: a :class:`hf_lmc.LearnedMatcher` step (only B's transform), in the own
+    frame and with ``frame="both"``, which takes dual matching's steps (README) at this cost;
   * with ``--processes 2``: the dual step under DDP in 2 processes (one thread each, the batch
     per process), with the endpoints whole in each process and sharded across them
     (``shard_endpoints=True``); memory is per process (the larger of the two).
@@ -21,6 +23,7 @@ memory = its peak RSS less the runtime's, i.e. RSS once torch, transformers and 
     python benchmarks/learned_step.py                   # batch 4 x 512 tokens
     python benchmarks/learned_step.py --batch 8 --seq 512
     python benchmarks/learned_step.py --processes 2    # adds the 2-process rows (torchrun, gloo)
+    python benchmarks/learned_step.py --one-sided      # adds one-sided steps, own frame and frame="both"
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import sys
 CHILD = r"""
 import json, re, sys, time
 import torch, transformers as tf
-from hf_lmc import DualMatcher
+from hf_lmc import DualMatcher, LearnedMatcher
 
 mode, batch, seq, permutations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def rss():
@@ -63,7 +66,8 @@ elif mode.startswith("ddp"):
             p.grad = None
 else:
     model_b = tf.GPTNeoXForCausalLM(config).eval()
-    matcher = DualMatcher(model_a, model_b, init="identity", permutations=permutations, checkpoint_layers=(mode == "dual"))
+    cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
+    matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=(mode != "dual-no-checkpointing"))
     del model_a, model_b
     params = [p for p in matcher.parameters() if p.requires_grad]
     def step():
@@ -116,8 +120,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (default: 512)")
     parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="how the dual step's MLP and head permutations train (default: fixed)")
     parser.add_argument("--processes", type=int, default=1, choices=(1, 2), help="2: add the DDP rows, endpoints whole and sharded")
+    parser.add_argument("--one-sided", action="store_true", help="add one-sided steps (LearnedMatcher), own frame and frame='both'")
     args = parser.parse_args()
-    modes = ("base", "dual", "dual-no-checkpointing") + (("ddp", "ddp-sharded") if args.processes == 2 else ())
+    modes = ("base", "dual", "dual-no-checkpointing") + (("learned-own", "learned-both") if args.one_sided else ())
+    modes += ("ddp", "ddp-sharded") if args.processes == 2 else ()
     rows = {mode: run(mode, args.batch, args.seq, args.permutations) for mode in modes}
     base = rows["base"]
     weights = base["weights"]
@@ -135,6 +141,8 @@ def main() -> None:
             "base": "base model fwd+bwd",
             "dual": "dual (layer checkpointing)",
             "dual-no-checkpointing": "dual, no checkpointing",
+            "learned-own": "one-sided (layer checkpointing)",
+            "learned-both": "one-sided, `frame=\"both\"` (layer checkpointing)",
             "ddp": "dual, 2 processes (per process)",
             "ddp-sharded": "dual, 2 processes, sharded endpoints (per process)",
         }[mode]

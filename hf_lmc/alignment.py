@@ -45,7 +45,7 @@ class LearnOptions:
     warmup: int = 0  # linear warmup steps
     permutations: str = "fixed"  # weight matching's assignment; "ste" / "sinkhorn" train it
     orthogonal: str = "cayley"
-    frame: str = "own"  # where each map's trained factor sits: "own" (M_0 f(A)) or "target" (f(A) M_0)
+    frame: str = "own"  # where each map's trained factor sits: "own" (M_0 f(A)), "target" (f(A) M_0) or "both" (f(L) M_0 f(A))
     lambda_range: tuple[float, float] = (0.4, 0.6)
     worst_fraction: float = 0.5  # share of draws near the path's current worst point (two models)
     focus: str = "worst"  # those draws: near the worst grid point, or "excess": near each in proportion to its excess

@@ -38,7 +38,7 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
 SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
 PERMUTATIONS = ("fixed", "ste", "sinkhorn")  # hf_lmc.matching.trainable.PERMUTATIONS, without importing torch
-FRAMES = ("own", "target")  # hf_lmc.symmetry.params.FRAMES, without importing torch
+FRAMES = ("own", "target", "both")  # hf_lmc.symmetry.params.FRAMES, without importing torch
 OBJECTIVES = ("labels", "ensemble")  # hf_lmc.matching.learned.OBJECTIVES, without importing torch
 FOCI = ("worst", "excess")  # hf_lmc.matching.learned.FOCI, without importing torch
 
@@ -225,7 +225,8 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
     group.add_argument(
         "--frame", choices=FRAMES, default="own",
         help="where each map's trained factor sits: after the start, stepping in the model's own coordinates (own), "
-        "or before it, in the coordinates of the model it is aligned to (target; cayley or exp) (default: own)",
+        "before it, in the coordinates of the model it is aligned to (target), or one factor on each side, as dual matching's "
+        "relative map has (both); target and both need cayley or exp (default: own)",
     )
     group.add_argument(
         "--objective", choices=OBJECTIVES, default="labels",

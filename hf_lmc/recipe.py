@@ -153,9 +153,9 @@ class LearnSpec(_Section):
         LearnOptions.permutations, description="fixed at weight matching's, or trained: straight-through Hungarian or Sinkhorn"
     )
     orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
-    frame: Literal["own", "target"] = Field(
+    frame: Literal["own", "target", "both"] = Field(
         LearnOptions.frame,
-        description="where each map's trained factor sits: stepping in the model's own coordinates, or in those of the model it is aligned to",
+        description="where each map's trained factor sits: stepping in the model's own coordinates, in those of the model it is aligned to, or both (a factor on each side, as in dual matching)",
     )
     objective: Literal["labels", "ensemble"] = Field(
         LearnOptions.objective, description="train toward the data's labels, or toward the models' predictions mixed at the same weights"
@@ -191,6 +191,16 @@ class LearnSpec(_Section):
     def _warmup_within_training(self):
         if self.warmup > self.steps:
             raise ValueError(f"warmup: {self.warmup} warmup steps exceed the {self.steps} training steps")
+        return self
+
+    @model_validator(mode="after")
+    def _frame_fits_the_parameterisation(self):
+        from .symmetry.params import check_orthogonal  # the one rule LearnOptions and the CLI apply
+
+        try:
+            check_orthogonal(self.orthogonal, self.frame)
+        except ValueError as err:
+            raise ValueError(f"frame: {err}") from None
         return self
 
     @field_validator("lambda_range")

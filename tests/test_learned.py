@@ -51,14 +51,16 @@ def test_training_lowers_the_interpolation_loss_and_endpoints_stay_exact(cls):
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
-def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoints(arch):
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
+def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoints(arch, cls):
     """``frame="target"`` changes where the trained factors sit, not the start or the group:
-    the same merge before training, and exact symmetries of each endpoint after it."""
+    the same merge before training, and exact symmetries of each endpoint after it (GPT-2: the
+    residual map keeps fixing the all-ones direction LayerNorm centres on)."""
     config = tiny_configs()[arch]
     model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
-    own = LearnedMatcher(model_a, model_b, dtype=torch.float64)
-    target = LearnedMatcher(model_a, model_b, frame="target", dtype=torch.float64)
+    own = cls(model_a, model_b, dtype=torch.float64)
+    target = cls(model_a, model_b, frame="target", dtype=torch.float64)
     inputs = sample_inputs(config)
     assert relative_error(logits(target.merge(0.5), inputs), logits(own.merge(0.5), inputs)) < 1e-10
     batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}
@@ -66,7 +68,42 @@ def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoint
     _train(target, batch, steps=10)
     assert target(batch, alpha=0.5).item() < before
     assert relative_error(logits(target.merge(0.5), inputs), logits(own.merge(0.5), inputs)) > 1e-4  # it moved
-    assert relative_error(logits(target.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6  # (HF computes RoPE in float32)
+    for alpha, endpoint in ((0.0, model_a), (1.0, model_b)):  # (HF LLaMA computes RoPE in float32)
+        assert relative_error(logits(target.merge(alpha), inputs), logits(endpoint, inputs)) < 1e-6
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
+def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_steps(arch):
+    """Dual matching's merge depends only on ``T_A^-1 T_B = f(A_A)^-1 M_0 f(A_B)`` (DESIGN §4), and
+    ``f(A)^-1 = f(-A)`` while Adam's step is odd in the gradient: one-sided matching with
+    ``frame="both"`` (``f(L) M_0 f(A)``) follows dual matching step for step, ``L = -A_A``.
+    The same batches and weight draws give the same losses and the same merged function; the
+    own frame does not."""
+    config = tiny_configs()[arch]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}
+
+    def trained(matcher):
+        torch.manual_seed(0)  # the same weight draws
+        optimizer = torch.optim.Adam([p for p in matcher.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for _ in range(20):
+            loss = matcher(batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return matcher, torch.tensor(losses)
+
+    dual, dual_losses = trained(DualMatcher(model_a, model_b, dtype=torch.float64))
+    both, both_losses = trained(LearnedMatcher(model_a, model_b, frame="both", dtype=torch.float64))
+    own, own_losses = trained(LearnedMatcher(model_a, model_b, dtype=torch.float64))
+    inputs = sample_inputs(config)
+    torch.testing.assert_close(both_losses, dual_losses, rtol=0, atol=1e-5)
+    assert relative_error(logits(both.merge(0.5), inputs), logits(dual.merge(0.5), inputs)) < 1e-5  # (LLaMA: float32 RoPE)
+    assert (own_losses - dual_losses).abs().max() > 1e-2
+    assert relative_error(logits(own.merge(0.5), inputs), logits(dual.merge(0.5), inputs)) > 1e-2
+    assert relative_error(logits(both.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
 def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):

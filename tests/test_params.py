@@ -21,7 +21,9 @@ def _perturb(module: torch.nn.Module, seed: int, size: float = 0.5) -> None:
             p.add_(size * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
-@pytest.mark.parametrize(("method", "frame"), [("cayley", "own"), ("exp", "own"), ("polar", "own"), ("cayley", "target"), ("exp", "target")])
+@pytest.mark.parametrize(
+    ("method", "frame"), [("cayley", "own"), ("exp", "own"), ("polar", "own"), ("cayley", "target"), ("exp", "target"), ("cayley", "both"), ("exp", "both")]
+)
 @pytest.mark.parametrize("fix_ones", [False, True])
 def test_orthogonal_param_starts_at_init_and_stays_orthogonal(method, frame, fix_ones):
     d = 7
@@ -74,7 +76,7 @@ def test_orthogonal_param_descends_to_a_procrustes_target(method):
     assert (param() - target).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("frame", ["own", "target"])
+@pytest.mark.parametrize("frame", ["own", "target", "both"])
 def test_gl_param_returns_exact_inverse_pairs(frame):
     m0, m0_inv = random_gl(4, torch.Generator().manual_seed(2), log_scale=0.5)
     param = GLParam(4, init=(m0, m0_inv), frame=frame, dtype=F64)
@@ -138,8 +140,9 @@ def test_unknown_parameterisations_are_rejected():
         OrthogonalParam(3, method="givens")
     with pytest.raises(ValueError, match="unknown frame"):
         GLParam(3, frame="left")
-    with pytest.raises(ValueError, match="no fixed base"):
-        OrthogonalParam(3, method="polar", frame="target")
+    for frame in ("target", "both"):
+        with pytest.raises(ValueError, match="no fixed base"):
+            OrthogonalParam(3, method="polar", frame=frame)
     with pytest.raises(ValueError, match="permutation parameterisation"):
         PermutationParam(3, method="gumbel")
 
@@ -152,13 +155,14 @@ def test_polar_gradient_matches_finite_differences_even_at_the_identity():
         assert torch.autograd.gradcheck(_Polar.apply, (m.clone().requires_grad_(),))
 
 
-def test_rotary_param_commutes_with_rope_and_starts_at_init():
+@pytest.mark.parametrize("frame", ["own", "target", "both"])
+def test_rotary_param_commutes_with_rope_and_starts_at_init(frame):
     from hf_lmc.symmetry.params import RotaryParam
     from hf_lmc.symmetry.sample import rotary_block
 
     g = torch.Generator().manual_seed(7)
     init = rotary_block(torch.rand(2, dtype=F64, generator=g) + 0.5, torch.rand(2, dtype=F64, generator=g) * 6, 4, 6, random_gl(2, g))
-    param = RotaryParam(6, 4, init=init, dtype=F64)
+    param = RotaryParam(6, 4, init=init, frame=frame, dtype=F64)
     m, m_inv = param()
     torch.testing.assert_close(m, init[0], rtol=0, atol=1e-12)
     _perturb(param, seed=8)
@@ -169,6 +173,8 @@ def test_rotary_param_commutes_with_rope_and_starts_at_init():
     torch.testing.assert_close(m @ rope, rope @ m, rtol=0, atol=1e-12)
     m.sum().backward()
     assert param.angles.grad is not None and param.log_scales.grad is not None and param.passthrough.weight.grad is not None
+    if frame == "both":
+        assert param.left_angles.grad is not None and param.passthrough.left.grad is not None
 
 
 @pytest.mark.parametrize("role", ["up", "gate", "down"])

@@ -93,6 +93,8 @@ def test_errors_name_the_key_on_one_line():
     assert "output.push_to_hub: 2 methods would push to one repo; put {method} in the repo id" in message
     assert "learn.schedule: unknown schedule 'cosine_decay'; choose from linear, cosine" in _error(_recipe(learn={"schedule": "cosine_decay"}))
     assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"warmup": 300}))
+    polar = _error(_recipe(learn={"orthogonal": "polar", "frame": "target"}))
+    assert "learn.frame: the polar parameterisation has no fixed base to step around" in polar
     assert "learn.residual_lr: Input should be greater than 0" in _error(_recipe(learn={"residual_lr": 0}))
     assert "learn.worst_fraction: Input should be less than or equal to 1" in _error(_recipe(learn={"worst_fraction": 1.5}))
     assert "learn.input_noise: Input should be greater than or equal to 0" in _error(_recipe(learn={"input_noise": -0.1}))

@@ -236,8 +236,13 @@ class DualMatcher(PathTrainer):
         orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
         frame: where each continuous map's trained factor sits (:mod:`hf_lmc.symmetry.params`):
             ``"own"``, ``M_0 f(A)``, Adam stepping in the coordinates of the model the map moves;
-            or ``"target"``, ``f(A) M_0``, stepping in those it moves them into (A's, for B's map).
-            The same group either way; only the optimiser's geometry differs.
+            ``"target"``, ``f(A) M_0``, stepping in those it moves them into (A's, for B's map);
+            or ``"both"``, ``f(L) M_0 f(A)``. The same group every way; only the optimiser's
+            geometry differs. Dual matching in the own frame trains the relative map
+            ``T_A^-1 T_B = f(A_A)^-1 M_0 f(A_B)``, a factor on each side of B's start, so
+            one-sided matching with ``"both"`` takes dual matching's steps (``L = -A_A``; the
+            same losses, tests) at one-sided cost. A starts at the identity, where the frames
+            coincide, so dual matching with ``"target"`` puts both factors on one side.
         lambda_range: interpolation weights are drawn uniformly from this range (all of them
             with ``worst_fraction=0``).
         worst_fraction: the share of draws taken instead within 0.05 of the path's current worst

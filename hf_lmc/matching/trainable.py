@@ -59,7 +59,7 @@ class _AttentionParams(nn.Module):
 
 
 class _MlpParams(nn.Module):
-    def __init__(self, spec: ArchSpec, init: MlpMap | None, permutations: str, dtype):
+    def __init__(self, spec: ArchSpec, init: MlpMap | None, permutations: str, frame: str, dtype):
         super().__init__()
         n = spec.intermediate_size
         perm = init.map.perm if init is not None else torch.arange(n)
@@ -70,12 +70,17 @@ class _MlpParams(nn.Module):
         else:
             self.units = PermutationParam(n, init=perm, method=permutations, dtype=dtype)
         self.log_scale = nn.Parameter(scale.log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
+        # Scales commute with one another: a factor on each side ("both") is a second, zero-started
+        # log-scale added to the first, as the difference of A's and B's is in dual matching.
+        both = frame == "both" and spec.gated_mlp
+        self.left_log_scale = nn.Parameter(torch.zeros_like(self.log_scale)) if both else None
 
     def forward(self) -> MlpMap | DenseMlpMap:
+        log_scale = self.log_scale if self.left_log_scale is None else self.log_scale + self.left_log_scale
         if self.units is None:
-            return MlpMap(BlockMonomial.scaled_permutation(self.perm, self.log_scale.exp()))
+            return MlpMap(BlockMonomial.scaled_permutation(self.perm, log_scale.exp()))
         matrix, perm = self.units.matrix_and_perm()
-        return DenseMlpMap(matrix, self.log_scale.exp(), perm)
+        return DenseMlpMap(matrix, log_scale.exp(), perm)
 
 
 class TrainableTransform(nn.Module):
@@ -100,7 +105,7 @@ class TrainableTransform(nn.Module):
             spec.hidden_size, init=residual.matrix if residual is not None else None, method=orthogonal, fix_ones=spec.centred, frame=frame, dtype=dtype
         )
         self.attention = nn.ModuleList(_AttentionParams(spec, maps.get(f"attn.{i}"), permutations, frame, dtype) for i in range(spec.num_layers))
-        self.mlp = nn.ModuleList(_MlpParams(spec, maps.get(f"mlp.{i}"), permutations, dtype) for i in range(spec.num_layers))
+        self.mlp = nn.ModuleList(_MlpParams(spec, maps.get(f"mlp.{i}"), permutations, frame, dtype) for i in range(spec.num_layers))
 
     def forward(self) -> Transform:
         maps = {"residual": ResidualMap.from_matrix(self.residual())}

@@ -10,9 +10,12 @@ every parameter value, so gradient steps never leave the set of function-preserv
   ``O = f(A) O_0``: the same set of maps, but Adam's per-coordinate steps are taken in the
   coordinates the map moves the model *into* (A's, for B's transform) rather than its own. With
   ``fix_ones`` (LayerNorm models) the map is built in the Householder frame that sends
-  ``u = 1/sqrt(d)`` to ``e_1``, so it fixes ``u`` exactly.
-* :class:`GLParam` — ``M = M_0 exp(A)`` (or ``exp(A) M_0`` with ``frame="target"``) with ``A``
-  free; the inverse ``exp(-A) M_0^{-1}`` comes with it, no matrix inversion of the product.
+  ``u = 1/sqrt(d)`` to ``e_1``, so it fixes ``u`` exactly. ``frame="both"`` trains a factor on
+  each side, ``O = f(L) O_0 f(A)``: the relative map dual matching trains, ``T_A^{-1} T_B``, has
+  exactly this form, so one-sided matching in this frame follows dual matching's optimiser path.
+* :class:`GLParam` — ``M = M_0 exp(A)`` (or ``exp(A) M_0`` with ``frame="target"``, ``exp(L) M_0
+  exp(A)`` with ``"both"``) with ``A`` free; the inverse ``exp(-A) M_0^{-1}`` comes with it, no
+  matrix inversion of the product.
 * :class:`PermutationParam` — scores ``S``; the hard permutation is the linear assignment of
   ``S``. ``"ste"``: forward the hard permutation matrix, backward through the Sinkhorn
   relaxation (straight-through). ``"sinkhorn"``: forward the soft doubly stochastic matrix,
@@ -35,8 +38,9 @@ from ..matching.solvers import assign
 
 ORTHOGONAL_METHODS = ("cayley", "exp", "polar")
 #: Where a map's trainable factor sits: ``"own"`` (``M_0 f(A)``: steps in the coordinates of the
-#: model the map moves) or ``"target"`` (``f(A) M_0``: steps in the coordinates it moves them into).
-FRAMES = ("own", "target")
+#: model the map moves), ``"target"`` (``f(A) M_0``: steps in the coordinates it moves them into)
+#: or ``"both"`` (``f(L) M_0 f(A)``: a factor on each side, as in dual matching's relative map).
+FRAMES = ("own", "target", "both")
 PERMUTATION_METHODS = ("ste", "sinkhorn")
 
 
@@ -58,7 +62,7 @@ def check_orthogonal(method: str, frame: str = "own") -> None:
     if method not in ORTHOGONAL_METHODS:
         raise ValueError(f"unknown orthogonal parameterisation {method!r}; choose from {ORTHOGONAL_METHODS}")
     if method == "polar" and _check_frame(frame) != "own":
-        raise ValueError("the polar parameterisation has no fixed base to step around; frame='target' needs 'cayley' or 'exp'")
+        raise ValueError(f"the polar parameterisation has no fixed base to step around; frame={frame!r} needs 'cayley' or 'exp'")
 
 
 def _skew(a: Tensor) -> Tensor:
@@ -109,20 +113,27 @@ class OrthogonalParam(nn.Module):
         else:
             self.register_buffer("base", init.clone())
             self.weight = nn.Parameter(torch.zeros(n, n, dtype=dtype))
+            self.left = nn.Parameter(torch.zeros(n, n, dtype=dtype)) if frame == "both" else None
+
+    def _factor(self, weight: Tensor) -> Tensor:
+        a = _skew(weight)
+        if self.method == "exp":
+            return torch.linalg.matrix_exp(a)
+        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+        # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
+        # is I + 2A + ...: per Adam step it turned the whole stream twice as far as exp, and the
+        # LLaMA zoo barrier was 0.074 against 0.061 at half the rate (README, learned matching).
+        return torch.linalg.solve(eye - a / 2, eye + a / 2)
 
     def _inner(self) -> Tensor:
         if self.method == "polar":
             return _Polar.apply(self.weight)
-        a = _skew(self.weight)
-        if self.method == "exp":
-            factor = torch.linalg.matrix_exp(a)
-        else:
-            eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-            # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
-            # is I + 2A + ...: per Adam step it turned the whole stream twice as far as exp, and the
-            # LLaMA zoo barrier was 0.074 against 0.061 at half the rate (README, learned matching).
-            factor = torch.linalg.solve(eye - a / 2, eye + a / 2)
-        return self.base @ factor if self.step_frame == "own" else factor @ self.base
+        factor = self._factor(self.weight)
+        if self.step_frame == "own":
+            return self.base @ factor
+        if self.step_frame == "target":
+            return factor @ self.base
+        return self._factor(self.left) @ self.base @ factor
 
     def forward(self) -> Tensor:
         inner = self._inner()
@@ -145,12 +156,16 @@ class GLParam(nn.Module):
         self.register_buffer("base", base.clone())
         self.register_buffer("base_inv", base_inv.clone())
         self.weight = nn.Parameter(torch.zeros(b, b, dtype=dtype))
+        self.left = nn.Parameter(torch.zeros(b, b, dtype=dtype)) if frame == "both" else None
 
     def forward(self) -> tuple[Tensor, Tensor]:
         step, step_inv = torch.linalg.matrix_exp(self.weight), torch.linalg.matrix_exp(-self.weight)
         if self.step_frame == "own":
             return self.base @ step, step_inv @ self.base_inv
-        return step @ self.base, self.base_inv @ step_inv
+        if self.step_frame == "target":
+            return step @ self.base, self.base_inv @ step_inv
+        left, left_inv = torch.linalg.matrix_exp(self.left), torch.linalg.matrix_exp(-self.left)
+        return left @ self.base @ step, step_inv @ self.base_inv @ left_inv
 
 
 def sinkhorn(scores: Tensor, temperature: float = 0.1, iterations: int = 20) -> Tensor:
@@ -211,7 +226,12 @@ class PermutationParam(nn.Module):
 class RotaryParam(nn.Module):
     """A trainable QK map that commutes with RoPE: per frequency pair a scale-rotation
     ``exp(log_s) R(theta)``, plus a :class:`GLParam` block on the ``head_dim - rotary_dim``
-    pass-through dims. Starts at ``init = (M, M^{-1})`` (which must have that form)."""
+    pass-through dims. Starts at ``init = (M, M^{-1})`` (which must have that form).
+
+    The scale-rotations commute, so the frame does not change them, except that ``"both"``
+    adds a second, zero-started copy of ``log_s`` and ``theta`` (summed): as in dual matching,
+    where the relative map's angle is the difference of two trained ones.
+    """
 
     def __init__(self, head_dim: int, rotary_dim: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = "own", dtype=torch.float32):
         super().__init__()
@@ -224,6 +244,9 @@ class RotaryParam(nn.Module):
         cos_part, sin_part = m[idx, idx], m[idx + half, idx]
         self.log_scales = nn.Parameter(torch.log(torch.hypot(cos_part, sin_part)))
         self.angles = nn.Parameter(torch.atan2(sin_part, cos_part))
+        both = frame == "both"
+        self.left_log_scales = nn.Parameter(torch.zeros_like(self.log_scales)) if both else None
+        self.left_angles = nn.Parameter(torch.zeros_like(self.angles)) if both else None
         rest = slice(rotary_dim, head_dim)
         self.passthrough = GLParam(head_dim - rotary_dim, init=(m[rest, rest], m_inv[rest, rest]), frame=frame, dtype=dtype) if head_dim > rotary_dim else None
 
@@ -231,4 +254,7 @@ class RotaryParam(nn.Module):
         from .sample import rotary_block
 
         passthrough = self.passthrough() if self.passthrough is not None else None
-        return rotary_block(self.log_scales.exp(), self.angles, self.rotary_dim, self.head_dim, passthrough)
+        log_scales, angles = self.log_scales, self.angles
+        if self.left_angles is not None:
+            log_scales, angles = log_scales + self.left_log_scales, angles + self.left_angles
+        return rotary_block(log_scales.exp(), angles, self.rotary_dim, self.head_dim, passthrough)
