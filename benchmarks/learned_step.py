@@ -24,6 +24,14 @@ memory = its peak RSS less the runtime's, i.e. RSS once torch, transformers and 
     python benchmarks/learned_step.py --batch 8 --seq 512
     python benchmarks/learned_step.py --processes 2    # adds the 2-process rows (torchrun, gloo)
     python benchmarks/learned_step.py --one-sided      # adds one-sided steps, own frame and frame="both"
+    python benchmarks/learned_step.py --device cuda --one-sided --shape 1.4b --autocast bf16
+
+On ``--device cuda`` every step runs in one process (the allocator's statistics reset between
+them): time is the mean of 5 synchronised steps after 2 warm-up steps, and memory is the peak
+the caching allocator held during a step (``torch.cuda.max_memory_allocated``: endpoints,
+transforms, activations), with no runtime to subtract. ``--shape 1.4b`` is Pythia-1.4B's shape
+(hidden 2048, 24 layers, 16 heads, FFN 8192). ``--autocast bf16`` runs every step, the base one
+too, under bfloat16 autocast (float32 weights), as ``fit(mixed_precision="bf16")`` does.
 """
 
 from __future__ import annotations
@@ -94,6 +102,82 @@ print(json.dumps(row))
 """
 
 
+SHAPES = {  # Pythia's GPT-NeoX shapes: (hidden, layers, heads)
+    "160m": (768, 12, 12),
+    "1.4b": (2048, 24, 16),
+}
+LABELS = {
+    "base": "base model fwd+bwd",
+    "dual": "dual (layer checkpointing)",
+    "dual-no-checkpointing": "dual, no checkpointing",
+    "learned-own": "one-sided (layer checkpointing)",
+    "learned-both": "one-sided, `frame=\"both\"` (layer checkpointing)",
+    "ddp": "dual, 2 processes (per process)",
+    "ddp-sharded": "dual, 2 processes, sharded endpoints (per process)",
+}
+
+
+def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutations: str, autocast: str, device: str = "cuda") -> dict[str, dict]:
+    """Every mode in this process on the GPU: mean time of 5 synchronised steps, peak allocated memory.
+
+    (``device="cpu"`` runs the same code without the allocator's statistics: a dry run.)"""
+    import time
+
+    import torch
+    import transformers as tf
+
+    from hf_lmc import DualMatcher, LearnedMatcher
+
+    hidden, layers, heads = SHAPES[shape]
+    config = tf.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
+                              vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    cuda = device == "cuda"
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    with torch.device(device):  # random init on the GPU (fast), then the matchers canonicalise on the CPU
+        model_a, model_b = (tf.GPTNeoXForCausalLM(config).eval().cpu() for _ in range(2))
+    weights = sum(p.numel() * p.element_size() for p in model_a.parameters())
+    dtype = {"none": None, "bf16": torch.bfloat16}[autocast]
+    rows = {}
+    for mode in modes:
+        if mode == "base":
+            module = model_a.to(device)
+            run_step = lambda: module(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            params = list(module.parameters())
+        else:
+            cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
+            module = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=(mode != "dual-no-checkpointing")).to(device)
+            run_step = lambda: module({"input_ids": ids}).backward()
+            params = [p for p in module.parameters() if p.requires_grad]
+
+        def step():
+            with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
+                run_step()
+            for p in params:
+                p.grad = None
+
+        for _ in range(2):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        start = time.perf_counter()
+        for _ in range(5):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        rows[mode] = {"wall": (time.perf_counter() - start) / 5, "peak": peak, "before": before, "weights": weights, "runtime": 0}
+        print(f"{mode}: {rows[mode]['wall']:.3g} s per step, peak {peak / 1e9:.2f} GB", file=sys.stderr, flush=True)
+        if mode == "base":
+            model_a.cpu()
+        del module, run_step, params
+        if cuda:
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run(mode: str, batch: int, seq: int, permutations: str) -> dict:
     if mode.startswith("ddp"):  # torchrun cannot take -c: the child goes through a temporary file
         import os
@@ -121,34 +205,41 @@ def main() -> None:
     parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="how the dual step's MLP and head permutations train (default: fixed)")
     parser.add_argument("--processes", type=int, default=1, choices=(1, 2), help="2: add the DDP rows, endpoints whole and sharded")
     parser.add_argument("--one-sided", action="store_true", help="add one-sided steps (LearnedMatcher), own frame and frame='both'")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the steps run (default: cpu)")
+    parser.add_argument("--shape", default="160m", choices=list(SHAPES), help="Pythia shape (default: 160m)")
+    parser.add_argument("--autocast", default="none", choices=["none", "bf16"], help="cuda: run the steps under bf16 autocast")
     args = parser.parse_args()
+    if args.device == "cpu" and (args.shape != "160m" or args.autocast != "none"):
+        parser.error("--shape and --autocast apply to --device cuda")
+    if args.device == "cuda" and args.processes != 1:
+        parser.error("--processes 2 is the CPU (gloo) measurement")
     modes = ("base", "dual", "dual-no-checkpointing") + (("learned-own", "learned-both") if args.one_sided else ())
     modes += ("ddp", "ddp-sharded") if args.processes == 2 else ()
-    rows = {mode: run(mode, args.batch, args.seq, args.permutations) for mode in modes}
+    if args.device == "cuda":
+        import torch
+
+        rows = on_cuda(modes, args.shape, args.batch, args.seq, args.permutations, args.autocast)
+        where = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, autocast {args.autocast}"
+        memory_label = "peak allocated (GB)"
+    else:
+        rows = {mode: run(mode, args.batch, args.seq, args.permutations) for mode in modes}
+        where = "2 CPU cores"
+        memory_label = "peak RSS (GB)"
     base = rows["base"]
     weights = base["weights"]
     activations = base["peak"] - base["before"] - weights  # the step's growth, less the weight gradients
     budget = 2 * (2 * weights) + activations
     for row in rows.values():
-        row["memory"] = row["peak"] - row["runtime"]  # peak RSS less the interpreter + libraries
-    print(f"\nPythia-160M shape, float32, permutations {args.permutations}, batch {args.batch} x {args.seq} tokens, 2 CPU cores; "
+        row["memory"] = row["peak"] - row["runtime"]  # peak less the interpreter + libraries (CPU)
+    print(f"\nPythia-{args.shape} shape, float32 weights, permutations {args.permutations}, batch {args.batch} x {args.seq} tokens, {where}; "
           f"one model's weights {weights / 1e9:.2f} GB, base activations {activations / 1e9:.2f} GB, "
           f"memory budget (2 x both endpoints + activations) {budget / 1e9:.2f} GB\n")
-    print("| step | wall time (s) | × base | peak RSS (GB) | memory less runtime (GB) | vs budget |")
+    print(f"| step | time (s) | × base | {memory_label} | memory less runtime (GB) | vs budget |")
     print("|---|---|---|---|---|---|")
     for mode, row in rows.items():
-        label = {
-            "base": "base model fwd+bwd",
-            "dual": "dual (layer checkpointing)",
-            "dual-no-checkpointing": "dual, no checkpointing",
-            "learned-own": "one-sided (layer checkpointing)",
-            "learned-both": "one-sided, `frame=\"both\"` (layer checkpointing)",
-            "ddp": "dual, 2 processes (per process)",
-            "ddp-sharded": "dual, 2 processes, sharded endpoints (per process)",
-        }[mode]
         budget_cell = f"{row['memory'] / budget:.2f}" if mode != "base" else "—"
         print(
-            f"| {label} | {row['wall']:.1f} | {row['wall'] / base['wall']:.2f} | {row['peak'] / 1e9:.2f} | "
+            f"| {LABELS[mode]} | {row['wall']:.3g} | {row['wall'] / base['wall']:.2f} | {row['peak'] / 1e9:.2f} | "
             f"{row['memory'] / 1e9:.2f} | {budget_cell} |"
         )
 

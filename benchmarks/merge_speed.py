@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,15 @@ def measure(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def cpu_name() -> str:
+    """The processor's model name, as /proc/cpuinfo gives it (AMX or AVX-512 change the products' speed)."""
+    try:
+        line = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown processor"
+    return line.split(":", 1)[1].strip()
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
@@ -115,7 +125,8 @@ def main() -> None:
         base = rows["average"]["wall"]
         params = sum(p.numel() for p in tf.GPTNeoXForCausalLM(config).parameters()) if args.scale < 0.5 else None
         shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, FFN {config.intermediate_size}, vocab {config.vocab_size}"
-        print(f"\nPythia-1B-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}), float16, 2 CPU cores\n")
+        cores = len(os.sched_getaffinity(0))
+        print(f"\nPythia-1B-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}), float16, {cores} CPU cores ({cpu_name()})\n")
         print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint |")
         print("|---|---|---|---|---|")
         for method, row in rows.items():

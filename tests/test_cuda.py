@@ -8,6 +8,8 @@ symmetry of each endpoint, also after training under bf16 autocast.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -69,16 +71,24 @@ def test_dual_matching_on_cuda_follows_the_cpu_run_and_merges_exactly(arch):
         assert all(p.device.type == "cuda" for p in on_gpu.parameters())
         stores = on_gpu.interpolant.endpoints
         assert all(t.device.type == "cuda" for store in stores for group in store.tensors.values() for t in group.values())
+        # The language models' losses are float32 even here: transformers' ForCausalLMLoss casts
+        # the logits to float32. So the runs agree to that rounding, not float64's: on an H100 the
+        # parameters (entries up to 3e-2 after three Adam steps) differed by at most 1.6e-8.
         for (name, p), (_, q) in zip(on_cpu.named_parameters(), on_gpu.named_parameters()):
-            torch.testing.assert_close(q.cpu(), p, rtol=1e-7, atol=1e-9, msg=name)
+            torch.testing.assert_close(q.cpu(), p, rtol=1e-6, atol=1e-7, msg=name)
 
-        inputs = sample_inputs(config, dtype=torch.float64)
+        # Exact on the device: the merge at each end is its endpoint's function, compared on the
+        # GPU (HF computes RoPE tables in float32, which differ by an ulp across devices).
+        inputs = _cuda(sample_inputs(config, dtype=torch.float64))
         for alpha, endpoint in ((0.0, model_a), (1.0, model_b)):
             merged = on_gpu.merge(alpha)
             assert next(merged.parameters()).device.type == "cuda"
-            assert relative_error(logits(merged, _cuda(inputs)).cpu(), logits(endpoint, inputs)) < 1e-10
-        middle = logits(on_gpu.merge(0.5), _cuda(inputs)).cpu()
-        assert relative_error(middle, logits(on_cpu.merge(0.5), inputs)) < 1e-9
+            assert relative_error(logits(merged, inputs), logits(copy.deepcopy(endpoint).cuda(), inputs)) < 1e-10
+        # The same transforms merge to the same float64 weights on either device.
+        on_cpu.load_state_dict({k: v.cpu() for k, v in on_gpu.state_dict().items()})
+        on_device, on_host = on_gpu.merge(0.5).state_dict(), on_cpu.merge(0.5).state_dict()
+        for key, weight in on_host.items():
+            torch.testing.assert_close(on_device[key].cpu(), weight, rtol=1e-12, atol=1e-12, msg=key)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

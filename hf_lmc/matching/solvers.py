@@ -129,7 +129,7 @@ def assign(similarity: Tensor) -> Tensor:
     ``similarity[i, j]`` compares target block ``i`` with source block ``j``; the result
     sends source ``j`` to position ``perm[j]`` (the convention of :class:`BlockMonomial`).
     """
-    cost = similarity.detach().to(torch.float64, copy=True).neg_()
+    cost = similarity.detach().to("cpu", torch.float64, copy=True).neg_()  # scipy solves on the CPU
     rows, cols = linear_sum_assignment(cost.numpy())  # a C-contiguous float64 array: not copied
     return _perm_from_pairs(torch.as_tensor(rows).long(), torch.as_tensor(cols).long(), similarity.shape[1])
 

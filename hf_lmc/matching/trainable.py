@@ -1,8 +1,8 @@
 """A whole model's symmetry transform as trainable parameters (learned and dual matching).
 
 :class:`TrainableTransform` mirrors a :class:`~hf_lmc.Transform` space by space: the residual
-map becomes an :class:`OrthogonalParam`, each KV head's QK map a :class:`GLParam` (or a
-:class:`RotaryParam` under RoPE), each OV map a :class:`GLParam`, each layer's MLP units a
+map becomes an :class:`OrthogonalParam`, a layer's KV-head QK maps one batched :class:`GLParam`
+(or :class:`RotaryParam` under RoPE), its OV maps another, each layer's MLP units a
 :class:`PermutationParam` (with learnable log-scales for SwiGLU), and the order of the KV
 heads (each with its query heads) a :class:`PermutationParam` too (under GQA a query head's
 part within its group stays as initialised). ``permutations="fixed"`` keeps the initial unit and
@@ -33,11 +33,12 @@ class _AttentionParams(nn.Module):
         ov = init.ov if init is not None else eye
         self.register_buffer("kv_perm", qk.perm.clone())
         self.register_buffer("query_perm", init.query_perm.clone() if init is not None else torch.arange(spec.num_heads))
+        # One module per kind holds every KV head's map (a batch): one matrix_exp per layer, not per head.
         if spec.rotary_dim:
-            self.qk = nn.ModuleList(RotaryParam(dh, spec.rotary_dim, init=(qk.blocks[h], qk.inverse_blocks[h]), frame=frame, dtype=dtype) for h in range(kv))
+            self.qk = RotaryParam(dh, spec.rotary_dim, init=(qk.blocks, qk.inverse_blocks), frame=frame, dtype=dtype)
         else:
-            self.qk = nn.ModuleList(GLParam(dh, init=(qk.blocks[h], qk.inverse_blocks[h]), frame=frame, dtype=dtype) for h in range(kv))
-        self.ov = nn.ModuleList(GLParam(dh, init=(ov.blocks[h], ov.inverse_blocks[h]), frame=frame, dtype=dtype) for h in range(kv))
+            self.qk = GLParam(dh, init=(qk.blocks, qk.inverse_blocks), frame=frame, dtype=dtype)
+        self.ov = GLParam(dh, init=(ov.blocks, ov.inverse_blocks), frame=frame, dtype=dtype)
         # The order of the KV groups trains (with their query heads); under GQA, which query head
         # of a group plays which part stays as initialised.
         g = spec.group_size
@@ -47,9 +48,8 @@ class _AttentionParams(nn.Module):
         self.heads = PermutationParam(kv, init=self.kv_perm, method=permutations, dtype=dtype) if learns else None
 
     def forward(self) -> AttentionMap | DenseAttentionMap:
-        def monomial(params, perm):
-            pairs = [p() for p in params]
-            return BlockMonomial(perm, torch.stack([m for m, _ in pairs]), torch.stack([inv for _, inv in pairs]))
+        def monomial(param, perm):
+            return BlockMonomial(perm, *param())
 
         if self.heads is None:
             return AttentionMap(monomial(self.qk, self.kv_perm), monomial(self.ov, self.kv_perm), self.query_perm)

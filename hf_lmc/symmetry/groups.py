@@ -278,7 +278,7 @@ class DenseMlpMap:
         """The permutation ``P`` is (or is closest to: linear assignment), with the same scales."""
         from ..matching.solvers import assign
 
-        perm = self.perm if self.perm is not None else assign(self.matrix.detach())
+        perm = self.perm if self.perm is not None else assign(self.matrix.detach()).to(self.matrix.device)
         return MlpMap(BlockMonomial.scaled_permutation(perm, self.scale.detach().double()))
 
     def compose(self, first) -> MlpMap:
@@ -322,7 +322,7 @@ class DenseAttentionMap:
         """The head permutation ``P`` is (or is closest to), composed with the per-head maps."""
         from ..matching.solvers import assign
 
-        perm = self.perm if self.perm is not None else assign(self.matrix.detach())
+        perm = self.perm if self.perm is not None else assign(self.matrix.detach()).to(self.matrix.device)
         qk, ov, within = self.heads.qk, self.heads.ov, self.heads.query_perm
         g = self.heads.group_size
         query = torch.arange(within.numel(), device=within.device)

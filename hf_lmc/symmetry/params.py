@@ -146,25 +146,34 @@ class OrthogonalParam(nn.Module):
 
 
 class GLParam(nn.Module):
-    """A trainable invertible ``b x b`` map ``M_0 exp(A)`` and its exact inverse."""
+    """Trainable invertible ``b x b`` maps ``M_0 exp(A)`` and their exact inverses.
+
+    ``init = (M_0, M_0^{-1})`` may carry leading batch dimensions (a layer's KV heads): the
+    maps are then trained and returned as one batch, with a single ``matrix_exp`` call per
+    forward (on a GPU each call synchronises with the host, and one per head made a dual step
+    40x a training step at Pythia-160M shape).
+    """
 
     def __init__(self, b: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = "own", dtype=torch.float32):
         super().__init__()
         self.step_frame = _check_frame(frame)
         eye = torch.eye(b, dtype=dtype)
         base, base_inv = (eye, eye) if init is None else (init[0].to(dtype), init[1].to(dtype))
+        if base.shape[-2:] != (b, b) or base_inv.shape != base.shape:
+            raise ValueError(f"GLParam({b}) needs (..., {b}, {b}) maps and inverses of one shape, got {tuple(base.shape)} and {tuple(base_inv.shape)}")
         self.register_buffer("base", base.clone())
         self.register_buffer("base_inv", base_inv.clone())
-        self.weight = nn.Parameter(torch.zeros(b, b, dtype=dtype))
-        self.left = nn.Parameter(torch.zeros(b, b, dtype=dtype)) if frame == "both" else None
+        self.weight = nn.Parameter(torch.zeros_like(self.base))
+        self.left = nn.Parameter(torch.zeros_like(self.base)) if frame == "both" else None
 
     def forward(self) -> tuple[Tensor, Tensor]:
-        step, step_inv = torch.linalg.matrix_exp(self.weight), torch.linalg.matrix_exp(-self.weight)
+        generators = [self.weight] if self.left is None else [self.weight, self.left]
+        step, step_inv, *left = torch.linalg.matrix_exp(torch.stack([x for g in generators for x in (g, -g)])).unbind(0)
         if self.step_frame == "own":
             return self.base @ step, step_inv @ self.base_inv
         if self.step_frame == "target":
             return step @ self.base, self.base_inv @ step_inv
-        left, left_inv = torch.linalg.matrix_exp(self.left), torch.linalg.matrix_exp(-self.left)
+        left, left_inv = left
         return left @ self.base @ step, step_inv @ self.base_inv @ left_inv
 
 
@@ -195,8 +204,9 @@ class PermutationParam(nn.Module):
         self.scores = nn.Parameter(scores)
 
     def harden(self) -> Tensor:
-        """The permutation (``perm[h]`` = where item ``h`` goes) the scores currently select."""
-        return assign(self.scores.detach())
+        """The permutation (``perm[h]`` = where item ``h`` goes) the scores currently select
+        (solved on the CPU, returned on the scores' device)."""
+        return assign(self.scores.detach()).to(self.scores.device)
 
     def hard_matrix(self, perm: Tensor | None = None) -> Tensor:
         perm = self.harden() if perm is None else perm
@@ -226,7 +236,8 @@ class PermutationParam(nn.Module):
 class RotaryParam(nn.Module):
     """A trainable QK map that commutes with RoPE: per frequency pair a scale-rotation
     ``exp(log_s) R(theta)``, plus a :class:`GLParam` block on the ``head_dim - rotary_dim``
-    pass-through dims. Starts at ``init = (M, M^{-1})`` (which must have that form).
+    pass-through dims. Starts at ``init = (M, M^{-1})`` (which must have that form; leading
+    batch dimensions, e.g. a layer's KV heads, train as one batch as in :class:`GLParam`).
 
     The scale-rotations commute, so the frame does not change them, except that ``"both"``
     adds a second, zero-started copy of ``log_s`` and ``theta`` (summed): as in dual matching,
@@ -241,14 +252,16 @@ class RotaryParam(nn.Module):
             init = (torch.eye(head_dim, dtype=dtype), torch.eye(head_dim, dtype=dtype))
         m, m_inv = (x.to(dtype) for x in init)
         idx = torch.arange(half)
-        cos_part, sin_part = m[idx, idx], m[idx + half, idx]
+        cos_part, sin_part = m[..., idx, idx], m[..., idx + half, idx]
         self.log_scales = nn.Parameter(torch.log(torch.hypot(cos_part, sin_part)))
         self.angles = nn.Parameter(torch.atan2(sin_part, cos_part))
         both = frame == "both"
         self.left_log_scales = nn.Parameter(torch.zeros_like(self.log_scales)) if both else None
         self.left_angles = nn.Parameter(torch.zeros_like(self.angles)) if both else None
         rest = slice(rotary_dim, head_dim)
-        self.passthrough = GLParam(head_dim - rotary_dim, init=(m[rest, rest], m_inv[rest, rest]), frame=frame, dtype=dtype) if head_dim > rotary_dim else None
+        self.passthrough = (
+            GLParam(head_dim - rotary_dim, init=(m[..., rest, rest], m_inv[..., rest, rest]), frame=frame, dtype=dtype) if head_dim > rotary_dim else None
+        )
 
     def forward(self) -> tuple[Tensor, Tensor]:
         from .sample import rotary_block

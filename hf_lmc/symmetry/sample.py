@@ -74,19 +74,20 @@ def rotary_block(scales: Tensor, angles: Tensor, rotary_dim: int, head_dim: int,
 
     Per frequency pair ``(i, i + r/2)`` (HF ``rotate_half`` pairing) a scaled rotation
     ``s [[cos, -sin], [sin, cos]]``; the ``head_dim - r`` pass-through dims get their own
-    invertible block (``passthrough = (M, M^{-1})``); no cross terms.
+    invertible block (``passthrough = (M, M^{-1})``); no cross terms. Leading dimensions of
+    ``scales`` and ``angles`` (``(..., r/2)``) and of the pass-through blocks give a batch of maps.
     """
     half = rotary_dim // 2
-    m = torch.zeros(head_dim, head_dim, dtype=scales.dtype)
+    m = torch.zeros(*scales.shape[:-1], head_dim, head_dim, dtype=scales.dtype, device=scales.device)
     inv = torch.zeros_like(m)
-    idx = torch.arange(half)
+    idx = torch.arange(half, device=scales.device)
     a, b = scales * torch.cos(angles), scales * torch.sin(angles)
     ia, ib = torch.cos(angles) / scales, -torch.sin(angles) / scales
     for mat, (p, q) in ((m, (a, b)), (inv, (ia, ib))):
-        mat[idx, idx], mat[idx, idx + half] = p, -q
-        mat[idx + half, idx], mat[idx + half, idx + half] = q, p
+        mat[..., idx, idx], mat[..., idx, idx + half] = p, -q
+        mat[..., idx + half, idx], mat[..., idx + half, idx + half] = q, p
     if passthrough is not None:
-        m[rotary_dim:, rotary_dim:], inv[rotary_dim:, rotary_dim:] = passthrough
+        m[..., rotary_dim:, rotary_dim:], inv[..., rotary_dim:, rotary_dim:] = passthrough
     return m, inv
 
 
