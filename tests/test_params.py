@@ -220,3 +220,39 @@ def test_trainable_head_order_hardens_to_the_attention_map_it_applies(role, meth
     axis = 1 if role == "o" else 0
     atol = 1e-12 if method == "ste" else 1e-6  # Sinkhorn at scale 50 / temperature 0.1 is a permutation to ~1e-200
     torch.testing.assert_close(dense.act(t, axis, role), dense.harden().act(t, axis, role), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("frame", ["own", "target", "both"])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_a_batch_of_head_maps_is_each_head_map(frame, rotary):
+    """A layer's KV-head maps train as one batched module (one matrix_exp per layer, which a GPU
+    needs: each call synchronises with the host). Head h of the batch must be exactly the map
+    one module for head h alone computes, for the same parameters."""
+    from hf_lmc.symmetry.params import RotaryParam
+    from hf_lmc.symmetry.sample import rotary_block
+
+    g = torch.Generator().manual_seed(11)
+    if rotary:
+        heads = [rotary_block(torch.rand(2, dtype=F64, generator=g) + 0.5, torch.rand(2, dtype=F64, generator=g) * 6, 4, 6, random_gl(2, g)) for _ in range(3)]
+        make = lambda init: RotaryParam(6, 4, init=init, frame=frame, dtype=F64)  # noqa: E731
+    else:
+        heads = [random_gl(5, g) for _ in range(3)]
+        make = lambda init: GLParam(5, init=init, frame=frame, dtype=F64)  # noqa: E731
+    batched = make((torch.stack([m for m, _ in heads]), torch.stack([inv for _, inv in heads])))
+    _perturb(batched, seed=12)
+    m, m_inv = batched()
+    assert m.shape[0] == m_inv.shape[0] == 3
+    for h, init in enumerate(heads):
+        single = make(init)
+        with torch.no_grad():
+            for (name, p), (_, q) in zip(single.named_parameters(), batched.named_parameters()):
+                p.copy_(q[h])
+        one, one_inv = single()
+        torch.testing.assert_close(m[h], one, rtol=0, atol=1e-13)
+        torch.testing.assert_close(m_inv[h], one_inv, rtol=0, atol=1e-13)
+        torch.testing.assert_close(m[h] @ m_inv[h], torch.eye(m.shape[-1], dtype=F64), rtol=0, atol=1e-10)
+
+
+def test_gl_param_refuses_maps_of_another_size():
+    with pytest.raises(ValueError, match=r"GLParam\(4\) needs \(\.\.\., 4, 4\) maps"):
+        GLParam(4, init=(torch.eye(3), torch.eye(3)))
