@@ -19,18 +19,19 @@ through exactly the code that export runs under ``no_grad``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 
-def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, perm: Tensor, transpose: bool) -> Tensor:
-    """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats`` then ``perm``."""
+def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Tensor, transpose: bool) -> Tensor:
+    """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats``, then permute the blocks:
+    block ``h`` of the result is block ``source[h]`` (``source = argsort(perm)``)."""
     if n == 1:  # one dense block (the residual map): a plain matmul, no permutation to apply
         if mats is None:
             return t
-        m = mats[0].to(dtype=t.dtype, device=t.device)
+        m = mats.squeeze(0).to(dtype=t.dtype, device=t.device)  # a view: its gradient is one too (mats[0]'s is a zero-filled copy)
         if t.dim() == 2 and axis == 0:  # rows: multiply from the left, the result stays contiguous
             return (m.T if transpose else m) @ t
         return (t.movedim(axis, -1) @ (m if transpose else m.T)).movedim(-1, axis)
@@ -42,7 +43,7 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, perm: Tenso
         mats = None
     if mats is None:  # a pure block permutation: one gather along the axis, no moved copies
         b = t.shape[axis] // n
-        source = torch.argsort(perm).to(t.device)  # y[perm[h]] = x[h]  <=>  y = x[argsort(perm)]
+        source = source.to(t.device)  # y[perm[h]] = x[h]  <=>  y = x[argsort(perm)]
         index = source if b == 1 else (source[:, None] * b + torch.arange(b, device=t.device)).reshape(-1)
         return t.index_select(axis, index)
     x = t.movedim(axis, -1)
@@ -51,7 +52,7 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, perm: Tenso
     mats = mats.to(dtype=x.dtype, device=x.device)
     # vector: y_h = M_h x_h ; covector passes M^{-1} with transpose=True: y_h = M_h^{-T} x_h
     x = torch.einsum("...hb,hcb->...hc", x, mats) if not transpose else torch.einsum("...hb,hbc->...hc", x, mats)
-    x = x.index_select(-2, torch.argsort(perm).to(x.device))
+    x = x.index_select(-2, source.to(x.device))
     return x.reshape(*lead, -1).movedim(-1, axis)
 
 
@@ -66,10 +67,19 @@ class BlockMonomial:
     perm: Tensor
     blocks: Tensor
     inverse_blocks: Tensor
+    #: ``argsort(perm)``, the gather index (``y = x[source]``). Computed once per element, not once
+    #: per tensor it moves (each is a kernel launch, and a training step moves every tensor), and
+    #: eagerly: a value first computed inside a checkpointed layer would be saved there but not
+    #: in its recomputation, which torch.utils.checkpoint refuses.
+    source: Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "source", torch.argsort(self.perm))
 
     @property
     def num_blocks(self) -> int:
         return self.perm.numel()
+
 
     @property
     def block_size(self) -> int:
@@ -100,7 +110,7 @@ class BlockMonomial:
         """The (n*b, n*b) matrix of the map; for tests and small spaces only."""
         n, b = self.num_blocks, self.block_size
         eye = torch.eye(n * b, dtype=self.blocks.dtype, device=self.blocks.device)
-        return _apply_blocks(eye, 0, n, self.blocks, self.perm, transpose=False)
+        return _apply_blocks(eye, 0, n, self.blocks, self.source, transpose=False)
 
     def compose(self, first: "BlockMonomial") -> "BlockMonomial":
         """``self o first``: apply ``first``, then ``self``."""
@@ -121,13 +131,13 @@ class BlockMonomial:
         return BlockMonomial(perm, self.blocks[group], self.inverse_blocks[group])
 
     def vector(self, t: Tensor, axis: int) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.perm, transpose=False)
+        return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.source, transpose=False)
 
     def covector(self, t: Tensor, axis: int) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, self.inverse_blocks, self.perm, transpose=True)
+        return _apply_blocks(t, axis, self.num_blocks, self.inverse_blocks, self.source, transpose=True)
 
     def permute(self, t: Tensor, axis: int) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, None, self.perm, transpose=False)
+        return _apply_blocks(t, axis, self.num_blocks, None, self.source, transpose=False)
 
     def to(self, dtype=None, device=None) -> "BlockMonomial":
         return BlockMonomial(
@@ -213,8 +223,16 @@ class AttentionMap:
     qk: BlockMonomial
     ov: BlockMonomial
     query_perm: Tensor
+    # The query-level QK and OV maps, shared by the query weights and biases: built once, eagerly
+    # (see BlockMonomial.source).
+    _query_qk: BlockMonomial = field(init=False, repr=False, compare=False)
+    _query_ov: BlockMonomial = field(init=False, repr=False, compare=False)
 
     ROLES = ("q", "k", "v", "o")
+
+    def __post_init__(self):
+        object.__setattr__(self, "_query_qk", self._query_level(self.qk))
+        object.__setattr__(self, "_query_ov", self._query_level(self.ov))
 
     @property
     def group_size(self) -> int:
@@ -226,12 +244,12 @@ class AttentionMap:
 
     def act(self, t: Tensor, axis: int, role: str) -> Tensor:
         if role == "q":
-            return self._query_level(self.qk).vector(t, axis)
+            return self._query_qk.vector(t, axis)
         if role == "k":
             return self.qk.covector(t, axis)
         if role == "v":
             return self.ov.vector(t, axis)
-        return self._query_level(self.ov).covector(t, axis)
+        return self._query_ov.covector(t, axis)
 
     def compose(self, first: "AttentionMap") -> "AttentionMap":
         return AttentionMap(self.qk.compose(first.qk), self.ov.compose(first.ov), self.query_perm[first.query_perm])

@@ -81,11 +81,12 @@ def rotary_block(scales: Tensor, angles: Tensor, rotary_dim: int, head_dim: int,
     m = torch.zeros(*scales.shape[:-1], head_dim, head_dim, dtype=scales.dtype, device=scales.device)
     inv = torch.zeros_like(m)
     idx = torch.arange(half, device=scales.device)
+    pair = idx + half
     a, b = scales * torch.cos(angles), scales * torch.sin(angles)
     ia, ib = torch.cos(angles) / scales, -torch.sin(angles) / scales
     for mat, (p, q) in ((m, (a, b)), (inv, (ia, ib))):
-        mat[..., idx, idx], mat[..., idx, idx + half] = p, -q
-        mat[..., idx + half, idx], mat[..., idx + half, idx + half] = q, p
+        mat[..., idx, idx], mat[..., idx, pair] = p, -q
+        mat[..., pair, idx], mat[..., pair, pair] = q, p
     if passthrough is not None:
         m[..., rotary_dim:, rotary_dim:], inv[..., rotary_dim:, rotary_dim:] = passthrough
     return m, inv
