@@ -106,6 +106,43 @@ def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_step
     assert relative_error(logits(both.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox", "vit"])
+def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
+    """Dual matching evaluates ``(1 - a) A + a T_A^-1 T_B(B)``, which is ``(1 - a) T_A(A) + a T_B(B)``
+    moved by the symmetry ``T_A^-1``: the same function, so the same loss as a function of both
+    transforms and the same gradients, with one model's tensors moved instead of two. Checked in
+    float64 against the two-transform path (ensemble objective: its logits stay float64, where
+    the causal-LM loss of transformers rounds them to float32), with both transforms away from
+    the start. Relaxed permutations are no group elements, and there both models move."""
+    from hf_lmc.verify import float64_rmsnorm
+
+    config = tiny_configs()[arch]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    if arch == "vit":
+        batch = {"pixel_values": torch.randn(4, config.num_channels, config.image_size, config.image_size, generator=g, dtype=torch.float64)}
+    else:
+        batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)}
+    with float64_rmsnorm():
+        matcher = DualMatcher(model_a, model_b, objective="ensemble", dtype=torch.float64)
+        with torch.no_grad():
+            for p in matcher.parameters():
+                if p.requires_grad:
+                    p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        transform_a, transform_b = matcher._path()
+        assert transform_a is None  # B alone moves
+        loss = matcher(batch, alpha=0.4)
+        grads = torch.autograd.grad(loss, [p for p in matcher.parameters() if p.requires_grad])
+        both_moved = matcher._point_loss(batch, (matcher.transform_a(), matcher.transform_b()), (0.6, 0.4))
+        expected = torch.autograd.grad(both_moved, [p for p in matcher.parameters() if p.requires_grad])
+    assert abs(loss.item() - both_moved.item()) < 1e-12 * abs(both_moved.item())
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-12)
+    assert any(w.abs().max() > 1e-4 for w in expected[:3])  # the transforms' gradients are not trivially zero
+    relaxed = DualMatcher(model_a, model_b, permutations="ste", dtype=torch.float64)
+    assert relaxed._path()[0] is not None  # a straight-through permutation has no inverse: both move
+
+
 def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
     """``.to()`` / ``accelerator.prepare`` move the frozen endpoints with the transforms (they are
     not buffers: DDP would broadcast them every step), and checkpoints hold only the transforms."""

@@ -177,6 +177,9 @@ class Interpolant(nn.Module):
     def _evaluate(self, point: _Point, batch: dict):
         if hasattr(self.config, "use_cache"):
             batch.setdefault("use_cache", False)  # a KV cache would be filled twice by checkpoint recomputation
+        for transform in point.transforms:
+            if transform is not None:
+                transform.prepare()  # before the checkpointed layers
         self._point = point
         try:
             # Embeddings, final norm and head here; every layer builds its own weights when called.

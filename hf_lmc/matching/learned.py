@@ -360,7 +360,7 @@ class DualMatcher(PathTrainer):
         which ``focus="excess"`` draws from). Under ``torch.distributed`` the losses are
         averaged over the processes first, so every process draws near the same point; call it
         on every process."""
-        transforms = (self.transform_a() if self.transform_a is not None else None, self.transform_b())
+        transforms = self._path()
         losses = torch.zeros(len(WORST_GRID), dtype=torch.float64)
         count = 0
         for batch in batches:
@@ -385,8 +385,25 @@ class DualMatcher(PathTrainer):
     def forward(self, batch: dict[str, Tensor], alpha: float | Tensor | None = None) -> Tensor:
         """The interpolated model's loss on ``batch`` at ``alpha`` (sampled when ``None``)."""
         alpha = self.sample_lambda() if alpha is None else alpha
-        transform_a = self.transform_a() if self.transform_a is not None else None
-        return self._point_loss(batch, (transform_a, self.transform_b()), (1 - alpha, alpha))
+        return self._point_loss(batch, self._path(), (1 - alpha, alpha))
+
+    def _path(self) -> tuple[Transform | None, Transform]:
+        """What the loss moves A and B by (``None``: A stays).
+
+        Dual matching's path ``(1 - a) T_A(A) + a T_B(B)`` is ``T_A`` applied to ``(1 - a) A +
+        a T_A^-1 T_B(B)``, and a symmetry does not change the function: the loss is the same
+        function of both transforms on either path, so it has the same gradients, and the second
+        moves one model's tensors per step instead of both (dual then costs what one-sided
+        matching does). Relaxed permutations (``ste``, ``sinkhorn``) are not group elements
+        while training, have no inverse, and leave the model's function changed: both move.
+        """
+        transform_b = self.transform_b()
+        if self.transform_a is None:
+            return None, transform_b
+        transform_a = self.transform_a()
+        if not (transform_a.is_group_element and transform_b.is_group_element):
+            return transform_a, transform_b
+        return None, transform_a.inverse().compose(transform_b)
 
     def transforms(self) -> tuple[Transform, Transform]:
         """The exact (hardened) transforms of A and B the parameters currently select."""

@@ -19,7 +19,8 @@ through exactly the code that export runs under ``no_grad``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -67,14 +68,16 @@ class BlockMonomial:
     perm: Tensor
     blocks: Tensor
     inverse_blocks: Tensor
-    #: ``argsort(perm)``, the gather index (``y = x[source]``). Computed once per element, not once
-    #: per tensor it moves (each is a kernel launch, and a training step moves every tensor), and
-    #: eagerly: a value first computed inside a checkpointed layer would be saved there but not
-    #: in its recomputation, which torch.utils.checkpoint refuses.
-    source: Tensor = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self):
-        object.__setattr__(self, "source", torch.argsort(self.perm))
+    @functools.cached_property
+    def source(self) -> Tensor:
+        """``argsort(perm)``, the gather index (``y = x[source]``): computed once per element, not
+        once per tensor it moves (each is a kernel launch, and a training step moves every
+        tensor). :meth:`Transform.prepare` computes it ahead of checkpointed layers."""
+        return torch.argsort(self.perm)
+
+    def prepare(self) -> None:
+        self.source  # noqa: B018 - computes the cached property
 
     @property
     def num_blocks(self) -> int:
@@ -177,6 +180,9 @@ class ResidualMap:
     def inverse(self) -> "ResidualMap":
         return ResidualMap(self.map.inverse())
 
+    def prepare(self) -> None:
+        self.map.prepare()
+
     def to(self, dtype=None, device=None) -> "ResidualMap":
         return ResidualMap(self.map.to(dtype, device))
 
@@ -206,6 +212,9 @@ class MlpMap:
     def inverse(self) -> "MlpMap":
         return MlpMap(self.map.inverse())
 
+    def prepare(self) -> None:
+        self.map.prepare()
+
     def to(self, dtype=None, device=None) -> "MlpMap":
         return MlpMap(self.map.to(dtype, device))
 
@@ -223,16 +232,8 @@ class AttentionMap:
     qk: BlockMonomial
     ov: BlockMonomial
     query_perm: Tensor
-    # The query-level QK and OV maps, shared by the query weights and biases: built once, eagerly
-    # (see BlockMonomial.source).
-    _query_qk: BlockMonomial = field(init=False, repr=False, compare=False)
-    _query_ov: BlockMonomial = field(init=False, repr=False, compare=False)
 
     ROLES = ("q", "k", "v", "o")
-
-    def __post_init__(self):
-        object.__setattr__(self, "_query_qk", self._query_level(self.qk))
-        object.__setattr__(self, "_query_ov", self._query_level(self.ov))
 
     @property
     def group_size(self) -> int:
@@ -241,6 +242,18 @@ class AttentionMap:
     def _query_level(self, kv_map: BlockMonomial) -> BlockMonomial:
         group = torch.arange(self.query_perm.numel(), device=self.query_perm.device) // self.group_size
         return kv_map.expand(group, self.query_perm)
+
+    @functools.cached_property
+    def _query_qk(self) -> BlockMonomial:  # queries' weights and biases share it: built once
+        return self._query_level(self.qk)
+
+    @functools.cached_property
+    def _query_ov(self) -> BlockMonomial:
+        return self._query_level(self.ov)
+
+    def prepare(self) -> None:
+        for monomial in (self.qk, self.ov, self._query_qk, self._query_ov):
+            monomial.prepare()
 
     def act(self, t: Tensor, axis: int, role: str) -> Tensor:
         if role == "q":
@@ -305,6 +318,9 @@ class DenseMlpMap:
     def inverse(self) -> MlpMap:
         raise TypeError("a DenseMlpMap is a training-time relaxation; harden() it before inverting")
 
+    def prepare(self) -> None:
+        pass  # nothing cached
+
     def to(self, dtype=None, device=None) -> DenseMlpMap:
         perm = self.perm.to(device=device) if self.perm is not None else None
         return DenseMlpMap(self.matrix.to(dtype=dtype, device=device), self.scale.to(dtype=dtype, device=device), perm)
@@ -355,6 +371,9 @@ class DenseAttentionMap:
 
     def inverse(self):
         raise TypeError("a DenseAttentionMap is a training-time relaxation; harden() it before inverting")
+
+    def prepare(self) -> None:
+        self.heads.prepare()
 
     def to(self, dtype=None, device=None) -> DenseAttentionMap:
         perm = self.perm.to(device=device) if self.perm is not None else None
