@@ -1,8 +1,8 @@
 """A whole model's symmetry transform as trainable parameters (learned and dual matching).
 
 :class:`TrainableTransform` mirrors a :class:`~hf_lmc.Transform` space by space: the residual
-map becomes an :class:`OrthogonalParam`, a layer's KV-head QK maps one batched :class:`GLParam`
-(or :class:`RotaryParam` under RoPE), its OV maps another, each layer's MLP units a
+map becomes an :class:`OrthogonalParam`, every layer's KV-head QK maps one batched :class:`GLParam`
+(or :class:`RotaryParam` under RoPE), their OV maps another, each layer's MLP units a
 :class:`PermutationParam` (with learnable log-scales for SwiGLU), and the order of the KV
 heads (each with its query heads) a :class:`PermutationParam` too (under GQA a query head's
 part within its group stays as initialised). ``permutations="fixed"`` keeps the initial unit and
@@ -25,62 +25,83 @@ PERMUTATIONS = ("fixed", *PERMUTATION_METHODS)
 
 
 class _AttentionParams(nn.Module):
-    def __init__(self, spec: ArchSpec, init: AttentionMap | None, permutations: str, frame: str, dtype):
+    """Every layer's attention maps: each kind (QK, OV) one module over all layers and KV heads,
+    shape ``(layers, kv, dh, dh)``, so a step builds them in a few batched calls rather than a
+    few per layer (each call is a kernel launch, and ``matrix_exp`` a host sync, on a GPU)."""
+
+    def __init__(self, spec: ArchSpec, inits: list[AttentionMap | None], permutations: str, frame: str, dtype):
         super().__init__()
         kv, dh = spec.num_kv_heads, spec.head_dim
         eye = BlockMonomial.identity(kv, dh, dtype=dtype)
-        qk = init.qk if init is not None else eye
-        ov = init.ov if init is not None else eye
-        self.register_buffer("kv_perm", qk.perm.clone())
-        self.register_buffer("query_perm", init.query_perm.clone() if init is not None else torch.arange(spec.num_heads))
-        # One module per kind holds every KV head's map (a batch): one matrix_exp per layer, not per head.
+        qks = [init.qk if init is not None else eye for init in inits]
+        ovs = [init.ov if init is not None else eye for init in inits]
+
+        def stacked(monomials):
+            return torch.stack([m.blocks.to(dtype) for m in monomials]), torch.stack([m.inverse_blocks.to(dtype) for m in monomials])
+
+        self.register_buffer("kv_perm", torch.stack([qk.perm for qk in qks]))
+        self.register_buffer("query_perm", torch.stack([init.query_perm if init is not None else torch.arange(spec.num_heads) for init in inits]))
         if spec.rotary_dim:
-            self.qk = RotaryParam(dh, spec.rotary_dim, init=(qk.blocks, qk.inverse_blocks), frame=frame, dtype=dtype)
+            self.qk = RotaryParam(dh, spec.rotary_dim, init=stacked(qks), frame=frame, dtype=dtype)
         else:
-            self.qk = GLParam(dh, init=(qk.blocks, qk.inverse_blocks), frame=frame, dtype=dtype)
-        self.ov = GLParam(dh, init=(ov.blocks, ov.inverse_blocks), frame=frame, dtype=dtype)
+            self.qk = GLParam(dh, init=stacked(qks), frame=frame, dtype=dtype)
+        self.ov = GLParam(dh, init=stacked(ovs), frame=frame, dtype=dtype)
         # The order of the KV groups trains (with their query heads); under GQA, which query head
         # of a group plays which part stays as initialised.
         g = spec.group_size
         query = torch.arange(spec.num_heads)
         self.register_buffer("within_group", (query // g) * g + self.query_perm % g)
         learns = kv > 1 and permutations != "fixed"
-        self.heads = PermutationParam(kv, init=self.kv_perm, method=permutations, dtype=dtype) if learns else None
+        self.heads = nn.ModuleList(PermutationParam(kv, init=perm, method=permutations, dtype=dtype) for perm in self.kv_perm) if learns else None
 
-    def forward(self) -> AttentionMap | DenseAttentionMap:
-        def monomial(param, perm):
-            return BlockMonomial(perm, *param())
-
+    def forward(self) -> list[AttentionMap | DenseAttentionMap]:
+        # unbind, not indexing: its backward is one stack, where each index's is a zero-filled copy
+        layers = zip(*(t.unbind(0) for t in (*self.qk(), *self.ov())))
         if self.heads is None:
-            return AttentionMap(monomial(self.qk, self.kv_perm), monomial(self.ov, self.kv_perm), self.query_perm)
-        fixed = torch.arange(self.kv_perm.numel(), device=self.kv_perm.device)
-        matrix, perm = self.heads.matrix_and_perm()
-        return DenseAttentionMap(AttentionMap(monomial(self.qk, fixed), monomial(self.ov, fixed), self.within_group), matrix, perm)
+            return [
+                AttentionMap(BlockMonomial(perm, qk, qk_inv), BlockMonomial(perm, ov, ov_inv), query_perm)
+                for (qk, qk_inv, ov, ov_inv), perm, query_perm in zip(layers, self.kv_perm, self.query_perm)
+            ]
+        fixed = torch.arange(self.kv_perm.shape[1], device=self.kv_perm.device)
+        maps = []
+        for (qk, qk_inv, ov, ov_inv), heads, within in zip(layers, self.heads, self.within_group):
+            matrix, perm = heads.matrix_and_perm()
+            maps.append(DenseAttentionMap(AttentionMap(BlockMonomial(fixed, qk, qk_inv), BlockMonomial(fixed, ov, ov_inv), within), matrix, perm))
+        return maps
 
 
 class _MlpParams(nn.Module):
-    def __init__(self, spec: ArchSpec, init: MlpMap | None, permutations: str, frame: str, dtype):
+    """Every layer's MLP maps: the units' log-scales as one ``(layers, units)`` parameter."""
+
+    def __init__(self, spec: ArchSpec, inits: list[MlpMap | None], permutations: str, frame: str, dtype):
         super().__init__()
         n = spec.intermediate_size
-        perm = init.map.perm if init is not None else torch.arange(n)
-        scale = init.map.blocks[:, 0, 0].to(dtype) if init is not None else torch.ones(n, dtype=dtype)
+        perms = [init.map.perm if init is not None else torch.arange(n) for init in inits]
+        scales = [init.map.blocks[:, 0, 0].to(dtype) if init is not None else torch.ones(n, dtype=dtype) for init in inits]
         if permutations == "fixed":  # no n x n scores: a plain gather, as export applies it
             self.units = None
-            self.register_buffer("perm", perm.clone())
+            self.register_buffer("perm", torch.stack(perms))
         else:
-            self.units = PermutationParam(n, init=perm, method=permutations, dtype=dtype)
-        self.log_scale = nn.Parameter(scale.log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
+            self.units = nn.ModuleList(PermutationParam(n, init=perm, method=permutations, dtype=dtype) for perm in perms)
+        self.log_scale = nn.Parameter(torch.stack(scales).log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
         # Scales commute with one another: a factor on each side ("both") is a second, zero-started
         # log-scale added to the first, as the difference of A's and B's is in dual matching.
         both = frame == "both" and spec.gated_mlp
         self.left_log_scale = nn.Parameter(torch.zeros_like(self.log_scale)) if both else None
 
-    def forward(self) -> MlpMap | DenseMlpMap:
+    def forward(self) -> list[MlpMap | DenseMlpMap]:
         log_scale = self.log_scale if self.left_log_scale is None else self.log_scale + self.left_log_scale
+        scale = log_scale.exp()
         if self.units is None:
-            return MlpMap(BlockMonomial.scaled_permutation(self.perm, log_scale.exp()))
-        matrix, perm = self.units.matrix_and_perm()
-        return DenseMlpMap(matrix, log_scale.exp(), perm)
+            return [
+                MlpMap(BlockMonomial(perm, s[:, None, None], inv[:, None, None]))
+                for perm, s, inv in zip(self.perm, scale.unbind(0), (1.0 / scale).unbind(0))
+            ]
+        maps = []
+        for units, s in zip(self.units, scale.unbind(0)):
+            matrix, perm = units.matrix_and_perm()
+            maps.append(DenseMlpMap(matrix, s, perm))
+        return maps
 
 
 class TrainableTransform(nn.Module):
@@ -104,13 +125,14 @@ class TrainableTransform(nn.Module):
         self.residual = OrthogonalParam(
             spec.hidden_size, init=residual.matrix if residual is not None else None, method=orthogonal, fix_ones=spec.centred, frame=frame, dtype=dtype
         )
-        self.attention = nn.ModuleList(_AttentionParams(spec, maps.get(f"attn.{i}"), permutations, frame, dtype) for i in range(spec.num_layers))
-        self.mlp = nn.ModuleList(_MlpParams(spec, maps.get(f"mlp.{i}"), permutations, frame, dtype) for i in range(spec.num_layers))
+        layers = range(spec.num_layers)
+        self.attention = _AttentionParams(spec, [maps.get(f"attn.{i}") for i in layers], permutations, frame, dtype)
+        self.mlp = _MlpParams(spec, [maps.get(f"mlp.{i}") for i in layers], permutations, frame, dtype)
 
     def forward(self) -> Transform:
         maps = {"residual": ResidualMap.from_matrix(self.residual())}
-        for i, (attn, mlp) in enumerate(zip(self.attention, self.mlp)):
-            maps[f"attn.{i}"], maps[f"mlp.{i}"] = attn(), mlp()
+        for i, (attn, mlp) in enumerate(zip(self.attention(), self.mlp())):
+            maps[f"attn.{i}"], maps[f"mlp.{i}"] = attn, mlp
         return Transform(maps)
 
     @torch.no_grad()
