@@ -240,6 +240,8 @@ class AttentionMap:
         return self.query_perm.numel() // self.qk.num_blocks
 
     def _query_level(self, kv_map: BlockMonomial) -> BlockMonomial:
+        if self.group_size == 1:  # one query head per KV head: the same blocks (no gather, nor its backward)
+            return BlockMonomial(self.query_perm, kv_map.blocks, kv_map.inverse_blocks)
         group = torch.arange(self.query_perm.numel(), device=self.query_perm.device) // self.group_size
         return kv_map.expand(group, self.query_perm)
 
