@@ -223,6 +223,10 @@ def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 class DualMatcher(PathTrainer):
     """Both models learn their transforms toward one shared linear path.
 
+    A step evaluates the path ``(1 - a) T_A(A) + a T_B(B)`` as ``(1 - a) A + a T_A^-1 T_B(B)``
+    (the same path moved by the symmetry ``T_A^-1``: the same loss and gradients), so it moves
+    one model's tensors and costs what a one-sided step does; ``merge`` exports the path itself.
+
     Args:
         model_a, model_b: stock HF models (or checkpoint folders) of one architecture and shape.
         init: ``"weight"`` (B's transform starts at weight matching's solution), ``"identity"``,
