@@ -256,3 +256,45 @@ def test_a_batch_of_head_maps_is_each_head_map(frame, rotary):
 def test_gl_param_refuses_maps_of_another_size():
     with pytest.raises(ValueError, match=r"GLParam\(4\) needs \(\.\.\., 4, 4\) maps"):
         GLParam(4, init=(torch.eye(3), torch.eye(3)))
+
+
+@pytest.mark.parametrize("frame", ["own", "both"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox", "vit"])
+def test_relative_transform_is_the_inverse_composed_layer_by_layer(arch, frame):
+    """Dual matching builds ``T_A^-1 T_B`` batched over layers (``TrainableTransform.relative``):
+    the same element as ``T_A().inverse().compose(T_B())``, tensor for tensor, and the same
+    gradients. Both transforms start at random group elements (non-trivial unit, KV-head and GQA
+    query orders, SwiGLU scales) and are then moved off them."""
+    from hf_lmc import canonicalize
+    from hf_lmc.matching.trainable import TrainableTransform
+    from hf_lmc.symmetry.sample import random_symmetry
+    from hf_lmc.verify import tiny_configs
+    from tests.models import build_model
+
+    spec = canonicalize(build_model(tiny_configs()[arch])).spec
+    first, second = (TrainableTransform(spec, random_symmetry(spec, seed), frame=frame, dtype=F64) for seed in (3, 4))
+    for seed, module in enumerate((first, second)):
+        _perturb(module, seed=seed, size=0.05)
+    batched = first.relative(second)
+    layered = first().inverse().compose(second())
+    assert batched.maps.keys() == layered.maps.keys()
+    g = torch.Generator().manual_seed(0)
+    probes = []
+    for space, want in layered.maps.items():
+        got = batched.maps[space]
+        monomials = [(got.map, want.map)] if hasattr(got, "map") else [(got.qk, want.qk), (got.ov, want.ov)]
+        if hasattr(got, "query_perm"):
+            assert torch.equal(got.query_perm, want.query_perm), space
+        for mine, theirs in monomials:
+            assert torch.equal(mine.perm, theirs.perm), space
+            for x, y in ((mine.blocks, theirs.blocks), (mine.inverse_blocks, theirs.inverse_blocks)):
+                torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+                probes.append((x, y, torch.randn(x.shape, generator=g, dtype=F64)))
+    params = [p for p in (*first.parameters(), *second.parameters()) if p.requires_grad]
+    got = torch.autograd.grad(sum((x * w).sum() for x, _, w in probes), params)
+    want = torch.autograd.grad(sum((y * w).sum() for _, y, w in probes), params)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+    relaxed = TrainableTransform(spec, random_symmetry(spec, 5), permutations="ste", dtype=F64)
+    with pytest.raises(ValueError, match="fixed"):
+        first.relative(relaxed)

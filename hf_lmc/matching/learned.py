@@ -398,16 +398,15 @@ class DualMatcher(PathTrainer):
         a T_A^-1 T_B(B)``, and a symmetry does not change the function: the loss is the same
         function of both transforms on either path, so it has the same gradients, and the second
         moves one model's tensors per step instead of both (dual then costs what one-sided
-        matching does). Relaxed permutations (``ste``, ``sinkhorn``) are not group elements
-        while training, have no inverse, and leave the model's function changed: both move.
+        matching does); ``T_A^-1 T_B`` is composed for all layers in a few batched calls. Relaxed
+        permutations (``ste``, ``sinkhorn``) are not group elements while training, have no
+        inverse, and leave the model's function changed: both move.
         """
-        transform_b = self.transform_b()
         if self.transform_a is None:
-            return None, transform_b
-        transform_a = self.transform_a()
-        if not (transform_a.is_group_element and transform_b.is_group_element):
-            return transform_a, transform_b
-        return None, transform_a.inverse().compose(transform_b)
+            return None, self.transform_b()
+        if not (self.transform_a.fixed_assignments and self.transform_b.fixed_assignments):
+            return self.transform_a(), self.transform_b()
+        return None, self.transform_a.relative(self.transform_b)
 
     def transforms(self) -> tuple[Transform, Transform]:
         """The exact (hardened) transforms of A and B the parameters currently select."""

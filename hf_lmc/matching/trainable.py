@@ -14,7 +14,7 @@ returns the exact group element export applies.
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
@@ -22,6 +22,11 @@ from ..symmetry.params import PERMUTATION_METHODS, GLParam, OrthogonalParam, Per
 
 #: How the unit and head assignments train: ``"fixed"`` (not at all; the default), or a parameterisation.
 PERMUTATIONS = ("fixed", *PERMUTATION_METHODS)
+
+
+def _inverse_then(perm: Tensor, first: Tensor) -> Tensor:
+    """Per row (layer), the permutation of ``perm^-1 o first``: ``argsort(perm)[first]``."""
+    return torch.argsort(perm, dim=-1).gather(-1, first)
 
 
 class _AttentionParams(nn.Module):
@@ -54,14 +59,33 @@ class _AttentionParams(nn.Module):
         learns = kv > 1 and permutations != "fixed"
         self.heads = nn.ModuleList(PermutationParam(kv, init=perm, method=permutations, dtype=dtype) for perm in self.kv_perm) if learns else None
 
-    def forward(self) -> list[AttentionMap | DenseAttentionMap]:
+    @staticmethod
+    def _maps(kv_perm: Tensor, query_perm: Tensor, qk, qk_inv, ov, ov_inv) -> list[AttentionMap]:
         # unbind, not indexing: its backward is one stack, where each index's is a zero-filled copy
-        layers = zip(*(t.unbind(0) for t in (*self.qk(), *self.ov())))
+        layers = zip(*(t.unbind(0) for t in (qk, qk_inv, ov, ov_inv)))
+        return [
+            AttentionMap(BlockMonomial(perm, qk, qk_inv), BlockMonomial(perm, ov, ov_inv), query)
+            for (qk, qk_inv, ov, ov_inv), perm, query in zip(layers, kv_perm, query_perm)
+        ]
+
+    def relative(self, first: "_AttentionParams") -> list[AttentionMap]:
+        """Every layer's ``self^-1 o first`` (fixed assignments), composed for all layers at once:
+        ``BlockMonomial.inverse`` and ``compose`` per layer, batched over the layer axis."""
+        index = _inverse_then(self.kv_perm, first.kv_perm)
+        query = _inverse_then(self.query_perm, first.query_perm)
+
+        def composed(mine, theirs):  # (M^-1 o T)_h = M^-1_{idx[h]} T_h, inverse T^-1_h M_{idx[h]}
+            m, m_inv = mine()
+            t, t_inv = theirs()
+            at = index[:, :, None, None].expand_as(m)
+            return m_inv.gather(1, at) @ t, t_inv @ m.gather(1, at)
+
+        return self._maps(index, query, *composed(self.qk, first.qk), *composed(self.ov, first.ov))
+
+    def forward(self) -> list[AttentionMap | DenseAttentionMap]:
         if self.heads is None:
-            return [
-                AttentionMap(BlockMonomial(perm, qk, qk_inv), BlockMonomial(perm, ov, ov_inv), query_perm)
-                for (qk, qk_inv, ov, ov_inv), perm, query_perm in zip(layers, self.kv_perm, self.query_perm)
-            ]
+            return self._maps(self.kv_perm, self.query_perm, *self.qk(), *self.ov())
+        layers = zip(*(t.unbind(0) for t in (*self.qk(), *self.ov())))
         fixed = torch.arange(self.kv_perm.shape[1], device=self.kv_perm.device)
         maps = []
         for (qk, qk_inv, ov, ov_inv), heads, within in zip(layers, self.heads, self.within_group):
@@ -89,14 +113,29 @@ class _MlpParams(nn.Module):
         both = frame == "both" and spec.gated_mlp
         self.left_log_scale = nn.Parameter(torch.zeros_like(self.log_scale)) if both else None
 
-    def forward(self) -> list[MlpMap | DenseMlpMap]:
-        log_scale = self.log_scale if self.left_log_scale is None else self.log_scale + self.left_log_scale
+    def _log_scale(self) -> Tensor:
+        return self.log_scale if self.left_log_scale is None else self.log_scale + self.left_log_scale
+
+    @staticmethod
+    def _maps(perm: Tensor, log_scale: Tensor) -> list[MlpMap]:
         scale = log_scale.exp()
+        return [
+            MlpMap(BlockMonomial(perm, s[:, None, None], inv[:, None, None]))
+            for perm, s, inv in zip(perm, scale.unbind(0), (1.0 / scale).unbind(0))
+        ]
+
+    def relative(self, first: "_MlpParams") -> list[MlpMap]:
+        """Every layer's ``self^-1 o first`` (fixed assignments), for all layers at once: unit
+        ``h`` goes where ``first`` sends it and back through ``self``, scaled by ``s_first[h] /
+        s_self[idx[h]]``."""
+        index = _inverse_then(self.perm, first.perm)
+        return self._maps(index, first._log_scale() - self._log_scale().gather(1, index))
+
+    def forward(self) -> list[MlpMap | DenseMlpMap]:
+        log_scale = self._log_scale()
         if self.units is None:
-            return [
-                MlpMap(BlockMonomial(perm, s[:, None, None], inv[:, None, None]))
-                for perm, s, inv in zip(self.perm, scale.unbind(0), (1.0 / scale).unbind(0))
-            ]
+            return self._maps(self.perm, log_scale)
+        scale = log_scale.exp()
         maps = []
         for units, s in zip(self.units, scale.unbind(0)):
             matrix, perm = units.matrix_and_perm()
@@ -129,10 +168,29 @@ class TrainableTransform(nn.Module):
         self.attention = _AttentionParams(spec, [maps.get(f"attn.{i}") for i in layers], permutations, frame, dtype)
         self.mlp = _MlpParams(spec, [maps.get(f"mlp.{i}") for i in layers], permutations, frame, dtype)
 
+    @property
+    def fixed_assignments(self) -> bool:
+        """Whether the unit and head assignments stay as initialised (``permutations="fixed"``)."""
+        return self.attention.heads is None and self.mlp.units is None
+
     def forward(self) -> Transform:
-        maps = {"residual": ResidualMap.from_matrix(self.residual())}
-        for i, (attn, mlp) in enumerate(zip(self.attention(), self.mlp())):
-            maps[f"attn.{i}"], maps[f"mlp.{i}"] = attn, mlp
+        return self._transform(self.residual(), self.attention(), self.mlp())
+
+    def relative(self, first: "TrainableTransform") -> Transform:
+        """``self()^-1 o first()``, differentiable in both, with each kind of map composed for all
+        layers in a few batched calls (``Transform.inverse().compose()`` takes a few per layer and
+        map: dual matching builds this every step, and on a GPU each call is a kernel launch).
+        Needs fixed assignments on both sides: relaxed permutations have no inverse."""
+        if not (self.fixed_assignments and first.fixed_assignments):
+            raise ValueError("relative() needs fixed unit and head assignments (permutations='fixed') on both transforms")
+        residual = self.residual().mT @ first.residual()  # orthogonal: the inverse is the transpose
+        return self._transform(residual, self.attention.relative(first.attention), self.mlp.relative(first.mlp))
+
+    @staticmethod
+    def _transform(residual: Tensor, attention, mlp) -> Transform:
+        maps = {"residual": ResidualMap.from_matrix(residual)}
+        for i, (attn, units) in enumerate(zip(attention, mlp)):
+            maps[f"attn.{i}"], maps[f"mlp.{i}"] = attn, units
         return Transform(maps)
 
     @torch.no_grad()
