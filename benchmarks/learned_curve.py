@@ -38,9 +38,7 @@ MATCHERS = {"learned": LearnedMatcher, "dual": DualMatcher}
 
 def held_out_barrier(matcher: DualMatcher, batches, grid: list[float]) -> tuple[float, list[float]]:
     """Barrier of the exact (hardened) merge path, and the losses along it."""
-    transform_a, transform_b = matcher.transforms()
-    a = transform_a.to(matcher.dtype).apply(matcher.interpolant.a).materialize()
-    b = transform_b.to(matcher.dtype).apply(matcher.interpolant.b).materialize()
+    a, b = (model.materialize() for model in matcher.aligned())
     losses = [evaluate(to_hf(interpolate(a, b, alpha)), batches).loss for alpha in grid]
     return loss_barrier(grid, losses), losses
 

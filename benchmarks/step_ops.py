@@ -28,7 +28,7 @@ from hf_lmc import DualMatcher, LearnedMatcher
 VIEWS = frozenset(
     "view _unsafe_view as_strided reshape permute transpose t expand select slice unsqueeze squeeze alias detach "
     "movedim narrow split unbind split_with_sizes view_as _reshape_alias lift_fresh empty empty_strided "
-    "resolve_conj resolve_neg".split()
+    "resolve_conj resolve_neg squeeze_ unsqueeze_ transpose_ t_ as_strided_".split()
 )
 
 

@@ -190,6 +190,29 @@ def test_fixed_permutations_keep_the_starting_assignment_and_train_the_rest(cls)
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
+    """With fixed assignments B is stored in its starting unit and head order and the trained maps
+    move it without gathers: every layer map a step builds is ``ordered``, and the loss and its
+    path are those of the starting transform on B as given (float64)."""
+    from hf_lmc.matching.interpolant import Interpolant
+    from hf_lmc.verify import float64_rmsnorm
+
+    config = tiny_configs()[arch]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}
+    with float64_rmsnorm():
+        for cls in (LearnedMatcher, DualMatcher):
+            matcher = cls(model_a, model_b, dtype=torch.float64)
+            start = matcher.transforms()[1]
+            assert any(not torch.equal(e.map.perm, torch.arange(e.map.perm.numel())) for s, e in start.maps.items() if s.startswith("mlp."))
+            moved = matcher._path()[1]
+            assert all(e.ordered if s.startswith("attn.") else e.map.ordered for s, e in moved.maps.items() if s != "residual")
+            a, b = (hf_lmc.canonicalize(m, dtype=torch.float64) for m in (model_a, model_b))
+            want = Interpolant(a, b)(start, 0.3, **batch, labels=batch["input_ids"]).loss
+            assert abs(matcher(batch, alpha=0.3).item() - want.item()) < 1e-12 * want.item()
+
+
 @pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_a_given_starting_transform_is_where_training_starts(cls):
     """``init=`` an exact Transform of B (here activation matching's): the untrained matcher

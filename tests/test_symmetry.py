@@ -57,6 +57,32 @@ def test_compose_and_inverse_act_consistently(arch):
         torch.testing.assert_close(undone[name], state[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_split_moves_the_assignments_first_and_its_ordered_maps_skip_no_gather_they_need(arch):
+    """``T = in_order o assignments``: the in-order maps, ``ordered`` (they move tensors without a
+    gather), applied after the assignments give every tensor ``T`` gives, and the split composes
+    back to ``T`` exactly. A wrongly ordered flag would drop a permutation and fail here."""
+    canonical = hf_lmc.canonicalize(build_model(TINY[arch]))
+    transform = random_symmetry(canonical.spec, seed=3)
+    in_order, assignments = transform.split()
+    layer_maps = [e for space, e in in_order.maps.items() if space != "residual"]
+    assert layer_maps and all(m.ordered for e in layer_maps for m in _monomials(e))
+    assert not any(m.ordered for e in assignments.maps.values() for m in _monomials(e))
+    want = transform.apply(canonical).state_dict()
+    got = in_order.apply(assignments.apply(canonical).materialize()).state_dict()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12, msg=name)
+    rejoined = in_order.compose(assignments)
+    for space, element in transform.maps.items():
+        for mine, theirs in zip(_monomials(rejoined.maps[space]), _monomials(element)):
+            assert torch.equal(mine.perm, theirs.perm) and torch.equal(mine.blocks, theirs.blocks), space
+        assert not any(m.ordered for m in _monomials(rejoined.maps[space])) or space == "residual"
+
+
+def _monomials(element) -> list[BlockMonomial]:
+    return [element.map] if hasattr(element, "map") else [element.qk, element.ov]
+
+
 def test_layernorm_residual_maps_fix_the_ones_direction():
     spec = _spec(norm="layernorm", gated_mlp=False, rotary_dim=0)
     o = random_symmetry(spec, seed=4).maps["residual"].matrix

@@ -207,6 +207,23 @@ def _wide(logits: Tensor) -> Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+def _split_fixed(start: Transform | None, permutations: str) -> tuple[Transform | None, Transform | None]:
+    """With fixed assignments, ``start = in_order o assignments``: the matcher applies the
+    assignments to its stored copy of the model once, and the trained maps then move tensors
+    without a gather (per tensor, per step: on a GPU a kernel launch each, with its backward)."""
+    if start is None or permutations != "fixed":
+        return start, None
+    in_order, assignments = start.split()
+    return in_order, assignments if assignments.maps else None
+
+
+def _with_assignments(hardened: Transform, assignments: Transform | None, like: nn.Module) -> Transform:
+    """The transform of the model as given: its trained (in-order) maps after its assignments."""
+    if assignments is None:
+        return hardened
+    return hardened.compose(assignments.to(dtype=torch.float64, device=next(like.parameters()).device))
+
+
 def _check_objective(objective: str) -> str:
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose from {OBJECTIVES}")
@@ -329,6 +346,9 @@ class DualMatcher(PathTrainer):
             start = init
         else:
             start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
+        start, self._assignments = _split_fixed(start, permutations)
+        if self._assignments is not None:
+            b = self._assignments.to(dtype).apply(b).materialize()  # B stored in its assigned order
         options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         self.transform_b = TrainableTransform(a.spec, start, **options)
         self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
@@ -408,17 +428,28 @@ class DualMatcher(PathTrainer):
             return self.transform_a(), self.transform_b()
         return None, self.transform_a.relative(self.transform_b)
 
-    def transforms(self) -> tuple[Transform, Transform]:
-        """The exact (hardened) transforms of A and B the parameters currently select."""
+    def _hardened(self) -> tuple[Transform, Transform]:
+        """The exact transforms of the stored endpoints (B's stored in its fixed assigned order)."""
         transform_a = self.transform_a.harden() if self.transform_a is not None else Transform()
         return transform_a, self.transform_b.harden()
+
+    def transforms(self) -> tuple[Transform, Transform]:
+        """The exact (hardened) transforms of A and B the parameters currently select."""
+        transform_a, transform_b = self._hardened()
+        return transform_a, _with_assignments(transform_b, self._assignments, self.transform_b)
+
+    @torch.no_grad()
+    def aligned(self) -> tuple[CanonicalModel, CanonicalModel]:
+        """``T_A(A)`` and ``T_B(B)`` with the exact transforms (lazy canonical views): the ends
+        of the path :meth:`merge` exports, e.g. to evaluate it along a grid."""
+        transform_a, transform_b = self._hardened()
+        a, b = self.interpolant.a, self.interpolant.b
+        return transform_a.to(self.dtype).apply(a), transform_b.to(self.dtype).apply(b)
 
     @torch.no_grad()
     def merge(self, alpha: float = 0.5) -> PreTrainedModel:
         """A stock HF model computing ``(1 - alpha) T_A(A) + alpha T_B(B)`` with exact transforms."""
-        transform_a, transform_b = self.transforms()
-        a, b = self.interpolant.a, self.interpolant.b
-        return to_hf(interpolate(transform_a.to(self.dtype).apply(a), transform_b.to(self.dtype).apply(b), alpha))
+        return to_hf(interpolate(*self.aligned(), alpha))
 
 
 class LearnedMatcher(DualMatcher):
@@ -479,7 +510,7 @@ class SimplexMatcher(PathTrainer):
         canonical = [canonicalize(m, dtype=dtype).materialize() for m in models]
         self._set_input_noise(input_noise, canonical[0])
         if init == "weight":
-            start = UniverseMatcher(symmetries, progress=False).fit(canonical)
+            start = list(UniverseMatcher(symmetries, progress=False).fit(canonical))
         elif init == "identity":
             start = [Transform()] * len(canonical)
         elif len(init) != len(canonical):
@@ -492,6 +523,12 @@ class SimplexMatcher(PathTrainer):
             canonical[0] = self.fixed_first.to(dtype).apply(canonical[0]).materialize()
         options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         first = 0 if learns_first else 1
+        self._assignments = [None] * first
+        for k in range(first, len(canonical)):
+            start[k], assignments = _split_fixed(start[k], permutations)
+            self._assignments.append(assignments)
+            if assignments is not None:  # stored in its assigned order
+                canonical[k] = assignments.to(dtype).apply(canonical[k]).materialize()
         self.learned = nn.ModuleList(TrainableTransform(canonical[0].spec, t, **options) for t in start[first:])
         self.interpolant = Interpolant(*canonical, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)
 
@@ -512,7 +549,8 @@ class SimplexMatcher(PathTrainer):
 
     def transforms(self) -> list[Transform]:
         """One exact (hardened) transform per model, in the order the models were given."""
-        hardened = [t.harden() for t in self.learned]
+        first = 0 if self.fixed_first is None else 1
+        hardened = [_with_assignments(t.harden(), a, t) for t, a in zip(self.learned, self._assignments[first:])]
         return hardened if self.fixed_first is None else [self.fixed_first, *hardened]
 
     @torch.no_grad()
@@ -520,7 +558,7 @@ class SimplexMatcher(PathTrainer):
         """A stock HF model computing ``sum_k w_k T_k(theta_k)`` with exact transforms (uniform by default)."""
         weights = simplex_weights(weights, self.count, "weights")
         hardened = [t.harden().to(self.dtype) for t in self.learned]
-        models = self.interpolant.models  # the first one already moved when it does not learn
+        models = self.interpolant.models  # in their fixed assigned orders; the first already moved when it does not learn
         moved = [models[0] if self.fixed_first is not None else hardened.pop(0).apply(models[0])]
         moved += [t.apply(m) for t, m in zip(hardened, models[1:])]
         return to_hf(combine(moved, weights))

@@ -29,7 +29,30 @@ def _inverse_then(perm: Tensor, first: Tensor) -> Tensor:
     return torch.argsort(perm, dim=-1).gather(-1, first)
 
 
-class _AttentionParams(nn.Module):
+def _in_order(*perms: Tensor) -> bool:
+    """Whether every row of every ``perms`` is the identity (checked once, on construction or
+    load: maps built from in-order assignments skip their gathers every step)."""
+    return all(bool((p == torch.arange(p.shape[-1], device=p.device)).all()) for p in perms)
+
+
+class _TracksOrder(nn.Module):
+    """Keeps ``ordered`` (the fixed assignments are the identity) true to the buffers, also after
+    ``load_state_dict``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ordered = False
+        self.register_load_state_dict_post_hook(lambda module, _: module._track_order())
+
+    def _fixed_perms(self) -> tuple[Tensor, ...]:
+        raise NotImplementedError
+
+    def _track_order(self) -> None:
+        perms = self._fixed_perms()
+        self.ordered = bool(perms) and _in_order(*perms)
+
+
+class _AttentionParams(_TracksOrder):
     """Every layer's attention maps: each kind (QK, OV) one module over all layers and KV heads,
     shape ``(layers, kv, dh, dh)``, so a step builds them in a few batched calls rather than a
     few per layer (each call is a kernel launch, and ``matrix_exp`` a host sync, on a GPU)."""
@@ -58,33 +81,40 @@ class _AttentionParams(nn.Module):
         self.register_buffer("within_group", (query // g) * g + self.query_perm % g)
         learns = kv > 1 and permutations != "fixed"
         self.heads = nn.ModuleList(PermutationParam(kv, init=perm, method=permutations, dtype=dtype) for perm in self.kv_perm) if learns else None
+        self._track_order()
+
+    def _fixed_perms(self) -> tuple[Tensor, ...]:
+        return (self.kv_perm, self.query_perm) if self.heads is None else ()
 
     @staticmethod
-    def _maps(kv_perm: Tensor, query_perm: Tensor, qk, qk_inv, ov, ov_inv) -> list[AttentionMap]:
+    def _maps(kv_perm: Tensor, query_perm: Tensor, ordered: bool, qk, qk_inv, ov, ov_inv) -> list[AttentionMap]:
         # unbind, not indexing: its backward is one stack, where each index's is a zero-filled copy
         layers = zip(*(t.unbind(0) for t in (qk, qk_inv, ov, ov_inv)))
         return [
-            AttentionMap(BlockMonomial(perm, qk, qk_inv), BlockMonomial(perm, ov, ov_inv), query)
+            AttentionMap(BlockMonomial(perm, qk, qk_inv, ordered), BlockMonomial(perm, ov, ov_inv, ordered), query, ordered)
             for (qk, qk_inv, ov, ov_inv), perm, query in zip(layers, kv_perm, query_perm)
         ]
 
     def relative(self, first: "_AttentionParams") -> list[AttentionMap]:
         """Every layer's ``self^-1 o first`` (fixed assignments), composed for all layers at once:
         ``BlockMonomial.inverse`` and ``compose`` per layer, batched over the layer axis."""
-        index = _inverse_then(self.kv_perm, first.kv_perm)
-        query = _inverse_then(self.query_perm, first.query_perm)
+        ordered = self.ordered and first.ordered
+        index = first.kv_perm if ordered else _inverse_then(self.kv_perm, first.kv_perm)
+        query = first.query_perm if ordered else _inverse_then(self.query_perm, first.query_perm)
 
         def composed(mine, theirs):  # (M^-1 o T)_h = M^-1_{idx[h]} T_h, inverse T^-1_h M_{idx[h]}
             m, m_inv = mine()
             t, t_inv = theirs()
-            at = index[:, :, None, None].expand_as(m)
-            return m_inv.gather(1, at) @ t, t_inv @ m.gather(1, at)
+            if not ordered:
+                at = index[:, :, None, None].expand_as(m)
+                m, m_inv = m.gather(1, at), m_inv.gather(1, at)
+            return m_inv @ t, t_inv @ m
 
-        return self._maps(index, query, *composed(self.qk, first.qk), *composed(self.ov, first.ov))
+        return self._maps(index, query, ordered, *composed(self.qk, first.qk), *composed(self.ov, first.ov))
 
     def forward(self) -> list[AttentionMap | DenseAttentionMap]:
         if self.heads is None:
-            return self._maps(self.kv_perm, self.query_perm, *self.qk(), *self.ov())
+            return self._maps(self.kv_perm, self.query_perm, self.ordered, *self.qk(), *self.ov())
         layers = zip(*(t.unbind(0) for t in (*self.qk(), *self.ov())))
         fixed = torch.arange(self.kv_perm.shape[1], device=self.kv_perm.device)
         maps = []
@@ -94,7 +124,7 @@ class _AttentionParams(nn.Module):
         return maps
 
 
-class _MlpParams(nn.Module):
+class _MlpParams(_TracksOrder):
     """Every layer's MLP maps: the units' log-scales as one ``(layers, units)`` parameter."""
 
     def __init__(self, spec: ArchSpec, inits: list[MlpMap | None], permutations: str, frame: str, dtype):
@@ -112,15 +142,19 @@ class _MlpParams(nn.Module):
         # log-scale added to the first, as the difference of A's and B's is in dual matching.
         both = frame == "both" and spec.gated_mlp
         self.left_log_scale = nn.Parameter(torch.zeros_like(self.log_scale)) if both else None
+        self._track_order()
+
+    def _fixed_perms(self) -> tuple[Tensor, ...]:
+        return (self.perm,) if self.units is None else ()
 
     def _log_scale(self) -> Tensor:
         return self.log_scale if self.left_log_scale is None else self.log_scale + self.left_log_scale
 
     @staticmethod
-    def _maps(perm: Tensor, log_scale: Tensor) -> list[MlpMap]:
+    def _maps(perm: Tensor, log_scale: Tensor, ordered: bool) -> list[MlpMap]:
         scale = log_scale.exp()
         return [
-            MlpMap(BlockMonomial(perm, s[:, None, None], inv[:, None, None]))
+            MlpMap(BlockMonomial(perm, s[:, None, None], inv[:, None, None], ordered))
             for perm, s, inv in zip(perm, scale.unbind(0), (1.0 / scale).unbind(0))
         ]
 
@@ -128,13 +162,15 @@ class _MlpParams(nn.Module):
         """Every layer's ``self^-1 o first`` (fixed assignments), for all layers at once: unit
         ``h`` goes where ``first`` sends it and back through ``self``, scaled by ``s_first[h] /
         s_self[idx[h]]``."""
+        if self.ordered and first.ordered:
+            return self._maps(first.perm, first._log_scale() - self._log_scale(), True)
         index = _inverse_then(self.perm, first.perm)
-        return self._maps(index, first._log_scale() - self._log_scale().gather(1, index))
+        return self._maps(index, first._log_scale() - self._log_scale().gather(1, index), False)
 
     def forward(self) -> list[MlpMap | DenseMlpMap]:
         log_scale = self._log_scale()
         if self.units is None:
-            return self._maps(self.perm, log_scale)
+            return self._maps(self.perm, log_scale, self.ordered)
         scale = log_scale.exp()
         maps = []
         for units, s in zip(self.units, scale.unbind(0)):

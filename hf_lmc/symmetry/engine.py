@@ -119,6 +119,18 @@ class Transform:
             maps[space] = element.compose(first.maps[space]) if space in first.maps else element
         return Transform(maps)
 
+    def split(self) -> tuple["Transform", "Transform"]:
+        """``(in_order, assignments)`` with ``self = in_order o assignments``: every unit and head
+        permutation, then the continuous maps with their blocks where it put them (their
+        elements ``ordered``: moving a tensor needs no gather). Learned matching with fixed
+        assignments applies ``assignments`` to the stored model once and trains from ``in_order``."""
+        in_order, assignments = {}, {}
+        for space, element in self.maps.items():
+            in_order[space], assignment = element.split()
+            if assignment is not None:
+                assignments[space] = assignment
+        return Transform(in_order), Transform(assignments)
+
     def inverse(self) -> "Transform":
         return Transform({space: element.inverse() for space, element in self.maps.items()})
 

@@ -26,9 +26,10 @@ import torch
 from torch import Tensor
 
 
-def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Tensor, transpose: bool) -> Tensor:
+def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Tensor | None, transpose: bool) -> Tensor:
     """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats``, then permute the blocks:
-    block ``h`` of the result is block ``source[h]`` (``source = argsort(perm)``)."""
+    block ``h`` of the result is block ``source[h]`` (``source = argsort(perm)``; ``None``: the
+    blocks stay in order, no gather)."""
     if n == 1:  # one dense block (the residual map): a plain matmul, no permutation to apply
         if mats is None:
             return t
@@ -43,17 +44,25 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Ten
         t = t * scale.reshape(shape)  # a 1 x 1 block is its own transpose
         mats = None
     if mats is None:  # a pure block permutation: one gather along the axis, no moved copies
+        if source is None:
+            return t
         b = t.shape[axis] // n
         source = source.to(t.device)  # y[perm[h]] = x[h]  <=>  y = x[argsort(perm)]
         index = source if b == 1 else (source[:, None] * b + torch.arange(b, device=t.device)).reshape(-1)
         return t.index_select(axis, index)
+    mats = mats.to(dtype=t.dtype, device=t.device)
+    if axis == 0 and t.is_contiguous():  # rows (weights' output axis, biases): a batched matmul on a view, its result in place
+        y = torch.bmm(mats.mT if transpose else mats, t.reshape(n, t.shape[0] // n, -1))
+        if source is not None:
+            y = y.index_select(0, source.to(y.device))
+        return y.reshape(t.shape)
     x = t.movedim(axis, -1)
     lead = x.shape[:-1]
     x = x.reshape(*lead, n, -1)
-    mats = mats.to(dtype=x.dtype, device=x.device)
     # vector: y_h = M_h x_h ; covector passes M^{-1} with transpose=True: y_h = M_h^{-T} x_h
     x = torch.einsum("...hb,hcb->...hc", x, mats) if not transpose else torch.einsum("...hb,hbc->...hc", x, mats)
-    x = x.index_select(-2, source.to(x.device))
+    if source is not None:
+        x = x.index_select(-2, source.to(x.device))
     return x.reshape(*lead, -1).movedim(-1, axis)
 
 
@@ -62,19 +71,23 @@ class BlockMonomial:
     """``y[perm[h]] = blocks[h] @ x[h]``: a block permutation times per-block invertible maps.
 
     ``blocks``: (n, b, b); ``inverse_blocks``: (n, b, b), the exact inverses (kept, not
-    recomputed, so orthogonal maps invert by transposition with no rounding).
+    recomputed, so orthogonal maps invert by transposition with no rounding). ``ordered``
+    declares ``perm`` the identity, so moving a tensor skips the gather (and its backward): a
+    learned transform whose assignments stay fixed has them applied to the stored model once
+    (:meth:`split`) and trains in-order maps.
     """
 
     perm: Tensor
     blocks: Tensor
     inverse_blocks: Tensor
+    ordered: bool = False
 
     @functools.cached_property
-    def source(self) -> Tensor:
-        """``argsort(perm)``, the gather index (``y = x[source]``): computed once per element, not
-        once per tensor it moves (each is a kernel launch, and a training step moves every
-        tensor). :meth:`Transform.prepare` computes it ahead of checkpointed layers."""
-        return torch.argsort(self.perm)
+    def source(self) -> Tensor | None:
+        """``argsort(perm)``, the gather index (``y = x[source]``; ``None`` when ordered): computed
+        once per element, not once per tensor it moves (each is a kernel launch, and a training
+        step moves every tensor). :meth:`Transform.prepare` computes it ahead of checkpointed layers."""
+        return None if self.ordered else torch.argsort(self.perm)
 
     def prepare(self) -> None:
         self.source  # noqa: B018 - computes the cached property
@@ -120,18 +133,26 @@ class BlockMonomial:
         perm = self.perm[first.perm]
         blocks = self.blocks[first.perm] @ first.blocks
         inverse = first.inverse_blocks @ self.inverse_blocks[first.perm]
-        return BlockMonomial(perm, blocks, inverse)
+        return BlockMonomial(perm, blocks, inverse, self.ordered and first.ordered)
 
     def inverse(self) -> "BlockMonomial":
         inv = torch.argsort(self.perm)
-        return BlockMonomial(inv, self.inverse_blocks[inv], self.blocks[inv])
+        return BlockMonomial(inv, self.inverse_blocks[inv], self.blocks[inv], self.ordered)
 
-    def expand(self, group: Tensor, perm: Tensor) -> "BlockMonomial":
+    def split(self) -> tuple["BlockMonomial", "BlockMonomial"]:
+        """``(in_order, assignment)`` with ``self = in_order o assignment``: the pure permutation,
+        then the blocks where it put them (block ``perm[h]`` of ``in_order`` is ``blocks[h]``)."""
+        eye = torch.eye(self.block_size, dtype=self.blocks.dtype, device=self.blocks.device).expand_as(self.blocks)
+        source = torch.argsort(self.perm)
+        order = torch.arange(self.num_blocks, device=self.perm.device)
+        return BlockMonomial(order, self.blocks[source], self.inverse_blocks[source], ordered=True), BlockMonomial(self.perm, eye, eye)
+
+    def expand(self, group: Tensor, perm: Tensor, ordered: bool = False) -> "BlockMonomial":
         """Repeat block ``group[h]`` at block ``h`` under a finer permutation ``perm``.
 
         Used for GQA: one QK/OV map per KV head, shared by every query head of its group.
         """
-        return BlockMonomial(perm, self.blocks[group], self.inverse_blocks[group])
+        return BlockMonomial(perm, self.blocks[group], self.inverse_blocks[group], ordered)
 
     def vector(self, t: Tensor, axis: int) -> Tensor:
         return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.source, transpose=False)
@@ -147,6 +168,7 @@ class BlockMonomial:
             self.perm.to(device=device),
             self.blocks.to(dtype=dtype, device=device),
             self.inverse_blocks.to(dtype=dtype, device=device),
+            self.ordered,
         )
 
 
@@ -180,6 +202,10 @@ class ResidualMap:
     def inverse(self) -> "ResidualMap":
         return ResidualMap(self.map.inverse())
 
+    def split(self) -> tuple["ResidualMap", None]:
+        """One dense block: no assignment to split off."""
+        return self, None
+
     def prepare(self) -> None:
         self.map.prepare()
 
@@ -212,6 +238,11 @@ class MlpMap:
     def inverse(self) -> "MlpMap":
         return MlpMap(self.map.inverse())
 
+    def split(self) -> tuple["MlpMap", "MlpMap"]:
+        """``(scales in order, unit permutation)``: see :meth:`BlockMonomial.split`."""
+        in_order, assignment = self.map.split()
+        return MlpMap(in_order), MlpMap(assignment)
+
     def prepare(self) -> None:
         self.map.prepare()
 
@@ -232,6 +263,7 @@ class AttentionMap:
     qk: BlockMonomial
     ov: BlockMonomial
     query_perm: Tensor
+    ordered: bool = False  # query_perm (and so qk's and ov's perm) is the identity: no gathers
 
     ROLES = ("q", "k", "v", "o")
 
@@ -241,9 +273,9 @@ class AttentionMap:
 
     def _query_level(self, kv_map: BlockMonomial) -> BlockMonomial:
         if self.group_size == 1:  # one query head per KV head: the same blocks (no gather, nor its backward)
-            return BlockMonomial(self.query_perm, kv_map.blocks, kv_map.inverse_blocks)
+            return BlockMonomial(self.query_perm, kv_map.blocks, kv_map.inverse_blocks, self.ordered)
         group = torch.arange(self.query_perm.numel(), device=self.query_perm.device) // self.group_size
-        return kv_map.expand(group, self.query_perm)
+        return kv_map.expand(group, self.query_perm, self.ordered)
 
     @functools.cached_property
     def _query_qk(self) -> BlockMonomial:  # queries' weights and biases share it: built once
@@ -267,13 +299,21 @@ class AttentionMap:
         return self._query_ov.covector(t, axis)
 
     def compose(self, first: "AttentionMap") -> "AttentionMap":
-        return AttentionMap(self.qk.compose(first.qk), self.ov.compose(first.ov), self.query_perm[first.query_perm])
+        ordered = self.ordered and first.ordered
+        return AttentionMap(self.qk.compose(first.qk), self.ov.compose(first.ov), self.query_perm[first.query_perm], ordered)
 
     def inverse(self) -> "AttentionMap":
-        return AttentionMap(self.qk.inverse(), self.ov.inverse(), torch.argsort(self.query_perm))
+        return AttentionMap(self.qk.inverse(), self.ov.inverse(), torch.argsort(self.query_perm), self.ordered)
+
+    def split(self) -> tuple["AttentionMap", "AttentionMap"]:
+        """``(per-head maps in order, head order)``: see :meth:`BlockMonomial.split`. Query heads
+        go where ``query_perm`` sends them, each with its KV head (GQA keeps groups whole)."""
+        (qk, qk_order), (ov, ov_order) = self.qk.split(), self.ov.split()
+        heads = torch.arange(self.query_perm.numel(), device=self.query_perm.device)
+        return AttentionMap(qk, ov, heads, ordered=True), AttentionMap(qk_order, ov_order, self.query_perm)
 
     def to(self, dtype=None, device=None) -> "AttentionMap":
-        return AttentionMap(self.qk.to(dtype, device), self.ov.to(dtype, device), self.query_perm.to(device=device))
+        return AttentionMap(self.qk.to(dtype, device), self.ov.to(dtype, device), self.query_perm.to(device=device), self.ordered)
 
 
 @dataclass(frozen=True)
@@ -316,6 +356,9 @@ class DenseMlpMap:
 
     def compose(self, first) -> MlpMap:
         raise TypeError("a DenseMlpMap is a training-time relaxation; harden() it before composing")
+
+    def split(self):
+        raise TypeError("a DenseMlpMap is a training-time relaxation; harden() it before splitting")
 
     def inverse(self) -> MlpMap:
         raise TypeError("a DenseMlpMap is a training-time relaxation; harden() it before inverting")
@@ -370,6 +413,9 @@ class DenseAttentionMap:
 
     def compose(self, first):
         raise TypeError("a DenseAttentionMap is a training-time relaxation; harden() it before composing")
+
+    def split(self):
+        raise TypeError("a DenseAttentionMap is a training-time relaxation; harden() it before splitting")
 
     def inverse(self):
         raise TypeError("a DenseAttentionMap is a training-time relaxation; harden() it before inverting")
