@@ -225,7 +225,9 @@ def main() -> None:
         memory_label = "peak allocated (GB)"
     else:
         rows = {mode: run(mode, args.batch, args.seq, args.permutations) for mode in modes}
-        where = "2 CPU cores"
+        import torch
+
+        where = f"{torch.get_num_threads()} CPU thread(s) per step process"
         memory_label = "peak RSS (GB)"
     base = rows["base"]
     weights = base["weights"]

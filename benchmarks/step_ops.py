@@ -10,7 +10,7 @@ same per-operator overhead. Views (reshape, transpose, ...) launch no kernel and
 apart.
 
     python benchmarks/step_ops.py
-    python benchmarks/step_ops.py --layers 24 --heads 16      # Pythia-1.4B's structure
+    python benchmarks/step_ops.py --layers 24 --heads 16 --width 256   # Pythia-1.4B's structure
 """
 
 from __future__ import annotations
