@@ -89,6 +89,10 @@ def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
     matcher = hf_lmc.SimplexMatcher([twins[0], model, twins[1]], learns_first=learns_first, dtype=torch.float64)
     inputs = sample_inputs(config)
     assert relative_error(logits(matcher.merge([0.2, 0.5, 0.3]), inputs), logits(model, inputs)) < 1e-5
+    # transforms() are of the models as given (their fixed assignments composed back in)
+    given = [t.apply(hf_lmc.canonicalize(m, dtype=torch.float64)) for t, m in zip(matcher.transforms(), [twins[0], model, twins[1]])]
+    rebuilt = hf_lmc.to_hf(hf_lmc.canonical.combine(given, [0.2, 0.5, 0.3]))
+    assert relative_error(logits(rebuilt, inputs), logits(matcher.merge([0.2, 0.5, 0.3]), inputs)) < 1e-10
 
     others = [build_model(config, seed=s) for s in (1, 2, 3)]
     matcher = hf_lmc.SimplexMatcher(others, init="identity", learns_first=learns_first, dtype=torch.float64)
