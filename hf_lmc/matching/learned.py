@@ -523,7 +523,7 @@ class SimplexMatcher(PathTrainer):
             canonical[0] = self.fixed_first.to(dtype).apply(canonical[0]).materialize()
         options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         first = 0 if learns_first else 1
-        self._assignments = [None] * first
+        self._assignments = []  # per learned model, as ``self.learned``
         for k in range(first, len(canonical)):
             start[k], assignments = _split_fixed(start[k], permutations)
             self._assignments.append(assignments)
@@ -549,8 +549,7 @@ class SimplexMatcher(PathTrainer):
 
     def transforms(self) -> list[Transform]:
         """One exact (hardened) transform per model, in the order the models were given."""
-        first = 0 if self.fixed_first is None else 1
-        hardened = [_with_assignments(t.harden(), a, t) for t, a in zip(self.learned, self._assignments[first:])]
+        hardened = [_with_assignments(t.harden(), a, t) for t, a in zip(self.learned, self._assignments)]
         return hardened if self.fixed_first is None else [self.fixed_first, *hardened]
 
     @torch.no_grad()

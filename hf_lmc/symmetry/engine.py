@@ -96,12 +96,6 @@ class Transform:
             element.prepare()
         return self
 
-    @property
-    def is_group_element(self) -> bool:
-        """False while a relaxed permutation (learned matching's dense surrogates) is in it: such
-        a transform has no inverse and does not preserve the function until hardened."""
-        return not any(isinstance(element, (DenseAttentionMap, DenseMlpMap)) for element in self.maps.values())
-
     def apply_tensor(self, name: str, tensor: Tensor) -> Tensor:
         for axis, entry in enumerate(axes_of(name)):
             if entry is not None and entry[0] in self.maps:
