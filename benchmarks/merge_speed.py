@@ -7,9 +7,11 @@ float16 safetensors like the Hub's Pythia), where B is a random full symmetry of
   * ``hf-lmc merge A B --method average``   (the baseline: stream, lerp, write)
   * ``hf-lmc merge A B --method weight``    (weight matching, then the same)
 
-each in its own process, recording wall time and peak RSS. Prints a markdown table.
+each in its own process, recording wall time and peak RSS (and the GPU's peak memory where
+weight matching ran on one: by default it does when torch sees a GPU). Prints a markdown table.
 
     python benchmarks/merge_speed.py                 # Pythia-1B shape (needs ~10 GB disk)
+    python benchmarks/merge_speed.py --device cpu    # weight matching on the CPU even beside a GPU
     python benchmarks/merge_speed.py --scale 0.25    # hidden, FFN and vocab scaled down
     python benchmarks/merge_speed.py --pair ~/pair   # keep the checkpoints and reuse them next time
 """
@@ -31,6 +33,7 @@ import transformers as tf
 # Peak RSS from VmHWM: ru_maxrss survives fork + exec, so a child would report its parent's peak.
 CHILD = """
 import json, re, resource, sys, time
+import torch
 from hf_lmc.cli import main
 start = time.perf_counter()
 rc = main(json.loads(sys.argv[1]))
@@ -39,7 +42,8 @@ try:
     rss_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 except OSError:
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"rc": rc, "wall": wall, "rss_kb": rss_kb}))
+gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
+print(json.dumps({"rc": rc, "wall": wall, "rss_kb": rss_kb, "gpu_bytes": gpu}))
 """
 
 
@@ -105,6 +109,7 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.1, help="relative noise added to B (default: 0.1)")
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
     parser.add_argument("--pair", type=Path, default=None, help="keep the pair in DIR/a, DIR/b and reuse it on later runs")
+    parser.add_argument("--device", default=None, help="hf-lmc merge --device for weight matching (default: a GPU when torch sees one)")
     args = parser.parse_args()
 
     config = pythia_1b_config(args.scale)
@@ -121,17 +126,21 @@ def main() -> None:
         print(f"pair ready in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr)
         rows = {}
         for method in ("average", "weight"):
-            rows[method] = measure(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB"])
+            device = ["--device", args.device] if args.device and method == "weight" else []
+            rows[method] = measure(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB", *device])
         base = rows["average"]["wall"]
         params = sum(p.numel() for p in tf.GPTNeoXForCausalLM(config).parameters()) if args.scale < 0.5 else None
         shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, FFN {config.intermediate_size}, vocab {config.vocab_size}"
         cores = len(os.sched_getaffinity(0))
-        print(f"\nPythia-1B-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}), float16, {cores} CPU cores ({cpu_name()})\n")
-        print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint |")
-        print("|---|---|---|---|---|")
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = f", weight matching on {torch.cuda.get_device_name()}" if device.startswith("cuda") else ", weight matching on the CPU"
+        print(f"\nPythia-1B-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}), float16, {cores} CPU cores ({cpu_name()}){gpu}\n")
+        print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint | GPU peak (GB) |")
+        print("|---|---|---|---|---|---|")
         for method, row in rows.items():
-            rss = row["rss_kb"] * 1024
-            print(f"| {method} | {row['wall']:.1f} | {row['wall'] / base:.2f} | {rss / 1e9:.2f} | {rss / size:.2f} |")
+            rss, gpu_bytes = row["rss_kb"] * 1024, row.get("gpu_bytes")
+            gpu_peak = f"{gpu_bytes / 1e9:.2f}" if gpu_bytes is not None else "—"
+            print(f"| {method} | {row['wall']:.1f} | {row['wall'] / base:.2f} | {rss / 1e9:.2f} | {rss / size:.2f} | {gpu_peak} |")
 
 
 if __name__ == "__main__":

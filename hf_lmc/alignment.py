@@ -88,15 +88,17 @@ def align(
     batches=None,
     learn: LearnOptions = LearnOptions(),
     progress: bool = True,
+    device=None,
 ) -> tuple[Transform, Transform]:
-    """``(T_A, T_B)`` for ``method``; ``batches`` feed activation, learned and dual matching."""
+    """``(T_A, T_B)`` for ``method``; ``batches`` feed activation, learned and dual matching.
+    ``device`` is where weight matching's products run (default: a GPU when there is one)."""
     from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, WeightMatcher
 
     check_method(method, batches)
     if method == "average":
         raise ValueError("average interpolates the stored parameters and has no canonical transforms")
     if method == "weight":
-        return Transform(), WeightMatcher(symmetries, progress=progress).fit(a, b)
+        return Transform(), WeightMatcher(symmetries, progress=progress, device=device).fit(a, b)
     if method == "activation":
         return Transform(), ActivationMatcher(batches, symmetries, progress=progress).fit(a, b)
     matcher_class = DualMatcher if method == "dual" else LearnedMatcher
@@ -125,6 +127,7 @@ def align_many(
     batches=None,
     learn: LearnOptions = LearnOptions(),
     progress: bool = True,
+    device=None,
 ) -> list[Transform]:
     """One transform per model for ``method``; the merge is ``sum_k weights[k] T_k(models[k])``.
 
@@ -134,11 +137,11 @@ def align_many(
     from .matching import SimplexMatcher, UniverseMatcher
 
     if len(models) == 2:
-        return list(align(method, *models, symmetries=symmetries, batches=batches, learn=learn, progress=progress))
+        return list(align(method, *models, symmetries=symmetries, batches=batches, learn=learn, progress=progress, device=device))
     check_method(method, batches, count=len(models))
     if method == "average":
         raise ValueError("average interpolates the stored parameters and has no canonical transforms")
-    start = UniverseMatcher(symmetries, progress=progress).fit(models, weights)
+    start = UniverseMatcher(symmetries, progress=progress, device=device).fit(models, weights)
     if method == "weight":
         return start
     matcher = SimplexMatcher(

@@ -103,7 +103,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         method=args.method, symmetries=args.symmetries,
         data=args.data, data_options=_eval_options(args, args.data_split), learn=_learn_options(args),
         dtype=args.dtype, shard_size=args.shard_size, eval_data=args.eval_data, eval_options=_eval_options(args),
-        alphas=args.alphas, push_to_hub=args.push_to_hub, private=args.private, overwrite=args.overwrite,
+        alphas=args.alphas, push_to_hub=args.push_to_hub, private=args.private, overwrite=args.overwrite, device=args.device,
     )
     if args.weights is None and len(models) == 2:
         alpha = 0.5 if args.alpha is None else args.alpha
@@ -264,6 +264,10 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -
     if weights:
         method.add_argument("--alpha", type=float, default=None, help="two models: weight of MODEL_B in [0, 1] (default: 0.5)")
         method.add_argument("--weights", type=float, nargs="+", default=None, metavar="W", help="one weight per model, >= 0, summing to 1 (default: uniform)")
+        method.add_argument(
+            "--device", default=None, metavar="DEVICE",
+            help="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch sees one, else cpu)",
+        )
 
 
 def cmd_symmetries(args: argparse.Namespace) -> int:

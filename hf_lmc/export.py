@@ -230,8 +230,8 @@ def write_checkpoint(
         def prepare(tensor: Tensor) -> Tensor:
             tensor = tensor.detach()
             if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            return tensor.contiguous()
+                tensor = tensor.to(dtype)  # before the move: fewer bytes to copy off a GPU
+            return tensor.cpu().contiguous()
 
         for group in tqdm(groups, total=total_groups, desc="writing shards", unit="group", disable=not progress):
             if isinstance(group, RowBlocks):

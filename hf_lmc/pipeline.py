@@ -31,6 +31,7 @@ from .barriers import BarrierResult, SimplexBarrierResult, barrier_of_loaded, pl
 from .canonical import block_rows, canonicalize, combine, export_config, hf_state_dict_groups, simplex_weights, weighted_sum
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
+from .devices import compute_device
 from .evaluation import EvalOptions, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
@@ -170,6 +171,7 @@ def merge(
     overwrite: bool = False,
     progress: bool = True,
     api=None,
+    device: str | torch.device | None = None,
 ) -> MergeResult:
     """Merge two checkpoints of one architecture and write a stock HF folder to ``output``.
 
@@ -188,6 +190,9 @@ def merge(
             and go into the model card.
         push_to_hub: repo id to upload the folder to (``private`` for a private repo).
         overwrite: replace an existing ``output`` folder.
+        device: where weight matching's products and the export's transforms and sums run
+            (default: the current CUDA device when there is one, else the CPU); the files are
+            read and written on the CPU, one layer at a time.
     """
     if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
         raise ValueError(f"--alpha must lie in [0, 1], got {alpha}")
@@ -195,7 +200,7 @@ def merge(
         [model_a, model_b], output, weights=(1 - alpha, alpha), method=method, symmetries=symmetries, data=data,
         data_options=data_options, learn=learn, revisions=(revision_a, revision_b), dtype=dtype, shard_size=shard_size,
         eval_data=eval_data, eval_options=eval_options, alphas=alphas, push_to_hub=push_to_hub, private=private,
-        overwrite=overwrite, progress=progress, api=api,
+        overwrite=overwrite, progress=progress, api=api, device=device,
     )
 
 
@@ -220,6 +225,7 @@ def merge_models(
     overwrite: bool = False,
     progress: bool = True,
     api=None,
+    device: str | torch.device | None = None,
 ) -> MergeResult:
     """Merge M >= 2 checkpoints of one architecture into ``sum_k w_k T_k(theta_k)``, written as a
     stock HF folder to ``output``.
@@ -247,6 +253,7 @@ def merge_models(
     revisions = revisions_per_model(revisions, count)
     kinds = resolve_kinds(symmetries)
     out_dtype = _dtype(dtype)
+    device = compute_device(device)
     output = Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
@@ -279,9 +286,12 @@ def merge_models(
             else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
                 transforms = [
                     t.to(torch.float32)
-                    for t in align_many(method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress)
+                    for t in align_many(
+                        method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress, device=device
+                    )
                 ]
-            merged = combine([t.apply(c) for t, c in zip(transforms, canonical)], weights)
+            # Each layer is read on the CPU, moved, summed on `device`, and written back from the CPU.
+            merged = combine([t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], weights)
             config = export_config(merged)
             out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
             groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))

@@ -1,9 +1,11 @@
-"""Learned matching on a CUDA device: the same training as on the CPU, and exact merges.
+"""On a CUDA device: learned matching trains as on the CPU and merges exactly; weight matching
+and the merge export (``device="cuda"``) recover twins.
 
-Skipped where no GPU is present (CI has none). ``accelerator.prepare`` moves the matcher, and
-with it the frozen endpoints (which are neither parameters nor buffers), onto the device; the
-float64 run must then follow a CPU run step for step, and ``merge`` must stay an exact
-symmetry of each endpoint, also after training under bf16 autocast.
+Skipped where no GPU is present (CI has none; ``tests/test_devices.py`` checks device placement
+there). ``accelerator.prepare`` moves the matcher, and with it the frozen endpoints (which are
+neither parameters nor buffers), onto the device; the float64 run must then follow a CPU run
+step for step, and ``merge`` must stay an exact symmetry of each endpoint, also after training
+under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+import hf_lmc
 from hf_lmc import DualMatcher
+from hf_lmc.pipeline import merge, merge_models
 from hf_lmc.verify import float64_rmsnorm, tiny_configs
 from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs
+from tests.test_devices import _computes, _tensors, _twin_folders
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -113,3 +118,28 @@ def test_bf16_autocast_trains_on_cuda_and_the_merge_stays_exact(arch):
         merged = matcher.merge(alpha)
         assert next(merged.parameters()).dtype == torch.float32
         assert relative_error(logits(merged, _cuda(inputs)).cpu(), logits(endpoint, inputs)) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_weight_merge_on_cuda_of_a_twin_is_a(arch, tmp_path):
+    """Weight matching and the export on the GPU (`--device cuda`): B a random symmetry of A."""
+    model, folders = _twin_folders(tmp_path, arch)
+    out = merge(*folders, tmp_path / "merged", progress=False, device="cuda").output
+    assert _computes(out, model, arch) < 1e-3
+
+
+def test_universe_merge_on_cuda_of_twins_is_the_model(tmp_path):
+    model, folders = _twin_folders(tmp_path, "llama", count=3)
+    out = merge_models(folders, tmp_path / "merged", progress=False, device="cuda").output
+    assert _computes(out, model, "llama") < 1e-3
+
+
+def test_weight_matching_on_cuda_matches_the_cpu():
+    """Independent models: the GPU's float32 products round differently, so the objective, not
+    each assignment, is compared."""
+    config = tiny_configs()["llama"]
+    a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
+    cpu, gpu = hf_lmc.WeightMatcher(progress=False, device="cpu"), hf_lmc.WeightMatcher(progress=False, device="cuda")
+    on_cpu, on_gpu = cpu.fit(a, b), gpu.fit(a, b)
+    assert all(t.device.type == "cpu" for t in _tensors(on_gpu).values())
+    assert cpu.objective(a, b, on_gpu) == pytest.approx(cpu.objective(a, b, on_cpu), rel=1e-4)

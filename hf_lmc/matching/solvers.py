@@ -131,11 +131,11 @@ def assign(similarity: Tensor) -> Tensor:
     """
     cost = similarity.detach().to("cpu", torch.float64, copy=True).neg_()  # scipy solves on the CPU
     rows, cols = linear_sum_assignment(cost.numpy())  # a C-contiguous float64 array: not copied
-    return _perm_from_pairs(torch.as_tensor(rows).long(), torch.as_tensor(cols).long(), similarity.shape[1])
+    return _perm_from_pairs(torch.as_tensor(rows, device="cpu").long(), torch.as_tensor(cols, device="cpu").long(), similarity.shape[1])
 
 
 def _perm_from_pairs(rows: Tensor, cols: Tensor, n: int) -> Tensor:
-    perm = torch.empty(n, dtype=torch.long)
+    perm = torch.empty(n, dtype=torch.long, device="cpu")
     perm[cols] = rows
     return perm
 
@@ -149,12 +149,14 @@ def assign_product(left: Tensor, right: Tensor, rows: int = 1024, candidates: in
     The product is kept in its own dtype (the float64 matrix ``linear_sum_assignment`` needs is
     4x a bfloat16 one: 537 MB at FFN 8192). The assignment is solved on each row's
     ``candidates`` best columns, then certified optimal for the whole matrix by LP duality
-    (:func:`_certified_sparse_assignment`), adding any column the certificate rejects.
+    (:func:`_certified_sparse_assignment`), adding any column the certificate rejects. The
+    product runs where ``left`` and ``right`` are; the assignment on the CPU.
     """
     n, m = left.shape[0], right.shape[0]
-    product = torch.empty(n, m, dtype=torch.promote_types(left.dtype, right.dtype))
+    product = torch.empty(n, m, dtype=torch.promote_types(left.dtype, right.dtype), device=left.device)
     for i in range(0, n, rows):
         torch.matmul(left[i : i + rows], right.T, out=product[i : i + rows])
+    product = product.cpu()
     if n != m or n * m < _SPARSE_FROM:
         return assign(product)
     return _certified_sparse_assignment(product, candidates, rows)
@@ -181,7 +183,7 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
     for i in range(0, n, rows):
         block = similarity[i : i + rows]
         edge_cols.append(block.topk(k, dim=1).indices.reshape(-1))
-        edge_rows.append(torch.arange(i, i + block.shape[0]).repeat_interleave(k))
+        edge_rows.append(torch.arange(i, i + block.shape[0], device="cpu").repeat_interleave(k))
     edge_rows, edge_cols = torch.cat(edge_rows), torch.cat(edge_cols)
     for _ in range(n):  # each round adds at least one edge; in practice one or two rounds
         cost = top - similarity[edge_rows, edge_cols].double() + 1
@@ -190,8 +192,8 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
             matched_rows, matched_cols = min_weight_full_bipartite_matching(graph)
         except ValueError:  # no full matching among the candidates: widen them
             return _certified_sparse_assignment(similarity, 4 * k, rows) if 4 * k < n else assign(similarity)
-        matched_rows, matched_cols = torch.as_tensor(matched_rows).long(), torch.as_tensor(matched_cols).long()
-        col_of = torch.empty(n, dtype=torch.long)
+        matched_rows, matched_cols = torch.as_tensor(matched_rows, device="cpu").long(), torch.as_tensor(matched_cols, device="cpu").long()
+        col_of = torch.empty(n, dtype=torch.long, device="cpu")
         col_of[matched_rows] = matched_cols
         u, v = _assignment_duals(edge_rows, edge_cols, cost, col_of, top)
         if u is None:  # no convergence (round-off cycles): let the dense solver decide
@@ -231,12 +233,12 @@ def _assignment_duals(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Dual potentials ``(u, v)`` of an optimal sparse assignment, or ``(None, None)``."""
     n = col_of.shape[0]
-    matched_cost = torch.empty(n, dtype=torch.float64)
+    matched_cost = torch.empty(n, dtype=torch.float64, device="cpu")
     is_matched = edge_cols == col_of[edge_rows]
     matched_cost[edge_rows[is_matched]] = cost[is_matched]
     weight = cost - matched_cost[edge_rows]  # v_j <= v_pi(i) + weight
     source = col_of[edge_rows]
-    v = torch.zeros(n, dtype=torch.float64)  # a virtual source with a zero edge to every column
+    v = torch.zeros(n, dtype=torch.float64, device="cpu")  # a virtual source with a zero edge to every column
     slack = 1e-12 * (abs(top) + 1)
     for _ in range(n + 1):  # Bellman-Ford, all edges at once
         relaxed = v.scatter_reduce(0, edge_cols, v[source] + weight, reduce="amin")
@@ -251,17 +253,18 @@ def assign_heads(similarity: Tensor, num_kv_heads: int) -> tuple[Tensor, Tensor]
 
     Under GQA a query head must stay with the KV head it shares: every (A KV head, B KV head)
     pair gets the best assignment of their query heads, then KV heads are assigned on those
-    totals. ``similarity[i, j]`` compares A's query head ``i`` with B's ``j``.
+    totals. ``similarity[i, j]`` compares A's query head ``i`` with B's ``j``. Solved on the CPU.
     """
+    similarity = similarity.cpu()
     g = similarity.shape[0] // num_kv_heads
     within = {}
-    kv_sim = torch.empty(num_kv_heads, num_kv_heads, dtype=similarity.dtype)
+    kv_sim = torch.empty(num_kv_heads, num_kv_heads, dtype=similarity.dtype, device="cpu")
     for ia in range(num_kv_heads):
         for jb in range(num_kv_heads):
             block = similarity[ia * g : (ia + 1) * g, jb * g : (jb + 1) * g]
             perm = assign(block)
             within[ia, jb] = perm
-            kv_sim[ia, jb] = block[perm, torch.arange(g)].sum()
+            kv_sim[ia, jb] = block[perm, torch.arange(g, device="cpu")].sum()
     kv_perm = assign(kv_sim)
     query_perm = torch.cat([kv_perm[jb] * g + within[int(kv_perm[jb]), jb] for jb in range(num_kv_heads)])
     return kv_perm, query_perm
@@ -290,6 +293,9 @@ class Moments:
             vec_a @ vec_a.T, vec_b @ vec_b.T, vec_a @ vec_b.T, cov_a @ cov_a.T, cov_b @ cov_b.T, cov_a @ cov_b.T
         )
 
+    def to(self, device: str | torch.device) -> "Moments":
+        return Moments(*(m.to(device) for m in (self.vec_aa, self.vec_bb, self.vec_ab, self.cov_aa, self.cov_bb, self.cov_ab)))
+
     def sub(self, index) -> "Moments":
         """The moments of rows ``index`` of every data matrix."""
         return Moments(
@@ -310,7 +316,7 @@ def _balancing(p: Tensor, r: Tensor, ridge: float = 1e-12) -> tuple[Tensor, Tens
     they are all positive, i.e. where ``vec^T cov`` has full rank ``b``.
     """
     b = p.shape[0]
-    eye = torch.eye(b, dtype=p.dtype)
+    eye = torch.eye(b, dtype=p.dtype, device=p.device)
     p = p + ridge * (p.trace() / b + 1e-30) * eye
     r = r + ridge * (r.trace() / b + 1e-30) * eye
     chol = torch.linalg.cholesky(p)
@@ -343,7 +349,7 @@ def _match_gl_least_squares(moments: Moments) -> tuple[Tensor, Tensor]:
     lam = 1e-10 * (tr[1] + tr[2]) / b + 1e-300
     ea, ua = torch.linalg.eigh(moments.cov_aa)
     eb, ub = torch.linalg.eigh(moments.vec_bb)
-    c = moments.vec_ab + moments.cov_ab + lam * scale * torch.eye(b, dtype=dtype)
+    c = moments.vec_ab + moments.cov_ab + lam * scale * torch.eye(b, dtype=dtype, device=moments.vec_ab.device)
     m = ua @ ((ua.T @ c @ ub) / (ea.clamp_min(0)[:, None] + eb.clamp_min(0)[None, :] + lam)) @ ub.T
     return _conditioned(m)
 
@@ -397,7 +403,8 @@ def match_rotary_moments(moments: Moments, rotary_dim: int) -> tuple[Tensor, Ten
     """:func:`match_rotary` from the data's second moments."""
     head_dim, half = moments.vec_aa.shape[0], rotary_dim // 2
     dtype = moments.vec_aa.dtype
-    scales, angles = torch.empty(half, dtype=dtype), torch.empty(half, dtype=dtype)
+    device = moments.vec_aa.device
+    scales, angles = torch.empty(half, dtype=dtype, device=device), torch.empty(half, dtype=dtype, device=device)
     for i in range(half):
         pair = moments.sub([i, i + half])
         s_a = _pair_scale(pair.vec_aa.trace(), pair.cov_aa.trace())
@@ -414,7 +421,7 @@ def match_rotary_moments(moments: Moments, rotary_dim: int) -> tuple[Tensor, Ten
 def _pair_scale(vec_sq: Tensor, cov_sq: Tensor) -> Tensor:
     """``s`` with ``|s vec| = |cov / s|`` from the squared norms (1 when either side is zero)."""
     if vec_sq <= 0 or cov_sq <= 0:
-        return torch.ones((), dtype=vec_sq.dtype)
+        return torch.ones((), dtype=vec_sq.dtype, device=vec_sq.device)
     return (cov_sq / vec_sq).sqrt().sqrt()
 
 

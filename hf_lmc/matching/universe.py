@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel, combine, simplex_weights
+from ..devices import compute_device
 from ..symmetry import Transform
 from .weight import WeightMatcher, _check_compatible
 
@@ -42,7 +43,8 @@ class UniverseMatcher:
         max_rounds: upper bound on leave-one-out rounds after the seed.
         tol: stop when a round lowers the weighted objective by less than this (relative).
         progress: show a progress bar over the fits.
-        **options: passed on to each :class:`WeightMatcher` (``max_sweeps``, ``dtype``, ...).
+        **options: passed on to each :class:`WeightMatcher` (``max_sweeps``, ``dtype``,
+            ``device``, ...); the references are built on that ``device`` too.
 
     ``fit(models, weights)`` returns one :class:`Transform` per model; the merge is
     ``sum_k weights[k] T_k(models[k])``. ``history`` holds the weighted objective (mean relative
@@ -65,12 +67,15 @@ class UniverseMatcher:
         weights = simplex_weights(weights, len(models))
         count = len(models)
         # The matcher's float32 working copies: the reference is rebuilt from them on every read.
-        models = [m.to(torch.float32) for m in models]
+        device = compute_device(self.options.get("device"))
+        models = [m.to(torch.float32, device) for m in models]
         transforms: list[Transform] = [Transform()] * count
         bar = tqdm(total=count - 1 + self.max_rounds * count, desc="universe matching", disable=not self.progress)
 
         def align(k: int, others: list[int]) -> float:
-            reference = combine([transforms[j].to(torch.float32).apply(models[j]) for j in others], _renormalised(weights, others))
+            reference = combine(
+                [transforms[j].to(torch.float32, device).apply(models[j]) for j in others], _renormalised(weights, others)
+            )
             matcher = WeightMatcher(self.symmetries, progress=False, **self.options)
             transforms[k] = matcher.fit(reference, models[k])
             bar.update()

@@ -11,7 +11,8 @@ Coordinate descent on ``sum_t |A_t - T(B)_t|^2 / |A_t|^2`` over canonical tensor
 3. per layer, MLP units by linear assignment (SwiGLU: on balanced up/down, then scales).
 
 Each sweep streams both models group by group; only d x d statistics and the transform are
-kept, so neither model needs to be in memory as a whole.
+kept, so neither model needs to be in memory as a whole. The large products run on ``device``
+(a GPU when there is one); the small solves, and the transform returned, stay on the CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel
+from ..devices import compute_device
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
 from .solvers import (
@@ -77,8 +79,11 @@ class WeightMatcher:
             similarities (bfloat16 by default: they only rank units and heads, and bfloat16
             products run several times faster on CPUs).
         progress: show a progress bar per sweep.
+        device: where each layer's products run (``"cuda"``, ``"cpu"``, ...; default: the
+            current CUDA device when there is one, else the CPU). Layers are moved there one
+            at a time; the per-head solves and assignments run on the CPU.
 
-    ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``.
+    ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``, on the CPU.
     """
 
     def __init__(
@@ -90,8 +95,10 @@ class WeightMatcher:
         dtype: torch.dtype = torch.float32,
         similarity_dtype: torch.dtype = torch.bfloat16,
         progress: bool = True,
+        device: str | torch.device | None = None,
     ):
         self.kinds = resolve_kinds(symmetries)
+        self.device = compute_device(device)
         self.dtype = dtype
         self.similarity_dtype = similarity_dtype
         self.max_sweeps = max_sweeps
@@ -106,7 +113,7 @@ class WeightMatcher:
         self.history = []
         # Embeddings and head: their only symmetry is the residual map, so their statistics are
         # gathered once and seed the first residual estimate.
-        fixed = _ResidualStats(spec.hidden_size)
+        fixed = _ResidualStats(spec.hidden_size, self.device)
         for group in ("embed", "head"):
             fixed.add(self._cast(a.group(group)), self._cast(b.group(group)))
         residual = self._first_residual(spec, a, b, fixed)
@@ -114,7 +121,7 @@ class WeightMatcher:
         best, best_objective = Transform(), float("inf")
         for sweep in range(self.max_sweeps):
             stats = fixed.copy()
-            rotate = Transform({"residual": residual} if residual is not None else {})
+            rotate = Transform({"residual": residual} if residual is not None else {}).to(device=self.device)
             for i in tqdm(
                 range(spec.num_layers),
                 desc=f"weight matching, sweep {sweep + 1}",
@@ -124,7 +131,7 @@ class WeightMatcher:
                 ga, gb = self._cast(a.group(i)), self._cast(b.group(i))
                 maps = self._match_layer(spec, i, ga, gb, rotate)
                 layer_maps |= maps
-                stats.add(ga, gb, Transform(maps).to(self.dtype))
+                stats.add(ga, gb, Transform(maps).to(self.dtype, self.device))
                 del ga, gb
             # One pass scores the layer maps under the current residual map and under its refit.
             current = stats.objective(residual)
@@ -142,7 +149,7 @@ class WeightMatcher:
         return best
 
     def _cast(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {k: v.to(self.dtype) for k, v in tensors.items()}
+        return {k: v.to(device=self.device, dtype=self.dtype) for k, v in tensors.items()}
 
     def objective(self, a: CanonicalModel, b: CanonicalModel, transform: Transform) -> float:
         """Mean relative squared distance ``|A_t - T(B)_t|^2 / |A_t|^2`` over tensors."""
@@ -159,11 +166,11 @@ class WeightMatcher:
     # -- residual ----------------------------------------------------------------------------
 
     def _solve_residual(self, spec: ArchSpec, stats: "_ResidualStats") -> ResidualMap | None:
-        d = spec.hidden_size
-        if "residual" in self.kinds:
-            matrix = polar_fixing_ones(stats.cross) if spec.centred else polar(stats.cross)
+        d, cross = spec.hidden_size, stats.cross
+        if "residual" in self.kinds:  # the d x d SVD where the statistics are: a GPU's beats one CPU thread's
+            matrix = (polar_fixing_ones(cross) if spec.centred else polar(cross)).cpu()
         elif "residual_permutation" in self.kinds:
-            matrix = torch.eye(d, dtype=torch.float64)[assign(stats.cross)].T
+            matrix = torch.eye(d, dtype=torch.float64, device="cpu")[assign(cross)].T
         else:
             return None
         return ResidualMap.from_matrix(matrix)
@@ -181,10 +188,11 @@ class WeightMatcher:
         """
         if "residual" not in self.kinds:
             return self._solve_residual(spec, fixed)
-        completion = CompletedPolar(fixed.cross, fixing_ones=spec.centred)
+        completion = CompletedPolar(fixed.cross.cpu(), fixing_ones=spec.centred)
         for i in range(spec.num_layers if completion.free else 0):
-            for circuit_a, circuit_b in zip(_circuits(spec, i, a.group(i)), _circuits(spec, i, b.group(i))):
-                completion.add(circuit_a, circuit_b)
+            circuits = zip(_circuits(spec, i, self._cast(a.group(i))), _circuits(spec, i, self._cast(b.group(i))))
+            for circuit_a, circuit_b in circuits:
+                completion.add(circuit_a.cpu(), circuit_b.cpu())
         return ResidualMap.from_matrix(completion.solve())
 
     # -- layers ------------------------------------------------------------------------------
@@ -212,7 +220,7 @@ class WeightMatcher:
 
         qa, ka, va, oa = heads(a)
         qb, kb, vb, ob = heads(b)
-        group = torch.arange(h) // g
+        group = torch.arange(h, device=self.device) // g
         if "heads" in self.kinds:
             # Heads are ranked by circuit similarities from (heads, heads, dh, dh) cross blocks and
             # (heads, dh, dh) self blocks: one matmul each in similarity_dtype (they only rank
@@ -231,28 +239,31 @@ class WeightMatcher:
             )
             kv_perm, query_perm = assign_heads(qk + ov, kv)
         else:
-            kv_perm, query_perm = torch.arange(kv), torch.arange(h)
+            kv_perm, query_perm = torch.arange(kv, device="cpu"), torch.arange(h, device="cpu")
 
         # The per-KV-head maps must be exact for twins: their moments are taken in float64, one
         # KV head's slices at a time (a whole layer in float64 is 8 d^2 doubles at peak).
         def rows(x: Tensor, heads: Tensor) -> Tensor:  # the heads' (dh, m) data side by side
-            return x[heads].transpose(0, 1).reshape(dh, -1).double()
+            return x[heads.to(x.device)].transpose(0, 1).reshape(dh, -1).double()
+
+        def moments(*data: Tensor) -> Moments:  # (dh, dh) products where the data is, solved on the CPU
+            return Moments.of(*data).to("cpu")
 
         qk_blocks, ov_blocks = [], []
         for jb in range(kv):
             ia = int(kv_perm[jb])
-            b_queries = torch.arange(jb * g, (jb + 1) * g)
+            b_queries = torch.arange(jb * g, (jb + 1) * g, device="cpu")
             a_queries = query_perm[b_queries]
             if "qk" in self.kinds:
-                moments = Moments.of(rows(qa, a_queries), ka[ia].double(), rows(qb, b_queries), kb[jb].double())
+                qk_moments = moments(rows(qa, a_queries), ka[ia].double(), rows(qb, b_queries), kb[jb].double())
                 qk_blocks.append(
-                    match_rotary_moments(moments, spec.rotary_dim) if spec.rotary_dim else match_gl_moments(moments)
+                    match_rotary_moments(qk_moments, spec.rotary_dim) if spec.rotary_dim else match_gl_moments(qk_moments)
                 )
             if "ov" in self.kinds:
                 ov_blocks.append(
-                    match_gl_moments(Moments.of(va[ia].double(), rows(oa, a_queries), vb[jb].double(), rows(ob, b_queries)))
+                    match_gl_moments(moments(va[ia].double(), rows(oa, a_queries), vb[jb].double(), rows(ob, b_queries)))
                 )
-        eye = BlockMonomial.identity(kv, dh)
+        eye = BlockMonomial.identity(kv, dh, device="cpu")
         qk = (
             BlockMonomial(kv_perm, *_stack(qk_blocks))
             if qk_blocks
@@ -289,17 +300,17 @@ class WeightMatcher:
             return up, down, gate
 
         scaled = spec.gated_mlp and "mlp_scale" in self.kinds
-        scale_a = scale_b = torch.ones(n, dtype=torch.float64)
+        scale_a = scale_b = torch.ones(n, dtype=torch.float64, device="cpu")
         if scaled:
-            scale_a = balanced_scales(*units(a, self.dtype)[:2]).double()
-            scale_b = balanced_scales(*units(b, self.dtype)[:2]).double()
+            scale_a = balanced_scales(*units(a, self.dtype)[:2]).double().cpu()
+            scale_b = balanced_scales(*units(b, self.dtype)[:2]).double().cpu()
         if "mlp" not in self.kinds:
-            perm = torch.arange(n)
+            perm = torch.arange(n, device="cpu")
         else:
 
             def descriptors(up, down, gate, scale):  # one row per unit: balanced up, down, gate
                 if scaled:
-                    scale = scale.to(low)[:, None]
+                    scale = scale.to(device=up.device, dtype=low)[:, None]
                     up, down = scale * up, down / scale
                 return torch.cat([up, down] + ([gate] if gate is not None else []), 1)
 
@@ -317,14 +328,14 @@ class _ResidualStats:
     tensor weighted by ``1/|x_a|^2``, plus the constant terms).
     """
 
-    def __init__(self, d: int):
-        self.cross = torch.zeros(d, d, dtype=torch.float64)
-        self.weighted = torch.zeros(d, d, dtype=torch.float64)
+    def __init__(self, d: int, device: torch.device):
+        self.cross = torch.zeros(d, d, dtype=torch.float64, device=device)
+        self.weighted = torch.zeros(d, d, dtype=torch.float64, device=device)
         self.constant = 0.0
         self.count = 0
 
     def copy(self) -> "_ResidualStats":
-        other = _ResidualStats(self.cross.shape[0])
+        other = _ResidualStats(self.cross.shape[0], self.cross.device)
         other.cross, other.weighted = self.cross.clone(), self.weighted.clone()
         other.constant, other.count = self.constant, self.count
         return other
@@ -353,7 +364,7 @@ class _ResidualStats:
 
     def objective(self, residual: ResidualMap | None) -> float:
         """Mean relative squared distance with residual map ``residual`` (identity if None)."""
-        inner = (self.weighted * residual.matrix.double()).sum() if residual is not None else self.weighted.trace()
+        inner = (self.weighted * residual.matrix.to(self.weighted)).sum() if residual is not None else self.weighted.trace()
         return max(self.constant - 2 * inner.item(), 0.0) / max(self.count, 1)
 
 
@@ -366,7 +377,7 @@ def _circuits(spec: ArchSpec, i: int, group: dict[str, Tensor]) -> list[Tensor]:
     """
     p = f"layers.{i}."
     h, kv, dh = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    kv_of_query = torch.arange(h) // spec.group_size
+    kv_of_query = torch.arange(h, device=group[p + "attn.q.weight"].device) // spec.group_size
     q = group[p + "attn.q.weight"].double().reshape(h, dh, -1)
     k = group[p + "attn.k.weight"].double().reshape(kv, dh, -1)[kv_of_query]
     v = group[p + "attn.v.weight"].double().reshape(kv, dh, -1)[kv_of_query]

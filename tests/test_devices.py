@@ -1,0 +1,143 @@
+"""Weight matching and the merge it exports run on the device asked for and create nothing elsewhere.
+
+CI has no GPU, so the check runs the other way round: the data stays on the CPU
+(``device="cpu"``) while every tensor made without an explicit device lands on the ``meta``
+device (``with torch.device("meta")``). A factory call that forgot its device, the bug that
+stops a GPU run with "expected all tensors to be on the same device", then meets CPU data and
+fails here the same way; and a meta tensor read back as a number or index fails or differs.
+``tests/test_cuda.py`` runs the merges on a GPU where there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+import hf_lmc
+from hf_lmc.cli import main
+from hf_lmc.devices import compute_device
+from hf_lmc.matching.solvers import assign_product
+from hf_lmc.pipeline import merge, merge_models
+from hf_lmc.verify import tiny_configs
+from tests.models import ARCHITECTURES, MODEL_CLASSES, build_model, logits, relative_error, sample_inputs
+
+
+def _tensors(transform: hf_lmc.Transform) -> dict[str, torch.Tensor]:
+    return {
+        f"{space}.{path}": value
+        for space, element in transform.maps.items()
+        for path, value in _fields(element)
+    }
+
+
+def _fields(element, prefix=""):
+    for field in dataclasses.fields(element):
+        value = getattr(element, field.name)
+        if isinstance(value, torch.Tensor):
+            yield prefix + field.name, value
+        elif dataclasses.is_dataclass(value):
+            yield from _fields(value, f"{prefix}{field.name}.")
+
+
+def _fit_off_device(a, b, **options) -> None:
+    """Weight matching with every unplaced tensor on meta gives the CPU's transform, bit for bit."""
+    expected = hf_lmc.WeightMatcher(progress=False, device="cpu", **options).fit(a, b)
+    with torch.device("meta"):
+        got = hf_lmc.WeightMatcher(progress=False, device="cpu", **options).fit(a, b)
+    expected, got = _tensors(expected), _tensors(got)
+    assert expected.keys() == got.keys() and expected
+    for name, tensor in expected.items():
+        assert got[name].device.type == "cpu", name
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("symmetries", ["full", "permutation"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_weight_matching_places_every_tensor(arch, symmetries):
+    config = tiny_configs()[arch]
+    a = hf_lmc.canonicalize(build_model(config, seed=1, dtype=torch.float32))
+    b = hf_lmc.canonicalize(build_model(config, seed=2, dtype=torch.float32))
+    _fit_off_device(a, b, symmetries=symmetries)
+
+
+def test_weight_matching_places_the_residual_completion_and_least_squares_heads():
+    """Embeddings spanning 10 of 31 free directions (the circuits complete the residual map) and
+    heads of 8 dims in a 4-wide stream (GL maps by least squares)."""
+    config = transformers.GPTNeoXConfig(
+        vocab_size=5, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8,
+        attention_bias=False, tie_word_embeddings=False, max_position_embeddings=32,
+        rope_parameters={"rope_theta": 10000, "partial_rotary_factor": 0.25, "rope_type": "default"},
+    )
+    a = hf_lmc.canonicalize(build_model(config, seed=136, dtype=torch.float32))
+    _fit_off_device(a, hf_lmc.random_symmetry(a.spec, seed=137, dtype=torch.float32).apply(a).materialize())
+    narrow = transformers.LlamaConfig(
+        vocab_size=16, hidden_size=4, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
+        intermediate_size=6, max_position_embeddings=16,
+    )
+    a = hf_lmc.canonicalize(build_model(narrow, seed=3, dtype=torch.float32))
+    _fit_off_device(a, hf_lmc.canonicalize(build_model(narrow, seed=4, dtype=torch.float32)))
+
+
+def test_sparse_unit_assignment_places_every_tensor():
+    """FFN 1024 and up: the certified sparse assignment (top-k candidates, duals, screens)."""
+    g = torch.Generator().manual_seed(0)
+    left, right = torch.randn(1024, 24, generator=g), torch.randn(1024, 24, generator=g)
+    expected = assign_product(left, right)
+    with torch.device("meta"):
+        got = assign_product(left, right)
+    assert got.device.type == "cpu" and torch.equal(got, expected)
+
+
+def _twin_folders(tmp_path, arch, count=2):
+    model = build_model(tiny_configs()[arch], seed=0, dtype=torch.float32)
+    canonical = hf_lmc.canonicalize(model)
+    folders = [tmp_path / "m0"]
+    model.save_pretrained(folders[0])
+    for k in range(1, count):
+        twin = hf_lmc.to_hf(hf_lmc.random_symmetry(canonical.spec, seed=7 + k, dtype=torch.float32).apply(canonical))
+        twin.save_pretrained(tmp_path / f"m{k}")
+        folders.append(tmp_path / f"m{k}")
+    return model, folders
+
+
+def _computes(out, model, arch) -> float:
+    merged = MODEL_CLASSES[arch].from_pretrained(out).eval()
+    inputs = sample_inputs(model.config)
+    return relative_error(logits(merged, inputs), logits(model, inputs))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def test_merge_places_every_tensor(arch, tmp_path):
+    """The whole pipeline: read, canonicalise, match, move B, sum, write."""
+    model, folders = _twin_folders(tmp_path, arch)
+    with torch.device("meta"):
+        out = merge(*folders, tmp_path / "merged", progress=False, device="cpu").output
+    assert _computes(out, model, arch) < 1e-3
+
+
+def test_universe_merge_places_every_tensor(tmp_path):
+    model, folders = _twin_folders(tmp_path, "llama", count=3)
+    with torch.device("meta"):
+        out = merge_models(folders, tmp_path / "merged", progress=False, device="cpu").output
+    assert _computes(out, model, "llama") < 1e-3
+
+
+def test_device_defaults_to_a_gpu_when_there_is_one_and_refuses_unknown_ones():
+    assert compute_device() == (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    assert compute_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device 'tpu9'"):
+        compute_device("tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            compute_device("cuda")
+
+
+def test_cli_refuses_a_bad_device_before_any_work(tmp_path, capsys):
+    _, folders = _twin_folders(tmp_path, "llama")
+    out = tmp_path / "out"
+    assert main(["merge", *map(str, folders), "-o", str(out), "--device", "tpu9"]) == 2
+    assert "unknown device 'tpu9'" in capsys.readouterr().err and not out.exists()
+    assert main(["merge", *map(str, folders), "-o", str(out), "--device", "cpu"]) == 0 and (out / "config.json").is_file()
