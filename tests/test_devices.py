@@ -141,3 +141,25 @@ def test_cli_refuses_a_bad_device_before_any_work(tmp_path, capsys):
     assert main(["merge", *map(str, folders), "-o", str(out), "--device", "tpu9"]) == 2
     assert "unknown device 'tpu9'" in capsys.readouterr().err and not out.exists()
     assert main(["merge", *map(str, folders), "-o", str(out), "--device", "cpu"]) == 0 and (out / "config.json").is_file()
+
+
+def test_weight_matching_multiplies_in_full_float32_whatever_the_session_set(tmp_path, monkeypatch):
+    """``set_float32_matmul_precision("high")`` (TF32 on GPUs, bfloat16 in oneDNN) would leave a
+    merged twin ~1e-3 off: matching and export run at ``"highest"`` and restore the setting."""
+    seen = []
+    fit = hf_lmc.WeightMatcher._fit
+
+    def recording_fit(self, a, b):
+        seen.append(torch.get_float32_matmul_precision())
+        return fit(self, a, b)
+
+    monkeypatch.setattr(hf_lmc.WeightMatcher, "_fit", recording_fit)
+    model, folders = _twin_folders(tmp_path, "llama")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        out = merge(*folders, tmp_path / "merged", progress=False, device="cpu").output
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert seen == ["highest"] and _computes(out, model, "llama") < 1e-3

@@ -22,7 +22,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel
-from ..devices import compute_device
+from ..devices import compute_device, full_float32_products
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
 from .solvers import (
@@ -109,6 +109,10 @@ class WeightMatcher:
     # -- public ------------------------------------------------------------------------------
 
     def fit(self, a: CanonicalModel, b: CanonicalModel) -> Transform:
+        with full_float32_products():
+            return self._fit(a, b)
+
+    def _fit(self, a: CanonicalModel, b: CanonicalModel) -> Transform:
         spec = _check_compatible(a, b)
         self.history = []
         # Embeddings and head: their only symmetry is the residual map, so their statistics are
