@@ -155,6 +155,9 @@ class WeightMatcher:
     def _cast(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         return {k: v.to(device=self.device, dtype=self.dtype) for k, v in tensors.items()}
 
+    def _moved(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {k: v.to(self.device) for k, v in tensors.items()}
+
     def objective(self, a: CanonicalModel, b: CanonicalModel, transform: Transform) -> float:
         """Mean relative squared distance ``|A_t - T(B)_t|^2 / |A_t|^2`` over tensors."""
         total, count = 0.0, 0
@@ -194,7 +197,7 @@ class WeightMatcher:
             return self._solve_residual(spec, fixed)
         completion = CompletedPolar(fixed.cross.cpu(), fixing_ones=spec.centred)
         for i in range(spec.num_layers if completion.free else 0):
-            circuits = zip(_circuits(spec, i, self._cast(a.group(i))), _circuits(spec, i, self._cast(b.group(i))))
+            circuits = zip(_circuits(spec, i, self._moved(a.group(i))), _circuits(spec, i, self._moved(b.group(i))))
             for circuit_a, circuit_b in circuits:
                 completion.add(circuit_a.cpu(), circuit_b.cpu())
         return ResidualMap.from_matrix(completion.solve())
