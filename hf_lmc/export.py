@@ -155,7 +155,7 @@ class _ShardWriter:
 
 
 def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _write_row_blocks(writer: _ShardWriter, group: RowBlocks, prepare) -> None:

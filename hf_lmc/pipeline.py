@@ -277,7 +277,10 @@ def merge_models(
             config, groups = config_a, _average_groups(folders, config_a, weights)
             untied, total_groups = False, None
         else:
-            canonical = [canonicalize(f, dtype=torch.float32) for f in folders]
+            # Weight matching reads every layer on `device` from the start; the data methods'
+            # matchers place their endpoints themselves (accelerate), from the CPU.
+            on = device if method not in DATA_METHODS else None
+            canonical = [canonicalize(f, dtype=torch.float32, device=on) for f in folders]
             if width_notes:  # models of two widths: exactly into one shape
                 canonical = list(to_common_shape(*canonical, str(models[0]), str(models[1])))
             batches = load_batches(data, config_a, folder_a, data_options) if method in DATA_METHODS else None

@@ -136,11 +136,11 @@ def embed(model: CanonicalModel, spec: ArchSpec, config: PretrainedConfig | None
                 t = embed_residual(t, axis, spec.hidden_size, centred=spec.centred)
                 t = t * scale if role == "out" else t / scale
             elif space.startswith("mlp."):
-                t = _scatter(t, axis, torch.arange(source.intermediate_size), spec.intermediate_size, 1)
+                t = _scatter(t, axis, torch.arange(source.intermediate_size, device="cpu"), spec.intermediate_size, 1)
             elif role in ("q", "o"):  # query-head axes
                 t = _scatter(t, axis, query_slots, spec.num_heads, spec.head_dim)
             else:  # key and value heads
-                t = _scatter(t, axis, torch.arange(source.num_kv_heads), spec.num_kv_heads, spec.head_dim)
+                t = _scatter(t, axis, torch.arange(source.num_kv_heads, device="cpu"), spec.num_kv_heads, spec.head_dim)
         return t
 
     def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:  # token rows embed row by row
@@ -185,12 +185,12 @@ def residual_embedding(d_b: int, d: int, *, centred: bool, dtype=torch.float64) 
 def _query_slots(source: ArchSpec, spec: ArchSpec) -> Tensor:
     """Where B's query heads go: head ``i`` of KV group ``j`` to A's slot ``j * g_A + i``."""
     kv, g = source.num_kv_heads, source.group_size
-    return (torch.arange(kv)[:, None] * spec.group_size + torch.arange(g)[None, :]).reshape(-1)
+    return (torch.arange(kv, device="cpu")[:, None] * spec.group_size + torch.arange(g, device="cpu")[None, :]).reshape(-1)
 
 
 def _scatter(t: Tensor, axis: int, slots: Tensor, count: int, block: int) -> Tensor:
     """``t``'s blocks of ``block`` entries along ``axis`` placed at ``slots`` of ``count``; zeros elsewhere."""
-    index = (slots[:, None] * block + torch.arange(block)[None, :]).reshape(-1).to(t.device)
+    index = (slots[:, None] * block + torch.arange(block, device=slots.device)[None, :]).reshape(-1).to(t.device)
     shape = list(t.shape)
     shape[axis] = count * block
     return t.new_zeros(shape).index_copy(axis, index, t)

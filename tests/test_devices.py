@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 
 import hf_lmc
 from hf_lmc.cli import main
@@ -109,20 +110,45 @@ def _computes(out, model, arch) -> float:
     return relative_error(logits(merged, inputs), logits(model, inputs))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
+def _stored(folder) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            tensors |= {k: f.get_tensor(k) for k in f.keys()}
+    return tensors
+
+
+def _merges_off_device(tmp_path, merge_fn) -> None:
+    """``merge_fn(output)`` writes the same tensors, bit for bit, with unplaced tensors on meta."""
+    merge_fn(tmp_path / "expected")
+    with torch.device("meta"):
+        merge_fn(tmp_path / "got")
+    expected, got = _stored(tmp_path / "expected"), _stored(tmp_path / "got")
+    assert expected.keys() == got.keys() and expected
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_merge_places_every_tensor(arch, tmp_path):
     """The whole pipeline: read, canonicalise, match, move B, sum, write."""
     model, folders = _twin_folders(tmp_path, arch)
-    with torch.device("meta"):
-        out = merge(*folders, tmp_path / "merged", progress=False, device="cpu").output
-    assert _computes(out, model, arch) < 1e-3
+    _merges_off_device(tmp_path, lambda out: merge(*folders, out, progress=False, device="cpu"))
+    assert _computes(tmp_path / "got", model, arch) < 1e-3
 
 
 def test_universe_merge_places_every_tensor(tmp_path):
     model, folders = _twin_folders(tmp_path, "llama", count=3)
-    with torch.device("meta"):
-        out = merge_models(folders, tmp_path / "merged", progress=False, device="cpu").output
-    assert _computes(out, model, "llama") < 1e-3
+    _merges_off_device(tmp_path, lambda out: merge_models(folders, out, progress=False, device="cpu"))
+    assert _computes(tmp_path / "got", model, "llama") < 1e-3
+
+
+def test_merge_of_two_widths_places_every_tensor(tmp_path):
+    narrow, wide = tiny_configs()["gpt2"], tiny_configs()["gpt2"]
+    wide.n_embd, wide.n_head, wide.n_inner = 2 * narrow.n_embd, 2 * narrow.n_head, 2 * (narrow.n_inner or 4 * narrow.n_embd)
+    build_model(narrow, seed=1, dtype=torch.float32).save_pretrained(tmp_path / "narrow")
+    build_model(wide, seed=2, dtype=torch.float32).save_pretrained(tmp_path / "wide")
+    _merges_off_device(tmp_path, lambda out: merge(tmp_path / "narrow", tmp_path / "wide", out, progress=False, device="cpu"))
 
 
 def test_device_defaults_to_a_gpu_when_there_is_one_and_refuses_unknown_ones():
