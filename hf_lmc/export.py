@@ -27,6 +27,7 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from .adapters import adapter_for
 from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_config, hf_state_dict_groups
+from .devices import full_float32_products
 from .checkpoint import SAFETENSORS_DTYPES
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
@@ -216,7 +217,8 @@ def write_checkpoint(
 ) -> Path:
     """Write HF state-dict ``groups`` + ``config`` as a stock checkpoint folder, atomically.
 
-    ``groups`` are consumed: a ``dict`` group is emptied as its tensors are written.
+    ``groups`` are consumed: a ``dict`` group is emptied as its tensors are written. Lazy groups
+    (transforms, sums) are computed as they are read, with float32 products at full precision.
     """
     output = Path(output_dir)
     max_bytes = parse_size(shard_size)
@@ -233,13 +235,14 @@ def write_checkpoint(
                 tensor = tensor.to(dtype)  # before the move: fewer bytes to copy off a GPU
             return tensor.cpu().contiguous()
 
-        for group in tqdm(groups, total=total_groups, desc="writing shards", unit="group", disable=not progress):
-            if isinstance(group, RowBlocks):
-                _write_row_blocks(writer, group, prepare)
-                continue
-            # A group dict is emptied as it is written, so each tensor is freed once on disk.
-            for key, tensor in drain(group) if isinstance(group, dict) else group.items():
-                writer.add(key, prepare(tensor))
+        with full_float32_products():
+            for group in tqdm(groups, total=total_groups, desc="writing shards", unit="group", disable=not progress):
+                if isinstance(group, RowBlocks):
+                    _write_row_blocks(writer, group, prepare)
+                    continue
+                # A group dict is emptied as it is written, so each tensor is freed once on disk.
+                for key, tensor in drain(group) if isinstance(group, dict) else group.items():
+                    writer.add(key, prepare(tensor))
         writer.finish()
         config = _with_dtype(config, dtype)
         config.save_pretrained(staging)

@@ -31,7 +31,7 @@ from .barriers import BarrierResult, SimplexBarrierResult, barrier_of_loaded, pl
 from .canonical import block_rows, canonicalize, combine, export_config, hf_state_dict_groups, simplex_weights, weighted_sum
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
-from .devices import compute_device, full_float32_products
+from .devices import compute_device
 from .evaluation import EvalOptions, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
@@ -332,10 +332,9 @@ def merge_models(
             repo_hint=push_to_hub or str(output),
         )
         extra = {plot_name: Path(scratch) / plot_name} if plot_name else {}
-        with full_float32_products():  # the groups are transformed and summed as they are written
-            write_checkpoint(
-                groups, config, output, shard_size=shard_size, dtype=out_dtype, source_folder=folder_a,
-                card=card, extra_files=extra, overwrite=overwrite, progress=progress, total_groups=total_groups,
-            )
+        write_checkpoint(
+            groups, config, output, shard_size=shard_size, dtype=out_dtype, source_folder=folder_a,
+            card=card, extra_files=extra, overwrite=overwrite, progress=progress, total_groups=total_groups,
+        )
     url = push_folder(output, push_to_hub, private=private, api=api) if push_to_hub else None
     return MergeResult(output, method, weights[1] if count == 2 else None, measured, url, weights)

@@ -169,17 +169,22 @@ def test_cli_refuses_a_bad_device_before_any_work(tmp_path, capsys):
     assert main(["merge", *map(str, folders), "-o", str(out), "--device", "cpu"]) == 0 and (out / "config.json").is_file()
 
 
-def test_weight_matching_multiplies_in_full_float32_whatever_the_session_set(tmp_path, monkeypatch):
+def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(tmp_path, monkeypatch):
     """``set_float32_matmul_precision("high")`` (TF32 on GPUs, bfloat16 in oneDNN) would leave a
     merged twin ~1e-3 off: matching and export run at ``"highest"`` and restore the setting."""
-    seen = []
-    fit = hf_lmc.WeightMatcher._fit
+    fits, writes = [], []
+    fit, add = hf_lmc.WeightMatcher._fit, hf_lmc.export._ShardWriter.add
 
     def recording_fit(self, a, b):
-        seen.append(torch.get_float32_matmul_precision())
+        fits.append(torch.get_float32_matmul_precision())
         return fit(self, a, b)
 
+    def recording_add(self, key, tensor):  # each tensor is transformed and summed just before
+        writes.append(torch.get_float32_matmul_precision())
+        return add(self, key, tensor)
+
     monkeypatch.setattr(hf_lmc.WeightMatcher, "_fit", recording_fit)
+    monkeypatch.setattr(hf_lmc.export._ShardWriter, "add", recording_add)
     model, folders = _twin_folders(tmp_path, "llama")
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
@@ -188,4 +193,5 @@ def test_weight_matching_multiplies_in_full_float32_whatever_the_session_set(tmp
         assert torch.get_float32_matmul_precision() == "medium"
     finally:
         torch.set_float32_matmul_precision(previous)
-    assert seen == ["highest"] and _computes(out, model, "llama") < 1e-3
+    assert fits == ["highest"] and writes and set(writes) == {"highest"}
+    assert _computes(out, model, "llama") < 1e-3
