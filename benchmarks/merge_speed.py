@@ -64,6 +64,7 @@ def pythia_1b_config(scale: float) -> tf.GPTNeoXConfig:
 def write_pair(folder: Path, config: tf.GPTNeoXConfig, noise: float, seed: int = 0) -> tuple[Path, Path]:
     """A = fresh init (saved float16); B = random symmetry of A + relative noise, streamed."""
     import hf_lmc
+    from hf_lmc.devices import compute_device
     from hf_lmc.export import save_canonical
 
     a, b = folder / "a", folder / "b"
@@ -72,12 +73,13 @@ def write_pair(folder: Path, config: tf.GPTNeoXConfig, noise: float, seed: int =
         model = tf.GPTNeoXForCausalLM(config)
     model.half().save_pretrained(a)
     del model
-    canonical = hf_lmc.canonicalize(a, dtype=torch.float32)
-    transform = hf_lmc.random_symmetry(canonical.spec, seed=seed + 1, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed + 2)
+    device = compute_device()  # B's ~4 TFLOP of rotations: a GPU's seconds, or the CPU's minutes
+    canonical = hf_lmc.canonicalize(a, dtype=torch.float32, device=device)
+    transform = hf_lmc.random_symmetry(canonical.spec, seed=seed + 1, dtype=torch.float32).to(device=device)
+    generator = torch.Generator(device).manual_seed(seed + 2)
 
     def perturb(_, t):
-        return t + noise * t.std() * torch.randn(t.shape, generator=generator)
+        return t + noise * t.std() * torch.randn(t.shape, generator=generator, device=device)
 
     save_canonical(transform.apply(canonical).map_tensors(perturb), b, dtype=torch.float16, shard_size="2GB")
     return a, b
