@@ -11,8 +11,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -45,3 +50,19 @@ def householder_to_first(d: int, dtype=torch.float64, device=None) -> torch.Tens
     v[0] -= 1.0
     norm = v.norm()
     return None if norm < 1e-12 else v / norm
+
+
+def solve_side_by_side(jobs: Sequence[Callable[[], T]]) -> list[T]:
+    """``[job() for job in jobs]``, up to ``torch.get_num_threads()`` jobs at a time.
+
+    For independent small decompositions (weight matching's per-head solves: a few eigh / SVD of
+    ``head_dim``² each). Threads inside one such call gain little, but torch releases the GIL in
+    them, so separate calls run side by side, each on one thread as every decomposition here
+    does: the results are bit for bit the sequential ones. With one thread allowed, the jobs
+    run in turn on the caller's thread.
+    """
+    workers = min(len(jobs), torch.get_num_threads())
+    if workers <= 1:
+        return [job() for job in jobs]
+    with single_threaded_context(), ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda job: job(), jobs))

@@ -7,6 +7,8 @@ centring are really exercised.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import transformers as tf
 from hypothesis import strategies as st
@@ -152,3 +154,21 @@ def char_tokenizer_folder(folder, vocab_size):
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=".")
     fast.save_pretrained(folder)
     return folder
+
+
+def transform_tensors(transform) -> dict[str, torch.Tensor]:
+    """Every tensor of a :class:`hf_lmc.Transform`, by space and field path (for exact comparisons)."""
+    return {
+        f"{space}.{path}": value
+        for space, element in transform.maps.items()
+        for path, value in _fields(element)
+    }
+
+
+def _fields(element, prefix=""):
+    for field in dataclasses.fields(element):
+        value = getattr(element, field.name)
+        if isinstance(value, torch.Tensor):
+            yield prefix + field.name, value
+        elif dataclasses.is_dataclass(value):
+            yield from _fields(value, f"{prefix}{field.name}.")

@@ -21,8 +21,8 @@ import hf_lmc
 from hf_lmc import DualMatcher
 from hf_lmc.pipeline import merge, merge_models
 from hf_lmc.verify import float64_rmsnorm, tiny_configs
-from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs
-from tests.test_devices import _computes, _tensors, _twin_folders
+from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs, transform_tensors
+from tests.test_devices import _computes, _twin_folders
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -141,5 +141,5 @@ def test_weight_matching_on_cuda_matches_the_cpu():
     a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
     cpu, gpu = hf_lmc.WeightMatcher(progress=False, device="cpu"), hf_lmc.WeightMatcher(progress=False, device="cuda")
     on_cpu, on_gpu = cpu.fit(a, b), gpu.fit(a, b)
-    assert all(t.device.type == "cpu" for t in _tensors(on_gpu).values())
+    assert all(t.device.type == "cpu" for t in transform_tensors(on_gpu).values())
     assert cpu.objective(a, b, on_gpu) == pytest.approx(cpu.objective(a, b, on_cpu), rel=1e-4)

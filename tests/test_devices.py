@@ -10,8 +10,6 @@ fails here the same way; and a meta tensor read back as a number or index fails 
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import transformers
@@ -23,24 +21,25 @@ from hf_lmc.devices import compute_device
 from hf_lmc.matching.solvers import assign_product
 from hf_lmc.pipeline import merge, merge_models
 from hf_lmc.verify import tiny_configs
-from tests.models import ARCHITECTURES, MODEL_CLASSES, build_model, logits, relative_error, sample_inputs
+from tests.models import (
+    ARCHITECTURES,
+    MODEL_CLASSES,
+    build_model,
+    logits,
+    relative_error,
+    sample_inputs,
+    transform_tensors,
+)
 
 
-def _tensors(transform: hf_lmc.Transform) -> dict[str, torch.Tensor]:
-    return {
-        f"{space}.{path}": value
-        for space, element in transform.maps.items()
-        for path, value in _fields(element)
-    }
-
-
-def _fields(element, prefix=""):
-    for field in dataclasses.fields(element):
-        value = getattr(element, field.name)
-        if isinstance(value, torch.Tensor):
-            yield prefix + field.name, value
-        elif dataclasses.is_dataclass(value):
-            yield from _fields(value, f"{prefix}{field.name}.")
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Per-head solves run on worker threads when torch may use several, and ``torch.device``
+    contexts do not reach other threads: with one, they run here, under the meta default."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _fit_off_device(a, b, **options) -> None:
@@ -48,7 +47,7 @@ def _fit_off_device(a, b, **options) -> None:
     expected = hf_lmc.WeightMatcher(progress=False, device="cpu", **options).fit(a, b)
     with torch.device("meta"):
         got = hf_lmc.WeightMatcher(progress=False, device="cpu", **options).fit(a, b)
-    expected, got = _tensors(expected), _tensors(got)
+    expected, got = transform_tensors(expected), transform_tensors(got)
     assert expected.keys() == got.keys() and expected
     for name, tensor in expected.items():
         assert got[name].device.type == "cpu", name
@@ -114,7 +113,7 @@ def _stored(folder) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
-            tensors |= {k: f.get_tensor(k) for k in f.keys()}
+            tensors |= {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     return tensors
 
 

@@ -12,7 +12,7 @@ import hf_lmc
 from hf_lmc.matching.solvers import assign, assign_product, match_gl, match_rotary
 from hf_lmc.symmetry.sample import random_gl, rotary_block
 from hf_lmc.verify import tiny_configs
-from tests.models import ARCHITECTURES, CONFIGS, build_model, logits, relative_error, sample_inputs
+from tests.models import ARCHITECTURES, CONFIGS, build_model, logits, relative_error, sample_inputs, transform_tensors
 
 
 def _matcher(method: str, config):
@@ -232,3 +232,24 @@ def test_weight_matching_recovers_a_twin_whose_embeddings_span_less_than_the_str
     merged = hf_lmc.interpolate(a, transform.to(torch.float32).apply(b), 0.5)
     inputs = sample_inputs(config, seed=136)
     assert relative_error(logits(hf_lmc.to_hf(merged), inputs), logits(model, inputs)) < 1e-5
+
+
+def test_per_head_solves_side_by_side_give_the_sequential_transform_bit_for_bit():
+    """Weight matching solves a layer's heads on up to torch.get_num_threads() threads at once,
+    each single-threaded: the transform must not depend on how many ran together."""
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=48, max_position_embeddings=32,
+    )
+    a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 4):
+            torch.set_num_threads(n)
+            results.append(hf_lmc.WeightMatcher(progress=False, device="cpu").fit(a, b))
+    finally:
+        torch.set_num_threads(threads)
+    sequential, side_by_side = (transform_tensors(t) for t in results)
+    assert sequential.keys() == side_by_side.keys()
+    assert all(torch.equal(sequential[name], side_by_side[name]) for name in sequential)

@@ -17,12 +17,15 @@ kept, so neither model needs to be in memory as a whole. The large products run 
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel
 from ..devices import compute_device, full_float32_products
+from ..linalg import solve_side_by_side
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
 from .solvers import (
@@ -256,20 +259,22 @@ class WeightMatcher:
         def moments(*data: Tensor) -> Moments:  # (dh, dh) products where the data is, solved on the CPU
             return Moments.of(*data).to("cpu")
 
-        qk_blocks, ov_blocks = [], []
+        # Moments on the device, head by head; then every head's solve at once, side by side.
+        qk_jobs, ov_jobs = [], []
         for jb in range(kv):
             ia = int(kv_perm[jb])
             b_queries = torch.arange(jb * g, (jb + 1) * g, device="cpu")
             a_queries = query_perm[b_queries]
             if "qk" in self.kinds:
                 qk_moments = moments(rows(qa, a_queries), ka[ia].double(), rows(qb, b_queries), kb[jb].double())
-                qk_blocks.append(
-                    match_rotary_moments(qk_moments, spec.rotary_dim) if spec.rotary_dim else match_gl_moments(qk_moments)
+                qk_jobs.append(
+                    partial(match_rotary_moments, qk_moments, spec.rotary_dim) if spec.rotary_dim else partial(match_gl_moments, qk_moments)
                 )
             if "ov" in self.kinds:
-                ov_blocks.append(
-                    match_gl_moments(moments(va[ia].double(), rows(oa, a_queries), vb[jb].double(), rows(ob, b_queries)))
-                )
+                ov_moments = moments(va[ia].double(), rows(oa, a_queries), vb[jb].double(), rows(ob, b_queries))
+                ov_jobs.append(partial(match_gl_moments, ov_moments))
+        solved = solve_side_by_side(qk_jobs + ov_jobs)
+        qk_blocks, ov_blocks = solved[: len(qk_jobs)], solved[len(qk_jobs) :]
         eye = BlockMonomial.identity(kv, dh, device="cpu")
         qk = (
             BlockMonomial(kv_perm, *_stack(qk_blocks))
