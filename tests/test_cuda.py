@@ -19,6 +19,7 @@ from accelerate.state import AcceleratorState
 
 import hf_lmc
 from hf_lmc import DualMatcher
+from hf_lmc.matching.solvers import assign_product
 from hf_lmc.pipeline import merge, merge_models
 from hf_lmc.verify import float64_rmsnorm, tiny_configs
 from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs, transform_tensors
@@ -143,3 +144,13 @@ def test_weight_matching_on_cuda_matches_the_cpu():
     on_cpu, on_gpu = cpu.fit(a, b), gpu.fit(a, b)
     assert all(t.device.type == "cpu" for t in transform_tensors(on_gpu).values())
     assert cpu.objective(a, b, on_gpu) == pytest.approx(cpu.objective(a, b, on_cpu), rel=1e-4)
+
+
+def test_unit_assignment_on_cuda_recovers_a_planted_permutation():
+    """FFN 2048: the similarity, candidates and certificate screens on the GPU, scipy on the CPU."""
+    g = torch.Generator().manual_seed(0)
+    left = torch.randn(2048, 64, generator=g)
+    perm = torch.randperm(2048, generator=g)
+    right = left[perm] + 0.05 * torch.randn(2048, 64, generator=g)
+    found = assign_product(left.cuda(), right.cuda())
+    assert found.device.type == "cpu" and torch.equal(found, perm) and torch.equal(assign_product(left, right), perm)

@@ -150,13 +150,13 @@ def assign_product(left: Tensor, right: Tensor, rows: int = 1024, candidates: in
     4x a bfloat16 one: 537 MB at FFN 8192). The assignment is solved on each row's
     ``candidates`` best columns, then certified optimal for the whole matrix by LP duality
     (:func:`_certified_sparse_assignment`), adding any column the certificate rejects. The
-    product runs where ``left`` and ``right`` are; the assignment on the CPU.
+    product, the candidates and the certificate's screens run where ``left`` and ``right`` are;
+    the matching itself (scipy) on the CPU.
     """
     n, m = left.shape[0], right.shape[0]
     product = torch.empty(n, m, dtype=torch.promote_types(left.dtype, right.dtype), device=left.device)
     for i in range(0, n, rows):
         torch.matmul(left[i : i + rows], right.T, out=product[i : i + rows])
-    product = product.cpu()
     if n != m or n * m < _SPARSE_FROM:
         return assign(product)
     return _certified_sparse_assignment(product, candidates, rows)
@@ -182,11 +182,11 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
     edge_rows, edge_cols = [], []
     for i in range(0, n, rows):
         block = similarity[i : i + rows]
-        edge_cols.append(block.topk(k, dim=1).indices.reshape(-1))
+        edge_cols.append(block.topk(k, dim=1).indices.reshape(-1).cpu())
         edge_rows.append(torch.arange(i, i + block.shape[0], device="cpu").repeat_interleave(k))
-    edge_rows, edge_cols = torch.cat(edge_rows), torch.cat(edge_cols)
+    edge_rows, edge_cols = torch.cat(edge_rows), torch.cat(edge_cols)  # on the CPU, for scipy
     for _ in range(n):  # each round adds at least one edge; in practice one or two rounds
-        cost = top - similarity[edge_rows, edge_cols].double() + 1
+        cost = top - _entries(similarity, edge_rows, edge_cols).double() + 1
         graph = csr_matrix((cost.numpy(), (edge_rows.numpy(), edge_cols.numpy())), shape=(n, n))
         try:
             matched_rows, matched_cols = min_weight_full_bipartite_matching(graph)
@@ -205,15 +205,22 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
     return assign(similarity)
 
 
+def _entries(similarity: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+    """``similarity[rows, cols]`` on the CPU, gathered where ``similarity`` is."""
+    return similarity[rows.to(similarity.device), cols.to(similarity.device)].cpu()
+
+
 def _violations(similarity: Tensor, u: Tensor, v: Tensor, top: float, largest: float, rows: int) -> tuple[Tensor, Tensor]:
     """Entries whose reduced cost ``top + 1 - similarity_ij - u_i - v_j`` is negative (below
     ``-1e-9`` of the scale): screened in float32 with a bound on its rounding error, then
     decided in float64, so nothing is missed and the dense float64 matrix never exists.
-    ``largest`` is ``max |similarity|``, which bounds the screen's error with the potentials'."""
+    ``largest`` is ``max |similarity|``, which bounds the screen's error with the potentials'.
+    Screened where ``similarity`` is; the entries found come back on the CPU."""
     tol = 1e-9 * (abs(top) + 1)
     row_term, col_term = top + 1 - u, v
     scale = float(row_term.abs().max()) + largest + float(col_term.abs().max())
     screen = 8 * torch.finfo(torch.float32).eps * scale  # float32 error of a - s - b is below this
+    row_term, col_term = row_term.to(similarity.device), col_term.to(similarity.device)
     row32, col32 = row_term.float(), col_term.float()
     found_rows, found_cols = [], []
     step = max(1, rows // 4)  # float32 blocks of 8 MB at n = 8192
@@ -223,8 +230,8 @@ def _violations(similarity: Tensor, u: Tensor, v: Tensor, top: float, largest: f
         r = r + i
         exact = row_term[r] - similarity[r, c].double() - col_term[c]
         keep = exact < -tol
-        found_rows.append(r[keep])
-        found_cols.append(c[keep])
+        found_rows.append(r[keep].cpu())
+        found_cols.append(c[keep].cpu())
     return torch.cat(found_rows), torch.cat(found_cols)
 
 
