@@ -27,8 +27,8 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from .adapters import adapter_for
 from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_config, hf_state_dict_groups
-from .devices import full_float32_products
 from .checkpoint import SAFETENSORS_DTYPES
+from .devices import full_float32_products
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
