@@ -84,7 +84,8 @@ class WeightMatcher:
         progress: show a progress bar per sweep.
         device: where each layer's products run (``"cuda"``, ``"cpu"``, ...; default: the
             current CUDA device when there is one, else the CPU). Layers are moved there one
-            at a time; the per-head solves and assignments run on the CPU.
+            at a time. The per-head solves run on the CPU, up to ``torch.get_num_threads()``
+            side by side, and so does scipy's part of each assignment.
 
     ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``, on the CPU.
     """
