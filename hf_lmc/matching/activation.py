@@ -20,6 +20,7 @@ a transformed one, can be matched.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 from ..adapters import adapter_for
 from ..canonical import CanonicalModel, to_hf
 from ..evaluation import Batch, EvalOptions, load_batches
+from ..linalg import solve_side_by_side
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, resolve_kinds
 from .solvers import Moments, assign, assign_heads, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones
@@ -134,7 +136,7 @@ class ActivationMatcher:
         else:
             kv_perm, query_perm = torch.arange(kv), torch.arange(h)
         q, k = layer.q, layer.k
-        qk_blocks, ov_blocks = [], []
+        qk_jobs, ov_jobs = [], []  # every head's solve, then all at once, side by side
         for jb in range(kv):
             ia = int(kv_perm[jb])
             pairs = [(int(query_perm[j]), j) for j in range(jb * g, (jb + 1) * g)]  # (A head, B head)
@@ -145,7 +147,9 @@ class ActivationMatcher:
                     _block(k.bb, jb, jb, dh),
                     _block(k.ab, ia, jb, dh),
                 )
-                qk_blocks.append(match_rotary_moments(moments, spec.rotary_dim) if spec.rotary_dim else match_gl_moments(moments))
+                qk_jobs.append(
+                    partial(match_rotary_moments, moments, spec.rotary_dim) if spec.rotary_dim else partial(match_gl_moments, moments)
+                )
             if "ov" in self.kinds:
                 vec_aa, vec_bb, vec_ab = _grouped(z, pairs, dh)
                 moments = Moments(
@@ -156,7 +160,9 @@ class ActivationMatcher:
                     sum(writes_b[j] for _, j in pairs),
                     sum(writes[i, j] for i, j in pairs),
                 )
-                ov_blocks.append(match_gl_moments(moments))
+                ov_jobs.append(partial(match_gl_moments, moments))
+        solved = solve_side_by_side(qk_jobs + ov_jobs)
+        qk_blocks, ov_blocks = solved[: len(qk_jobs)], solved[len(qk_jobs) :]
         eye = BlockMonomial.identity(kv, dh)
         qk = BlockMonomial(kv_perm, *_stack(qk_blocks)) if qk_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
         ov = BlockMonomial(kv_perm, *_stack(ov_blocks)) if ov_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
