@@ -18,4 +18,5 @@ run cuda_tests 120 python3 -m pytest -q -p no:warnings tests/test_cuda.py
 run step_160m 90 python3 benchmarks/learned_step.py --device cuda --one-sided
 run step_160m_batch32x1024 120 python3 benchmarks/learned_step.py --device cuda --one-sided --batch 32 --seq 1024
 run step_1.4b_bf16 150 python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16
+run head_solves 60 python3 benchmarks/head_solves.py --threads 1 4 16
 run merge_speed_1b 330 python3 benchmarks/merge_speed.py --workdir /tmp
