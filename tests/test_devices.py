@@ -64,8 +64,8 @@ def test_weight_matching_places_every_tensor(arch, symmetries):
 
 
 def test_weight_matching_places_the_residual_completion_and_least_squares_heads():
-    """Embeddings spanning 10 of 31 free directions (the circuits complete the residual map) and
-    heads of 8 dims in a 4-wide stream (GL maps by least squares)."""
+    """5 tokens fixing the first residual estimate on 10 of a 32-wide stream's 31 directions (the
+    layer circuits complete it), and heads of 8 dims in a 4-wide stream (GL maps by least squares)."""
     config = transformers.GPTNeoXConfig(
         vocab_size=5, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8,
         attention_bias=False, tie_word_embeddings=False, max_position_embeddings=32,
