@@ -1,8 +1,9 @@
 #!/bin/bash
-# The GPU checks in one go (about 7 minutes on an H100): the CUDA tests, then a learned step's
-# cost against a base step at Pythia-160M shape (the README's batch, and a training-size one)
-# and at Pythia-1.4B shape under bf16 autocast, and a weight-matching merge against a plain average
-# at Pythia-1B shape (issue 3). Logs go to ${OUT:-gpu-check}/.
+# The GPU checks in one go (about 7 minutes on an H100), most wanted first: the CUDA tests, a
+# learned step's cost against a base step at Pythia-160M shape (the README's batch), one layer's
+# per-head solves on 1 / 4 / 16 threads, a weight-matching merge against a plain average at
+# Pythia-1B shape, then the learned step at a training-size batch and at Pythia-1.4B shape under
+# bf16 autocast. Logs go to ${OUT:-gpu-check}/.
 set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
@@ -16,7 +17,7 @@ run() {  # run NAME SECONDS COMMAND...: one check, its log, its exit status and 
 }
 run cuda_tests 120 python3 -m pytest -q -p no:warnings tests/test_cuda.py
 run step_160m 90 python3 benchmarks/learned_step.py --device cuda --one-sided
-run step_160m_batch32x1024 120 python3 benchmarks/learned_step.py --device cuda --one-sided --batch 32 --seq 1024
-run step_1.4b_bf16 150 python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16
 run head_solves 60 python3 benchmarks/head_solves.py --threads 1 4 16
 run merge_speed_1b 330 python3 benchmarks/merge_speed.py --workdir /tmp
+run step_160m_batch32x1024 120 python3 benchmarks/learned_step.py --device cuda --one-sided --batch 32 --seq 1024
+run step_1.4b_bf16 150 python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16
