@@ -128,8 +128,8 @@ def main() -> None:
         print(f"pair ready in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr)
         rows = {}
         for method in ("average", "weight"):
-            device = ["--device", args.device] if args.device and method == "weight" else []
-            rows[method] = measure(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB", *device])
+            device_flag = ["--device", args.device] if args.device and method == "weight" else []
+            rows[method] = measure(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB", *device_flag])
         base = rows["average"]["wall"]
         params = sum(p.numel() for p in tf.GPTNeoXForCausalLM(config).parameters()) if args.scale < 0.5 else None
         shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, FFN {config.intermediate_size}, vocab {config.vocab_size}"

@@ -293,7 +293,7 @@ def merge_models(
                         method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress, device=device
                     )
                 ]
-            # Each layer is read on the CPU, moved, summed on `device`, and written back from the CPU.
+            # Each layer is moved (the data methods' endpoints were read on the CPU), summed on `device`, and written from the CPU.
             merged = combine([t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], weights)
             config = export_config(merged)
             out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32

@@ -172,3 +172,27 @@ def _fields(element, prefix=""):
             yield prefix + field.name, value
         elif dataclasses.is_dataclass(value):
             yield from _fields(value, f"{prefix}{field.name}.")
+
+
+def twin_folders(folder, arch: str, symmetry_seeds) -> tuple[object, list]:
+    """A tiny ``arch`` model (seed 0) saved to ``folder/m0``, and the model moved by a random full
+    symmetry per seed saved to ``m1``, ``m2``, ...: stock checkpoints whose merge computes it."""
+    import hf_lmc
+    from hf_lmc.verify import tiny_configs
+
+    model = build_model(tiny_configs()[arch], seed=0, dtype=torch.float32)
+    canonical = hf_lmc.canonicalize(model)
+    folders = [folder / "m0"]
+    model.save_pretrained(folders[0])
+    for k, seed in enumerate(symmetry_seeds, 1):
+        twin = hf_lmc.to_hf(hf_lmc.random_symmetry(canonical.spec, seed=seed, dtype=torch.float32).apply(canonical))
+        twin.save_pretrained(folder / f"m{k}")
+        folders.append(folder / f"m{k}")
+    return model, folders
+
+
+def merged_error(folder, model) -> float:
+    """Relative logit error of the checkpoint in ``folder`` against ``model`` (its stock class)."""
+    merged = MODEL_CLASSES[model.config.model_type].from_pretrained(folder).eval()
+    inputs = sample_inputs(model.config)
+    return relative_error(logits(merged, inputs), logits(model, inputs))

@@ -22,8 +22,16 @@ from hf_lmc import DualMatcher
 from hf_lmc.matching.solvers import assign_product
 from hf_lmc.pipeline import merge, merge_models
 from hf_lmc.verify import float64_rmsnorm, tiny_configs
-from tests.models import ARCHITECTURES, build_model, logits, relative_error, sample_inputs, transform_tensors
-from tests.test_devices import _computes, _twin_folders
+from tests.models import (
+    ARCHITECTURES,
+    build_model,
+    logits,
+    merged_error,
+    relative_error,
+    sample_inputs,
+    transform_tensors,
+    twin_folders,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -124,15 +132,15 @@ def test_bf16_autocast_trains_on_cuda_and_the_merge_stays_exact(arch):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_weight_merge_on_cuda_of_a_twin_is_a(arch, tmp_path):
     """Weight matching and the export on the GPU (`--device cuda`): B a random symmetry of A."""
-    model, folders = _twin_folders(tmp_path, arch)
+    model, folders = twin_folders(tmp_path, arch, [8])
     out = merge(*folders, tmp_path / "merged", progress=False, device="cuda").output
-    assert _computes(out, model, arch) < 1e-3
+    assert merged_error(out, model) < 1e-3
 
 
 def test_universe_merge_on_cuda_of_twins_is_the_model(tmp_path):
-    model, folders = _twin_folders(tmp_path, "llama", count=3)
+    model, folders = twin_folders(tmp_path, "llama", [8, 9])
     out = merge_models(folders, tmp_path / "merged", progress=False, device="cuda").output
-    assert _computes(out, model, "llama") < 1e-3
+    assert merged_error(out, model) < 1e-3
 
 
 def test_weight_matching_on_cuda_matches_the_cpu():

@@ -23,12 +23,10 @@ from hf_lmc.pipeline import merge, merge_models
 from hf_lmc.verify import tiny_configs
 from tests.models import (
     ARCHITECTURES,
-    MODEL_CLASSES,
     build_model,
-    logits,
-    relative_error,
-    sample_inputs,
+    merged_error,
     transform_tensors,
+    twin_folders,
 )
 
 
@@ -91,24 +89,6 @@ def test_sparse_unit_assignment_places_every_tensor():
     assert got.device.type == "cpu" and torch.equal(got, expected)
 
 
-def _twin_folders(tmp_path, arch, count=2):
-    model = build_model(tiny_configs()[arch], seed=0, dtype=torch.float32)
-    canonical = hf_lmc.canonicalize(model)
-    folders = [tmp_path / "m0"]
-    model.save_pretrained(folders[0])
-    for k in range(1, count):
-        twin = hf_lmc.to_hf(hf_lmc.random_symmetry(canonical.spec, seed=7 + k, dtype=torch.float32).apply(canonical))
-        twin.save_pretrained(tmp_path / f"m{k}")
-        folders.append(tmp_path / f"m{k}")
-    return model, folders
-
-
-def _computes(out, model, arch) -> float:
-    merged = MODEL_CLASSES[arch].from_pretrained(out).eval()
-    inputs = sample_inputs(model.config)
-    return relative_error(logits(merged, inputs), logits(model, inputs))
-
-
 def _stored(folder) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
@@ -131,15 +111,15 @@ def _merges_off_device(tmp_path, merge_fn) -> None:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_merge_places_every_tensor(arch, tmp_path):
     """The whole pipeline: read, canonicalise, match, move B, sum, write."""
-    model, folders = _twin_folders(tmp_path, arch)
+    model, folders = twin_folders(tmp_path, arch, [8])
     _merges_off_device(tmp_path, lambda out: merge(*folders, out, progress=False, device="cpu"))
-    assert _computes(tmp_path / "got", model, arch) < 1e-3
+    assert merged_error(tmp_path / "got", model) < 1e-3
 
 
 def test_universe_merge_places_every_tensor(tmp_path):
-    model, folders = _twin_folders(tmp_path, "llama", count=3)
+    model, folders = twin_folders(tmp_path, "llama", [8, 9])
     _merges_off_device(tmp_path, lambda out: merge_models(folders, out, progress=False, device="cpu"))
-    assert _computes(tmp_path / "got", model, "llama") < 1e-3
+    assert merged_error(tmp_path / "got", model) < 1e-3
 
 
 def test_merge_of_two_widths_places_every_tensor(tmp_path):
@@ -161,7 +141,7 @@ def test_device_defaults_to_a_gpu_when_there_is_one_and_refuses_unknown_ones():
 
 
 def test_cli_refuses_a_bad_device_before_any_work(tmp_path, capsys):
-    _, folders = _twin_folders(tmp_path, "llama")
+    _, folders = twin_folders(tmp_path, "llama", [8])
     out = tmp_path / "out"
     assert main(["merge", *map(str, folders), "-o", str(out), "--device", "tpu9"]) == 2
     assert "unknown device 'tpu9'" in capsys.readouterr().err and not out.exists()
@@ -184,7 +164,7 @@ def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(t
 
     monkeypatch.setattr(hf_lmc.WeightMatcher, "_fit", recording_fit)
     monkeypatch.setattr(hf_lmc.export._ShardWriter, "add", recording_add)
-    model, folders = _twin_folders(tmp_path, "llama")
+    model, folders = twin_folders(tmp_path, "llama", [8])
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
     try:
@@ -193,4 +173,4 @@ def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(t
     finally:
         torch.set_float32_matmul_precision(previous)
     assert fits == ["highest"] and writes and set(writes) == {"highest"}
-    assert _computes(out, model, "llama") < 1e-3
+    assert merged_error(out, model) < 1e-3

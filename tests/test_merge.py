@@ -9,11 +9,18 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 
-import hf_lmc
 from hf_lmc.cli import main
 from hf_lmc.pipeline import merge
 from hf_lmc.verify import tiny_configs
-from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
+from tests.models import (
+    MODEL_CLASSES,
+    build_model,
+    char_tokenizer_folder,
+    logits,
+    relative_error,
+    sample_inputs,
+    twin_folders,
+)
 
 
 def _save(model, folder, **kwargs):
@@ -21,17 +28,9 @@ def _save(model, folder, **kwargs):
     return folder
 
 
-def _twin_folders(tmp_path, arch, seed=0):
-    """A and B = A moved by a random symmetry, both saved as stock checkpoints."""
-    model = build_model(tiny_configs()[arch], seed=seed, dtype=torch.float32)
-    canonical = hf_lmc.canonicalize(model)
-    twin = hf_lmc.to_hf(hf_lmc.random_symmetry(canonical.spec, seed=seed + 7, dtype=torch.float32).apply(canonical))
-    return model, _save(model, tmp_path / "a"), _save(twin, tmp_path / "b")
-
-
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "vit"])
 def test_weight_merge_of_a_twin_is_a(arch, tmp_path):
-    model, a, b = _twin_folders(tmp_path, arch)
+    model, (a, b) = twin_folders(tmp_path, arch, [7])
     out = merge(a, b, tmp_path / "merged", shard_size="3KB", progress=False).output
     assert (out / "model.safetensors.index.json").is_file()  # small shards: several files + index
     merged = MODEL_CLASSES[arch].from_pretrained(out).eval()
@@ -97,7 +96,7 @@ class RecordingApi:
 
 
 def test_push_to_hub_creates_repo_and_uploads_the_folder(tmp_path):
-    _, a, b = _twin_folders(tmp_path, "gpt2")
+    _, (a, b) = twin_folders(tmp_path, "gpt2", [7])
     api = RecordingApi()
     result = merge(a, b, tmp_path / "m", push_to_hub="user/merged", private=True, api=api, progress=False)
     assert result.url == "https://huggingface.co/user/merged"
@@ -171,7 +170,7 @@ def test_bad_inputs(tmp_path, capsys):
 
 
 def test_barrier_cli_prints_json(tmp_path, capsys):
-    _, a, b = _twin_folders(tmp_path, "vit")
+    _, (a, b) = twin_folders(tmp_path, "vit", [7])
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "d.pt")
     assert main(["barrier", str(a), str(b), "--data", str(tmp_path / "d.pt"), "--alphas", "3", "--json", "--plot", str(tmp_path / "p.png")]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -181,7 +180,7 @@ def test_barrier_cli_prints_json(tmp_path, capsys):
 @pytest.mark.parametrize("method", ["activation", "learned", "dual"])
 def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     """Twins stay exact through every data-driven method (learned ones start at weight matching)."""
-    model, a, b = _twin_folders(tmp_path, "vit")
+    model, (a, b) = twin_folders(tmp_path, "vit", [7])
     torch.save({"pixel_values": torch.randn(12, 3, 8, 8), "labels": torch.randint(0, 3, (12,))}, tmp_path / "fit.pt")
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
     args = ["merge", str(a), str(b), "-o", str(tmp_path / "m"), "--method", method, "--data", str(tmp_path / "fit.pt"),
@@ -202,7 +201,7 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
 
 
 def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
-    _, a, b = _twin_folders(tmp_path, "vit")
+    _, (a, b) = twin_folders(tmp_path, "vit", [7])
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "d.pt")
     assert main(["barrier", str(a), str(b), "--data", str(tmp_path / "d.pt"), "--method", "learned"]) == 2
     assert "pass --fit-data" in capsys.readouterr().err

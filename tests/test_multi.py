@@ -18,7 +18,16 @@ from hf_lmc.canonical import combine
 from hf_lmc.cli import main
 from hf_lmc.pipeline import merge, merge_models
 from hf_lmc.verify import tiny_configs
-from tests.models import ARCHITECTURES, CONFIGS, MODEL_CLASSES, build_model, logits, relative_error, sample_inputs
+from tests.models import (
+    ARCHITECTURES,
+    CONFIGS,
+    MODEL_CLASSES,
+    build_model,
+    logits,
+    relative_error,
+    sample_inputs,
+    twin_folders,
+)
 from tests.test_merge import _fails, _save
 
 
@@ -109,15 +118,8 @@ def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
         assert relative_error(logits(matcher.merge(vertex), inputs), logits(expected, inputs)) < 1e-6
 
 
-def _twin_folders(tmp_path, arch, count=3):
-    model = build_model(tiny_configs()[arch], seed=0, dtype=torch.float32)
-    folders = [_save(model, tmp_path / "m0")]
-    folders += [_save(hf_lmc.to_hf(t), tmp_path / f"m{k}") for k, t in enumerate(_twins(model, range(5, 4 + count)), 1)]
-    return model, folders
-
-
 def test_cli_merge_of_three_twins_lists_every_model_and_weight(tmp_path, capsys):
-    model, folders = _twin_folders(tmp_path, "gpt2")
+    model, folders = twin_folders(tmp_path, "gpt2", [5, 6])
     out = tmp_path / "merged"
     assert main(["merge", *map(str, folders), "-o", str(out), "--weights", "0.5", "0.3", "0.2"]) == 0
     merged = MODEL_CLASSES["gpt2"].from_pretrained(out).eval()
@@ -153,7 +155,7 @@ def test_two_models_through_merge_models_are_merge_bit_for_bit(tmp_path):
 
 
 def test_dual_merge_of_three_twins_with_the_simplex_barrier_in_the_card(tmp_path, capsys):
-    model, folders = _twin_folders(tmp_path, "vit")
+    model, folders = twin_folders(tmp_path, "vit", [5, 6])
     torch.save({"pixel_values": torch.randn(12, 3, 8, 8), "labels": torch.randint(0, 3, (12,))}, tmp_path / "fit.pt")
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
     out = tmp_path / "dual"
@@ -172,7 +174,7 @@ def test_dual_merge_of_three_twins_with_the_simplex_barrier_in_the_card(tmp_path
 
 
 def test_barrier_cli_over_the_simplex_of_three_twins(tmp_path, capsys):
-    _, folders = _twin_folders(tmp_path, "vit")
+    _, folders = twin_folders(tmp_path, "vit", [5, 6])
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
     plot = tmp_path / "simplex.png"
     args = ["barrier", *map(str, folders), "--data", str(tmp_path / "eval.pt"), "--alphas", "3", "--json", "--plot", str(plot)]
@@ -186,7 +188,7 @@ def test_barrier_cli_over_the_simplex_of_three_twins(tmp_path, capsys):
 
 
 def test_bad_multi_model_input(tmp_path, capsys):
-    _, folders = _twin_folders(tmp_path, "llama")
+    _, folders = twin_folders(tmp_path, "llama", [5, 6])
     models, out = [str(f) for f in folders], str(tmp_path / "out")
     _fails(["merge", models[0], "-o", out], capsys, tmp_path, "at least 2 models")
     _fails(["merge", *models, "-o", out, "--alpha", "0.3"], capsys, tmp_path, "pass --weights")
