@@ -248,8 +248,11 @@ class _TokenRows(_SourceView):
         self.keys_with_rows, self.rows = frozenset(keys), rows
 
     def __getitem__(self, key: str) -> Tensor:
-        t = self.source[key]
-        return t[self.rows] if key in self.keys_with_rows else t
+        if key not in self.keys_with_rows:
+            return self.source[key]
+        if isinstance(self.source, Checkpoint):  # read only the rows, not the whole vocabulary each block
+            return self.source.rows(key, self.rows)
+        return self.source[key][self.rows]
 
 
 class _Widened(_SourceView):

@@ -129,16 +129,31 @@ class SafetensorsFile:
         return self.entries.keys()
 
     def get_tensor(self, name: str) -> Tensor:
+        return self.get_rows(name, slice(None))
+
+    def get_rows(self, name: str, rows: slice) -> Tensor:
+        """Rows ``rows`` (a step-1 slice of the first axis) of tensor ``name``, reading only their bytes.
+
+        The buffer is allocated uninitialised (a zero-filled ``bytearray`` would write every
+        byte once more before the read does).
+        """
         entry = self.entries[name]
         begin, end = entry["data_offsets"]
-        buffer = bytearray(end - begin)
-        with open(self.path, "rb") as f:
-            f.seek(self.start + begin)
-            f.readinto(buffer)
+        shape = list(entry["shape"])
         dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        if not buffer:
-            return torch.empty(entry["shape"], dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).reshape(entry["shape"])
+        if shape:
+            start, stop, step = rows.indices(shape[0])
+            if step != 1:
+                raise ValueError(f"row reads take a contiguous slice, got step {step}")
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            shape[0] = max(stop - start, 0)
+            begin, end = begin + start * row_bytes, begin + start * row_bytes + shape[0] * row_bytes
+        buffer = torch.empty(end - begin, dtype=torch.uint8, device="cpu")  # file bytes land in host memory
+        if end > begin:
+            with open(self.path, "rb") as f:
+                f.seek(self.start + begin)
+                f.readinto(buffer.numpy())
+        return buffer.view(dtype).reshape(shape)
 
 
 class Checkpoint(Mapping[str, Tensor]):
@@ -183,6 +198,18 @@ class Checkpoint(Mapping[str, Tensor]):
                     f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged"
                 )
             self._checked.add(key)
+        return tensor
+
+    def rows(self, key: str, rows: slice) -> Tensor:
+        """Rows ``rows`` of tensor ``key``: from a safetensors file only their bytes are read
+        (the export streams vocabulary tensors in row blocks)."""
+        file, stored = self._where[key]
+        handle = self._open(file)
+        if file.suffix != ".safetensors":
+            return self[key][rows]
+        tensor = handle.get_rows(stored, rows)
+        if key not in self._checked and tensor.is_floating_point() and not all_finite(tensor):
+            raise CheckpointError(f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged")
         return tensor
 
     def __iter__(self) -> Iterator[str]:

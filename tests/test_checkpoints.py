@@ -154,3 +154,43 @@ def test_non_finite_weights_are_named(tmp_path, value):
     # (transformers 5 saves ViT under its 4.x key names: the error names the stored key)
     with pytest.raises(hf_lmc.CheckpointError, match="layer.1.*NaN or Inf"):
         lazy.state_dict()
+
+
+def test_row_reads_are_slices_of_the_stored_tensor(tmp_path):
+    """``SafetensorsFile.get_rows`` reads a row window (any dtype, 1-D and empty tensors, windows
+    past the end) exactly as slicing the whole tensor would give it."""
+    from hf_lmc.checkpoint import SafetensorsFile
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "bf16": torch.randn(13, 6, generator=g).to(torch.bfloat16),
+        "f32": torch.randn(13, generator=g),
+        "i64": torch.randint(-9, 9, (13, 2, 3), generator=g),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
+    }
+    save_file(tensors, tmp_path / "t.safetensors")
+    file = SafetensorsFile(tmp_path / "t.safetensors")
+    for name, t in tensors.items():
+        assert torch.equal(file.get_tensor(name), t) and file.get_tensor(name).dtype == t.dtype, name
+        if t.dim():
+            for rows in (slice(3, 7), slice(None, 5), slice(10, 40), slice(7, 3), slice(None)):
+                got = file.get_rows(name, rows)
+                assert got.dtype == t.dtype and torch.equal(got, t[rows]), (name, rows)
+    with pytest.raises(ValueError, match="contiguous"):
+        file.get_rows("f32", slice(0, 10, 2))
+
+
+def test_row_reads_check_only_the_rows_they_read(tmp_path):
+    """A vocabulary window is read on its own: a NaN outside it is not seen, one inside is named."""
+    from hf_lmc.adapters import adapter_for
+
+    model = build_model(TINY["gpt_neox"], dtype=torch.float32)
+    with torch.no_grad():
+        model.gpt_neox.embed_in.weight[10, 0] = float("nan")
+    model.save_pretrained(tmp_path)
+    checkpoint = Checkpoint(tmp_path, adapter_for(model.config))
+    key = "gpt_neox.embed_in.weight"
+    assert torch.equal(checkpoint.rows(key, slice(2, 9)), model.gpt_neox.embed_in.weight.detach()[2:9])
+    with pytest.raises(hf_lmc.CheckpointError, match="embed_in.weight.*NaN or Inf"):
+        checkpoint.rows(key, slice(9, 12))

@@ -199,12 +199,13 @@ class WeightMatcher:
         """
         if "residual" not in self.kinds:
             return self._solve_residual(spec, fixed)
-        completion = CompletedPolar(fixed.cross.cpu(), fixing_ones=spec.centred)
+        # Where the statistics are, like the refits: a d x d SVD takes seconds on one CPU thread at d = 2048.
+        completion = CompletedPolar(fixed.cross, fixing_ones=spec.centred)
         for i in range(spec.num_layers if completion.free else 0):
             circuits = zip(_circuits(spec, i, self._moved(a.group(i))), _circuits(spec, i, self._moved(b.group(i))))
             for circuit_a, circuit_b in circuits:
-                completion.add(circuit_a.cpu(), circuit_b.cpu())
-        return ResidualMap.from_matrix(completion.solve())
+                completion.add(circuit_a, circuit_b)
+        return ResidualMap.from_matrix(completion.solve().cpu())
 
     # -- layers ------------------------------------------------------------------------------
 
