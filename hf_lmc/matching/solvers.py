@@ -407,29 +407,41 @@ def match_rotary(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor, rot
 
 
 def match_rotary_moments(moments: Moments, rotary_dim: int) -> tuple[Tensor, Tensor]:
-    """:func:`match_rotary` from the data's second moments."""
+    """:func:`match_rotary` from the data's second moments.
+
+    Every frequency pair at once: each pair's 2 x 2 blocks are four entries of the moments, so
+    a head's scales and angles are a few elementwise ops (a loop over pairs was ~30 small ops
+    per pair, and held the GIL that side-by-side solves share).
+    """
     head_dim, half = moments.vec_aa.shape[0], rotary_dim // 2
-    dtype = moments.vec_aa.dtype
-    device = moments.vec_aa.device
-    scales, angles = torch.empty(half, dtype=dtype, device=device), torch.empty(half, dtype=dtype, device=device)
-    for i in range(half):
-        pair = moments.sub([i, i + half])
-        s_a = _pair_scale(pair.vec_aa.trace(), pair.cov_aa.trace())
-        s_b = _pair_scale(pair.vec_bb.trace(), pair.cov_bb.trace())
-        c = (s_a * s_b) * pair.vec_ab + pair.cov_ab / (s_a * s_b)
-        angles[i] = torch.atan2(c[1, 0] - c[0, 1], c[0, 0] + c[1, 1])
-        scales[i] = s_b / s_a
+    first = torch.arange(half, device=moments.vec_aa.device)
+    second = first + half
+
+    def entries(m: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
+        return m[rows, cols]
+
+    def trace(m: Tensor) -> Tensor:  # each pair's 2 x 2 block trace
+        return entries(m, first, first) + entries(m, second, second)
+
+    s_a = _pair_scales(trace(moments.vec_aa), trace(moments.cov_aa))
+    s_b = _pair_scales(trace(moments.vec_bb), trace(moments.cov_bb))
+    both = s_a * s_b
+
+    def cross(rows: Tensor, cols: Tensor) -> Tensor:  # entry (rows, cols) of each pair's 2 x 2 cross block
+        return both * entries(moments.vec_ab, rows, cols) + entries(moments.cov_ab, rows, cols) / both
+
+    angles = torch.atan2(cross(second, first) - cross(first, second), cross(first, first) + cross(second, second))
     passthrough = None
     if head_dim > rotary_dim:
         passthrough = match_gl_moments(moments.sub(slice(rotary_dim, head_dim)))
-    return rotary_block(scales, angles, rotary_dim, head_dim, passthrough)
+    return rotary_block(s_b / s_a, angles, rotary_dim, head_dim, passthrough)
 
 
-def _pair_scale(vec_sq: Tensor, cov_sq: Tensor) -> Tensor:
-    """``s`` with ``|s vec| = |cov / s|`` from the squared norms (1 when either side is zero)."""
-    if vec_sq <= 0 or cov_sq <= 0:
-        return torch.ones((), dtype=vec_sq.dtype, device=vec_sq.device)
-    return (cov_sq / vec_sq).sqrt().sqrt()
+def _pair_scales(vec_sq: Tensor, cov_sq: Tensor) -> Tensor:
+    """Per pair ``s`` with ``|s vec| = |cov / s|`` from the squared norms (1 where either side is zero)."""
+    ok = (vec_sq > 0) & (cov_sq > 0)
+    one = torch.ones_like(vec_sq)
+    return torch.where(ok, (cov_sq.where(ok, one) / vec_sq.where(ok, one)).sqrt().sqrt(), one)
 
 
 def balanced_scales(vec: Tensor, cov: Tensor) -> Tensor:
