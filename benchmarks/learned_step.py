@@ -163,14 +163,17 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() if cuda else 0
-        start = time.perf_counter()
+        times = []  # each step synchronised: a slow one shows (the mean is of all five)
         for _ in range(5):
+            start = time.perf_counter()
             step()
-        if cuda:
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
-        rows[mode] = {"wall": (time.perf_counter() - start) / 5, "peak": peak, "before": before, "weights": weights, "runtime": 0}
-        print(f"{mode}: {rows[mode]['wall']:.3g} s per step, peak {peak / 1e9:.2f} GB", file=sys.stderr, flush=True)
+        rows[mode] = {"wall": sum(times) / len(times), "peak": peak, "before": before, "weights": weights, "runtime": 0}
+        steps = " ".join(f"{t:.3g}" for t in times)
+        print(f"{mode}: {rows[mode]['wall']:.3g} s per step ({steps}), peak {peak / 1e9:.2f} GB", file=sys.stderr, flush=True)
         if mode == "base":
             model_a.cpu()
         del module, run_step, params

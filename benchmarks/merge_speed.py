@@ -9,6 +9,9 @@ float16 safetensors like the Hub's Pythia), where B is a random full symmetry of
 
 each in its own process, recording wall time and peak RSS (and the GPU's peak memory where
 weight matching ran on one: by default it does when torch sees a GPU). Prints a markdown table.
+The runtime's own peak RSS (a process that only imports hf_lmc and, for a GPU merge, starts
+CUDA with cuBLAS and cuSOLVER) is measured apart and shown beside, so the memory a merge adds
+can be read against one checkpoint.
 
     python benchmarks/merge_speed.py                 # Pythia-1B shape (needs ~10 GB disk)
     python benchmarks/merge_speed.py --device cpu    # weight matching on the CPU even beside a GPU
@@ -44,6 +47,19 @@ except OSError:
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else None
 print(json.dumps({"rc": rc, "wall": wall, "rss_kb": rss_kb, "gpu_bytes": gpu}))
+"""
+
+# The runtime's own peak RSS (torch, transformers, hf_lmc imported; on a GPU also CUDA's context and
+# the cuBLAS / cuSOLVER libraries a weight merge loads): what any merge pays before it reads a tensor.
+RUNTIME = """
+import json, re, sys
+import torch
+import hf_lmc.cli
+device = sys.argv[1]
+if device != "cpu":
+    x = torch.randn(256, 256, device=device, dtype=torch.float64)
+    torch.linalg.svd(x @ x.T); torch.linalg.eigh(x @ x.T); torch.cuda.synchronize()
+print(json.dumps({"rss_kb": int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))}))
 """
 
 
@@ -85,8 +101,8 @@ def write_pair(folder: Path, config: tf.GPTNeoXConfig, noise: float, seed: int =
     return a, b
 
 
-def measure(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True)
+def measure(args: list[str], child: str = CHILD) -> dict:
+    out = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -129,20 +145,24 @@ def main() -> None:
         rows = {}
         for method in ("average", "weight"):
             device_flag = ["--device", args.device] if args.device and method == "weight" else []
-            rows[method] = measure(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB", *device_flag])
+            rows[method] = measure([json.dumps(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB", *device_flag])])
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        runtime = {"average": measure(["cpu"], RUNTIME)["rss_kb"], "weight": measure([device], RUNTIME)["rss_kb"]}
         base = rows["average"]["wall"]
         params = sum(p.numel() for p in tf.GPTNeoXForCausalLM(config).parameters()) if args.scale < 0.5 else None
         shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, FFN {config.intermediate_size}, vocab {config.vocab_size}"
         cores = len(os.sched_getaffinity(0))
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         gpu = f", weight matching on {torch.cuda.get_device_name()}" if device.startswith("cuda") else ", weight matching on the CPU"
         print(f"\nPythia-1B-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}), float16, {cores} CPU cores ({cpu_name()}){gpu}\n")
-        print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint | GPU peak (GB) |")
-        print("|---|---|---|---|---|---|")
+        print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint | runtime RSS (GB) | RSS less runtime / one checkpoint | GPU peak (GB) |")
+        print("|---|---|---|---|---|---|---|---|")
         for method, row in rows.items():
-            rss, gpu_bytes = row["rss_kb"] * 1024, row.get("gpu_bytes")
+            rss, own, gpu_bytes = row["rss_kb"] * 1024, runtime[method] * 1024, row.get("gpu_bytes")
             gpu_peak = f"{gpu_bytes / 1e9:.2f}" if gpu_bytes is not None else "—"
-            print(f"| {method} | {row['wall']:.1f} | {row['wall'] / base:.2f} | {rss / 1e9:.2f} | {rss / size:.2f} | {gpu_peak} |")
+            print(
+                f"| {method} | {row['wall']:.1f} | {row['wall'] / base:.2f} | {rss / 1e9:.2f} | {rss / size:.2f} | {own / 1e9:.2f} "
+                f"| {(rss - own) / size:.2f} | {gpu_peak} |"
+            )
 
 
 if __name__ == "__main__":
