@@ -10,6 +10,7 @@ measures, each in its own process (wall time of the second of two steps, peak RS
     head permutations), with each
     layer's interpolated weights rebuilt inside gradient checkpointing;
   * ``dual, no checkpointing``: the same with every layer's weights alive until backward;
+  * ``dual, half the layers checkpointed`` (``checkpoint_layers=0.5``): between the two;
   * with ``--one-sided``: a :class:`hf_lmc.LearnedMatcher` step (only B's transform), in the own
     frame and with ``frame="both"``, which takes dual matching's steps (README) at this cost;
   * with ``--processes 2``: the dual step under DDP in 2 processes (one thread each, the batch
@@ -47,6 +48,7 @@ import torch, transformers as tf
 from hf_lmc import DualMatcher, LearnedMatcher
 
 mode, batch, seq, permutations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+CHECKPOINTING = {"dual-no-checkpointing": False, "dual-half": 0.5}
 def rss():
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 def hwm():
@@ -75,7 +77,7 @@ elif mode.startswith("ddp"):
 else:
     model_b = tf.GPTNeoXForCausalLM(config).eval()
     cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
-    matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=(mode != "dual-no-checkpointing"))
+    matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=CHECKPOINTING.get(mode, True))
     del model_a, model_b
     params = [p for p in matcher.parameters() if p.requires_grad]
     def step():
@@ -102,6 +104,7 @@ print(json.dumps(row))
 """
 
 
+CHECKPOINTING = {"dual-no-checkpointing": False, "dual-half": 0.5}  # checkpoint_layers per mode (default True)
 SHAPES = {  # Pythia's GPT-NeoX shapes: (hidden, layers, heads)
     "160m": (768, 12, 12),
     "1.4b": (2048, 24, 16),
@@ -110,6 +113,7 @@ LABELS = {
     "base": "base model fwd+bwd",
     "dual": "dual (layer checkpointing)",
     "dual-no-checkpointing": "dual, no checkpointing",
+    "dual-half": "dual, half the layers checkpointed",
     "learned-own": "one-sided (layer checkpointing)",
     "learned-both": "one-sided, `frame=\"both\"` (layer checkpointing)",
     "ddp": "dual, 2 processes (per process)",
@@ -147,7 +151,7 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
             params = list(module.parameters())
         else:
             cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
-            module = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=(mode != "dual-no-checkpointing")).to(device)
+            module = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=CHECKPOINTING.get(mode, True)).to(device)
             run_step = lambda: module({"input_ids": ids}).backward()
             params = [p for p in module.parameters() if p.requires_grad]
 
@@ -218,7 +222,7 @@ def main() -> None:
         parser.error("--shape and --autocast apply to --device cuda")
     if args.device == "cuda" and args.processes != 1:
         parser.error("--processes 2 is the CPU (gloo) measurement")
-    modes = ("base", "dual", "dual-no-checkpointing") + (("learned-own", "learned-both") if args.one_sided else ())
+    modes = ("base", "dual", "dual-no-checkpointing", "dual-half") + (("learned-own", "learned-both") if args.one_sided else ())
     modes += ("ddp", "ddp-sharded") if args.processes == 2 else ()
     if args.device == "cuda":
         import torch

@@ -87,27 +87,43 @@ def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
 
 
 def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing():
-    """Checkpointed layers build their weights twice (forward, then backward) with identical results."""
+    """Checkpointed layers build their weights twice (forward, then backward) with identical
+    results; a fraction checkpoints that share of the layers, the others build once."""
     from hf_lmc.matching.trainable import TrainableTransform
 
-    config, _, a, b, undo = _twin(tiny_configs()["llama"], seed=2)
+    config = tiny_configs()["llama"]
+    config.num_hidden_layers = 4
+    config, _, a, b, undo = _twin(config, seed=2)
     trainable = TrainableTransform(a.spec, undo, dtype=torch.float64)
     inputs = sample_inputs(config)
     results = {}
-    for checkpointed in (False, True):
+    for setting, twice in ((False, []), (True, [0, 1, 2, 3]), (0.5, [0, 2]), (0.25, [0])):
         trainable.zero_grad()
-        interpolant = Interpolant(a, b, checkpoint_layers=checkpointed)
+        interpolant = Interpolant(a, b, checkpoint_layers=setting)
         built = []
         group = interpolant._group
         interpolant._group = lambda g, point: built.append(g) or group(g, point)
         out = interpolant(trainable(), 0.37, **inputs)
         out.logits.square().mean().backward()
         layers = [g for g in built if isinstance(g, int)]
-        assert sorted(layers) == sorted(list(range(a.spec.num_layers)) * (2 if checkpointed else 1))
-        results[checkpointed] = (out.logits.detach(), [p.grad.clone() for p in trainable.parameters() if p.grad is not None])
-    torch.testing.assert_close(results[True][0], results[False][0], rtol=0, atol=0)
-    for g_plain, g_checkpointed in zip(results[False][1], results[True][1]):
-        torch.testing.assert_close(g_checkpointed, g_plain)
+        assert sorted(layers) == sorted([*range(a.spec.num_layers), *twice]), setting
+        results[setting] = (out.logits.detach(), [p.grad.clone() for p in trainable.parameters() if p.grad is not None])
+    for setting in (True, 0.5, 0.25):
+        torch.testing.assert_close(results[setting][0], results[False][0], rtol=0, atol=0)
+        for g_plain, g_checkpointed in zip(results[False][1], results[setting][1]):
+            torch.testing.assert_close(g_checkpointed, g_plain)
+
+
+def test_checkpointed_layers_spread_a_fraction_evenly_and_reject_other_values():
+    from hf_lmc.matching.interpolant import checkpointed_layers
+
+    assert checkpointed_layers(12, True) == frozenset(range(12)) and checkpointed_layers(12, False) == frozenset()
+    assert checkpointed_layers(12, 0.5) == frozenset(range(0, 12, 2))
+    assert checkpointed_layers(24, 0.25) == frozenset(range(0, 24, 4))
+    assert len(checkpointed_layers(7, 0.5)) == 4 and checkpointed_layers(7, 0.0) == frozenset()
+    for bad in (1.5, -0.1, "half", None):
+        with pytest.raises(ValueError, match="checkpoint_layers takes True, False or a fraction"):
+            checkpointed_layers(12, bad)
 
 
 @settings(max_examples=8, deadline=None)

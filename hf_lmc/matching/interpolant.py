@@ -12,7 +12,10 @@ Memory (DESIGN §5): the model class is a weightless skeleton (its parameter slo
 so device moves and state dicts see only the transforms), and each transformer layer's interpolated weights are built *inside* that layer's call. With
 ``checkpoint_layers`` the call runs under :func:`torch.utils.checkpoint.checkpoint`, so a
 layer's transformed weights are freed after its forward and rebuilt in backward: only one
-layer's worth is alive at a time, next to the frozen endpoints and the activations. The endpoints
+layer's worth is alive at a time, next to the frozen endpoints and the activations. A fraction
+checkpoints that share of the layers, spread evenly: the others keep their weights until
+backward and skip the second build (less recomputation where small batches leave a GPU
+waiting on the host). The endpoints
 live in :class:`~hf_lmc.matching.endpoints.EndpointStore` objects: they follow the module's
 device and dtype moves, and with ``shard=True`` each process keeps only its slice of them.
 """
@@ -47,6 +50,22 @@ class _Point:
     members: tuple[int, ...] | None = None
 
 
+def checkpointed_layers(num_layers: int, checkpoint_layers: bool | float) -> frozenset[int]:
+    """The layers that rebuild their weights under gradient checkpointing.
+
+    ``True``: all of them; ``False``: none; a fraction ``f`` in [0, 1]: ``round(f * num_layers)``
+    of them, spread evenly (layer ``k * num_layers // count`` for ``k < count``).
+    """
+    if isinstance(checkpoint_layers, bool):
+        fraction = float(checkpoint_layers)
+    elif isinstance(checkpoint_layers, (int, float)) and 0 <= checkpoint_layers <= 1:
+        fraction = float(checkpoint_layers)
+    else:
+        raise ValueError(f"checkpoint_layers takes True, False or a fraction of the layers in [0, 1], got {checkpoint_layers!r}")
+    count = round(fraction * num_layers)
+    return frozenset(k * num_layers // count for k in range(count))
+
+
 class _RebuiltLayer(nn.Module):
     """A stock layer module whose weights are interpolated on the fly from the canonical endpoints."""
 
@@ -74,7 +93,8 @@ class Interpolant(nn.Module):
     Args:
         a, b, *more: canonical endpoints of one architecture and shape (kept as they are: frozen).
         checkpoint_layers: rebuild each layer's weights inside gradient checkpointing (see the
-            module docstring); off, every layer's weights stay alive until backward.
+            module docstring); off, every layer's weights stay alive until backward; a fraction
+            in [0, 1] checkpoints that share of the layers (:func:`checkpointed_layers`).
         shard: under ``torch.distributed`` with N > 1 processes, keep 1/N of every endpoint
             per process and all-gather a layer's tensors when it is built
             (:mod:`hf_lmc.matching.endpoints`); every call is then a collective.
@@ -85,11 +105,17 @@ class Interpolant(nn.Module):
     """
 
     def __init__(
-        self, a: CanonicalModel, b: CanonicalModel, *more: CanonicalModel, checkpoint_layers: bool = True, shard: bool = False
+        self,
+        a: CanonicalModel,
+        b: CanonicalModel,
+        *more: CanonicalModel,
+        checkpoint_layers: bool | float = True,
+        shard: bool = False,
     ):
         super().__init__()
         if any(m.spec != a.spec for m in (b, *more)):
             raise ValueError("the canonical models differ in architecture or shape")
+        checkpointed = checkpointed_layers(a.spec.num_layers, checkpoint_layers)
         # Tied embeddings cannot survive a learned transform of B: the interpolant is untied.
         config = copy.deepcopy(a.config)
         if hasattr(config, "tie_word_embeddings"):
@@ -109,7 +135,7 @@ class Interpolant(nn.Module):
             parent, name = path.rpartition(".")[::2]
             owner = self.template.get_submodule(parent)
             layer = owner.get_submodule(name)
-            rebuilt = _RebuiltLayer(layer, self._layer_builder(i, path + "."), lambda: self._point, checkpoint_layers)
+            rebuilt = _RebuiltLayer(layer, self._layer_builder(i, path + "."), lambda: self._point, i in checkpointed)
             owner.register_module(name, rebuilt)
 
     def _apply(self, fn, recurse: bool = True):

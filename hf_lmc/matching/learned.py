@@ -291,7 +291,10 @@ class DualMatcher(PathTrainer):
             previous first residual map; README).
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
         checkpoint_layers: rebuild each layer's interpolated weights inside gradient
-            checkpointing, so only one layer's transformed weights are alive at a time.
+            checkpointing, so only one layer's transformed weights are alive at a time. A
+            fraction in [0, 1] checkpoints that share of the layers, spread evenly: faster
+            where small batches leave a GPU waiting on the host, at the memory of the other
+            layers' weights (``benchmarks/learned_step.py``).
         shard_endpoints: under ``torch.distributed`` (``accelerate launch``, ``torchrun``; create
             the ``Accelerator`` first) keep 1/N of the frozen endpoints per process and
             all-gather each layer when it is built (:mod:`hf_lmc.matching.endpoints`). Every
@@ -317,7 +320,7 @@ class DualMatcher(PathTrainer):
         objective: str = "labels",
         input_noise: float = 0.0,
         dtype: torch.dtype = torch.float32,
-        checkpoint_layers: bool = True,
+        checkpoint_layers: bool | float = True,
         shard_endpoints: bool = False,
     ):
         super().__init__()
@@ -494,7 +497,7 @@ class SimplexMatcher(PathTrainer):
         objective: str = "labels",
         input_noise: float = 0.0,
         dtype: torch.dtype = torch.float32,
-        checkpoint_layers: bool = True,
+        checkpoint_layers: bool | float = True,
         shard_endpoints: bool = False,
     ):
         super().__init__()
