@@ -282,14 +282,20 @@ def _convert(tensors: dict[str, Tensor], dtype: torch.dtype | None) -> dict[str,
     return {k: v.to(dtype).contiguous() for k, v in tensors.items()}
 
 
-def export_config(canonical: CanonicalModel) -> PretrainedConfig:
-    """The stock HF config that :func:`to_hf` exports ``canonical`` under."""
+def export_config(canonical: CanonicalModel, dtype: torch.dtype | None = None) -> PretrainedConfig:
+    """The stock HF config that :func:`to_hf` exports ``canonical`` under.
+
+    Its ``dtype`` is ``dtype`` or, by default, that of the canonical tensors, read off one group
+    (for a lazy merge that builds a layer: pass ``dtype`` where it is known).
+    """
     # Embedding and head only matter for tying; they are the largest groups, so load them only then.
     tied = bool(getattr(canonical.config, "tie_word_embeddings", False))
     embed, head = (canonical.group("embed"), canonical.group("head")) if tied else ({}, {})
     config = canonical.adapter.export_config(canonical.config, embed, head)
-    sample = head or canonical.group(0 if canonical.spec.num_layers else "head")
-    config.dtype = next(t for t in sample.values() if t.is_floating_point()).dtype
+    if dtype is None:
+        sample = head or canonical.group(0 if canonical.spec.num_layers else "head")
+        dtype = next(t for t in sample.values() if t.is_floating_point()).dtype
+    config.dtype = dtype
     return config
 
 

@@ -295,8 +295,8 @@ def merge_models(
                 ]
             # Each layer is moved (the data methods' endpoints were read on the CPU), summed on `device`, and written from the CPU.
             merged = combine([t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], weights)
-            config = export_config(merged)
             out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
+            config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
             groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
             total_groups = len(merged.spec.groups())
             untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
