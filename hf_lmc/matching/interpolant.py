@@ -56,13 +56,9 @@ def checkpointed_layers(num_layers: int, checkpoint_layers: bool | float) -> fro
     ``True``: all of them; ``False``: none; a fraction ``f`` in [0, 1]: ``round(f * num_layers)``
     of them, spread evenly (layer ``k * num_layers // count`` for ``k < count``).
     """
-    if isinstance(checkpoint_layers, bool):
-        fraction = float(checkpoint_layers)
-    elif isinstance(checkpoint_layers, (int, float)) and 0 <= checkpoint_layers <= 1:
-        fraction = float(checkpoint_layers)
-    else:
+    if not isinstance(checkpoint_layers, (int, float)) or not 0 <= checkpoint_layers <= 1:  # bools are 0 and 1
         raise ValueError(f"checkpoint_layers takes True, False or a fraction of the layers in [0, 1], got {checkpoint_layers!r}")
-    count = round(fraction * num_layers)
+    count = round(float(checkpoint_layers) * num_layers)
     return frozenset(k * num_layers // count for k in range(count))
 
 
