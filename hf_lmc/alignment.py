@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .canonical import CanonicalModel
+from .devices import launch_device
 from .symmetry import Transform
 
 METHODS = ("average", "weight", "activation", "learned", "dual")
@@ -91,7 +92,8 @@ def align(
     device=None,
 ) -> tuple[Transform, Transform]:
     """``(T_A, T_B)`` for ``method``; ``batches`` feed activation, learned and dual matching.
-    ``device`` is where weight matching's products run (default: a GPU when there is one)."""
+    ``device`` is where weight matching's products run (default: a GPU when there is one; for the
+    learned methods' weight-matching start, this process's device under ``accelerate launch``)."""
     from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, WeightMatcher
 
     check_method(method, batches)
@@ -106,6 +108,7 @@ def align(
         a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, frame=learn.frame,
         lambda_range=learn.lambda_range,
         worst_fraction=learn.worst_fraction, focus=learn.focus, objective=learn.objective, input_noise=learn.input_noise,
+        init_device=device,
     )
     _fit(matcher, batches, learn, progress)
     return matcher.transforms()
@@ -141,6 +144,8 @@ def align_many(
     check_method(method, batches, count=len(models))
     if method == "average":
         raise ValueError("average interpolates the stored parameters and has no canonical transforms")
+    if device is None and method != "weight":  # a learned refinement follows: start where the launch put this process
+        device = launch_device()
     start = UniverseMatcher(symmetries, progress=progress, device=device).fit(models, weights)
     if method == "weight":
         return start

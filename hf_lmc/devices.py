@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -21,6 +22,23 @@ def compute_device(device: str | torch.device | None = None) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device; use cpu (or leave the device unset)")
     return device
+
+
+def launch_device() -> torch.device:
+    """This process's device as ``accelerate launch`` / ``torchrun`` set it up, read from the
+    environment (nothing is initialised): the CPU under ``accelerate launch --cpu``
+    (``ACCELERATE_USE_CPU``) or without CUDA; GPU ``LOCAL_RANK`` in a multi-process launch, so
+    that each process uses its own GPU before any ``Accelerator`` exists; else
+    :func:`compute_device`'s default.
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    if parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available():
+        return torch.device("cpu")
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
+    return compute_device()
 
 
 @contextlib.contextmanager

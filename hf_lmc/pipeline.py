@@ -253,7 +253,7 @@ def merge_models(
     revisions = revisions_per_model(revisions, count)
     kinds = resolve_kinds(symmetries)
     out_dtype = _dtype(dtype)
-    device = compute_device(device)
+    requested_device, device = device, compute_device(device)
     output = Path(output)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
@@ -290,7 +290,9 @@ def merge_models(
                 transforms = [
                     t.to(torch.float32)
                     for t in align_many(
-                        method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress, device=device
+                        method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress,
+                        # the learned methods' start, unless asked for, runs where the launch put this process
+                        device=device if method not in DATA_METHODS else requested_device,
                     )
                 ]
             # Each layer is moved (the data methods' endpoints were read on the CPU), summed on `device`, and written from the CPU.

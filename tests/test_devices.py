@@ -174,3 +174,53 @@ def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(t
         torch.set_float32_matmul_precision(previous)
     assert fits == ["highest"] and writes and set(writes) == {"highest"}
     assert merged_error(out, model) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("env", "cuda", "expected"),
+    [
+        ({}, False, "cpu"),
+        ({"ACCELERATE_USE_CPU": "true", "LOCAL_RANK": "1"}, True, "cpu"),  # accelerate launch --cpu on a GPU machine
+        ({"LOCAL_RANK": "2"}, True, "cuda:2"),  # each process of a multi-GPU launch on its own GPU
+        ({"LOCAL_RANK": "5"}, True, "cuda:1"),  # more processes than GPUs: shared round robin
+        ({}, True, "cuda:0"),  # no launch: the current CUDA device
+    ],
+)
+def test_launch_device_reads_the_launch_from_the_environment(monkeypatch, env, cuda, expected):
+    from hf_lmc.devices import launch_device
+
+    for name in ("ACCELERATE_USE_CPU", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert launch_device() == torch.device(expected)
+
+
+@pytest.mark.parametrize("matcher", ["dual", "simplex"])
+def test_learned_matchers_start_where_asked_or_where_the_launch_put_them(monkeypatch, matcher):
+    """The weight-matching start of the learned matchers runs on ``init_device``, by default
+    this process's launch device (under ``accelerate launch --cpu`` the CPU, even beside a GPU)."""
+    import hf_lmc.matching.learned as learned
+
+    seen = []
+    for name in ("WeightMatcher", "UniverseMatcher"):
+        original = getattr(learned, name)
+        recording = type(name, (original,), {"__init__": lambda self, *a, _o=original, **k: seen.append(k.get("device")) or _o.__init__(self, *a, **k)})
+        monkeypatch.setattr(learned, name, recording)
+    config = tiny_configs()["gpt2"]
+    models = [build_model(config, seed=s, dtype=torch.float32) for s in (1, 2, 3)]
+
+    def build(**options):
+        if matcher == "dual":
+            return hf_lmc.DualMatcher(models[0], models[1], **options)
+        return hf_lmc.SimplexMatcher(models, **options)
+
+    build(init_device="cpu")
+    monkeypatch.setattr(learned, "launch_device", lambda: torch.device("cpu", 0))
+    build()
+    assert seen == [torch.device("cpu"), torch.device("cpu", 0)]
+    with pytest.raises(ValueError, match="unknown device"):
+        build(init_device="tpu9")

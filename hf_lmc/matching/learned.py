@@ -28,6 +28,7 @@ from transformers import PreTrainedModel
 
 from ..barriers import alpha_grid, excess_over_line
 from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
+from ..devices import compute_device, launch_device
 from ..symmetry import Transform
 from ..symmetry.params import OrthogonalParam
 from .interpolant import Interpolant
@@ -299,6 +300,11 @@ class DualMatcher(PathTrainer):
             the ``Accelerator`` first) keep 1/N of the frozen endpoints per process and
             all-gather each layer when it is built (:mod:`hf_lmc.matching.endpoints`). Every
             forward, and ``merge``, is then a collective: call them on every process.
+        init_device: where the weight-matching start runs (``init="weight"``). Default: this
+            process's device under ``accelerate launch`` / ``torchrun`` (the CPU under
+            ``--cpu``, GPU ``LOCAL_RANK`` with several processes), else a GPU when torch sees
+            one (:func:`hf_lmc.devices.launch_device`). The matcher itself goes where
+            ``accelerator.prepare`` or ``.to`` puts it.
     """
 
     learns_a = True
@@ -322,9 +328,11 @@ class DualMatcher(PathTrainer):
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool | float = True,
         shard_endpoints: bool = False,
+        init_device: str | torch.device | None = None,
     ):
         super().__init__()
         self.objective = _check_objective(objective)
+        init_device = compute_device(init_device) if init_device is not None else launch_device()
         if not 0.0 <= worst_fraction <= 1.0:
             raise ValueError(f"worst_fraction must lie in [0, 1], got {worst_fraction}")
         if focus not in FOCI:
@@ -348,7 +356,7 @@ class DualMatcher(PathTrainer):
         if isinstance(init, Transform):
             start = init
         else:
-            start = WeightMatcher(symmetries, progress=False).fit(a, b) if init == "weight" else None
+            start = WeightMatcher(symmetries, progress=False, device=init_device).fit(a, b) if init == "weight" else None
         start, self._assignments = _split_fixed(start, permutations)
         if self._assignments is not None:
             b = self._assignments.to(dtype).apply(b).materialize()  # B stored in its assigned order
@@ -477,8 +485,8 @@ class SimplexMatcher(PathTrainer):
         learns_first: ``False`` keeps the first model's starting transform fixed (one model
             anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
         concentration: the Dirichlet concentration of the sampled weights.
-        symmetries, permutations, orthogonal, frame, objective, input_noise, dtype, checkpoint_layers, shard_endpoints:
-            as for :class:`DualMatcher` (``"ensemble"`` mixes the M endpoints at the sampled weights).
+        symmetries, permutations, orthogonal, frame, objective, input_noise, dtype, checkpoint_layers, shard_endpoints,
+        init_device: as for :class:`DualMatcher` (``"ensemble"`` mixes the M endpoints at the sampled weights).
     """
 
     label = "simplex matching"
@@ -499,9 +507,11 @@ class SimplexMatcher(PathTrainer):
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool | float = True,
         shard_endpoints: bool = False,
+        init_device: str | torch.device | None = None,
     ):
         super().__init__()
         self.objective = _check_objective(objective)
+        init_device = compute_device(init_device) if init_device is not None else launch_device()
         if len(models) < 2:
             raise ValueError(f"SimplexMatcher needs at least 2 models, got {len(models)}")
         if isinstance(init, str) and init not in INITS:
@@ -513,7 +523,7 @@ class SimplexMatcher(PathTrainer):
         canonical = [canonicalize(m, dtype=dtype).materialize() for m in models]
         self._set_input_noise(input_noise, canonical[0])
         if init == "weight":
-            start = list(UniverseMatcher(symmetries, progress=False).fit(canonical))
+            start = list(UniverseMatcher(symmetries, progress=False, device=init_device).fit(canonical))
         elif init == "identity":
             start = [Transform()] * len(canonical)
         elif len(init) != len(canonical):
