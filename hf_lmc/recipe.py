@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 import yaml
 from pydantic import (
     BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator,
@@ -296,6 +297,10 @@ class Recipe(_Section):
         ["weight"], description="alignment method, or a list of them (each is one run per group of models)"
     )
     symmetries: Literal["full", "permutation"] = Field("full", description="symmetry group the alignment searches")
+    device: str | None = Field(
+        None,
+        description="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch sees one)",
+    )
     alpha: float | None = Field(None, ge=0, le=1, description="weight of the second model (two models; default 0.5)")
     weights: list[float] | None = Field(None, validate_default=True, description="one weight per model, non-negative, summing to 1")
     data: DataSpec | None = Field(None, validate_default=True, description="fitting data of activation, learned and dual matching (default split: train)")
@@ -304,6 +309,19 @@ class Recipe(_Section):
     eval: EvalSpec | None = Field(None, description="held-out evaluation: barrier per run (needed for barriers in the summary)")
     output: OutputSpec = Field(description="output folder, shards, dtype, Hub target")
     zoo: ZooSpec = Field(ZooSpec(), description="training of zoo:NAME/seedN members")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value):
+        if value is None:
+            return value
+        try:
+            device = torch.device(value)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {value!r}; use cpu, cuda or cuda:N")
+        return value
 
     @field_validator("method", mode="before")
     @classmethod

@@ -126,7 +126,7 @@ def run_recipe(
                         method=method, symmetries=recipe.symmetries, data=fit_data, data_options=_options(recipe.data, "train"),
                         learn=_learn_options(recipe), dtype=recipe.output.dtype, shard_size=recipe.output.shard_size,
                         eval_data=eval_data, eval_options=_options(recipe.eval.data if recipe.eval else None, "test"),
-                        alphas=recipe.eval.alphas if recipe.eval else 11, progress=progress,
+                        alphas=recipe.eval.alphas if recipe.eval else 11, progress=progress, device=recipe.device,
                     )
                 except (ValueError, OSError) as err:  # say which run of a sweep failed
                     raise RecipeError(f"{group} / {method}: {err}") from err

@@ -84,6 +84,8 @@ def test_errors_name_the_key_on_one_line():
     assert "eval.data: give exactly one of dataset, files or zoo (got dataset and zoo)" in _error(_recipe(eval={"data": {"dataset": "x", "zoo": "digits"}}))
     assert "eval.alphas: the grid must increase from 0 to 1" in _error(_recipe(eval={"data": {"dataset": "x"}, "alphas": [0, 0.5]}))
     assert "output.shard_size: cannot read shard size '5XB'" in _error(_recipe(output={"dir": "o", "shard_size": "5XB"}))
+    assert "device: unknown device 'tpu9'; use cpu, cuda or cuda:N" in _error(_recipe(device="tpu9"))
+    assert "device: unknown device 'meta'" in _error(_recipe(device="meta"))
     assert "output: required key is missing" in _error({"models": ["a", "b"]})
     assert "output.dir: name a folder of its own" in _error(_recipe(output={"dir": "."}))
     assert "output.shard_size: Input should be a valid string or Input should be a valid integer" in _error(_recipe(output={"dir": "o", "shard_size": [1]}))
@@ -264,6 +266,7 @@ def test_more_than_two_models_go_to_merge_models(tmp_path, monkeypatch):
     result = run_recipe(recipe, progress=False)
     (models, options), = calls
     assert models == ["a", "b", "c"] and options["weights"] == [0.2, 0.3, 0.5] and options["revisions"] == [None] * 3
+    assert options["device"] is None  # unset: the pipeline's default (a GPU when torch sees one)
     assert result.runs[0].folder == Path("weight") and (tmp_path / "out" / "summary.md").is_file()
 
 
@@ -318,3 +321,19 @@ def test_the_offline_recipe_runs(tiny_zoo, tmp_path, capsys):
             card = ModelCard.load(out / arch / method / "README.md")
             assert card.data.to_dict()["base_model"] == [f"zoo:{arch}/seed0", f"zoo:{arch}/seed1"]
     assert (out / "summary.md").read_text().count("\n| ") == 4  # header + gpt2, pythia, llama
+
+
+def test_device_reaches_the_merge(tmp_path, monkeypatch):
+    """``device:`` goes to every merge of the recipe, validated when the recipe is read (a
+    recipe naming cuda can be checked on a machine without one; the run says so)."""
+    calls = []
+
+    def merge(a, b, output, **options):
+        calls.append(options["device"])
+        Path(output).mkdir(parents=True)
+        return pipeline.MergeResult(Path(output), options["method"], 0.5)
+
+    monkeypatch.setattr(pipeline, "merge", merge)
+    for device in ("cpu", "cuda:1"):
+        run_recipe(_recipe(device=device, output={"dir": str(tmp_path / device.replace(":", "-"))}), progress=False)
+    assert calls == ["cpu", "cuda:1"]
