@@ -212,6 +212,10 @@ class Checkpoint(Mapping[str, Tensor]):
             raise CheckpointError(f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged")
         return tensor
 
+    def __contains__(self, key: object) -> bool:
+        # Mapping's default looks the key up, which here reads (and checks) the whole tensor.
+        return key in self._where
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 

@@ -194,3 +194,19 @@ def test_row_reads_check_only_the_rows_they_read(tmp_path):
     assert torch.equal(checkpoint.rows(key, slice(2, 9)), model.gpt_neox.embed_in.weight.detach()[2:9])
     with pytest.raises(hf_lmc.CheckpointError, match="embed_in.weight.*NaN or Inf"):
         checkpoint.rows(key, slice(9, 12))
+
+
+def test_membership_reads_nothing(tmp_path, monkeypatch):
+    """``key in checkpoint`` (adapters ask it of the head) looks at the index, not the tensor:
+    Mapping's default ``__contains__`` would read and check the whole tensor."""
+    from hf_lmc.adapters import adapter_for
+    from hf_lmc.checkpoint import SafetensorsFile
+
+    model = build_model(TINY["gpt_neox"], dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    checkpoint = Checkpoint(tmp_path, adapter_for(model.config))
+    reads = []
+    monkeypatch.setattr(SafetensorsFile, "get_rows", lambda self, name, rows: reads.append(name))
+    assert "lm_head.weight" in checkpoint and "gpt_neox.embed_in.weight" in checkpoint
+    assert "no.such.key" not in checkpoint and 3 not in checkpoint
+    assert reads == []

@@ -413,3 +413,31 @@ def test_vocabulary_groups_stream_in_row_blocks(tmp_path, arch, tied):
     assert whole.keys() == blocked.keys()
     for key in whole:
         torch.testing.assert_close(blocked[key], whole[key], rtol=1e-6, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_row_block_export_reads_each_vocabulary_row_once(tmp_path, monkeypatch):
+    """Streaming the embedding and head in row blocks reads each block's rows from the file, not
+    the whole vocabulary tensor per block (at Pythia-1B that was 7 whole reads of each)."""
+    from hf_lmc.canonical import hf_state_dict_groups
+    from hf_lmc.checkpoint import SafetensorsFile
+    from hf_lmc.export import write_checkpoint
+
+    config = tiny_configs()["gpt_neox"]
+    build_model(config, seed=1, dtype=torch.float32).save_pretrained(tmp_path / "m")
+    model = hf_lmc.canonicalize(tmp_path / "m", dtype=torch.float32)
+    rows_read: dict[str, int] = {}
+    original = SafetensorsFile.get_rows
+
+    def counting(self, name, rows):
+        tensor = original(self, name, rows)
+        rows_read[name] = rows_read.get(name, 0) + (tensor.shape[0] if tensor.dim() else 1)
+        return tensor
+
+    monkeypatch.setattr(SafetensorsFile, "get_rows", counting)
+    config_out = hf_lmc.canonical.export_config(model, dtype=torch.float32)
+    rows_read.clear()
+    write_checkpoint(hf_state_dict_groups(model, config_out, block_rows=5), config_out, tmp_path / "out", progress=False)
+    vocab = config.vocab_size
+    assert vocab > 5  # several blocks
+    for key in ("gpt_neox.embed_in.weight", "embed_out.weight"):
+        assert rows_read[key] == vocab, (key, rows_read[key])
