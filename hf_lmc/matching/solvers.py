@@ -417,18 +417,15 @@ def match_rotary_moments(moments: Moments, rotary_dim: int) -> tuple[Tensor, Ten
     first = torch.arange(half, device=moments.vec_aa.device)
     second = first + half
 
-    def entries(m: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
-        return m[rows, cols]
-
     def trace(m: Tensor) -> Tensor:  # each pair's 2 x 2 block trace
-        return entries(m, first, first) + entries(m, second, second)
+        return m[first, first] + m[second, second]
 
     s_a = _pair_scales(trace(moments.vec_aa), trace(moments.cov_aa))
     s_b = _pair_scales(trace(moments.vec_bb), trace(moments.cov_bb))
     both = s_a * s_b
 
     def cross(rows: Tensor, cols: Tensor) -> Tensor:  # entry (rows, cols) of each pair's 2 x 2 cross block
-        return both * entries(moments.vec_ab, rows, cols) + entries(moments.cov_ab, rows, cols) / both
+        return both * moments.vec_ab[rows, cols] + moments.cov_ab[rows, cols] / both
 
     angles = torch.atan2(cross(second, first) - cross(first, second), cross(first, first) + cross(second, second))
     passthrough = None
