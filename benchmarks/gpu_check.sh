@@ -5,6 +5,12 @@
 # merge against a plain average at Pythia-1B shape, one layer's per-head solves on 1 / 4 / 16
 # threads, then the learned step at Pythia-1.4B shape under bf16 autocast in two processes (its
 # time varied from process to process, 2026-11-27). Logs go to ${OUT:-gpu-check}/.
+#
+# On this workplace's device machines (image 'cuda': torch 2.11, transformers 5.17) carry the
+# wheels the image lacks and put them first on the path (device README: pip download with
+# --python-version 3.12 --platform manylinux...):
+#   transformers==5.24.0 pydantic==2.13.4 pydantic_core==2.46.4 annotated_types==0.7.0 typing_inspection==0.4.2
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site WHEELS/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -u
 out=${OUT:-gpu-check}
 mkdir -p "$out"
