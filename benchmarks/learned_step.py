@@ -48,7 +48,7 @@ import torch, transformers as tf
 from hf_lmc import DualMatcher, LearnedMatcher
 
 mode, batch, seq, permutations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-CHECKPOINTING = {"dual-no-checkpointing": False, "dual-half": 0.5}
+checkpoint_layers = json.loads(sys.argv[5])
 def rss():
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 def hwm():
@@ -77,7 +77,7 @@ elif mode.startswith("ddp"):
 else:
     model_b = tf.GPTNeoXForCausalLM(config).eval()
     cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
-    matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=CHECKPOINTING.get(mode, True))
+    matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=checkpoint_layers)
     del model_a, model_b
     params = [p for p in matcher.parameters() if p.requires_grad]
     def step():
@@ -188,6 +188,7 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
 
 
 def run(mode: str, batch: int, seq: int, permutations: str) -> dict:
+    child_args = [mode, str(batch), str(seq), permutations, json.dumps(CHECKPOINTING.get(mode, True))]
     if mode.startswith("ddp"):  # torchrun cannot take -c: the child goes through a temporary file
         import os
         import tempfile
@@ -197,11 +198,11 @@ def run(mode: str, batch: int, seq: int, permutations: str) -> dict:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", f.name]
         env = os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
         try:
-            out = subprocess.run([*launch, mode, str(batch), str(seq), permutations], capture_output=True, text=True, env=env)
+            out = subprocess.run([*launch, *child_args], capture_output=True, text=True, env=env)
         finally:
             os.unlink(f.name)
     else:
-        out = subprocess.run([sys.executable, "-c", CHILD, mode, str(batch), str(seq), permutations], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", CHILD, *child_args], capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -144,8 +144,8 @@ def align_many(
     check_method(method, batches, count=len(models))
     if method == "average":
         raise ValueError("average interpolates the stored parameters and has no canonical transforms")
-    if device is None and method != "weight":  # a learned refinement follows: start where the launch put this process
-        device = launch_device()
+    if method != "weight":  # a learned refinement follows: unless asked, start where the launch put this process
+        device = launch_device(device)
     start = UniverseMatcher(symmetries, progress=progress, device=device).fit(models, weights)
     if method == "weight":
         return start

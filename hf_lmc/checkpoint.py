@@ -189,28 +189,30 @@ class Checkpoint(Mapping[str, Tensor]):
         return self._handles[file]
 
     def __getitem__(self, key: str) -> Tensor:
+        return self._read(key, None)
+
+    def rows(self, key: str, rows: slice) -> Tensor:
+        """Rows ``rows`` of tensor ``key``: from a safetensors file only their bytes are read
+        (the export streams vocabulary tensors in row blocks)."""
+        return self._read(key, rows)
+
+    def _read(self, key: str, rows: slice | None) -> Tensor:
+        """Tensor ``key``, or its ``rows``, checked finite until the whole tensor has been seen once."""
         file, stored = self._where[key]
         handle = self._open(file)
-        tensor = handle.get_tensor(stored) if file.suffix == ".safetensors" else handle[stored]
+        whole = rows is None or file.suffix != ".safetensors"  # a .bin shard is memory-mapped: slice it
+        if not whole:
+            tensor = handle.get_rows(stored, rows)
+        else:
+            tensor = handle.get_tensor(stored) if file.suffix == ".safetensors" else handle[stored]
         if key not in self._checked and tensor.is_floating_point():
             if not all_finite(tensor):
                 raise CheckpointError(
                     f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged"
                 )
-            self._checked.add(key)
-        return tensor
-
-    def rows(self, key: str, rows: slice) -> Tensor:
-        """Rows ``rows`` of tensor ``key``: from a safetensors file only their bytes are read
-        (the export streams vocabulary tensors in row blocks)."""
-        file, stored = self._where[key]
-        handle = self._open(file)
-        if file.suffix != ".safetensors":
-            return self[key][rows]
-        tensor = handle.get_rows(stored, rows)
-        if key not in self._checked and tensor.is_floating_point() and not all_finite(tensor):
-            raise CheckpointError(f"{stored!r} in {file} contains NaN or Inf values; this checkpoint cannot be merged")
-        return tensor
+            if whole:
+                self._checked.add(key)
+        return tensor[rows] if whole and rows is not None else tensor
 
     def __contains__(self, key: object) -> bool:
         # Mapping's default looks the key up, which here reads (and checks) the whole tensor.

@@ -8,6 +8,15 @@ import os
 import torch
 
 
+def parse_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, or a one-line error naming the forms to use (nothing
+    is checked against the machine: a recipe naming cuda can be read where there is none)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+
+
 def compute_device(device: str | torch.device | None = None) -> torch.device:
     """``device`` if given, else the current CUDA device when there is one, else the CPU.
 
@@ -15,24 +24,23 @@ def compute_device(device: str | torch.device | None = None) -> torch.device:
     """
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device; use cpu (or leave the device unset)")
     return device
 
 
-def launch_device() -> torch.device:
-    """This process's device as ``accelerate launch`` / ``torchrun`` set it up, read from the
-    environment (nothing is initialised): the CPU under ``accelerate launch --cpu``
-    (``ACCELERATE_USE_CPU``) or without CUDA; GPU ``LOCAL_RANK`` in a multi-process launch, so
-    that each process uses its own GPU before any ``Accelerator`` exists; else
-    :func:`compute_device`'s default.
+def launch_device(device: str | torch.device | None = None) -> torch.device:
+    """``device`` if given (as :func:`compute_device` checks it), else this process's device as
+    ``accelerate launch`` / ``torchrun`` set it up, read from the environment (nothing is
+    initialised): the CPU under ``accelerate launch --cpu`` (``ACCELERATE_USE_CPU``) or without
+    CUDA; GPU ``LOCAL_RANK`` in a multi-process launch, so that each process uses its own GPU
+    before any ``Accelerator`` exists; else :func:`compute_device`'s default.
     """
     from accelerate.utils import parse_flag_from_env
 
+    if device is not None:
+        return compute_device(device)
     if parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available():
         return torch.device("cpu")
     local_rank = os.environ.get("LOCAL_RANK")

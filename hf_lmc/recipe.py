@@ -26,13 +26,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import torch
 import yaml
 from pydantic import (
     BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator,
 )
 
 from .alignment import DATA_METHODS, METHODS, LearnOptions
+from .devices import parse_device
 
 ZOO_PREFIX = "zoo:"
 _ZOO_MEMBER = re.compile(r"zoo:([A-Za-z0-9_]+)/seed(\d+)")
@@ -313,13 +313,7 @@ class Recipe(_Section):
     @field_validator("device")
     @classmethod
     def _device(cls, value):
-        if value is None:
-            return value
-        try:
-            device = torch.device(value)
-        except (RuntimeError, TypeError):
-            device = None
-        if device is None or device.type not in ("cpu", "cuda"):
+        if value is not None and parse_device(value).type not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {value!r}; use cpu, cuda or cuda:N")
         return value
 

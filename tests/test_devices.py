@@ -219,7 +219,10 @@ def test_learned_matchers_start_where_asked_or_where_the_launch_put_them(monkeyp
         return hf_lmc.SimplexMatcher(models, **options)
 
     build(init_device="cpu")
-    monkeypatch.setattr(learned, "launch_device", lambda: torch.device("cpu", 0))
+    from hf_lmc.devices import launch_device
+
+    # the launch put this process on "cpu:0"; a device asked for is still checked as before
+    monkeypatch.setattr(learned, "launch_device", lambda device=None: launch_device(device) if device is not None else torch.device("cpu", 0))
     build()
     assert seen == [torch.device("cpu"), torch.device("cpu", 0)]
     with pytest.raises(ValueError, match="unknown device"):

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 
 from ..barriers import alpha_grid, excess_over_line
 from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
-from ..devices import compute_device, launch_device
+from ..devices import launch_device
 from ..symmetry import Transform
 from ..symmetry.params import OrthogonalParam
 from .interpolant import Interpolant
@@ -332,7 +332,7 @@ class DualMatcher(PathTrainer):
     ):
         super().__init__()
         self.objective = _check_objective(objective)
-        init_device = compute_device(init_device) if init_device is not None else launch_device()
+        init_device = launch_device(init_device)
         if not 0.0 <= worst_fraction <= 1.0:
             raise ValueError(f"worst_fraction must lie in [0, 1], got {worst_fraction}")
         if focus not in FOCI:
@@ -511,7 +511,7 @@ class SimplexMatcher(PathTrainer):
     ):
         super().__init__()
         self.objective = _check_objective(objective)
-        init_device = compute_device(init_device) if init_device is not None else launch_device()
+        init_device = launch_device(init_device)
         if len(models) < 2:
             raise ValueError(f"SimplexMatcher needs at least 2 models, got {len(models)}")
         if isinstance(init, str) and init not in INITS:
