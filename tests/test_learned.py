@@ -397,6 +397,44 @@ def test_fit_relocates_the_worst_point_on_its_last_two_batches():
     assert sorted(seen) == [1, 2, 3, 4] and seen[1] == 0.5  # the middle of lambda_range until first located
 
 
+def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator():
+    """A DataLoader that shuffles reshuffles on every pass, and no pass is held in memory (as
+    ``itertools.cycle`` would hold a whole dataset); a generator's batches are replayed."""
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
+
+    class Passes:  # a re-iterable that says which pass each batch came from
+        def __init__(self):
+            self.passes = 0
+
+        def __iter__(self):
+            self.passes += 1
+            return iter(batches)
+
+    data = Passes()
+    torch.manual_seed(0)
+    straight = LearnedMatcher(model_a, model_b).fit(batches, steps=5, lr=1e-2, progress=False)
+    torch.manual_seed(0)
+    assert LearnedMatcher(model_a, model_b).fit(data, steps=5, lr=1e-2, progress=False) == straight  # same batches, same order
+    assert data.passes == 3  # 2 + 2 + 1 batches: three passes, each a fresh iteration
+    torch.manual_seed(0)
+    assert LearnedMatcher(model_a, model_b).fit((b for b in batches), steps=5, lr=1e-2, progress=False) == straight
+
+    loader = torch.utils.data.DataLoader(
+        torch.arange(8), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    from hf_lmc.matching.learned import _passes
+
+    stream = _passes(loader)
+    orders = [torch.cat([next(stream), next(stream)]).tolist() for _ in range(3)]
+    assert all(sorted(order) == list(range(8)) for order in orders) and len({tuple(order) for order in orders}) > 1
+    for empty in ([], iter([])):
+        with pytest.raises(ValueError, match="yielded no batch"):
+            LearnedMatcher(model_a, model_b).fit(empty, steps=1, progress=False)
+
+
 def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
     config = tiny_configs()["llama"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)

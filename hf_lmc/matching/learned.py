@@ -18,7 +18,7 @@ import collections
 import itertools
 import json
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -136,7 +136,9 @@ class PathTrainer(nn.Module):
     ) -> list[float]:
         """Train the transforms for ``steps`` batches with Adam under :mod:`accelerate`.
 
-        ``batches`` is cycled. ``schedule`` is any :func:`transformers.get_scheduler` name
+        ``batches`` is read in passes until ``steps`` batches are drawn: a re-iterable (a list, a
+        ``DataLoader``) is iterated anew on every pass, so a shuffling loader reshuffles and no
+        batch is held past its step; a one-shot iterator's batches are kept and replayed. ``schedule`` is any :func:`transformers.get_scheduler` name
         (``"constant"``, ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first
         ``warmup_steps`` of them warming up linearly. ``residual_lr`` sets the residual
         (orthogonal) maps' learning rate apart from the rest (default ``lr``): one step of it
@@ -173,7 +175,7 @@ class PathTrainer(nn.Module):
         if resume and folder is not None and (folder / _PROGRESS).is_file():
             accelerator.load_state(str(folder))
             start = json.loads((folder / _PROGRESS).read_text())["step"]
-        stream = itertools.cycle(batches)
+        stream = _passes(batches)
         recent = collections.deque(maxlen=2)  # where the worst point is located
         for _ in range(start):  # replay the data order up to where the saved run stopped
             recent.append(next(stream))
@@ -201,6 +203,21 @@ class PathTrainer(nn.Module):
                 if accelerator.is_main_process:
                     (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
         return losses
+
+
+def _passes(batches: Iterable[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
+    """``batches`` without end. ``itertools.cycle`` would keep every batch of the first pass
+    (a whole dataset's worth from a ``DataLoader``) and replay that pass's order; a re-iterable
+    is iterated again instead. A one-shot iterator cannot be, so its batches are kept."""
+    if isinstance(batches, Iterator):
+        batches = itertools.cycle(batches)
+    while True:
+        empty = True
+        for batch in batches:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("fit: batches yielded no batch; pass a non-empty list, DataLoader or iterator of batches")
 
 
 def _wide(logits: Tensor) -> Tensor:
