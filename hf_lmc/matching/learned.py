@@ -138,11 +138,13 @@ class PathTrainer(nn.Module):
 
         ``batches`` is read in passes until ``steps`` batches are drawn: a re-iterable (a list, a
         ``DataLoader``) is iterated anew on every pass, so a shuffling loader reshuffles and no
-        batch is held past its step; a one-shot iterator's batches are kept and replayed. ``schedule`` is any :func:`transformers.get_scheduler` name
-        (``"constant"``, ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first
-        ``warmup_steps`` of them warming up linearly. ``residual_lr`` sets the residual
-        (orthogonal) maps' learning rate apart from the rest (default ``lr``): one step of it
-        turns every layer's stream at once.
+        batch is held past its step; a one-shot iterator's batches are kept and replayed. Under
+        several processes give each its own shard (``accelerator.prepare(loader)`` does).
+        ``schedule`` is any :func:`transformers.get_scheduler` name (``"constant"``,
+        ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first ``warmup_steps`` of
+        them warming up linearly. ``residual_lr`` sets the residual (orthogonal) maps' learning
+        rate apart from the rest (default ``lr``): one step of it turns every layer's stream at
+        once.
         With ``checkpoint_dir``, ``accelerator.save_state`` runs every ``checkpoint_every``
         steps (and at the end); ``resume=True`` continues from the last saved step, replaying
         the data order. ``callback(step, matcher)`` runs after every batch (e.g. to
