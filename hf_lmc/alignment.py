@@ -14,8 +14,11 @@ trains all). Activation matching stays a two-model method.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from .canonical import CanonicalModel
 from .devices import launch_device
@@ -56,6 +59,8 @@ class LearnOptions:
     gradient_accumulation_steps: int = 1
     #: More than two models: the weights of each step are drawn from Dirichlet(concentration * 1).
     concentration: float = 0.1
+    #: Seed of the training draws (interpolation weights, input noise); None: torch's RNG as it stands.
+    seed: int | None = None
 
     def __post_init__(self):
         # Here, not only where the maps are built: a conflict fails before models load or match.
@@ -104,14 +109,28 @@ def align(
     if method == "activation":
         return Transform(), ActivationMatcher(batches, symmetries, progress=progress).fit(a, b)
     matcher_class = DualMatcher if method == "dual" else LearnedMatcher
-    matcher = matcher_class(
-        a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, frame=learn.frame,
-        lambda_range=learn.lambda_range,
-        worst_fraction=learn.worst_fraction, focus=learn.focus, objective=learn.objective, input_noise=learn.input_noise,
-        init_device=device,
-    )
-    _fit(matcher, batches, learn, progress)
+    with seeded(learn.seed):
+        matcher = matcher_class(
+            a, b, symmetries=symmetries, permutations=learn.permutations, orthogonal=learn.orthogonal, frame=learn.frame,
+            lambda_range=learn.lambda_range,
+            worst_fraction=learn.worst_fraction, focus=learn.focus, objective=learn.objective, input_noise=learn.input_noise,
+            init_device=device,
+        )
+        _fit(matcher, batches, learn, progress)
     return matcher.transforms()
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None):
+    """Run with torch's RNG seeded to ``seed`` and restore the caller's state afterwards
+    (``None``: the RNG as it stands). Every process of a launch seeds alike, so all draw the
+    same interpolation weights, as the learned matchers require."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        torch.manual_seed(seed)
+        yield
 
 
 def _fit(matcher, batches, learn: LearnOptions, progress: bool) -> None:
@@ -149,9 +168,11 @@ def align_many(
     start = UniverseMatcher(symmetries, progress=progress, device=device).fit(models, weights)
     if method == "weight":
         return start
-    matcher = SimplexMatcher(
-        models, init=start, learns_first=method == "dual", symmetries=symmetries, permutations=learn.permutations,
-        orthogonal=learn.orthogonal, frame=learn.frame, concentration=learn.concentration, objective=learn.objective, input_noise=learn.input_noise,
-    )
-    _fit(matcher, batches, learn, progress)
+    with seeded(learn.seed):
+        matcher = SimplexMatcher(
+            models, init=start, learns_first=method == "dual", symmetries=symmetries, permutations=learn.permutations,
+            orthogonal=learn.orthogonal, frame=learn.frame, concentration=learn.concentration, objective=learn.objective,
+            input_noise=learn.input_noise,
+        )
+        _fit(matcher, batches, learn, progress)
     return matcher.transforms()

@@ -84,7 +84,7 @@ def _learn_options(args: argparse.Namespace):
     return LearnOptions(
         steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
         orthogonal=args.orthogonal, frame=args.frame, concentration=args.concentration, objective=args.objective, worst_fraction=args.worst_fraction,
-        focus=args.focus, input_noise=args.input_noise,
+        focus=args.focus, input_noise=args.input_noise, seed=args.seed,
     )
 
 
@@ -247,6 +247,11 @@ def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
         "--input-noise", type=_non_negative, default=0.0, metavar="SIGMA",
         help="image models: std of Gaussian noise added to the training images at every step, against transforms that "
         "fit images the models have memorised (0.25 on the zoo ViT, pixels in [-1, 1]; see the README) (default: 0)",
+    )
+    group.add_argument(
+        "--seed", type=int, default=None, metavar="N",
+        help="seed of the training draws (interpolation weights, input noise): the same seed, data and settings give the "
+        "same merge (default: torch's starting state, the same in every fresh process)",
     )
     group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1; 1.0 gave lower simplex barriers on the zoo triples, see the README)")
 

@@ -75,6 +75,8 @@ def _training_notes(method: str, learn: LearnOptions) -> list[str]:
         notes.append(
             f"The transforms were trained on images with Gaussian noise of std {learn.input_noise:g} added afresh at every step."
         )
+    if learn.seed is not None:
+        notes.append(f"Training draws (interpolation weights, input noise) were seeded with {learn.seed}.")
     return notes
 
 

@@ -177,6 +177,9 @@ class LearnSpec(_Section):
     concentration: float = Field(
         LearnOptions.concentration, gt=0, description="more than two models: weights of each step ~ Dirichlet(concentration * 1)"
     )
+    seed: int | None = Field(
+        LearnOptions.seed, description="seed of the training draws (interpolation weights, input noise); null: torch's starting state"
+    )
 
     @field_validator("schedule")
     @classmethod

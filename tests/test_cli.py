@@ -68,11 +68,11 @@ def test_learning_flags_default_to_the_library_and_reach_it():
     parser = cli.build_parser()
     assert cli._learn_options(parser.parse_args(["merge", "a", "b", "--output", "o"])) == LearnOptions()
     flags = ["--steps", "7", "--lr", "0.1", "--residual-lr", "0.2", "--schedule", "cosine", "--warmup", "3", "--permutations", "ste",
-             "--orthogonal", "exp", "--frame", "target", "--objective", "ensemble", "--worst-fraction", "0.3", "--focus", "excess", "--input-noise", "0.25", "--concentration", "2"]
+             "--orthogonal", "exp", "--frame", "target", "--objective", "ensemble", "--worst-fraction", "0.3", "--focus", "excess", "--input-noise", "0.25", "--concentration", "2", "--seed", "5"]
     options = cli._learn_options(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
     assert options == LearnOptions(
         steps=7, lr=0.1, residual_lr=0.2, schedule="cosine", warmup=3, permutations="ste", orthogonal="exp", frame="target", objective="ensemble",
-        worst_fraction=0.3, focus="excess", input_noise=0.25, concentration=2.0,
+        worst_fraction=0.3, focus="excess", input_noise=0.25, concentration=2.0, seed=5,
     )
 
 

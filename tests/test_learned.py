@@ -435,6 +435,30 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
             LearnedMatcher(model_a, model_b).fit(empty, steps=1, progress=False)
 
 
+def test_a_seeded_alignment_is_reproducible_and_leaves_the_callers_rng_alone():
+    from hf_lmc.alignment import LearnOptions, align
+    from tests.models import transform_tensors
+
+    config = tiny_configs()["gpt2"]
+    a, b = (hf_lmc.canonicalize(build_model(config, seed=s)) for s in (1, 2))
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
+
+    def trained(seed):
+        _, transform = align("dual", a, b, batches=batches, learn=LearnOptions(steps=3, lr=1e-2, seed=seed), progress=False)
+        return transform_tensors(transform)
+
+    torch.manual_seed(123)
+    untouched = torch.rand(4)
+    torch.manual_seed(123)
+    first = trained(1)
+    assert torch.equal(torch.rand(4), untouched)  # the caller's RNG state is restored
+    torch.manual_seed(999)  # the seed, not the caller's state, decides the draws
+    again, other = trained(1), trained(2)
+    assert all(torch.equal(again[k], t) for k, t in first.items())
+    assert any(not torch.equal(other[k], t) for k, t in first.items())
+
+
 def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
     config = tiny_configs()["llama"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)

@@ -186,7 +186,7 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     args = ["merge", str(a), str(b), "-o", str(tmp_path / "m"), "--method", method, "--data", str(tmp_path / "fit.pt"),
             "--batch-size", "4", "--steps", "3", "--lr", "1e-4", "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3"]
     if method == "dual":
-        args += ["--permutations", "sinkhorn", "--input-noise", "0.1"]
+        args += ["--permutations", "sinkhorn", "--input-noise", "0.1", "--seed", "3"]
     if method == "learned":
         args += ["--permutations", "fixed", "--residual-lr", "1e-5", "--objective", "ensemble"]
     assert main(args) == 0
@@ -198,6 +198,7 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     assert ("hardened" in card) == (method == "dual")
     assert ("objective `ensemble`" in card) == (method == "learned")
     assert ("Gaussian noise of std 0.1 added" in card) == (method == "dual")
+    assert ("seeded with 3" in card) == (method == "dual")
 
 
 def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
