@@ -24,12 +24,14 @@ def merge_card(
     barrier_table: str | None = None,
     plot_filename: str | None = None,
     notes: list[str] = (),
+    training: list[tuple[str, str]] | None = None,
     repo_hint: str | None = None,
 ) -> ModelCard:
     """A card with Hub metadata (``base_model``, ``base_model_relation: merge``, tags, license).
 
     ``alpha_or_weights``: B's weight for two models, or (more than two) a list of one weight per
-    base model, shown model by model.
+    base model, shown model by model. ``training``: (setting, value) rows of how trained
+    transforms were learned, shown as a table.
     """
     data = ModelCardData(
         base_model=list(base_models),
@@ -59,6 +61,7 @@ def merge_card(
         symmetries=sym or "none (plain average of the stored weights)",
         model_type=model_type,
         notes=notes,
+        training=training,
         barrier_table=barrier_table,
         plot_filename=plot_filename,
         repo_hint=repo_hint or "path/to/merged-model",

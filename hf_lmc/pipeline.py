@@ -75,9 +75,28 @@ def _training_notes(method: str, learn: LearnOptions) -> list[str]:
         notes.append(
             f"The transforms were trained on images with Gaussian noise of std {learn.input_noise:g} added afresh at every step."
         )
-    if learn.seed is not None:
-        notes.append(f"Training draws (interpolation weights, input noise) were seeded with {learn.seed}.")
     return notes
+
+
+def _training_settings(method: str, learn: LearnOptions, count: int) -> list[tuple[str, str]] | None:
+    """The card's table of how a trained method's transforms were learned: enough to run it again."""
+    if method not in TRAINED_METHODS:
+        return None
+    schedule = learn.schedule + (f", {learn.warmup} warmup steps" if learn.warmup else "")
+    rows = [
+        ("steps", f"{learn.steps} (gradient accumulation {learn.gradient_accumulation_steps}, mixed precision `{learn.mixed_precision}`)"),
+        ("optimiser", f"Adam, lr {learn.lr:g}" + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "") + f", schedule `{schedule}`"),
+        ("parameterisation", f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`"),
+    ]
+    if count == 2:
+        low, high = learn.lambda_range
+        near = "the path's worst point" if learn.focus == "worst" else "the points above the line, by their excess"
+        rows.append(("λ draws", f"{1 - learn.worst_fraction:g} from U({low:g}, {high:g}), {learn.worst_fraction:g} near {near}"))
+    else:
+        rows.append(("weight draws", f"Dirichlet({learn.concentration:g} · 1)"))
+    rows.append(("objective", f"`{learn.objective}`" + (f", input noise std {learn.input_noise:g}" if learn.input_noise else "")))
+    rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
+    return rows
 
 
 def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -327,6 +346,7 @@ def merge_models(
             method=method,
             symmetries=sorted(kinds) if method != "average" else [],
             notes=_training_notes(method, learn) + width_notes,
+            training=_training_settings(method, learn, count),
             alpha_or_weights=weights[1] if count == 2 else list(weights),
             license=inherited_license(folders),
             model_type=config_a.model_type,

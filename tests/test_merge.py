@@ -198,7 +198,11 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     assert ("hardened" in card) == (method == "dual")
     assert ("objective `ensemble`" in card) == (method == "learned")
     assert ("Gaussian noise of std 0.1 added" in card) == (method == "dual")
-    assert ("seeded with 3" in card) == (method == "dual")
+    assert ("## Training" in card) == (method != "activation")
+    assert ("| seed | 3 |" in card) == (method == "dual")
+    if method == "learned":
+        assert "| steps | 3 (gradient accumulation 1, mixed precision `no`) |" in card
+        assert "Adam, lr 0.0001, residual maps 1e-05, schedule `constant`" in card and "frame `own`" in card
 
 
 def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
