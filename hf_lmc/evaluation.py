@@ -44,11 +44,12 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
     else:
         batches = _text_batches(data, config, processor_folder, options)
     if not batches:
-        raise DataError(f"evaluation data {_describe(data)} produced no batches")
+        raise DataError(f"evaluation data {describe_data(data)} produced no batches")
     return batches[: options.max_batches]
 
 
-def _describe(data) -> str:
+def describe_data(data) -> str:
+    """A data argument as messages and model cards name it: a path or id as given, else its type."""
     return repr(data) if isinstance(data, (str, Path)) else type(data).__name__
 
 

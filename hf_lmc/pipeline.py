@@ -32,7 +32,7 @@ from .canonical import block_rows, canonicalize, combine, export_config, hf_stat
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device
-from .evaluation import EvalOptions, load_batches
+from .evaluation import EvalOptions, describe_data, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model, revisions_per_model
@@ -78,12 +78,16 @@ def _training_notes(method: str, learn: LearnOptions) -> list[str]:
     return notes
 
 
-def _training_settings(method: str, learn: LearnOptions, count: int) -> list[tuple[str, str]] | None:
+def _training_settings(method: str, learn: LearnOptions, count: int, data, data_options: EvalOptions) -> list[tuple[str, str]] | None:
     """The card's table of how a trained method's transforms were learned: enough to run it again."""
     if method not in TRAINED_METHODS:
         return None
+    shape = f"batches of {data_options.batch_size}" + (f" × {data_options.seq_len} tokens" if data_options.seq_len else "")
+    if data_options.max_batches:
+        shape += f", at most {data_options.max_batches} of them"
     schedule = learn.schedule + (f", {learn.warmup} warmup steps" if learn.warmup else "")
     rows = [
+        ("data", f"{describe_data(data)} (split `{data_options.split}`, {shape})"),
         ("steps", f"{learn.steps} (gradient accumulation {learn.gradient_accumulation_steps}, mixed precision `{learn.mixed_precision}`)"),
         ("optimiser", f"Adam, lr {learn.lr:g}" + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "") + f", schedule `{schedule}`"),
         ("parameterisation", f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`"),
@@ -346,7 +350,7 @@ def merge_models(
             method=method,
             symmetries=sorted(kinds) if method != "average" else [],
             notes=_training_notes(method, learn) + width_notes,
-            training=_training_settings(method, learn, count),
+            training=_training_settings(method, learn, count, data, data_options),
             alpha_or_weights=weights[1] if count == 2 else list(weights),
             license=inherited_license(folders),
             model_type=config_a.model_type,

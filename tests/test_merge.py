@@ -202,6 +202,7 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     assert ("| seed | 3 |" in card) == (method == "dual")
     if method == "learned":
         assert "| steps | 3 (gradient accumulation 1, mixed precision `no`) |" in card
+        assert "fit.pt' (split `train`, batches of 4) |" in card
         assert "Adam, lr 0.0001, residual maps 1e-05, schedule `constant`" in card and "frame `own`" in card
 
 
