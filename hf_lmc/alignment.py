@@ -128,7 +128,10 @@ def seeded(seed: int | None):
     if seed is None:
         yield
         return
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+    # GPUs' states are saved only where CUDA already runs: reading them would start it (a context
+    # per device) in a process launched to stay on the CPU.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
 
