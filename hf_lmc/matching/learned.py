@@ -41,6 +41,7 @@ INITS = ("weight", "identity")
 #: ``"ensemble"`` at the same weights (soft targets: the mixture of their predicted distributions).
 OBJECTIVES = ("labels", "ensemble")
 _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
+_SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one waits for the device)
 #: Where the worst point of the path is looked for: the barrier's 11-point grid (DESIGN §1).
 #: Draws near it are uniform within half a grid step of it.
 WORST_GRID = tuple(alpha_grid(11))
@@ -181,7 +182,7 @@ class PathTrainer(nn.Module):
         recent = collections.deque(maxlen=2)  # where the worst point is located
         for _ in range(start):  # replay the data order up to where the saved run stopped
             recent.append(next(stream))
-        losses = []
+        losses = []  # on the device, read once at the end
         bar = tqdm(range(start, steps), desc=self.label, disable=not progress or not accelerator.is_local_main_process)
         for step in bar:
             recent.append(next(stream))
@@ -193,18 +194,19 @@ class PathTrainer(nn.Module):
                 if accelerator.sync_gradients:
                     scheduler.step()
                 optimizer.zero_grad()
-            losses.append(loss.item())
+            losses.append(loss.detach())  # no host sync: a GPU keeps the next step's kernels queued
             if self.seeks_worst and (step + 1) % locate_every == 0:
                 self.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
             if callback is not None:
                 callback(step + 1, self)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
+                bar.set_postfix(loss=f"{losses[-1].item():.4f}")
             last = step + 1 == steps
             if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
                 accelerator.save_state(str(folder))
                 if accelerator.is_main_process:
                     (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
-        return losses
+        return torch.stack(losses).tolist() if losses else []
 
 
 def _passes(batches: Iterable[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
