@@ -459,6 +459,26 @@ def test_a_seeded_alignment_is_reproducible_and_leaves_the_callers_rng_alone():
     assert any(not torch.equal(other[k], t) for k, t in first.items())
 
 
+def test_draws_read_the_located_point_from_the_device_only_when_it_changes():
+    """A read of a GPU buffer waits for every queued kernel: the draws keep a host copy of the
+    worst point and the excess, refreshed when the buffers are written (located, loaded)."""
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))}]
+    matcher = LearnedMatcher(model_a, model_b, worst_fraction=1.0, focus="excess")
+    draws = [matcher.sample_lambda() for _ in range(3)]
+    read = matcher._focus_read
+    assert all(0.4 <= d <= 0.6 for d in draws) and [matcher.sample_lambda() for _ in range(5)] and matcher._focus_read is read
+    matcher.locate_worst(batches)
+    matcher.sample_lambda()
+    assert matcher._focus_read is not read and matcher._focus_read[1] == float(matcher.worst_alpha)
+    state = {k: v.clone() for k, v in matcher.state_dict().items()}
+    state["worst_alpha"].fill_(0.2)
+    state["grid_excess"].zero_()
+    matcher.load_state_dict(state)
+    assert all(0.15 - 1e-9 <= float(matcher.sample_lambda()) <= 0.25 + 1e-9 for _ in range(20))  # the loaded point
+
+
 def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
     config = tiny_configs()["llama"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)

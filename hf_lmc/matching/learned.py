@@ -370,6 +370,7 @@ class DualMatcher(PathTrainer):
         # The excess over the line at every grid point when last located (zero until then); saved
         # only where the draws read it, so "worst" checkpoints keep their earlier layout.
         self.register_buffer("grid_excess", torch.zeros(len(WORST_GRID), dtype=torch.float64), persistent=focus == "excess")
+        self._focus_read = None  # (buffer versions, worst alpha, excess weights): see _focus_state
         self.dtype = dtype
         a = canonicalize(model_a, dtype=dtype).materialize()
         b = canonicalize(model_b, dtype=dtype).materialize()
@@ -402,11 +403,19 @@ class DualMatcher(PathTrainer):
     def _focus_point(self) -> float:
         """The worst point, or (``focus="excess"``) an interior grid point drawn in proportion to
         its located excess over the line; the worst point while no point stands above it."""
-        if self.focus == "excess":
-            weights = self.grid_excess[1:-1].clamp_min(0).cpu()
-            if weights.sum() > 0:
-                return WORST_GRID[1 + int(torch.multinomial(weights, 1))]
-        return float(self.worst_alpha)
+        worst, weights = self._focus_state()
+        if self.focus == "excess" and weights.sum() > 0:
+            return WORST_GRID[1 + int(torch.multinomial(weights, 1))]
+        return worst
+
+    def _focus_state(self) -> tuple[float, Tensor]:
+        """:attr:`worst_alpha` and the interior excess weights, on the host. They are read from the
+        buffers only when those change (relocated, loaded, moved): on a GPU each read waits for
+        every queued kernel, which once per step would keep the host from running ahead."""
+        key = tuple((t.device, t.data_ptr(), t._version) for t in (self.worst_alpha, self.grid_excess))
+        if self._focus_read is None or self._focus_read[0] != key:
+            self._focus_read = (key, float(self.worst_alpha), self.grid_excess[1:-1].clamp_min(0).cpu())
+        return self._focus_read[1:]
 
     @torch.no_grad()
     def locate_worst(self, batches: Iterable[dict[str, Tensor]]) -> float:
