@@ -1,0 +1,127 @@
+"""The alignment methods, one registry entry each.
+
+An entry says what a method needs (data, how many models), what it moves, which matcher class
+fits it, and how the model card and the README describe it. The command line's choices, the
+recipe schema's enum, the README's methods table (``python -m hf_lmc.methods``) and the card's
+wording all read this table; :func:`hf_lmc.alignment.align_many` builds the matcher an entry
+names. Adding a method is adding an entry (and its matcher).
+
+The module imports neither torch nor transformers, so ``hf-lmc --help`` can list the methods.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    """One alignment method.
+
+    Attributes:
+        name: what the CLI, recipes and the API call it.
+        needs_data: whether it reads data (calibration batches or training batches).
+        multi: whether it merges more than two models.
+        trained: whether its transforms are trained (soft permutations are hardened before export).
+        moves: what it moves, two models / three or more.
+        pair_matcher, many_matcher: the class in :mod:`hf_lmc.matching` that fits it for two
+            models / for more (``None``: the method has no transforms, or no form for that count).
+        pair_card, many_card: how the model card says the models were aligned (two / more).
+        when: when to choose it (the README's methods table).
+    """
+
+    name: str
+    needs_data: bool
+    multi: bool
+    trained: bool
+    moves: str
+    pair_matcher: str | None
+    many_matcher: str | None
+    pair_card: str
+    many_card: str
+    when: str
+
+
+METHODS: dict[str, Method] = {
+    method.name: method
+    for method in (
+        Method(
+            "average", needs_data=False, multi=True, trained=False, moves="nothing",
+            pair_matcher=None, many_matcher=None, pair_card="", many_card="",
+            when="the vanilla baseline: what the barrier of an aligned merge is measured against",
+        ),
+        Method(
+            "weight", needs_data=False, multi=True, trained=False, moves="B / all but a shared reference",
+            pair_matcher="WeightMatcher", many_matcher="UniverseMatcher",
+            pair_card="model B was aligned to model A by data-free weight matching over its function-preserving symmetries, ",
+            many_card="aligned to one shared reference by universe weight matching (each model matched without data, over "
+            "its function-preserving symmetries, to the weighted average of the others as aligned so far, repeated until "
+            "that average settled), ",
+            when="the default: no data, minutes on a CPU; start here",
+        ),
+        Method(
+            "activation", needs_data=True, multi=False, trained=False, moves="B",
+            pair_matcher="ActivationMatcher", many_matcher=None,
+            pair_card="model B was aligned to model A by matching their activations on calibration data over the "
+            "function-preserving symmetries, ",
+            many_card="",
+            when="a few calibration batches at hand and weight matching's barrier too high",
+        ),
+        Method(
+            "learned", needs_data=True, multi=True, trained=True, moves="B / all but the first",
+            pair_matcher="LearnedMatcher", many_matcher="SimplexMatcher",
+            pair_card="model B's symmetry transform was learned (from the weight-matching solution) to lower the loss "
+            "along the linear path, ",
+            many_card="aligned by universe weight matching, and then every model's but the first's symmetry transform was "
+            "learned to lower the loss over the simplex the aligned models span (weights drawn from a Dirichlet "
+            "distribution), ",
+            when="training data and a GPU (or patience): the lowest barriers when A must stay as it is",
+        ),
+        Method(
+            "dual", needs_data=True, multi=True, trained=True, moves="A and B / all",
+            pair_matcher="DualMatcher", many_matcher="SimplexMatcher",
+            pair_card="both models' symmetry transforms were learned (dual matching, from the weight-matching solution) "
+            "toward one shared low-loss linear path, ",
+            many_card="aligned by universe weight matching, and then every model's symmetry transform was learned to lower "
+            "the loss over the simplex the aligned models span (weights drawn from a Dirichlet distribution), ",
+            when="as learned, when both models may move: at or below learned matching's barrier",
+        ),
+    )
+}
+
+NAMES = tuple(METHODS)
+
+
+def method(name: str) -> Method:
+    """The entry called ``name``; a one-line error listing the methods otherwise."""
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose from {', '.join(NAMES)}") from None
+
+
+def check_method(name: str, data, count: int = 2, data_parameter: str = "data") -> Method:
+    """The entry for ``name``; fails early, saying what to do, for an unknown method, a two-model
+    method given ``count`` > 2 models, or a data method without data."""
+    entry = method(name)
+    if count > 2 and not entry.multi:
+        multi = ", ".join(m.name for m in METHODS.values() if m.multi)
+        raise ValueError(f"method {name!r} aligns two models; for {count} use one of {multi}")
+    if entry.needs_data and data is None:
+        raise ValueError(
+            f"method {name!r} learns from data: pass {data_parameter} (a text file or folder, a datasets id, or .pt tensors for ViT)"
+        )
+    return entry
+
+
+def markdown_table() -> str:
+    """The README's methods table."""
+    rows = ["| method | needs data | models | what moves | when to use |", "|---|---|---|---|---|"]
+    for m in METHODS.values():
+        rows.append(f"| `{m.name}` | {'yes' if m.needs_data else 'no'} | {'2 or more' if m.multi else '2'} | {m.moves} | {m.when} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table() + "\n")

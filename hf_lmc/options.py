@@ -1,0 +1,188 @@
+"""Every user-facing option of a merge, declared once.
+
+Each concern is one frozen pydantic model, and each field carries its default, its bounds or
+choices, and a description. The command line (:mod:`hf_lmc.cli`) generates its flags from these
+fields, recipes (:mod:`hf_lmc.recipe`) embed the models as their sections, and the Python API
+takes them as arguments, so a default, a bound or an enum lives here alone.
+
+The module imports neither torch nor transformers: ``hf-lmc --help`` builds its parser from it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+#: The parameterisations of the residual (orthogonal) maps.
+ORTHOGONAL = ("cayley", "exp", "polar")
+#: Where a trained map's factor sits (docs/design.md §4): ``"own"`` (``M_0 f(A)``), ``"target"``
+#: (``f(A) M_0``) or ``"both"`` (``f(L) M_0 f(A)``).
+FRAMES = ("own", "target", "both")
+#: How unit and head assignments are handled while training: kept at the start's, or trained.
+PERMUTATIONS = ("fixed", "ste", "sinkhorn")
+#: What the path is trained toward: the batch's labels, or the endpoints' mixed predictions.
+OBJECTIVES = ("labels", "ensemble")
+#: Which grid points the ``worst_fraction`` of draws goes near.
+FOCI = ("worst", "excess")
+#: The symmetry groups an alignment searches.
+SYMMETRIES = ("full", "permutation")
+#: Dtypes a merge can be written in.
+DTYPES = ("float32", "float16", "bfloat16")
+#: Where weight matching and the export's products can run.
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*")
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+class Options(BaseModel):
+    """Frozen, and unknown keys are errors: a misspelt option must not silently fall back to its default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def check_orthogonal(orthogonal: str, frame: str = "own") -> None:
+    """Refuse an unknown residual-map parameterisation or frame, or a frame the parameterisation
+    cannot take: polar projects a free matrix and has no fixed start to put a factor beside."""
+    if orthogonal not in ORTHOGONAL:
+        raise ValueError(f"unknown orthogonal parameterisation {orthogonal!r}; choose from {ORTHOGONAL}")
+    if frame not in FRAMES:
+        raise ValueError(f"unknown frame {frame!r}; choose from {FRAMES}")
+    if orthogonal == "polar" and frame != "own":
+        raise ValueError(f"the polar parameterisation has no fixed base to step around; frame={frame!r} needs 'cayley' or 'exp'")
+
+
+def parse_size(size: str | int) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes, as bytes."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE.fullmatch(str(size).upper())
+        if not m:
+            raise ValueError(f"cannot read shard size {size!r}; use e.g. 5GB, 500MB or a number of bytes")
+        value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+    if value <= 0:
+        raise ValueError(f"shard size must be positive, got {size!r}")
+    return value
+
+
+def check_device(device: str | None) -> str | None:
+    """``cpu``, ``cuda`` or ``cuda:N`` (or ``None``: the default); whether CUDA runs is checked where it is used."""
+    if device is not None and not _DEVICE.fullmatch(str(device)):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    return device
+
+
+class LearnOptions(Options):
+    """How learned and dual matching train their transforms (see :class:`hf_lmc.DualMatcher` and
+    docs/learned-matching.md). Checked when built, so a conflict fails before any model loads."""
+
+    steps: int = Field(200, ge=0, description="training steps of learned and dual matching")
+    lr: float = Field(3e-3, gt=0, description="Adam learning rate of learned and dual matching")
+    residual_lr: float | None = Field(
+        None, gt=0, description="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: lr)"
+    )
+    schedule: str = Field("constant", description="learning-rate schedule: a transformers scheduler name (constant, cosine, linear, ...)")
+    warmup: int = Field(0, ge=0, description="linear warmup steps of the schedule")
+    permutations: Literal["fixed", "ste", "sinkhorn"] = Field(
+        "fixed",
+        description="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian (ste) or Sinkhorn",
+    )
+    orthogonal: Literal["cayley", "exp", "polar"] = Field("cayley", description="parameterisation of the residual maps")
+    frame: Literal["own", "target", "both"] = Field(
+        "own",
+        description="where each map's trained factor sits: after the start, stepping in the model's own coordinates (own), "
+        "before it, in the coordinates of the model it is aligned to (target), or one factor on each side, as dual matching's "
+        "relative map has (both); target and both need cayley or exp",
+    )
+    objective: Literal["labels", "ensemble"] = Field(
+        "labels",
+        description="train the merge toward the data's labels, or toward the models' own predictions mixed at the same weights "
+        "(ensemble: one extra forward per model and step)",
+    )
+    lambda_range: tuple[float, float] = Field((0.4, 0.6), description="two models: interpolation weights are drawn uniformly from this range")
+    worst_fraction: float = Field(
+        0.5, ge=0, le=1,
+        description="two models: share of the weights drawn near the path's current worst point instead, re-located every 50 steps "
+        "(0: all from lambda_range)",
+    )
+    focus: Literal["worst", "excess"] = Field(
+        "worst",
+        description="two models: those draws go near the single worst grid point, or near every point above the line in "
+        "proportion to its excess (for paths with two humps of about one height)",
+    )
+    input_noise: float = Field(
+        0.0, ge=0, description="image models: std of Gaussian noise added to the training images at every step (0: none)"
+    )
+    concentration: float = Field(0.1, gt=0, description="three or more models: the weights of each step are drawn from Dirichlet(concentration * 1)")
+    seed: int | None = Field(
+        None,
+        description="seed of the training draws (interpolation weights, input noise): the same seed, data and settings give the "
+        "same merge (default: torch's RNG as it stands, the same in every fresh process)",
+    )
+
+    @field_validator("schedule")
+    @classmethod
+    def _scheduler_name(cls, value: str) -> str:
+        from transformers import SchedulerType  # deferred on purpose: this module stays free of transformers and torch
+
+        names = [s.value for s in SchedulerType]
+        if value not in names:
+            raise ValueError(f"unknown schedule {value!r}; choose from {', '.join(names)}")
+        return value
+
+    @field_validator("lambda_range")
+    @classmethod
+    def _in_unit_interval(cls, value: tuple[float, float]) -> tuple[float, float]:
+        low, high = value
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"needs 0 <= low <= high <= 1, got [{low}, {high}]")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.warmup > self.steps:
+            raise ValueError(f"warmup: {self.warmup} warmup steps exceed the {self.steps} training steps")
+        try:
+            check_orthogonal(self.orthogonal, self.frame)
+        except ValueError as err:
+            raise ValueError(f"frame: {err}") from None
+        return self
+
+
+class AccelerateOptions(Options):
+    """``accelerate.Accelerator`` settings of the learned and dual training loop. One process
+    holds one mixed-precision setting, so a run that changes it needs a fresh process."""
+
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="autocast of the training loop")
+    gradient_accumulation_steps: PositiveInt = Field(1, description="batches per optimiser step")
+
+
+class EvalOptions(Options):
+    """How a data set is cut into batches, and which split of a datasets id is read."""
+
+    batch_size: PositiveInt = Field(8, description="sequences (images) per batch")
+    seq_len: PositiveInt | None = Field(None, description="tokens per sequence (default: min(128, the model's context))")
+    max_batches: PositiveInt | None = Field(None, description="use at most this many batches of the data")
+    split: str = Field("test", description="split of a datasets id to read")
+
+
+#: Fitting data (activation, learned and dual matching) reads the training split.
+FIT_OPTIONS = EvalOptions(split="train")
+
+
+class OutputOptions(Options):
+    """How the merged checkpoint is written and published."""
+
+    shard_size: str | int = Field("5GB", description="maximum shard size, e.g. 5GB or 500MB")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="dtype of the written weights (default: the first model's)")
+    push_to_hub: str | None = Field(None, description="Hub model repo to upload the merged folder to")
+    private: bool = Field(False, description="create the Hub repo as private")
+    overwrite: bool = Field(False, description="replace an existing output folder")
+
+    @field_validator("shard_size")
+    @classmethod
+    def _size(cls, value):
+        parse_size(value)
+        return value
