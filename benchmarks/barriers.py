@@ -1,4 +1,4 @@
-"""The barrier table: every zoo pair, vanilla averaging vs every alignment method (DESIGN §1).
+"""The barrier table: every zoo pair, vanilla averaging vs every alignment method (docs/design.md §1).
 
 For each pair of independently trained zoo models (different init and data order), evaluates
 held-out loss on an 11-point alpha grid for each method, prints a markdown table (barrier,
@@ -25,11 +25,8 @@ import torch
 
 import hf_lmc
 from hf_lmc import zoo
-from hf_lmc.alignment import LearnOptions
 from hf_lmc.barriers import BarrierResult, plot
-from hf_lmc.evaluation import EvalOptions
-from hf_lmc.matching.learned import OBJECTIVES
-from hf_lmc.matching.trainable import PERMUTATIONS
+from hf_lmc.options import OBJECTIVES, PERMUTATIONS, EvalOptions, LearnOptions
 
 #: (label, method, symmetries) rows per pair.
 METHODS = (
@@ -87,12 +84,12 @@ def main() -> None:
         help="learned / dual: train toward the labels or the endpoints' mixed predictions (default: labels)",
     )
     parser.add_argument(
-        "--worst-fraction", type=float, default=LearnOptions.worst_fraction,
-        help=f"learned / dual: share of lambda draws near the path's current worst point (default: {LearnOptions.worst_fraction})",
+        "--worst-fraction", type=float, default=LearnOptions().worst_fraction,
+        help=f"learned / dual: share of lambda draws near the path's current worst point (default: {LearnOptions().worst_fraction})",
     )
     parser.add_argument(
-        "--input-noise", type=float, default=LearnOptions.input_noise,
-        help=f"learned / dual, image pairs only: std of Gaussian noise on the training images (default: {LearnOptions.input_noise})",
+        "--input-noise", type=float, default=LearnOptions().input_noise,
+        help=f"learned / dual, image pairs only: std of Gaussian noise on the training images (default: {LearnOptions().input_noise})",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of each row's lambda draws and input noise (default: 0)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -4,7 +4,7 @@ Three independently trained members of a zoo entry (seeds 0, 1, 2: different ini
 data order) span a simplex of merges ``sum_k w_k T_k(theta_k)``. For each method this evaluates
 held-out loss on a grid of that simplex (every point with coordinates in steps of
 ``1/(points-1)``, plus the centre) and reports the barrier: the worst grid point's excess over
-``sum_k w_k L(theta_k)`` (DESIGN §1 for M models; hf_lmc.barriers.simplex_barrier).
+``sum_k w_k L(theta_k)`` (docs/design.md §1 for M models; hf_lmc.barriers.simplex_barrier).
 
 Rows: ``average`` (the stored weights), ``weight (to first)`` (B and C each aligned to A by
 two-model weight matching: the naive baseline), ``weight`` (universe matching), ``learned``
@@ -28,11 +28,10 @@ from pathlib import Path
 
 import hf_lmc
 from hf_lmc import zoo
-from hf_lmc.alignment import LearnOptions
 from hf_lmc.barriers import SimplexBarrierResult, plot_simplex, simplex_barrier_of_loaded
-from hf_lmc.evaluation import EvalOptions, load_batches
+from hf_lmc.evaluation import load_batches
 from hf_lmc.loading import load_model
-from hf_lmc.matching.trainable import PERMUTATIONS
+from hf_lmc.options import PERMUTATIONS, EvalOptions, LearnOptions
 from hf_lmc.symmetry import Transform
 
 LABELS = ("average", "weight (to first)", "weight", "learned", "dual")

@@ -23,7 +23,7 @@ import argparse
 from barriers import HEADER, METHODS, measure, table_rows
 
 from hf_lmc import zoo
-from hf_lmc.alignment import LearnOptions
+from hf_lmc.options import LearnOptions
 from hf_lmc.widths import spec_of
 
 PAIRS = ("wide", "mixed", "narrow")

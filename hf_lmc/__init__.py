@@ -2,47 +2,81 @@
 
 Models are rewritten exactly into a canonical RMSNorm-absorbed form, aligned by
 function-preserving symmetries, interpolated, and exported as ordinary HF checkpoints.
+
+The public names resolve on first use (PEP 562), so ``import hf_lmc`` and the command line's
+``--help`` load neither torch nor transformers; ``from hf_lmc import DualMatcher`` imports what
+it needs then.
 """
 
-from .adapters import UnsupportedModelError
-from .barriers import BarrierResult, barrier
-from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
-from .checkpoint import CheckpointError
-from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, SimplexMatcher, UniverseMatcher, WeightMatcher
-from .pipeline import MergeResult, merge, merge_models
-from .recipe import Recipe, RecipeError, load_recipe
-from .runner import RecipeResult, run_recipe
-from .spec import ArchSpec
-from .symmetry import Transform, random_symmetry
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ActivationMatcher",
-    "BarrierResult",
-    "MergeResult",
-    "barrier",
-    "merge",
-    "Recipe",
-    "RecipeError",
-    "RecipeResult",
-    "load_recipe",
-    "run_recipe",
-    "merge_models",
-    "ArchSpec",
-    "CanonicalModel",
-    "CheckpointError",
-    "DualMatcher",
-    "LearnedMatcher",
-    "SimplexMatcher",
-    "Transform",
-    "UniverseMatcher",
-    "UnsupportedModelError",
-    "WeightMatcher",
-    "__version__",
-    "canonicalize",
-    "export_config",
-    "interpolate",
-    "random_symmetry",
-    "to_hf",
-]
+#: Public name -> the module that defines it.
+_PUBLIC = {
+    "UnsupportedModelError": "adapters",
+    "BarrierResult": "barriers",
+    "barrier": "barriers",
+    "CanonicalModel": "canonical",
+    "canonicalize": "canonical",
+    "export_config": "canonical",
+    "interpolate": "canonical",
+    "to_hf": "canonical",
+    "CheckpointError": "checkpoint",
+    "ActivationMatcher": "matching",
+    "DualMatcher": "matching",
+    "LearnedMatcher": "matching",
+    "SimplexMatcher": "matching",
+    "UniverseMatcher": "matching",
+    "WeightMatcher": "matching",
+    "METHODS": "methods",
+    "AccelerateOptions": "options",
+    "EvalOptions": "options",
+    "LearnOptions": "options",
+    "MergeSpec": "options",
+    "OutputOptions": "options",
+    "MergeResult": "pipeline",
+    "merge": "pipeline",
+    "merge_models": "pipeline",
+    "Recipe": "recipe",
+    "RecipeError": "recipe",
+    "load_recipe": "recipe",
+    "RecipeResult": "runner",
+    "run_recipe": "runner",
+    "ArchSpec": "spec",
+    "Transform": "symmetry",
+    "random_symmetry": "symmetry",
+}
+
+__all__ = sorted([*_PUBLIC, "__version__"])
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_lmc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if TYPE_CHECKING:  # the names as static analysis and IDEs see them
+    from .adapters import UnsupportedModelError  # noqa: F401
+    from .barriers import BarrierResult, barrier  # noqa: F401
+    from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf  # noqa: F401
+    from .checkpoint import CheckpointError  # noqa: F401
+    from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, SimplexMatcher, UniverseMatcher, WeightMatcher  # noqa: F401
+    from .methods import METHODS  # noqa: F401
+    from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeSpec, OutputOptions  # noqa: F401
+    from .pipeline import MergeResult, merge, merge_models  # noqa: F401
+    from .recipe import Recipe, RecipeError, load_recipe  # noqa: F401
+    from .runner import RecipeResult, run_recipe  # noqa: F401
+    from .spec import ArchSpec  # noqa: F401
+    from .symmetry import Transform, random_symmetry  # noqa: F401

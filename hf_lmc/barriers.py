@@ -1,4 +1,4 @@
-"""Loss along the linear path between two models, and the loss barrier (DESIGN §1).
+"""Loss along the linear path between two models, and the loss barrier (docs/design.md §1).
 
 ``barrier = max_alpha [ L((1-alpha) A + alpha B) - ((1-alpha) L(A) + alpha L(B)) ]`` over an
 evenly spaced alpha grid (11 points by default). ``average`` interpolates the stock HF
@@ -23,10 +23,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from .alignment import align_many
 from .canonical import combine, canonicalize, to_hf, weighted_sum
-from .evaluation import EvalOptions, evaluate, load_batches
+from .evaluation import evaluate, load_batches
 from .loading import LoadedModel, load_model, revisions_per_model
-from .alignment import DATA_METHODS, LearnOptions, align_many, check_method
+from .methods import METHODS, check_method
+from .options import FIT_OPTIONS, EvalOptions, LearnOptions
 from .symmetry import Transform
 from .widths import spec_of, to_common_shape
 
@@ -180,7 +182,7 @@ def _merges(
             transforms = [Transform() for _ in canonical]
     if transforms is None:
         transforms = align_many(
-            method, canonical, symmetries=symmetries, batches=fit_batches if method in DATA_METHODS else None, learn=learn, progress=False
+            method, canonical, symmetries=symmetries, batches=fit_batches if METHODS[method].needs_data else None, learn=learn, progress=False
         )
     dtype = next(loaded[0].model.parameters()).dtype
     moved = [t.to(dtype).apply(c).materialize() if t.maps or k else c for k, (t, c) in enumerate(zip(transforms, canonical))]
@@ -198,7 +200,7 @@ def barrier(
     symmetries="full",
     eval_options: EvalOptions = EvalOptions(),
     fit_data=None,
-    fit_options: EvalOptions = EvalOptions(split="train"),
+    fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),
     revision_a: str | None = None,
     revision_b: str | None = None,
@@ -211,7 +213,7 @@ def barrier(
     anything :func:`hf_lmc.evaluation.load_batches` accepts.
     """
     for method in methods:
-        check_method(method, fit_data, flag="--fit-data")
+        check_method(method, fit_data, data_parameter="fit_data")
     a, b = load_model(model_a, revision_a), load_model(model_b, revision_b)
     fit_batches = load_batches(fit_data, a.model.config, a.folder, fit_options) if fit_data is not None else None
     return barrier_of_loaded(
@@ -267,7 +269,7 @@ def barrier_over_simplex(
     symmetries="full",
     eval_options: EvalOptions = EvalOptions(),
     fit_data=None,
-    fit_options: EvalOptions = EvalOptions(split="train"),
+    fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),
     revisions: Sequence[str | None] | None = None,
     progress: bool = True,
@@ -275,7 +277,7 @@ def barrier_over_simplex(
     """Evaluate every method over a grid of the simplex of ``models`` (:func:`simplex_grid` with
     ``points`` per edge): the M-model :func:`barrier`. Forms of models and data as there."""
     for method in methods:
-        check_method(method, fit_data, flag="--fit-data", count=len(models))
+        check_method(method, fit_data, count=len(models), data_parameter="fit_data")
     loaded = [load_model(m, r) for m, r in zip(models, revisions_per_model(revisions, len(models)))]
     first = loaded[0]
     fit_batches = load_batches(fit_data, first.model.config, first.folder, fit_options) if fit_data is not None else None

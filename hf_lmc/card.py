@@ -8,6 +8,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from .adapters import ADAPTERS
+from .methods import METHODS
 
 TEMPLATE = resources.files("hf_lmc") / "templates" / "merge.md"
 
@@ -56,6 +57,7 @@ def merge_card(
         model_name=f"Merge of {_listed([Path(m).name for m in base_models])}",
         base_models_text=_listed([f"`{m}`" for m in base_models]),
         method=method,
+        how_aligned=METHODS[method].many_card if weights else METHODS[method].pair_card,
         alpha=alpha_or_weights,
         weights=[(f"`{m}`", f"{w:.4g}") for m, w in zip(base_models, weights)] if weights else None,
         symmetries=sym or "none (plain average of the stored weights)",

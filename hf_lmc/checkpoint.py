@@ -2,7 +2,7 @@
 
 A checkpoint is exposed as a read-only ``Mapping`` from *current* (transformers 5) state-dict
 keys to tensors. Nothing is read until a key is looked up, so the canonical form can
-materialise one layer at a time from a billion-parameter checkpoint (DESIGN §5). Legacy key
+materialise one layer at a time from a billion-parameter checkpoint (docs/design.md §5). Legacy key
 names (transformers 4.x) are renamed on the fly by the adapter's rename table.
 """
 

@@ -1,11 +1,30 @@
-"""``hf-lmc``: the command-line interface."""
+"""``hf-lmc``: the command-line interface.
+
+The flags of every option come from the option models (:mod:`hf_lmc.options`, through
+:class:`OptionFlags`) and the method choices from the registry (:mod:`hf_lmc.methods`); library
+errors that name a parameter are shown with its flag.
+
+Each command imports the modules it runs inside its own function, on purpose: they load torch
+and transformers, which building the parser must not (``hf-lmc --help`` stays fast;
+``tests/test_layers.py`` checks ``sys.modules``). Those are the only imports of the package's own
+modules inside functions.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Sequence
 from pathlib import Path
+
+from pydantic import ValidationError
+
+from . import __version__
+from .methods import METHODS, NAMES
+from .options import (
+    FIT_OPTIONS, SYMMETRIES, AccelerateOptions, EvalOptions, LearnOptions, OutputExistsError, OutputOptions, ParameterError,
+)
 
 EXAMPLES = """\
 examples:
@@ -35,12 +54,91 @@ examples:
 """
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
-METHODS = ("average", "weight", "activation", "learned", "dual")  # hf_lmc.alignment.METHODS, without importing torch
-SCHEDULES = ("constant", "cosine", "linear")  # transformers scheduler names offered on the command line
-PERMUTATIONS = ("fixed", "ste", "sinkhorn")  # hf_lmc.matching.trainable.PERMUTATIONS, without importing torch
-FRAMES = ("own", "target", "both")  # hf_lmc.symmetry.params.FRAMES, without importing torch
-OBJECTIVES = ("labels", "ensemble")  # hf_lmc.matching.learned.OBJECTIVES, without importing torch
-FOCI = ("worst", "excess")  # hf_lmc.matching.learned.FOCI, without importing torch
+
+
+class OptionFlags:
+    """The command-line flags of one options model (:mod:`hf_lmc.options`), generated from its
+    fields: the flag is the field's name (``worst_fraction`` -> ``--worst-fraction``) unless
+    renamed, the help its description, the choices its ``Literal``, the default the model's own
+    (shown, never copied: an absent flag leaves the field to the model). Bounds are the model's
+    too: :meth:`build` validates, and names the flag of any field it refuses."""
+
+    def __init__(self, model, *, only: tuple[str, ...] | None = None, flags: dict[str, str] | None = None, defaults=None, prefix: str = ""):
+        self.model, self.prefix = model, prefix
+        self.fields = {name: field for name, field in model.model_fields.items() if only is None or name in only}
+        self.flags = {name: (flags or {}).get(name, _flag(name)) for name in self.fields}
+        self.defaults = defaults if defaults is not None else model()
+
+    def add_to(self, group) -> None:
+        """Add one flag per field to ``group`` (a parser or an argument group)."""
+        for name, field in self.fields.items():
+            default = getattr(self.defaults, name)
+            kind, choices = _argument_type(field.annotation)
+            help_text = field.description or ""
+            if default is not None and "default" not in help_text:
+                shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
+                help_text += f" (default: {shown})"
+            options = dict(dest=self.prefix + name, default=argparse.SUPPRESS, help=help_text)
+            if kind is bool:
+                group.add_argument(self.flags[name], action="store_true", **options)
+            elif kind is tuple:
+                group.add_argument(self.flags[name], type=float, nargs=2, metavar=("LOW", "HIGH"), **options)
+            else:
+                metavar = None if choices else ("N" if kind is int else name.split("_")[-1].upper())
+                group.add_argument(self.flags[name], type=kind, choices=choices, metavar=metavar, **options)
+
+    def given(self, args: argparse.Namespace) -> dict:
+        """The fields set on the command line."""
+        return {name: getattr(args, self.prefix + name) for name in self.fields if hasattr(args, self.prefix + name)}
+
+    def build(self, args: argparse.Namespace, **fixed):
+        """The options model from the flags given (the model's defaults for the rest)."""
+        values = {name: getattr(self.defaults, name) for name in self.model.model_fields if name in self.defaults.model_fields_set}
+        try:
+            return self.model(**{**values, **self.given(args), **fixed})
+        except ValidationError as err:
+            raise ValueError("; ".join(self._flag_message(e) for e in err.errors())) from None
+
+    def _flag_message(self, error: dict) -> str:
+        message = error["msg"].removeprefix("Value error, ")
+        if error["loc"]:
+            name = str(error["loc"][0])
+        else:  # a check across fields names its field first ("frame: ...")
+            name, sep, rest = message.partition(": ")
+            if not sep or name not in self.flags:
+                return message
+            message = rest
+        return f"{self.flags.get(name) or _flag(name)}: {message}"
+
+
+def _flag(parameter: str) -> str:
+    """The flag of a parameter (``seq_len`` -> ``--seq-len``): one name across commands."""
+    return "--" + parameter.replace("_", "-")
+
+
+def _argument_type(annotation) -> tuple[type, list[str] | None]:
+    """``(type, choices)`` of a field: ``Literal`` gives choices, ``X | None`` gives X's type."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, list(typing.get_args(annotation))
+    if typing.get_origin(annotation) is tuple or annotation is tuple:
+        return tuple, None
+    if args and annotation not in (int, float, str, bool):
+        literal = next((a for a in args if typing.get_origin(a) is typing.Literal), None)
+        if literal is not None:
+            return str, list(typing.get_args(literal))
+        if int in args and str in args:  # sizes: "5GB" or bytes
+            return str, None
+        return _argument_type(args[0])
+    return annotation, None
+
+
+LEARN = OptionFlags(LearnOptions)
+ACCELERATE = OptionFlags(AccelerateOptions)
+BATCHES = OptionFlags(EvalOptions, only=("batch_size", "seq_len", "max_batches"))
+EVAL_SPLIT = OptionFlags(EvalOptions, only=("split",))
+FIT_SPLIT = OptionFlags(EvalOptions, only=("split",), flags={"split": "--data-split"}, defaults=FIT_OPTIONS, prefix="fit_")
+OUTPUT = OptionFlags(OutputOptions)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -72,24 +170,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _eval_options(args: argparse.Namespace, split: str | None = None):
-    from .evaluation import EvalOptions
-
-    return EvalOptions(batch_size=args.batch_size, seq_len=args.seq_len, max_batches=args.max_batches, split=split or args.split)
+def _eval_options(args: argparse.Namespace):
+    return EVAL_SPLIT.build(args, **BATCHES.given(args))
 
 
-def _learn_options(args: argparse.Namespace):
-    from .alignment import LearnOptions
-
-    return LearnOptions(
-        steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup=args.warmup, permutations=args.permutations,
-        orthogonal=args.orthogonal, frame=args.frame, concentration=args.concentration, objective=args.objective, worst_fraction=args.worst_fraction,
-        focus=args.focus, input_noise=args.input_noise, seed=args.seed,
-    )
+def _fit_options(args: argparse.Namespace):
+    return FIT_SPLIT.build(args, **BATCHES.given(args))
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .pipeline import merge, merge_models
+    from .pipeline import merge_models
 
     models = args.models
     if len(models) < 2:
@@ -98,18 +188,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ValueError("pass either --alpha (two models) or --weights (one per model), not both")
     if args.alpha is not None and len(models) != 2:
         raise ValueError(f"--alpha is the weight of MODEL_B when merging two models; for {len(models)} pass --weights w1 ... w{len(models)}")
-    revisions = _revisions(args, len(models))
-    options = dict(
-        method=args.method, symmetries=args.symmetries,
-        data=args.data, data_options=_eval_options(args, args.data_split), learn=_learn_options(args),
-        dtype=args.dtype, shard_size=args.shard_size, eval_data=args.eval_data, eval_options=_eval_options(args),
-        alphas=args.alphas, push_to_hub=args.push_to_hub, private=args.private, overwrite=args.overwrite, device=args.device,
+    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
+        raise ParameterError(f"{{}} must lie in [0, 1], got {args.alpha}", "alpha")
+    weights = (1 - args.alpha, args.alpha) if args.alpha is not None else (0.5, 0.5) if args.weights is None and len(models) == 2 else args.weights
+    output = OUTPUT.build(args)
+    result = merge_models(
+        models, args.output, weights=weights, revisions=_revisions(args, len(models)), method=args.method, symmetries=args.symmetries,
+        device=args.device, data=args.data, data_options=_fit_options(args), learn=LEARN.build(args), accelerate=ACCELERATE.build(args),
+        eval_data=args.eval_data, eval_options=_eval_options(args), alphas=args.alphas, **output.model_dump(),
     )
-    if args.weights is None and len(models) == 2:
-        alpha = 0.5 if args.alpha is None else args.alpha
-        result = merge(*models, args.output, alpha=alpha, revision_a=revisions[0], revision_b=revisions[1], **options)
-    else:
-        result = merge_models(models, args.output, weights=args.weights, revisions=revisions, **options)
     if result.barrier is not None:
         print(result.barrier.table())
     print(f"merged model written to {result.output}")
@@ -128,7 +215,7 @@ def cmd_barrier(args: argparse.Namespace) -> int:
     methods = ("average",) if args.method == "average" else ("average", args.method)
     common = dict(
         methods=methods, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.fit_data,
-        fit_options=_eval_options(args, args.data_split), learn=_learn_options(args),
+        fit_options=_fit_options(args), learn=LEARN.build(args),
     )
     if len(models) == 2:
         result = barrier(*models, args.data, alphas=args.alphas or 11, revision_a=revisions[0], revision_b=revisions[1], **common)
@@ -167,93 +254,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_eval_options(parser: argparse.ArgumentParser, title: str) -> None:
-    group = parser.add_argument_group(title)
+def _add_data_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
+    """The alpha grid, how every data set is batched, the fitting data, and the options of the
+    learned methods' training (all generated from :mod:`hf_lmc.options`)."""
+    group = parser.add_argument_group("data settings")
     group.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
-    group.add_argument("--batch-size", type=int, default=8, metavar="N", help="batch size of every data set (default: 8)")
-    group.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per block (default: min(128, context))")
-    group.add_argument("--max-batches", type=int, default=None, metavar="N", help="use at most N batches of each data set")
-    group.add_argument("--split", default="test", help="split of a datasets id for evaluation (default: test)")
-    group.add_argument("--data-split", default="train", metavar="SPLIT", help="split of a datasets id for fitting (default: train)")
-
-
-def _number(low: float, high: float | None = None) -> Callable[[str], float]:
-    """An argparse type: a number in ``[low, high]`` (``[low, inf)`` without ``high``; NaN refused)."""
-    if high is None:
-        wanted, verdict = f">= {low:g}", f"must be >= {low:g}"
-    else:
-        wanted = f"in [{low:g}, {high:g}]"
-        verdict = f"must lie {wanted}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number {wanted}, got {text!r}") from None
-        if not (low <= value and (high is None or value <= high)):
-            raise argparse.ArgumentTypeError(f"{verdict}, got {value}")
-        return value
-
-    return parse
-
-
-_fraction = _number(0.0, 1.0)
-_non_negative = _number(0.0)
-
-
-def _add_learn_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
-    group = parser.add_argument_group(
+    BATCHES.add_to(group)
+    EVAL_SPLIT.add_to(group)
+    FIT_SPLIT.add_to(group)
+    learn = parser.add_argument_group(
         "data-driven alignment (--method activation, learned, dual)",
         "activation matching reads calibration batches; learned (B learns) and dual (A and B learn) matching "
         "train the symmetry transforms on the loss along the path, starting from weight matching; with 3+ models "
-        "they start from universe matching and train at Dirichlet-sampled weights (learned: the first model stays)",
+        "they start from universe matching and train at Dirichlet-sampled weights (learned: the first model stays); "
+        "docs/learned-matching.md explains every option",
     )
-    group.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
-    group.add_argument("--steps", type=int, default=200, metavar="N", help="training steps of learned and dual matching (default: 200)")
-    group.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate of learned and dual matching (default: 3e-3)")
-    group.add_argument(
-        "--residual-lr", type=float, default=None, metavar="LR",
-        help="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: --lr)",
-    )
-    group.add_argument("--schedule", choices=SCHEDULES, default="constant", help="learning-rate schedule (default: constant)")
-    group.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warmup steps of the schedule (default: 0)")
-    group.add_argument(
-        "--permutations", choices=PERMUTATIONS, default="fixed",
-        help="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian or Sinkhorn (default: fixed)",
-    )
-    group.add_argument("--orthogonal", choices=["cayley", "exp", "polar"], default="cayley", help="residual map parametrisation (default: cayley)")
-    group.add_argument(
-        "--frame", choices=FRAMES, default="own",
-        help="where each map's trained factor sits: after the start, stepping in the model's own coordinates (own), "
-        "before it, in the coordinates of the model it is aligned to (target), or one factor on each side, as dual matching's "
-        "relative map has (both); target and both need cayley or exp (default: own)",
-    )
-    group.add_argument(
-        "--objective", choices=OBJECTIVES, default="labels",
-        help="train the merge toward the data's labels, or toward the models' own predictions mixed at the same weights "
-        "(ensemble: one extra forward per model and step; lower barriers on the zoo language models, see the README) (default: labels)",
-    )
-    group.add_argument(
-        "--worst-fraction", type=_fraction, default=0.5, metavar="F",
-        help="two models: share of training weights drawn near the path's current worst point, the rest from U(0.4, 0.6) "
-        "(re-located every 50 steps; 0: all uniform) (default: 0.5)",
-    )
-    group.add_argument(
-        "--focus", choices=FOCI, default="worst",
-        help="two models: those draws go near the single worst grid point, or near every point above the line in "
-        "proportion to its excess (for paths with two humps of about one height) (default: worst)",
-    )
-    group.add_argument(
-        "--input-noise", type=_non_negative, default=0.0, metavar="SIGMA",
-        help="image models: std of Gaussian noise added to the training images at every step, against transforms that "
-        "fit images the models have memorised (0.25 on the zoo ViT, pixels in [-1, 1]; see the README) (default: 0)",
-    )
-    group.add_argument(
-        "--seed", type=int, default=None, metavar="N",
-        help="seed of the training draws (interpolation weights, input noise): the same seed, data and settings give the "
-        "same merge (default: torch's starting state, the same in every fresh process)",
-    )
-    group.add_argument("--concentration", type=float, default=0.1, metavar="C", help="3+ models: training weights drawn from Dirichlet(C * 1) (default: 0.1; 1.0 gave lower simplex barriers on the zoo triples, see the README)")
+    learn.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
+    LEARN.add_to(learn)
+    ACCELERATE.add_to(parser.add_argument_group("training loop (accelerate)"))
 
 
 def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -> None:
@@ -264,8 +282,11 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -
     group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
     group.add_argument("--revisions", nargs="+", default=None, metavar="REV", help="Hub revision of every model, in order ('-' for the default branch)")
     method = parser.add_argument_group("method")
-    method.add_argument("--method", choices=list(METHODS), default="weight", help="alignment before interpolation (default: weight, data-free; universe matching for 3+ models)")
-    method.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="symmetry group the alignment searches (default: full)")
+    method.add_argument(
+        "--method", choices=NAMES, default="weight",
+        help="alignment before interpolation: " + "; ".join(f"{m.name}, {m.when}" for m in METHODS.values()) + " (default: weight)",
+    )
+    method.add_argument("--symmetries", choices=SYMMETRIES, default="full", help="symmetry group the alignment searches (default: full)")
     if weights:
         method.add_argument("--alpha", type=float, default=None, help="two models: weight of MODEL_B in [0, 1] (default: 0.5)")
         method.add_argument("--weights", type=float, nargs="+", default=None, metavar="W", help="one weight per model, >= 0, summing to 1 (default: uniform)")
@@ -299,8 +320,6 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from . import __version__
-
     parser.add_argument("--version", action="version", version=f"hf-lmc {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -314,18 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_options(merge, weights=True)
-    out = merge.add_argument_group("output")
+    out = merge.add_argument_group("output and hub")
     out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
-    out.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    out.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="dtype of the written weights (default: MODEL_A's)")
-    out.add_argument("--shard-size", default="5GB", metavar="SIZE", help="maximum shard size, e.g. 5GB or 500MB (default: 5GB)")
-    hub = merge.add_argument_group("hub")
-    hub.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the merged folder to this model repo")
-    hub.add_argument("--private", action="store_true", help="create the Hub repo as private")
+    OUTPUT.add_to(out)
     evaluation = merge.add_argument_group("evaluation (optional: adds the barrier table and plot to the card)")
     evaluation.add_argument("--eval-data", default=None, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(merge, "data settings")
-    _add_learn_options(merge, "--data")
+    _add_data_options(merge, "--data")
     merge.set_defaults(run=cmd_merge)
 
     bar = commands.add_parser(
@@ -340,8 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(bar)
     data = bar.add_argument_group("data")
     data.add_argument("--data", required=True, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_eval_options(bar, "data settings")
-    _add_learn_options(bar, "--fit-data")
+    _add_data_options(bar, "--fit-data")
     report = bar.add_argument_group("report")
     report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot (three models: the simplex triangle)")
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -363,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     numerics.add_argument("--seed", type=int, default=0, help="seed of the random symmetry and inputs (default: 0)")
     group = check.add_argument_group("symmetry")
-    group.add_argument("--symmetries", choices=["full", "permutation"], default="full", help="group to sample from (default: full)")
+    group.add_argument("--symmetries", choices=SYMMETRIES, default="full", help="group to sample from (default: full)")
     check.set_defaults(run=cmd_check)
 
     demo = commands.add_parser(
@@ -470,8 +482,8 @@ def _add_recipe_commands(commands) -> None:
 def _return_freed_memory_promptly() -> None:
     """Have glibc serve large blocks with ``mmap`` at a fixed threshold, so freed tensors go back
     to the OS at once. By default the threshold grows with each freed block (up to 32 MB), and the
-    layer-sized temporaries of a streamed merge then pile up in malloc arenas: about 0.6 GB more
-    peak RSS at Pythia-1B shape. A no-op where glibc is not the allocator."""
+    layer-sized temporaries of a streamed merge then pile up in malloc arenas, raising the peak
+    memory (docs/benchmarks.md, merge speed). A no-op where glibc is not the allocator."""
     try:
         import ctypes
 
@@ -485,6 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     _return_freed_memory_promptly()
     try:
         return args.run(args)
+    except (ParameterError, OutputExistsError) as err:  # the library names its parameter; here it is a flag
+        print(f"hf-lmc: error: {err.named(_flag(err.parameter))}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
         print(f"hf-lmc: error: {err}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import zoo
-from .evaluation import EvalOptions
+from .options import EvalOptions, OutputExistsError
 from .pipeline import MergeResult, merge
 
 MARKER = "hf_lmc_demo.json"  # identifies a folder a previous demo wrote (so re-running may replace it)
@@ -40,7 +40,7 @@ def run_demo(
     start = time.perf_counter()
     output = Path(output)
     if output.exists() and not (output / MARKER).is_file():
-        raise FileExistsError(f"{output} exists and was not written by hf-lmc demo; pass --output to write elsewhere")
+        raise OutputExistsError(f"{output} exists and was not written by hf-lmc demo; pass another {{}} to write elsewhere", "output")
     entry = zoo.ZOO["gpt2"] if steps is None else zoo.ZOO["gpt2"].scaled(steps=steps, warmup=min(50, max(1, steps // 10)))
     a, b = zoo.pair(entry, cache=cache, progress=progress)
     result = merge(

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .adapters import adapter_for
+from .options import EvalOptions, ParameterError
 
 Batch = dict[str, torch.Tensor]
 
@@ -27,12 +28,8 @@ class DataError(ValueError):
     """Evaluation data that cannot be used with the model."""
 
 
-@dataclass(frozen=True)
-class EvalOptions:
-    batch_size: int = 8
-    seq_len: int | None = None  # default: min(128, the model's context)
-    max_batches: int | None = None
-    split: str = "test"
+class DataSettingError(ParameterError, DataError):
+    """A data setting (``parameter``) that does not fit the model."""
 
 
 def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions = EvalOptions()) -> list[Batch]:
@@ -113,7 +110,7 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
     context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 128
     seq_len = options.seq_len or min(128, context)
     if seq_len > context:
-        raise DataError(f"--seq-len {seq_len} exceeds the model's context of {context} tokens")
+        raise DataSettingError(f"{{}} {seq_len} exceeds the model's context of {context} tokens", "seq_len")
     ids: list[int] = []
     for text in texts:
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -1,4 +1,4 @@
-"""Writing a stock HF checkpoint folder, streamed and atomic (DESIGN §6).
+"""Writing a stock HF checkpoint folder, streamed and atomic (docs/design.md §6).
 
 Tensors arrive group by group (one layer at a time) and stream into safetensors shards, so
 memory stays at about one layer. Everything goes into a
@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import os
-import re
 import shutil
 import struct
 import tempfile
@@ -29,6 +28,7 @@ from .adapters import adapter_for
 from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_config, hf_state_dict_groups
 from .checkpoint import SAFETENSORS_DTYPES
 from .devices import full_float32_products
+from .options import OutputExistsError, parse_size
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -44,23 +44,6 @@ PROCESSOR_FILES = (
     "chat_template.jinja",
     "preprocessor_config.json",
 )
-
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(size: str | int) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes."""
-    if isinstance(size, int):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
-        if not m:
-            raise ValueError(f"cannot read shard size {size!r}; use e.g. 5GB, 500MB or a number of bytes")
-        value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
-    if value <= 0:
-        raise ValueError(f"shard size must be positive, got {size!r}")
-    return value
-
 
 class _ShardWriter:
     """Streams tensors into safetensors shards, starting a new shard when one would overflow.
@@ -223,7 +206,7 @@ def write_checkpoint(
     output = Path(output_dir)
     max_bytes = parse_size(shard_size)
     if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+        raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:

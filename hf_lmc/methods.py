@@ -2,7 +2,8 @@
 
 An entry says what a method needs (data, how many models), what it moves, which matcher class
 fits it, and how the model card and the README describe it. The command line's choices, the
-recipe schema's enum, the README's methods table (``python -m hf_lmc.methods``) and the card's
+recipe schema's enum, the README's methods table (``python -m hf_lmc.methods README.md`` writes
+it) and the card's
 wording all read this table; :func:`hf_lmc.alignment.align_many` builds the matcher an entry
 names. Adding a method is adding an entry (and its matcher).
 
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from .options import ParameterError
 
 
 @dataclass(frozen=True)
@@ -49,16 +53,16 @@ METHODS: dict[str, Method] = {
         Method(
             "average", needs_data=False, multi=True, trained=False, moves="nothing",
             pair_matcher=None, many_matcher=None, pair_card="", many_card="",
-            when="the vanilla baseline: what the barrier of an aligned merge is measured against",
+            when="the vanilla baseline: a plain weighted average of the stored weights",
         ),
         Method(
-            "weight", needs_data=False, multi=True, trained=False, moves="B / all but a shared reference",
+            "weight", needs_data=False, multi=True, trained=False, moves="B; with 3+ models every model (universe matching)",
             pair_matcher="WeightMatcher", many_matcher="UniverseMatcher",
             pair_card="model B was aligned to model A by data-free weight matching over its function-preserving symmetries, ",
             many_card="aligned to one shared reference by universe weight matching (each model matched without data, over "
             "its function-preserving symmetries, to the weighted average of the others as aligned so far, repeated until "
             "that average settled), ",
-            when="the default: no data, minutes on a CPU; start here",
+            when="the default: data-free, streamed layer by layer, fit for billion-parameter checkpoints",
         ),
         Method(
             "activation", needs_data=True, multi=False, trained=False, moves="B",
@@ -66,26 +70,26 @@ METHODS: dict[str, Method] = {
             pair_card="model B was aligned to model A by matching their activations on calibration data over the "
             "function-preserving symmetries, ",
             many_card="",
-            when="a few calibration batches at hand and weight matching's barrier too high",
+            when="the same structure with costs from activations, when calibration data is at hand",
         ),
         Method(
-            "learned", needs_data=True, multi=True, trained=True, moves="B / all but the first",
+            "learned", needs_data=True, multi=True, trained=True, moves="B; with 3+ models all but the first",
             pair_matcher="LearnedMatcher", many_matcher="SimplexMatcher",
             pair_card="model B's symmetry transform was learned (from the weight-matching solution) to lower the loss "
             "along the linear path, ",
             many_card="aligned by universe weight matching, and then every model's but the first's symmetry transform was "
             "learned to lower the loss over the simplex the aligned models span (weights drawn from a Dirichlet "
             "distribution), ",
-            when="training data and a GPU (or patience): the lowest barriers when A must stay as it is",
+            when="to flatten the path beyond weight matching: B's transform trained on the loss along the path",
         ),
         Method(
-            "dual", needs_data=True, multi=True, trained=True, moves="A and B / all",
+            "dual", needs_data=True, multi=True, trained=True, moves="A and B; with 3+ models every model",
             pair_matcher="DualMatcher", many_matcher="SimplexMatcher",
             pair_card="both models' symmetry transforms were learned (dual matching, from the weight-matching solution) "
             "toward one shared low-loss linear path, ",
             many_card="aligned by universe weight matching, and then every model's symmetry transform was learned to lower "
             "the loss over the simplex the aligned models span (weights drawn from a Dirichlet distribution), ",
-            when="as learned, when both models may move: at or below learned matching's barrier",
+            when="the same with both transforms trained; for long schedules",
         ),
     )
 }
@@ -109,19 +113,36 @@ def check_method(name: str, data, count: int = 2, data_parameter: str = "data") 
         multi = ", ".join(m.name for m in METHODS.values() if m.multi)
         raise ValueError(f"method {name!r} aligns two models; for {count} use one of {multi}")
     if entry.needs_data and data is None:
-        raise ValueError(
-            f"method {name!r} learns from data: pass {data_parameter} (a text file or folder, a datasets id, or .pt tensors for ViT)"
+        raise ParameterError(
+            f"method {name!r} learns from data: pass {{}} (a text file or folder, a datasets id, or .pt tensors for ViT)", data_parameter
         )
     return entry
+
+
+TABLE_START, TABLE_END = "<!-- methods-table:start -->", "<!-- methods-table:end -->"
 
 
 def markdown_table() -> str:
     """The README's methods table."""
     rows = ["| method | needs data | models | what moves | when to use |", "|---|---|---|---|---|"]
     for m in METHODS.values():
-        rows.append(f"| `{m.name}` | {'yes' if m.needs_data else 'no'} | {'2 or more' if m.multi else '2'} | {m.moves} | {m.when} |")
+        data = ("yes (training)" if m.trained else "yes (calibration)") if m.needs_data else "no"
+        rows.append(f"| `{m.name}` | {data} | {'2 or more' if m.multi else '2'} | {m.moves} | {m.when} |")
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    sys.stdout.write(markdown_table() + "\n")
+def with_table(document: str) -> str:
+    """``document`` with the text between the table's markers replaced by :func:`markdown_table`."""
+    head, start, rest = document.partition(TABLE_START)
+    _, end, tail = rest.partition(TABLE_END)
+    if not (start and end):
+        raise ValueError(f"the document has no {TABLE_START} ... {TABLE_END} block")
+    return f"{head}{start}\n{markdown_table()}\n{end}{tail}"
+
+
+if __name__ == "__main__":  # python -m hf_lmc.methods [README.md]: print the table, or write it into the file
+    if len(sys.argv) > 1:
+        path = Path(sys.argv[1])
+        path.write_text(with_table(path.read_text(encoding="utf-8")), encoding="utf-8")
+    else:
+        sys.stdout.write(markdown_table() + "\n")

@@ -11,7 +11,7 @@ The module imports neither torch nor transformers: ``hf-lmc --help`` builds its 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
@@ -34,6 +34,28 @@ DTYPES = ("float32", "float16", "bfloat16")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+class _NamesParameter:
+    """An error about one parameter, worded with a ``{}`` where the parameter is named, so that
+    each front end names it its own way: the Python API by its keyword (``str(err)``), the command
+    line by its flag and recipes by their key (:meth:`named`)."""
+
+    def __init__(self, template: str, parameter: str):
+        self.template, self.parameter = template, parameter
+        super().__init__(template.format(parameter))
+
+    def named(self, name: str) -> str:
+        """The message with the parameter called ``name``."""
+        return self.template.format(name)
+
+
+class ParameterError(_NamesParameter, ValueError):
+    """A value the merge cannot take; ``parameter`` is the keyword that holds it."""
+
+
+class OutputExistsError(_NamesParameter, FileExistsError):
+    """The output folder exists and ``parameter`` (overwrite) was not set."""
 
 
 class Options(BaseModel):
@@ -181,8 +203,54 @@ class OutputOptions(Options):
     private: bool = Field(False, description="create the Hub repo as private")
     overwrite: bool = Field(False, description="replace an existing output folder")
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_name(cls, value):
+        return None if value is None else str(value).removeprefix("torch.")  # a torch.dtype prints as torch.float16
+
     @field_validator("shard_size")
     @classmethod
     def _size(cls, value):
         parse_size(value)
         return value
+
+
+class MergeSpec(OutputOptions):
+    """Everything one merge needs, frozen: the stages of :mod:`hf_lmc.pipeline` (resolve, align,
+    measure, write, push) read it, :func:`hf_lmc.merge` and :func:`hf_lmc.merge_models` build
+    it from keywords, and a recipe is a list of them. The output settings are inherited from
+    :class:`OutputOptions`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    models: tuple[str, ...] = Field(min_length=2, description="local folders or Hub ids; the first one's config, tokenizer and dtype are used")
+    output: str = Field(description="folder to write")
+    revisions: tuple[str | None, ...] | None = Field(None, description="Hub revision per model (None entries: the default branch)")
+    weights: tuple[float, ...] | None = Field(None, description="one weight per model, >= 0, summing to 1 (default: uniform)")
+    method: str = Field("weight", description="alignment method (hf_lmc.methods)")
+    symmetries: Any = Field("full", description="symmetry group the alignment searches: full, permutation, or a set of kinds")
+    device: str | None = Field(None, description="where weight matching and the export's products run (default: a GPU when torch sees one)")
+    data: Any = Field(None, description="fitting data of activation, learned and dual matching (anything hf_lmc.evaluation.load_batches reads)")
+    data_options: EvalOptions = Field(FIT_OPTIONS, description="how the fitting data is batched")
+    learn: LearnOptions = Field(LearnOptions(), description="learned and dual matching")
+    accelerate: AccelerateOptions = Field(AccelerateOptions(), description="accelerate settings of the training loop")
+    eval_data: Any = Field(None, description="held-out data: the barrier table and plot go into the card")
+    eval_options: EvalOptions = Field(EvalOptions(), description="how the evaluation data is batched")
+    alphas: int | tuple[float, ...] | None = Field(
+        None, description="evaluation grid: points per edge (default 11 for two models, 5 for more), or the alpha grid itself"
+    )
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _as_strings(cls, models):
+        return tuple(str(m) for m in models)
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _output_as_string(cls, output):
+        return str(output)
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_as_string(cls, device):
+        return None if device is None else str(device)  # checked where it is used (hf_lmc.devices)

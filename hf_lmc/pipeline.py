@@ -1,19 +1,22 @@
 """The merge pipeline: two (or more) checkpoints in, one stock HF checkpoint (with a model card) out.
 
 ``merged = (1 - alpha) T_A(A) + alpha T_B(B)``: alpha=0 gives A's function, alpha=1 B's. With
-M models (:func:`merge_models`) ``merged = sum_k w_k T_k(theta_k)`` for weights ``w`` on the
-simplex; two models through :func:`merge_models` are exactly :func:`merge` with
-``alpha = w[1]``.
-``average`` interpolates the stored parameters as they are (the vanilla baseline); the other
-methods (:mod:`hf_lmc.alignment`) interpolate canonical forms after aligning the models. Reading
-and writing stream layer by layer from the checkpoints (learned and dual matching hold both
-models in memory while they train), and the output is written to a temporary folder and
-renamed at the end.
+M models ``merged = sum_k w_k T_k(theta_k)`` for weights ``w`` on the simplex; two models
+through :func:`merge_models` are exactly :func:`merge` with ``alpha = w[1]``.
+
+One frozen :class:`~hf_lmc.options.MergeSpec` drives the stages of :func:`run`:
+
+* :func:`resolve` checks the settings, finds each model's folder and config, loads the evaluation data;
+* :func:`align` aligns the models by the method's registry entry (``average`` of models of one
+  shape interpolates the stored parameters; every other method the aligned canonical forms) and
+  sets up the merged tensors, computed layer by layer as they are read;
+* :func:`measure` evaluates the barrier (when there is evaluation data) for the model card;
+* :func:`write` writes the card and the checkpoint to a temporary folder, renamed at the end;
+* then the folder is pushed to the Hub when asked.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import tempfile
@@ -26,21 +29,20 @@ from torch import Tensor
 from transformers import AutoConfig
 
 from .adapters import adapter_for
-from .alignment import DATA_METHODS, TRAINED_METHODS, LearnOptions, align_many, check_method
+from .alignment import align_many
 from .barriers import BarrierResult, SimplexBarrierResult, barrier_of_loaded, plot, plot_simplex, simplex_barrier_of_loaded
 from .canonical import block_rows, canonicalize, combine, export_config, hf_state_dict_groups, simplex_weights, weighted_sum
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device
-from .evaluation import EvalOptions, describe_data, load_batches
+from .evaluation import describe_data, load_batches
 from .export import write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model, revisions_per_model
+from .methods import METHODS, check_method
+from .options import LearnOptions, MergeSpec, OutputExistsError, ParameterError
 from .symmetry import Transform, resolve_kinds
 from .widths import common_spec, describe, to_common_shape
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class MergeResult:
@@ -66,7 +68,7 @@ _ENSEMBLE = (
 
 def _training_notes(method: str, learn: LearnOptions) -> list[str]:
     """Model-card notes on how a trained method's transforms were learned."""
-    if method not in TRAINED_METHODS:
+    if not METHODS[method].trained:
         return []
     notes = [_HARDENED] if learn.permutations == "sinkhorn" else []
     if learn.objective == "ensemble":
@@ -78,17 +80,18 @@ def _training_notes(method: str, learn: LearnOptions) -> list[str]:
     return notes
 
 
-def _training_settings(method: str, learn: LearnOptions, count: int, data, data_options: EvalOptions) -> list[tuple[str, str]] | None:
+def _training_settings(spec: MergeSpec, count: int) -> list[tuple[str, str]] | None:
     """The card's table of how a trained method's transforms were learned: enough to run it again."""
-    if method not in TRAINED_METHODS:
+    if not METHODS[spec.method].trained:
         return None
+    learn, accelerate, data, data_options = spec.learn, spec.accelerate, spec.data, spec.data_options
     shape = f"batches of {data_options.batch_size}" + (f" × {data_options.seq_len} tokens" if data_options.seq_len else "")
     if data_options.max_batches:
         shape += f", at most {data_options.max_batches} of them"
     schedule = learn.schedule + (f", {learn.warmup} warmup steps" if learn.warmup else "")
     rows = [
         ("data", f"{describe_data(data)} (split `{data_options.split}`, {shape})"),
-        ("steps", f"{learn.steps} (gradient accumulation {learn.gradient_accumulation_steps}, mixed precision `{learn.mixed_precision}`)"),
+        ("steps", f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)"),
         ("optimiser", f"Adam, lr {learn.lr:g}" + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "") + f", schedule `{schedule}`"),
         ("parameterisation", f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`"),
     ]
@@ -174,195 +177,205 @@ def _by_layer(keys: list[str]) -> Iterator[list[str]]:
 
 
 def merge(
-    model_a: str | Path,
-    model_b: str | Path,
-    output: str | Path,
-    *,
-    method: str = "weight",
-    alpha: float = 0.5,
-    symmetries="full",
-    data=None,
-    data_options: EvalOptions = EvalOptions(split="train"),
-    learn: LearnOptions = LearnOptions(),
-    revision_a: str | None = None,
-    revision_b: str | None = None,
-    dtype: str | torch.dtype | None = None,
-    shard_size: str | int = "5GB",
-    eval_data=None,
-    eval_options: EvalOptions = EvalOptions(),
-    alphas: int = 11,
-    push_to_hub: str | None = None,
-    private: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    api=None,
-    device: str | torch.device | None = None,
+    model_a: str | Path, model_b: str | Path, output: str | Path, *, alpha: float = 0.5,
+    revision_a: str | None = None, revision_b: str | None = None, progress: bool = True, api=None, **settings,
 ) -> MergeResult:
-    """Merge two checkpoints of one architecture and write a stock HF folder to ``output``.
+    """Merge two checkpoints of one architecture into ``(1 - alpha) T_A(A) + alpha T_B(B)`` and
+    write a stock HF folder to ``output``.
 
     Args:
-        model_a, model_b: local folders or Hub ids.
-        method: ``"weight"`` (data-free), ``"activation"``, ``"learned"`` or ``"dual"``
-            (align, then interpolate; see :mod:`hf_lmc.alignment`) or ``"average"`` (vanilla).
-        alpha: interpolation weight of B in [0, 1].
-        symmetries: ``"full"`` or ``"permutation"``: the group the alignment searches.
-        data: calibration data (activation) or training data (learned, dual), in any form
-            :func:`hf_lmc.evaluation.load_batches` reads; batched with ``data_options``.
-        learn: steps, learning rate and parametrisations of learned and dual matching.
-        dtype: dtype of the written weights (default: A's).
-        shard_size: maximum shard size (``"5GB"``, ``"500MB"`` or bytes).
-        eval_data: if given, the barrier table and a loss-along-path plot are computed on it
-            and go into the model card.
-        push_to_hub: repo id to upload the folder to (``private`` for a private repo).
-        overwrite: replace an existing ``output`` folder.
-        device: where weight matching's products and the export's transforms and sums run
-            (default: the current CUDA device when there is one, else the CPU); the files are
-            read and written on the CPU, one layer at a time.
+        model_a, model_b: local folders or Hub ids (``revision_a``, ``revision_b``: Hub revisions).
+        alpha: interpolation weight of B in [0, 1]: 0 gives A's function, 1 B's.
+        progress: show progress bars.
+        api: stands in for ``huggingface_hub.HfApi`` when pushing.
+        settings: any field of :class:`hf_lmc.options.MergeSpec` but the models, weights and
+            revisions: ``method`` (``"weight"``, the default; see :mod:`hf_lmc.methods`),
+            ``symmetries``, ``device``, ``data`` and ``data_options`` (fitting data),
+            ``learn`` and ``accelerate`` (learned and dual matching), ``eval_data``,
+            ``eval_options`` and ``alphas`` (the barrier in the card), and the output settings
+            ``dtype``, ``shard_size``, ``push_to_hub``, ``private``, ``overwrite``.
     """
     if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
-        raise ValueError(f"--alpha must lie in [0, 1], got {alpha}")
+        raise ParameterError(f"{{}} must lie in [0, 1], got {alpha}", "alpha")
     return merge_models(
-        [model_a, model_b], output, weights=(1 - alpha, alpha), method=method, symmetries=symmetries, data=data,
-        data_options=data_options, learn=learn, revisions=(revision_a, revision_b), dtype=dtype, shard_size=shard_size,
-        eval_data=eval_data, eval_options=eval_options, alphas=alphas, push_to_hub=push_to_hub, private=private,
-        overwrite=overwrite, progress=progress, api=api, device=device,
+        [model_a, model_b], output, weights=(1 - alpha, alpha), revisions=(revision_a, revision_b), progress=progress, api=api, **settings
     )
 
 
-def merge_models(
-    models: Sequence[str | Path],
-    output: str | Path,
-    *,
-    weights: Sequence[float] | None = None,
-    method: str = "weight",
-    symmetries="full",
-    data=None,
-    data_options: EvalOptions = EvalOptions(split="train"),
-    learn: LearnOptions = LearnOptions(),
-    revisions: Sequence[str | None] | None = None,
-    dtype: str | torch.dtype | None = None,
-    shard_size: str | int = "5GB",
-    eval_data=None,
-    eval_options: EvalOptions = EvalOptions(),
-    alphas: int | None = None,
-    push_to_hub: str | None = None,
-    private: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    api=None,
-    device: str | torch.device | None = None,
-) -> MergeResult:
+def merge_models(models: Sequence[str | Path], output: str | Path, *, progress: bool = True, api=None, **settings) -> MergeResult:
     """Merge M >= 2 checkpoints of one architecture into ``sum_k w_k T_k(theta_k)``, written as a
     stock HF folder to ``output``.
 
-    Args:
-        models: local folders or Hub ids; the first one's config, tokenizer and dtype are used.
-        weights: one per model, >= 0, summing to 1 (default: uniform).
-        method: ``"average"`` (vanilla), ``"weight"`` (data-free; universe matching for more
-            than two models), ``"learned"`` or ``"dual"`` (transforms trained on ``data`` at
-            ``w ~ Dirichlet(learn.concentration * 1)``; ``learned`` keeps the first model's
-            transform fixed, ``dual`` trains all), and for two models ``"activation"``.
-            See :mod:`hf_lmc.alignment`.
-        revisions: Hub revision per model (``None`` entries: the default branch).
-        alphas: evaluation grid: points per edge of the simplex (default 11 for two models,
-            the alpha grid of :func:`merge`; 5 for more).
-        The other arguments are those of :func:`merge`. With ``eval_data`` the card gets the
-        barrier table (for more than two models: over the simplex grid, its worst point).
+    ``settings`` are the fields of :class:`hf_lmc.options.MergeSpec`: ``weights`` (one per
+    model, >= 0, summing to 1; default uniform), ``revisions`` (one per model), ``method``
+    (``"weight"`` is universe matching for more than two models; ``"learned"`` and ``"dual"``
+    refine it on ``data`` at weights ``w ~ Dirichlet(learn.concentration * 1)``, ``learned``
+    keeping the first model's transform fixed), and the rest as for :func:`merge`. Two models
+    through here are exactly :func:`merge` with ``alpha = weights[1]``. With ``eval_data`` the
+    card gets the barrier table (for more than two models: over the simplex grid, its worst point).
     """
     models = list(models)
-    count = len(models)
-    if count < 2:
-        raise ValueError(f"merge needs at least 2 models, got {count}")
-    check_method(method, data, count=count)
-    weights = simplex_weights(weights, count)
-    revisions = revisions_per_model(revisions, count)
-    kinds = resolve_kinds(symmetries)
-    out_dtype = _dtype(dtype)
-    requested_device, device = device, compute_device(device)
-    output = Path(output)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} already exists; pass --overwrite to replace it")
+    if len(models) < 2:
+        raise ParameterError(f"merge needs at least 2 models in {{}}, got {len(models)}", "models")
+    return run(MergeSpec(models=models, output=output, **settings), progress=progress, api=api)
 
-    folders = [resolve_checkpoint(m, r) for m, r in zip(models, revisions)]
+
+def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
+    """Carry out one merge: resolve → align → measure → write → push.
+
+    Measuring comes before writing because the barrier goes into the model card, which is
+    written with the weights; nothing is written until every earlier stage has succeeded.
+    """
+    inputs = resolve(spec)
+    with tempfile.TemporaryDirectory() as scratch:
+        aligned = align(spec, inputs, progress=progress)
+        measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
+        write(spec, inputs, aligned, measured, progress=progress)
+    url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
+    count = len(spec.models)
+    return MergeResult(Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What :func:`resolve` found: checked settings, local folders and configs, evaluation batches."""
+
+    weights: tuple[float, ...]
+    kinds: frozenset[str]
+    device: torch.device
+    out_dtype: torch.dtype | None
+    folders: list[Path]
+    configs: list
+    width_notes: list[str]
+    eval_batches: list | None
+
+
+def resolve(spec: MergeSpec) -> Inputs:
+    """Check the settings, find every model's folder and config, and load the evaluation data:
+    every problem a user can fix surfaces here, before any long alignment work."""
+    count = len(spec.models)
+    check_method(spec.method, spec.data, count=count)
+    weights = simplex_weights(spec.weights, count)
+    revisions = revisions_per_model(spec.revisions, count)
+    kinds = resolve_kinds(spec.symmetries)
+    out_dtype = _dtype(spec.dtype)
+    device = compute_device(spec.device)
+    output = Path(spec.output)
+    if output.exists() and not spec.overwrite:
+        raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
+
+    folders = [resolve_checkpoint(m, r) for m, r in zip(spec.models, revisions)]
     configs = [AutoConfig.from_pretrained(f) for f in folders]
     width_notes = []
     for k in range(1, count):
-        width_notes += _check_same_architecture(configs[0], configs[k], str(models[0]), str(models[k]))
+        width_notes += _check_same_architecture(configs[0], configs[k], spec.models[0], spec.models[k])
     if width_notes and count > 2:
         raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
-    config_a, folder_a = configs[0], folders[0]
+    eval_batches = load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
+    return Inputs(weights, kinds, device, out_dtype, folders, configs, width_notes, eval_batches)
 
-    # Data problems surface before any long alignment work.
-    eval_batches = load_batches(eval_data, config_a, folder_a, eval_options) if eval_data is not None else None
-    measured = None
-    plot_name = None
-    with tempfile.TemporaryDirectory() as scratch:
-        transforms = None
-        if method == "average" and not width_notes:
-            config, groups = config_a, _average_groups(folders, config_a, weights)
-            untied, total_groups = False, None
-        else:
-            # Weight matching reads every layer on `device` from the start; the data methods'
-            # matchers place their endpoints themselves (accelerate), from the CPU.
-            on = device if method not in DATA_METHODS else None
-            canonical = [canonicalize(f, dtype=torch.float32, device=on) for f in folders]
-            if width_notes:  # models of two widths: exactly into one shape
-                canonical = list(to_common_shape(*canonical, str(models[0]), str(models[1])))
-            batches = load_batches(data, config_a, folder_a, data_options) if method in DATA_METHODS else None
-            if method == "average":  # two widths: the embedded models, interpolated as they are
-                transforms = [Transform() for _ in canonical]
-            else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
-                transforms = [
-                    t.to(torch.float32)
-                    for t in align_many(
-                        method, canonical, weights, symmetries=kinds, batches=batches, learn=learn, progress=progress,
-                        # the learned methods' start, unless asked for, runs where the launch put this process
-                        device=device if method not in DATA_METHODS else requested_device,
-                    )
-                ]
-            # Each layer is moved (the data methods' endpoints were read on the CPU), summed on `device`, and written from the CPU.
-            merged = combine([t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], weights)
-            out_dtype = out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
-            config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
-            groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
-            total_groups = len(merged.spec.groups())
-            untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
 
-        if eval_batches is not None:
-            loaded = [load_model(f) for f in folders]
-            options = dict(
-                methods=("average", method) if method != "average" else ("average",), symmetries=kinds,
-                eval_options=eval_options, progress=progress, transforms={method: transforms} if transforms is not None else None,
+@dataclass(frozen=True)
+class Aligned:
+    """What :func:`align` made: the merged HF tensors, grouped by layer and computed as they are
+    read, with the config to write them under."""
+
+    config: object
+    groups: Iterator
+    total_groups: int | None
+    untied: bool
+    transforms: list[Transform] | None
+    out_dtype: torch.dtype | None
+
+
+def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
+    """Align the models (unless the method is the plain average of models of one shape) and set
+    up the merged tensors. Reading streams layer by layer from the checkpoints (learned and dual
+    matching hold the models in memory while they train)."""
+    config_a, folder_a = inputs.configs[0], inputs.folders[0]
+    if spec.method == "average" and not inputs.width_notes:
+        groups = _average_groups(inputs.folders, config_a, inputs.weights)
+        return Aligned(config_a, groups, None, False, None, inputs.out_dtype)
+    needs_data = METHODS[spec.method].needs_data
+    # Weight matching reads every layer on the device from the start; the data methods'
+    # matchers place their endpoints themselves (accelerate), from the CPU.
+    canonical = [canonicalize(f, dtype=torch.float32, device=None if needs_data else inputs.device) for f in inputs.folders]
+    if inputs.width_notes:  # models of two widths: exactly into one shape
+        canonical = list(to_common_shape(*canonical, spec.models[0], spec.models[1]))
+    batches = load_batches(spec.data, config_a, folder_a, spec.data_options) if needs_data else None
+    if spec.method == "average":  # two widths: the embedded models, interpolated as they are
+        transforms = [Transform() for _ in canonical]
+    else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
+        transforms = [
+            t.to(torch.float32)
+            for t in align_many(
+                spec.method, canonical, inputs.weights, symmetries=inputs.kinds, batches=batches, learn=spec.learn,
+                accelerate=spec.accelerate, progress=progress,
+                # the learned methods' start, unless asked for, runs where the launch put this process
+                device=spec.device if needs_data else inputs.device,
             )
-            if count == 2:
-                measured = barrier_of_loaded(*loaded, eval_batches, alphas=alphas or 11, **options)
-                plot_name = "loss_along_path.png"
-                plot(measured, Path(scratch) / plot_name, title=f"{Path(str(models[0])).name} ↔ {Path(str(models[1])).name}")
-            else:
-                measured = simplex_barrier_of_loaded(loaded, eval_batches, points=alphas or 5, **options)
-                if count == 3:
-                    plot_name = "loss_over_simplex.png"
-                    plot_simplex(measured, Path(scratch) / plot_name, names=[Path(str(m)).name for m in models])
-            del loaded
+        ]
+    # Each layer is moved (the data methods' endpoints were read on the CPU), summed on the device, and written from the CPU.
+    device = inputs.device
+    merged = combine([t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], inputs.weights)
+    out_dtype = inputs.out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
+    config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
+    groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
+    untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
+    return Aligned(config, groups, len(merged.spec.groups()), untied, transforms, out_dtype)
 
-        card = merge_card(
-            base_models=[str(m) for m in models],
-            method=method,
-            symmetries=sorted(kinds) if method != "average" else [],
-            notes=_training_notes(method, learn) + width_notes,
-            training=_training_settings(method, learn, count, data, data_options),
-            alpha_or_weights=weights[1] if count == 2 else list(weights),
-            license=inherited_license(folders),
-            model_type=config_a.model_type,
-            tied_embeddings_dropped=untied,
-            barrier_table=measured.table() if measured else None,
-            plot_filename=plot_name,
-            repo_hint=push_to_hub or str(output),
-        )
-        extra = {plot_name: Path(scratch) / plot_name} if plot_name else {}
-        write_checkpoint(
-            groups, config, output, shard_size=shard_size, dtype=out_dtype, source_folder=folder_a,
-            card=card, extra_files=extra, overwrite=overwrite, progress=progress, total_groups=total_groups,
-        )
-    url = push_folder(output, push_to_hub, private=private, api=api) if push_to_hub else None
-    return MergeResult(output, method, weights[1] if count == 2 else None, measured, url, weights)
+
+@dataclass(frozen=True)
+class Measured:
+    """The barrier measured on the evaluation data (``None`` without it) and its plot."""
+
+    result: BarrierResult | SimplexBarrierResult | None = None
+    plot: Path | None = None
+
+
+def measure(spec: MergeSpec, inputs: Inputs, aligned: Aligned, scratch: Path, *, progress: bool = True) -> Measured:
+    """The barrier along the path (two models) or over the simplex (more), with the merge's own
+    transforms, and its plot in ``scratch``; nothing without evaluation data."""
+    if inputs.eval_batches is None:
+        return Measured()
+    loaded = [load_model(f) for f in inputs.folders]
+    method = spec.method
+    options = dict(
+        methods=("average", method) if method != "average" else ("average",), symmetries=inputs.kinds,
+        eval_options=spec.eval_options, progress=progress,
+        transforms={method: aligned.transforms} if aligned.transforms is not None else None,
+    )
+    names = [Path(m).name for m in spec.models]
+    if len(loaded) == 2:
+        result = barrier_of_loaded(*loaded, inputs.eval_batches, alphas=spec.alphas or 11, **options)
+        return Measured(result, plot(result, scratch / "loss_along_path.png", title=f"{names[0]} ↔ {names[1]}"))
+    result = simplex_barrier_of_loaded(loaded, inputs.eval_batches, points=spec.alphas or 5, **options)
+    if len(loaded) == 3:
+        return Measured(result, plot_simplex(result, scratch / "loss_over_simplex.png", names=names))
+    return Measured(result)
+
+
+def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured, *, progress: bool = True) -> Path:
+    """The model card and the merged checkpoint, written to a temporary folder and renamed onto
+    ``spec.output`` at the end."""
+    count = len(spec.models)
+    card = merge_card(
+        base_models=list(spec.models),
+        method=spec.method,
+        symmetries=sorted(inputs.kinds) if spec.method != "average" else [],
+        notes=_training_notes(spec.method, spec.learn) + inputs.width_notes,
+        training=_training_settings(spec, count),
+        alpha_or_weights=inputs.weights[1] if count == 2 else list(inputs.weights),
+        license=inherited_license(inputs.folders),
+        model_type=inputs.configs[0].model_type,
+        tied_embeddings_dropped=aligned.untied,
+        barrier_table=measured.result.table() if measured.result else None,
+        plot_filename=measured.plot.name if measured.plot else None,
+        repo_hint=spec.push_to_hub or spec.output,
+    )
+    extra = {measured.plot.name: measured.plot} if measured.plot else {}
+    return write_checkpoint(
+        aligned.groups, aligned.config, spec.output, shard_size=spec.shard_size, dtype=aligned.out_dtype,
+        source_folder=inputs.folders[0], card=card, extra_files=extra, overwrite=spec.overwrite, progress=progress,
+        total_groups=aligned.total_groups,
+    )

@@ -27,34 +27,28 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (
-    BaseModel, ConfigDict, Field, PositiveInt, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator,
-)
+from pydantic import BaseModel, Field, PositiveInt, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
 
-from .alignment import DATA_METHODS, METHODS, LearnOptions
-from .devices import parse_device
+from .methods import METHODS, NAMES
+from .options import SYMMETRIES, AccelerateOptions, EvalOptions, LearnOptions, Options, OutputOptions, check_device
+from .zoo import ZOO
 
 ZOO_PREFIX = "zoo:"
 _ZOO_MEMBER = re.compile(r"zoo:([A-Za-z0-9_]+)/seed(\d+)")
 _MISSING = object()
 
-Method = Literal["average", "weight", "activation", "learned", "dual"]  # hf_lmc.alignment.METHODS (a test keeps them equal)
+Method = Literal[NAMES]  # the registry's names (hf_lmc.methods)
 
 
 class RecipeError(ValueError):
     """A recipe that cannot run: the message names the file and the offending key."""
 
 
-class _Section(BaseModel):
-    """Frozen, and unknown keys are errors: a misspelt option must not silently fall back to its default."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
+_Section = Options  # frozen, and unknown keys are errors
 
 
 def parse_zoo_member(reference: str) -> tuple[str, int]:
     """``"zoo:gpt2/seed0"`` -> ``("gpt2", 0)``: a member of the offline zoo (:mod:`hf_lmc.zoo`)."""
-    from .zoo import ZOO
-
     match = _ZOO_MEMBER.fullmatch(reference)
     if not match:
         raise ValueError(f"a zoo model is written zoo:NAME/seedN (e.g. zoo:gpt2/seed0), got {reference!r}")
@@ -107,8 +101,9 @@ class ModelRef(_Section):
         return f"{name}+{self.adapter}" if self.adapter else name
 
 
-class DataSpec(_Section):
-    """Where a data set comes from (exactly one of dataset, files, zoo) and how it is cut."""
+class DataSpec(EvalOptions):
+    """Where a data set comes from (exactly one of dataset, files, zoo) and how it is cut (the
+    batching fields of :class:`hf_lmc.options.EvalOptions`)."""
 
     dataset: str | None = Field(None, description="a datasets id (e.g. Salesforce/wikitext) or a folder saved with save_to_disk")
     name: str | None = Field(None, description="the dataset's configuration, e.g. wikitext-103-raw-v1")
@@ -117,9 +112,7 @@ class DataSpec(_Section):
     )
     zoo: Literal["shakespeare", "digits"] | None = Field(None, description="the offline zoo's corpus: Shakespeare plays (LMs) or digits (ViT)")
     split: str | None = Field(None, description="split to read (default: train for fitting data, test for evaluation data)")
-    seq_len: PositiveInt | None = Field(None, description="tokens per sequence (default: min(128, the model's context))")
     samples: PositiveInt | None = Field(None, description="number of sequences (images for ViT), rounded up to whole batches (default: all)")
-    batch_size: PositiveInt = Field(8, description="sequences per batch")
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -133,94 +126,14 @@ class DataSpec(_Section):
             raise ValueError("files: list at least one file")
         if self.zoo is not None and self.split not in (None, "train", "test"):
             raise ValueError(f"split: the zoo corpus has splits train and test, got {self.split!r}")
+        if self.samples is not None and self.max_batches is not None:
+            raise ValueError("samples: give samples or max_batches, not both")
         return self
 
-    @property
-    def max_batches(self) -> int | None:
-        return None if self.samples is None else math.ceil(self.samples / self.batch_size)
-
-
-class LearnSpec(_Section):
-    """Learned and dual matching (:class:`hf_lmc.alignment.LearnOptions`)."""
-
-    steps: int = Field(LearnOptions.steps, ge=0, description="training steps")
-    lr: float = Field(LearnOptions.lr, gt=0, description="Adam learning rate")
-    residual_lr: float | None = Field(
-        LearnOptions.residual_lr, gt=0, description="learning rate of the residual (orthogonal) maps (default: lr)"
-    )
-    schedule: str = Field(LearnOptions.schedule, description="learning-rate schedule: a transformers scheduler name (constant, cosine, linear, ...)")
-    warmup: int = Field(LearnOptions.warmup, ge=0, description="linear warmup steps of the schedule")
-    permutations: Literal["fixed", "ste", "sinkhorn"] = Field(
-        LearnOptions.permutations, description="fixed at weight matching's, or trained: straight-through Hungarian or Sinkhorn"
-    )
-    orthogonal: Literal["cayley", "exp", "polar"] = Field(LearnOptions.orthogonal, description="residual map parametrisation")
-    frame: Literal["own", "target", "both"] = Field(
-        LearnOptions.frame,
-        description="where each map's trained factor sits: stepping in the model's own coordinates, in those of the model it is aligned to, or both (a factor on each side, as in dual matching)",
-    )
-    objective: Literal["labels", "ensemble"] = Field(
-        LearnOptions.objective, description="train toward the data's labels, or toward the models' predictions mixed at the same weights"
-    )
-    lambda_range: tuple[float, float] = Field(LearnOptions.lambda_range, description="interpolation weights are drawn uniformly from this range")
-    worst_fraction: float = Field(
-        LearnOptions.worst_fraction, ge=0, le=1,
-        description="two models: share of the weights drawn near the path's current worst point instead (0: all from lambda_range)",
-    )
-    focus: Literal["worst", "excess"] = Field(
-        LearnOptions.focus,
-        description="two models: those draws near the worst grid point, or near every point above the line in proportion to its excess",
-    )
-    input_noise: float = Field(
-        LearnOptions.input_noise, ge=0,
-        description="image models: std of Gaussian noise added to the training images at every step (0: none)",
-    )
-    concentration: float = Field(
-        LearnOptions.concentration, gt=0, description="more than two models: weights of each step ~ Dirichlet(concentration * 1)"
-    )
-    seed: int | None = Field(
-        LearnOptions.seed, description="seed of the training draws (interpolation weights, input noise); null: torch's starting state"
-    )
-
-    @field_validator("schedule")
-    @classmethod
-    def _scheduler_name(cls, value: str) -> str:
-        from transformers import SchedulerType
-
-        names = [s.value for s in SchedulerType]
-        if value not in names:
-            raise ValueError(f"unknown schedule {value!r}; choose from {', '.join(names)}")
-        return value
-
-    @model_validator(mode="after")
-    def _warmup_within_training(self):
-        if self.warmup > self.steps:
-            raise ValueError(f"warmup: {self.warmup} warmup steps exceed the {self.steps} training steps")
-        return self
-
-    @model_validator(mode="after")
-    def _frame_fits_the_parameterisation(self):
-        from .symmetry.params import check_orthogonal  # the one rule LearnOptions and the CLI apply
-
-        try:
-            check_orthogonal(self.orthogonal, self.frame)
-        except ValueError as err:
-            raise ValueError(f"frame: {err}") from None
-        return self
-
-    @field_validator("lambda_range")
-    @classmethod
-    def _in_unit_interval(cls, value: tuple[float, float]) -> tuple[float, float]:
-        low, high = value
-        if not 0.0 <= low <= high <= 1.0:
-            raise ValueError(f"needs 0 <= low <= high <= 1, got [{low}, {high}]")
-        return value
-
-
-class AccelerateSpec(_Section):
-    """``accelerate.Accelerator`` settings of the learned / dual training loop (one process)."""
-
-    mixed_precision: Literal["no", "fp16", "bf16"] = Field(LearnOptions.mixed_precision, description="autocast of the training loop")
-    gradient_accumulation_steps: PositiveInt = Field(LearnOptions.gradient_accumulation_steps, description="batches per optimiser step")
+    def options(self, default_split: str) -> EvalOptions:
+        """How the pipeline batches this data (``default_split`` where the recipe names none)."""
+        max_batches = self.max_batches if self.samples is None else math.ceil(self.samples / self.batch_size)
+        return EvalOptions(batch_size=self.batch_size, seq_len=self.seq_len, max_batches=max_batches, split=self.split or default_split)
 
 
 class EvalSpec(_Section):
@@ -245,29 +158,17 @@ class EvalSpec(_Section):
         return value
 
 
-class OutputSpec(_Section):
-    """Where the merged models and the summary go."""
+class OutputSpec(OutputOptions):
+    """Where the merged models and the summary go, and how each is written
+    (:class:`hf_lmc.options.OutputOptions`); with several runs, push_to_hub may hold {group} and {method}."""
 
     dir: str = Field(description="output folder: one merged model per run and summary.{md,json,csv}")
-    shard_size: str | int = Field("5GB", description="maximum shard size, e.g. 5GB or 500MB")
-    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="dtype of the written weights (default: model A's)")
-    push_to_hub: str | None = Field(None, description="repo id to push each merge to; with several runs use {group} and {method}, e.g. me/pythia-{group}-{method}")
-    private: bool = Field(False, description="create the Hub repos as private")
-    overwrite: bool = Field(False, description="replace an existing output folder")
 
     @field_validator("dir")
     @classmethod
     def _own_folder(cls, value: str) -> str:
         if Path(value).name in ("", ".", ".."):
             raise ValueError(f"name a folder of its own (it is replaced as a whole), e.g. runs/my-merge, got {value!r}")
-        return value
-
-    @field_validator("shard_size")
-    @classmethod
-    def _size(cls, value):
-        from .export import parse_size
-
-        parse_size(value)
         return value
 
 
@@ -285,7 +186,7 @@ class SweepEntry(_Section):
     models: list[ModelRef] = Field(min_length=2, description="the models to merge: two, or more with weights")
 
 
-_METHOD_SCHEMA = {"anyOf": [{"enum": list(METHODS)}, {"type": "array", "items": {"enum": list(METHODS)}, "minItems": 1}]}
+_METHOD_SCHEMA = {"anyOf": [{"enum": list(NAMES)}, {"type": "array", "items": {"enum": list(NAMES)}, "minItems": 1}]}
 
 
 class Recipe(_Section):
@@ -299,7 +200,7 @@ class Recipe(_Section):
     method: Annotated[list[Method], WithJsonSchema(_METHOD_SCHEMA)] = Field(
         ["weight"], description="alignment method, or a list of them (each is one run per group of models)"
     )
-    symmetries: Literal["full", "permutation"] = Field("full", description="symmetry group the alignment searches")
+    symmetries: Literal[SYMMETRIES] = Field("full", description="symmetry group the alignment searches")
     device: str | None = Field(
         None,
         description="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch sees one)",
@@ -307,8 +208,8 @@ class Recipe(_Section):
     alpha: float | None = Field(None, ge=0, le=1, description="weight of the second model (two models; default 0.5)")
     weights: list[float] | None = Field(None, validate_default=True, description="one weight per model, non-negative, summing to 1")
     data: DataSpec | None = Field(None, validate_default=True, description="fitting data of activation, learned and dual matching (default split: train)")
-    learn: LearnSpec = Field(LearnSpec(), description="learned and dual matching")
-    accelerate: AccelerateSpec = Field(AccelerateSpec(), description="accelerate settings of the learned / dual training loop")
+    learn: LearnOptions = Field(LearnOptions(), description="learned and dual matching")
+    accelerate: AccelerateOptions = Field(AccelerateOptions(), description="accelerate settings of the learned / dual training loop")
     eval: EvalSpec | None = Field(None, description="held-out evaluation: barrier per run (needed for barriers in the summary)")
     output: OutputSpec = Field(description="output folder, shards, dtype, Hub target")
     zoo: ZooSpec = Field(ZooSpec(), description="training of zoo:NAME/seedN members")
@@ -316,19 +217,17 @@ class Recipe(_Section):
     @field_validator("device")
     @classmethod
     def _device(cls, value):
-        if value is not None and parse_device(value).type not in ("cpu", "cuda"):
-            raise ValueError(f"unknown device {value!r}; use cpu, cuda or cuda:N")
-        return value
+        return check_device(value)
 
     @field_validator("method", mode="before")
     @classmethod
     def _methods(cls, value):
         names = [value] if isinstance(value, str) else value
         if not isinstance(names, list) or not names:
-            raise ValueError(f"give a method or a list of them, from {', '.join(METHODS)}")
+            raise ValueError(f"give a method or a list of them, from {', '.join(NAMES)}")
         for name in names:
             if name not in METHODS:
-                raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+                raise ValueError(f"unknown method {name!r}; choose from {', '.join(NAMES)}")
         if len(set(names)) != len(names):
             raise ValueError("a method is listed twice")
         return names
@@ -371,7 +270,7 @@ class Recipe(_Section):
     @field_validator("data")
     @classmethod
     def _data_for_data_methods(cls, data, info: ValidationInfo):
-        needs = [m for m in info.data.get("method", ()) if m in DATA_METHODS]
+        needs = [m for m in info.data.get("method", ()) if METHODS[m].needs_data]
         if data is None and needs:
             raise ValueError(f"method {needs[0]!r} learns from data: add a data section (dataset, files or zoo)")
         return data

@@ -1,7 +1,7 @@
 """Running a recipe: every (group of models, method) is one merge, and one summary covers them all.
 
-Two models go to :func:`hf_lmc.pipeline.merge`, more to :func:`hf_lmc.pipeline.merge_models`
-(:func:`merge_group`). Models are resolved once per recipe (zoo members trained or read from
+A recipe is a list of merges: each (group, method) becomes one :class:`hf_lmc.options.MergeSpec`
+(:func:`merge_specs`) that :func:`hf_lmc.pipeline.run` carries out. Models are resolved once per recipe (zoo members trained or read from
 the cache, PEFT adapters folded into their base model), data sets are loaded once, and every
 merge, model card and summary is written into a staging folder that is renamed onto
 ``output.dir`` only when every run has finished: a failed sweep leaves nothing half-written,
@@ -22,10 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peft import PeftModel
 from tqdm.auto import tqdm
 
-from .alignment import DATA_METHODS, LearnOptions
-from .evaluation import DataError, EvalOptions
+from . import pipeline, zoo
+from .evaluation import DataError
+from .export import PROCESSOR_FILES, move_into_place
+from .hub import push_folder, resolve_checkpoint
+from .loading import load_model
+from .methods import METHODS
+from .options import FIT_OPTIONS, EvalOptions, MergeSpec, OutputExistsError
 from .recipe import ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
 
 SUMMARY = "summary"  # summary.md, summary.json, summary.csv in output.dir
@@ -103,9 +109,10 @@ def run_recipe(
     _refuse_several_processes()
     final = Path(recipe.output.dir)
     if final.exists() and not recipe.output.overwrite:
-        raise FileExistsError(f"{final} already exists; set output.overwrite: true (hf-lmc run --overwrite) to replace it")
+        raise OutputExistsError(f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite")
     # Data problems surface before any model is trained, downloaded or aligned.
-    fit_data = load_data(recipe.data, "train") if recipe.data is not None and set(recipe.method) & set(DATA_METHODS) else None
+    needs_data = any(METHODS[m].needs_data for m in recipe.method)
+    fit_data = load_data(recipe.data, "train") if recipe.data is not None and needs_data else None
     eval_data = load_data(recipe.eval.data, "test") if recipe.eval is not None else None
 
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -120,14 +127,7 @@ def run_recipe(
                 folder = recipe.run_folder(group, method)
                 try:
                     sources = [resolver(ref) for ref in refs]
-                    merged = merge_group(
-                        [s.reference for s in sources], staging / folder,
-                        revisions=[s.revision for s in sources], weights=recipe.alpha_or_weights(len(sources)),
-                        method=method, symmetries=recipe.symmetries, data=fit_data, data_options=_options(recipe.data, "train"),
-                        learn=_learn_options(recipe), dtype=recipe.output.dtype, shard_size=recipe.output.shard_size,
-                        eval_data=eval_data, eval_options=_options(recipe.eval.data if recipe.eval else None, "test"),
-                        alphas=recipe.eval.alphas if recipe.eval else 11, progress=progress, device=recipe.device,
-                    )
+                    merged = pipeline.run(merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data), progress=progress)
                 except (ValueError, OSError) as err:  # say which run of a sweep failed
                     raise RecipeError(f"{group} / {method}: {err}") from err
                 barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
@@ -138,15 +138,11 @@ def run_recipe(
             _relabel_card(staging / run.folder, {str(staging / run.folder): targets[run.folder] or str(final / run.folder)})
         result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
         write_summary(result, staging)
-        from .export import move_into_place
-
         move_into_place(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if recipe.output.push_to_hub:
-        from .hub import push_folder
-
         pushed = [
             dataclasses.replace(run, url=push_folder(final / run.folder, targets[run.folder], private=recipe.output.private, api=api))
             for run in runs
@@ -156,16 +152,21 @@ def run_recipe(
     return result
 
 
-def merge_group(models: Sequence[str | Path], output: Path, *, revisions: Sequence[str | None], weights, alphas, **options):
-    """Merge two models with :func:`hf_lmc.pipeline.merge` (``weights`` is B's alpha), or more
-    with :func:`hf_lmc.pipeline.merge_models` (``weights`` one per model, or ``None`` for uniform)."""
-    from . import pipeline
-
-    if len(models) == 2:
-        return pipeline.merge(
-            models[0], models[1], output, alpha=weights, revision_a=revisions[0], revision_b=revisions[1], alphas=alphas, **options
-        )
-    return pipeline.merge_models(list(models), output, weights=weights, revisions=list(revisions), **options)
+def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output: Path, fit_data, eval_data) -> MergeSpec:
+    """The one merge of ``sources`` by ``method`` that ``recipe`` asks for, written to ``output``
+    (pushed later, once every run has succeeded)."""
+    weights = recipe.alpha_or_weights(len(sources))
+    if len(sources) == 2:
+        weights = (1 - weights, weights)
+    out = recipe.output
+    return MergeSpec(
+        models=[s.reference for s in sources], revisions=[s.revision for s in sources], output=output, weights=weights,
+        method=method, symmetries=recipe.symmetries, device=recipe.device, data=fit_data,
+        data_options=recipe.data.options("train") if recipe.data else FIT_OPTIONS,
+        learn=recipe.learn, accelerate=recipe.accelerate, eval_data=eval_data,
+        eval_options=recipe.eval.data.options("test") if recipe.eval else EvalOptions(),
+        alphas=recipe.eval.alphas if recipe.eval else 11, dtype=out.dtype, shard_size=out.shard_size,
+    )
 
 
 def write_summary(result: RecipeResult, folder: Path) -> None:
@@ -194,8 +195,6 @@ def load_data(spec: DataSpec, default_split: str):
     per recipe; tokenisation follows per merge, with model A's tokenizer)."""
     split = spec.split or default_split
     if spec.zoo is not None:
-        from . import zoo
-
         if spec.zoo == "digits":
             return zoo.digits()[0 if split == "train" else 1]
         if split == "train":
@@ -241,16 +240,6 @@ def _files(files: list[str], split: str):
     return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
 
 
-def _options(spec: DataSpec | None, default_split: str) -> EvalOptions:
-    if spec is None:
-        return EvalOptions(split=default_split)
-    return EvalOptions(batch_size=spec.batch_size, seq_len=spec.seq_len, max_batches=spec.max_batches, split=spec.split or default_split)
-
-
-def _learn_options(recipe: Recipe) -> LearnOptions:
-    return LearnOptions(**recipe.learn.model_dump(), **recipe.accelerate.model_dump())
-
-
 # -- models ----------------------------------------------------------------------------------
 
 
@@ -287,8 +276,6 @@ class _ModelResolver:
         return _Source(str(folder), None, ref.label, True)
 
     def _zoo_member(self, reference: str) -> Path:
-        from . import zoo
-
         name, seed = parse_zoo_member(reference)
         entry, steps = zoo.ZOO[name], self.recipe.zoo.steps
         if steps is not None:
@@ -301,12 +288,6 @@ def fold_adapter(model: str | Path, adapter: str | Path, output: Path, *, revisi
     """Merge a PEFT adapter into its base model (``merge_and_unload``) and save the result as a
     stock checkpoint in ``output``, with the base's tokenizer / processor files and card (for its
     license), so the merge pipeline reads it like any other model."""
-    from peft import PeftModel
-
-    from .export import PROCESSOR_FILES
-    from .hub import resolve_checkpoint
-    from .loading import load_model
-
     base = load_model(model, revision)
     try:
         adapter_folder = resolve_checkpoint(adapter, adapter_revision)

@@ -11,7 +11,7 @@ Group = str | int  # "embed", "head", or a layer index
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Shapes and structure of a model in canonical form (DESIGN §2).
+    """Shapes and structure of a model in canonical form (docs/design.md §2).
 
     ``norm="layernorm"`` means the residual stream is centred (lives in ``1-perp``), so every
     residual map must fix ``u = 1/sqrt(d)``; ``rotary_dim`` is the number of leading head

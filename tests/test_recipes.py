@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 from pathlib import Path
 
@@ -13,10 +12,10 @@ import yaml
 from huggingface_hub import ModelCard
 
 import hf_lmc
-from hf_lmc import alignment, pipeline, zoo
+from hf_lmc import pipeline, zoo
 from hf_lmc.cli import main
 from hf_lmc.evaluation import DataError
-from hf_lmc.recipe import DataSpec, LearnSpec, Method, RecipeError, load_recipe
+from hf_lmc.recipe import DataSpec, RecipeError, load_recipe
 from hf_lmc.runner import fold_adapter, load_data, run_recipe
 from hf_lmc.verify import tiny_configs
 from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
@@ -39,12 +38,6 @@ def _error(raw) -> str:
 
 
 # -- the schema --------------------------------------------------------------------------------
-
-
-def test_schema_mirrors_the_alignment_tables():
-    assert Method.__args__ == alignment.METHODS
-    options = {f.name for f in dataclasses.fields(alignment.LearnOptions)}
-    assert options == set(LearnSpec.model_fields) | {"mixed_precision", "gradient_accumulation_steps"}
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -253,20 +246,25 @@ def test_data_sources(tmp_path):
     assert sum(map(len, excerpts)) >= 64 * 64 and all(any(e in play for play in zoo.shakespeare()[1]) for e in excerpts)  # held out
 
 
-def test_more_than_two_models_go_to_merge_models(tmp_path, monkeypatch):
+def _recording_run(calls: list):
+    """Stands in for :func:`hf_lmc.pipeline.run`: records each merge specification."""
+
+    def run(spec, **options):
+        calls.append(spec)
+        Path(spec.output).mkdir(parents=True)
+        return pipeline.MergeResult(Path(spec.output), spec.method, 0.5)
+
+    return run
+
+
+def test_more_than_two_models_are_one_merge_of_all(tmp_path, monkeypatch):
     recipe = _recipe(models=["a", "b", "c"], weights=[0.2, 0.3, 0.5], output={"dir": str(tmp_path / "out")})
     calls = []
-
-    def merge_models(models, output, **options):
-        calls.append((models, options))
-        Path(output).mkdir(parents=True)
-        return pipeline.MergeResult(Path(output), options["method"], 0.5)
-
-    monkeypatch.setattr(pipeline, "merge_models", merge_models)
+    monkeypatch.setattr(pipeline, "run", _recording_run(calls))
     result = run_recipe(recipe, progress=False)
-    (models, options), = calls
-    assert models == ["a", "b", "c"] and options["weights"] == [0.2, 0.3, 0.5] and options["revisions"] == [None] * 3
-    assert options["device"] is None  # unset: the pipeline's default (a GPU when torch sees one)
+    spec, = calls
+    assert spec.models == ("a", "b", "c") and spec.weights == (0.2, 0.3, 0.5) and spec.revisions == (None,) * 3
+    assert spec.device is None  # unset: the pipeline's default (a GPU when torch sees one)
     assert result.runs[0].folder == Path("weight") and (tmp_path / "out" / "summary.md").is_file()
 
 
@@ -327,13 +325,7 @@ def test_device_reaches_the_merge(tmp_path, monkeypatch):
     """``device:`` goes to every merge of the recipe, validated when the recipe is read (a
     recipe naming cuda can be checked on a machine without one; the run says so)."""
     calls = []
-
-    def merge(a, b, output, **options):
-        calls.append(options["device"])
-        Path(output).mkdir(parents=True)
-        return pipeline.MergeResult(Path(output), options["method"], 0.5)
-
-    monkeypatch.setattr(pipeline, "merge", merge)
+    monkeypatch.setattr(pipeline, "run", _recording_run(calls))
     for device in ("cpu", "cuda:1"):
         run_recipe(_recipe(device=device, output={"dir": str(tmp_path / device.replace(":", "-"))}), progress=False)
-    assert calls == ["cpu", "cuda:1"]
+    assert [spec.device for spec in calls] == ["cpu", "cuda:1"]

@@ -1,6 +1,6 @@
 """What an architecture adapter is, and the exact algebra every adapter shares.
 
-An adapter maps one Hugging Face model family to and from the canonical form (DESIGN §2):
+An adapter maps one Hugging Face model family to and from the canonical form (docs/design.md §2):
 which HF tensor (or slice of a fused tensor) is which canonical tensor, and the few lines that
 are truly family-specific (fused QKV layouts, Conv1D transposition, legacy key names). All
 conversions are pure torch functions of tensors, so learned matching can differentiate through
@@ -113,7 +113,7 @@ def unit_vector(d: int, like: Tensor) -> Tensor:
 
 
 def layernorm_head_export(weight: Tensor, bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Export an affine head ``W n + b`` through a bias-free linear head (DESIGN §2).
+    """Export an affine head ``W n + b`` through a bias-free linear head (docs/design.md §2).
 
     Returns the final LayerNorm's gain (ones), shift (``u``) and the head weight
     ``H = W (I - u u^T) + b u^T``, so that ``H (n + u) = W n + b`` for every ``n`` in ``1-perp``.
