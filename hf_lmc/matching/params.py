@@ -28,20 +28,16 @@ matching's solution (DESIGN §4). Groundwork for ``LearnedMatcher`` / ``DualMatc
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..linalg import householder_to_first
-from ..matching.solvers import assign
+from ..linalg import assign, householder_to_first
+from ..options import FRAMES, PERMUTATIONS, check_orthogonal
+from ..symmetry.sample import rotary_block
 
-ORTHOGONAL_METHODS = ("cayley", "exp", "polar")
-#: Where a map's trainable factor sits: ``"own"`` (``M_0 f(A)``: steps in the coordinates of the
-#: model the map moves), ``"target"`` (``f(A) M_0``: steps in the coordinates it moves them into)
-#: or ``"both"`` (``f(L) M_0 f(A)``: a factor on each side, as in dual matching's relative map).
-FRAMES = ("own", "target", "both")
-PERMUTATION_METHODS = ("ste", "sinkhorn")
+#: The trained (relaxed) permutation parameterisations: every entry of ``PERMUTATIONS`` but ``"fixed"``.
+PERMUTATION_METHODS = tuple(p for p in PERMUTATIONS if p != "fixed")
 
 
 def _householder_to_e1(d: int, dtype, device) -> Tensor:
@@ -52,17 +48,10 @@ def _householder_to_e1(d: int, dtype, device) -> Tensor:
 
 
 def _check_frame(frame: str) -> str:
+    """``frame`` itself, or a ``ValueError`` naming the frames of :data:`hf_lmc.options.FRAMES`."""
     if frame not in FRAMES:
         raise ValueError(f"unknown frame {frame!r}; choose from {FRAMES}")
     return frame
-
-
-def check_orthogonal(method: str, frame: str = "own") -> None:
-    """Refuse an unknown orthogonal parameterisation or frame, or one the method cannot take."""
-    if method not in ORTHOGONAL_METHODS:
-        raise ValueError(f"unknown orthogonal parameterisation {method!r}; choose from {ORTHOGONAL_METHODS}")
-    if method == "polar" and _check_frame(frame) != "own":
-        raise ValueError(f"the polar parameterisation has no fixed base to step around; frame={frame!r} needs 'cayley' or 'exp'")
 
 
 def _skew(a: Tensor) -> Tensor:
@@ -264,8 +253,6 @@ class RotaryParam(nn.Module):
         )
 
     def forward(self) -> tuple[Tensor, Tensor]:
-        from .sample import rotary_block
-
         passthrough = self.passthrough() if self.passthrough is not None else None
         log_scales, angles = self.log_scales, self.angles
         if self.left_angles is not None:
