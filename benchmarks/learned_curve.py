@@ -26,9 +26,9 @@ import torch
 
 from hf_lmc import ActivationMatcher, DualMatcher, LearnedMatcher, canonicalize, zoo
 from hf_lmc.alignment import LearnOptions
-from hf_lmc.barriers import alpha_grid, excess_over_line, loss_barrier
 from hf_lmc.canonical import interpolate, to_hf
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
+from hf_lmc.grids import alpha_grid, excess_over_line, loss_barrier
 from hf_lmc.loading import load_model
 from hf_lmc.matching.learned import FOCI, OBJECTIVES
 from hf_lmc.matching.trainable import PERMUTATIONS
@@ -103,7 +103,7 @@ def main() -> None:
     grid = alpha_grid(11)
     init = "weight"
     if args.init == "activation":  # calibrated as the barrier table's activation row
-        init = ActivationMatcher(zoo.fit_batches(args.pair, 200), progress=False).fit(canonicalize(a), canonicalize(b))
+        init = ActivationMatcher(zoo.fit_batches(args.pair, 200), progress=False).match(canonicalize(a), canonicalize(b))
 
     curves: dict[str, dict[int, float]] = {}
     for method in args.methods:
