@@ -48,10 +48,8 @@ def align_many(
         return _trained(entry.name, models, weights, symmetries, batches, learn, accelerate, progress, device)
     if entry.needs_data:
         matcher = getattr(matching, name)(batches, symmetries, progress=progress)
-        return [Transform(), matcher.fit(*models)]
-    matcher = getattr(matching, name)(symmetries, progress=progress, device=device)
-    if len(models) == 2:
-        return [Transform(), matcher.fit(*models)]
+    else:
+        matcher = getattr(matching, name)(symmetries, progress=progress, device=device)
     return matcher.fit(models, weights)
 
 

@@ -198,9 +198,9 @@ def test_existing_output_needs_overwrite_and_is_replaced_only_when_complete(tmp_
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="--overwrite") as err:
+    with pytest.raises(FileExistsError, match="overwrite") as err:  # the library names its parameter; the CLI, its flag
         save_canonical(_canonical("gpt2"), out, progress=False)
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and err.value.parameter == "overwrite"
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and _no_temp_folders(tmp_path)
 
     _fail_on_second_shard(monkeypatch)  # a failed overwrite keeps the old folder
