@@ -28,7 +28,7 @@ from .evaluation import evaluate, load_batches
 from .grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barrier, simplex_grid
 from .loading import LoadedModel, load_model, revisions_per_model
 from .methods import METHODS, check_method
-from .options import FIT_OPTIONS, EvalOptions, LearnOptions
+from .options import FIT_OPTIONS, AccelerateOptions, EvalOptions, LearnOptions
 from .symmetry import Transform
 from .widths import spec_of, to_common_shape
 
@@ -102,6 +102,7 @@ def _merges(
     symmetries,
     fit_batches,
     learn: LearnOptions,
+    accelerate: AccelerateOptions,
     transforms: Sequence[Transform] | None = None,
 ) -> Iterator[PreTrainedModel]:
     """The stock model at each point ``w`` of ``points`` (one weight per model) for ``method``:
@@ -123,7 +124,7 @@ def _merges(
             transforms = [Transform() for _ in canonical]
     if transforms is None:
         transforms = align_many(
-            method, canonical, symmetries=symmetries, batches=fit_batches if METHODS[method].needs_data else None, learn=learn, progress=False
+            method, canonical, symmetries=symmetries, batches=fit_batches if METHODS[method].needs_data else None, learn=learn, accelerate=accelerate, progress=False
         )
     dtype = next(loaded[0].model.parameters()).dtype
     moved = [t.to(dtype).apply(c).materialize() if t.maps or k else c for k, (t, c) in enumerate(zip(transforms, canonical))]
@@ -143,6 +144,7 @@ def barrier(
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),
+    accelerate: AccelerateOptions = AccelerateOptions(),
     revision_a: str | None = None,
     revision_b: str | None = None,
     progress: bool = True,
@@ -159,7 +161,7 @@ def barrier(
     fit_batches = load_batches(fit_data, a.model.config, a.folder, fit_options) if fit_data is not None else None
     return barrier_of_loaded(
         a, b, data, methods=methods, alphas=alphas, symmetries=symmetries, eval_options=eval_options, progress=progress,
-        fit_batches=fit_batches, learn=learn,
+        fit_batches=fit_batches, learn=learn, accelerate=accelerate,
     )
 
 
@@ -175,6 +177,7 @@ def barrier_of_loaded(
     progress,
     fit_batches=None,
     learn: LearnOptions = LearnOptions(),
+    accelerate: AccelerateOptions = AccelerateOptions(),
     transforms: dict[str, tuple[Transform, Transform]] | None = None,
 ) -> BarrierResult:
     """:func:`barrier` for loaded models; ``transforms`` holds alignments already computed."""
@@ -184,7 +187,7 @@ def barrier_of_loaded(
     bar = tqdm(total=len(methods) * len(grid), desc="loss along the path", disable=not progress)
     for method in methods:
         models = _merges(
-            method, (a, b), [(1 - alpha, alpha) for alpha in grid], symmetries=symmetries, fit_batches=fit_batches, learn=learn,
+            method, (a, b), [(1 - alpha, alpha) for alpha in grid], symmetries=symmetries, fit_batches=fit_batches, learn=learn, accelerate=accelerate,
             transforms=(transforms or {}).get(method),
         )
         _evaluate_into(result, method, models, batches, bar)
@@ -212,6 +215,7 @@ def barrier_over_simplex(
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),
+    accelerate: AccelerateOptions = AccelerateOptions(),
     revisions: Sequence[str | None] | None = None,
     progress: bool = True,
 ) -> SimplexBarrierResult:
@@ -224,7 +228,7 @@ def barrier_over_simplex(
     fit_batches = load_batches(fit_data, first.model.config, first.folder, fit_options) if fit_data is not None else None
     return simplex_barrier_of_loaded(
         loaded, data, methods=methods, points=points, symmetries=symmetries, eval_options=eval_options, progress=progress,
-        fit_batches=fit_batches, learn=learn,
+        fit_batches=fit_batches, learn=learn, accelerate=accelerate,
     )
 
 
@@ -239,6 +243,7 @@ def simplex_barrier_of_loaded(
     progress,
     fit_batches=None,
     learn: LearnOptions = LearnOptions(),
+    accelerate: AccelerateOptions = AccelerateOptions(),
     transforms: dict[str, Sequence[Transform]] | None = None,
 ) -> SimplexBarrierResult:
     """:func:`barrier_over_simplex` for loaded models; ``transforms`` holds alignments already computed."""
@@ -248,7 +253,7 @@ def simplex_barrier_of_loaded(
     bar = tqdm(total=len(methods) * len(grid), desc="loss over the simplex", disable=not progress)
     for method in methods:
         models = _merges(
-            method, loaded, grid, symmetries=symmetries, fit_batches=fit_batches, learn=learn, transforms=(transforms or {}).get(method)
+            method, loaded, grid, symmetries=symmetries, fit_batches=fit_batches, learn=learn, accelerate=accelerate, transforms=(transforms or {}).get(method)
         )
         _evaluate_into(result, method, models, batches, bar)
     bar.close()

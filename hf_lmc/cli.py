@@ -215,7 +215,7 @@ def cmd_barrier(args: argparse.Namespace) -> int:
     methods = ("average",) if args.method == "average" else ("average", args.method)
     common = dict(
         methods=methods, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.fit_data,
-        fit_options=_fit_options(args), learn=LEARN.build(args),
+        fit_options=_fit_options(args), learn=LEARN.build(args), accelerate=ACCELERATE.build(args),
     )
     if len(models) == 2:
         result = barrier(*models, args.data, alphas=args.alphas or 11, revision_a=revisions[0], revision_b=revisions[1], **common)
