@@ -11,6 +11,7 @@ from transformers import AutoConfig, PreTrainedModel
 from .adapters import adapter_for
 from .checkpoint import Checkpoint
 from .hub import resolve_checkpoint
+from .options import ParameterError
 
 
 @dataclass(frozen=True)
@@ -40,5 +41,5 @@ def revisions_per_model(revisions: Sequence[str | None] | None, count: int) -> l
     if revisions is None:
         return [None] * count
     if len(revisions) != count:
-        raise ValueError(f"revisions needs one entry per model (None for the default): got {len(revisions)} for {count} models")
+        raise ParameterError(f"{{}} needs one entry per model (None for the default): got {len(revisions)} for {count} models", "revisions")
     return list(revisions)
