@@ -30,7 +30,10 @@ class Method:
         trained: whether its transforms are trained (soft permutations are hardened before export).
         moves: what it moves, two models / three or more.
         pair_matcher, many_matcher: the class in :mod:`hf_lmc.matching` that fits it for two
-            models / for more (``None``: the method has no transforms, or no form for that count).
+            models / for more (``None``: the method has no transforms, or no form for that
+            count). A trained method names its path, which
+            :class:`~hf_lmc.matching.TrainedMatcher` trains (for more than two models in its
+            simplex form, :class:`~hf_lmc.SimplexMatcher`).
         pair_card, many_card: how the model card says the models were aligned (two / more).
         when: when to choose it (the README's methods table).
     """
@@ -74,7 +77,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "learned", needs_data=True, multi=True, trained=True, moves="B; with 3+ models all but the first",
-            pair_matcher="LearnedMatcher", many_matcher="SimplexMatcher",
+            pair_matcher="LearnedMatcher", many_matcher="LearnedMatcher",
             pair_card="model B's symmetry transform was learned (from the weight-matching solution) to lower the loss "
             "along the linear path, ",
             many_card="aligned by universe weight matching, and then every model's but the first's symmetry transform was "
@@ -84,7 +87,7 @@ METHODS: dict[str, Method] = {
         ),
         Method(
             "dual", needs_data=True, multi=True, trained=True, moves="A and B; with 3+ models every model",
-            pair_matcher="DualMatcher", many_matcher="SimplexMatcher",
+            pair_matcher="DualMatcher", many_matcher="DualMatcher",
             pair_card="both models' symmetry transforms were learned (dual matching, from the weight-matching solution) "
             "toward one shared low-loss linear path, ",
             many_card="aligned by universe weight matching, and then every model's symmetry transform was learned to lower "

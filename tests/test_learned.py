@@ -436,7 +436,8 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
 
 
 def test_a_seeded_alignment_is_reproducible_and_leaves_the_callers_rng_alone():
-    from hf_lmc.alignment import LearnOptions, align
+    from hf_lmc.alignment import align
+    from hf_lmc.options import LearnOptions
     from tests.models import transform_tensors
 
     config = tiny_configs()["gpt2"]
