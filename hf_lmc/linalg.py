@@ -1,9 +1,10 @@
-"""Shared linear-algebra helpers. Dense decompositions run single-threaded.
+"""Shared linear-algebra helpers at the bottom of the package: single-threaded decompositions,
+the Householder frame of ``1/sqrt(d)``, side-by-side small solves, and linear assignment.
 
-Measured on this project's 2-core CPU machines (torch 2.13 CPU wheel): multi-threaded LAPACK
-decompositions are pathologically slow — SVD of a 2048² float64 matrix 56 s with 2 threads vs
-4.4 s with 1, eigh of 256² 0.17 s vs 0.009 s. Every SVD / eigh / QR in hf_lmc goes through
-:func:`single_threaded`.
+Every SVD / eigh / QR in hf_lmc goes through :func:`single_threaded`: on small CPU machines
+multi-threaded LAPACK decompositions are many times slower than single-threaded ones
+(docs/benchmarks.md). :func:`assign` lives here rather than in :mod:`hf_lmc.matching` because the
+symmetry groups harden relaxed permutations with it, and symmetry sits below matching.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
+from scipy.optimize import linear_sum_assignment
+from torch import Tensor
 
 T = TypeVar("T")
 
 
 @contextlib.contextmanager
 def single_threaded_context():
+    """Limit torch to one intra-op thread inside the block, restoring the caller's count after."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -66,3 +70,22 @@ def solve_side_by_side(jobs: Sequence[Callable[[], T]]) -> list[T]:
         return [job() for job in jobs]
     with single_threaded_context(), ThreadPoolExecutor(workers) as pool:
         return list(pool.map(lambda job: job(), jobs))
+
+
+def assign(similarity: Tensor) -> Tensor:
+    """The permutation ``perm`` maximising ``sum_h similarity[perm[h], h]``.
+
+    ``similarity[i, j]`` compares target block ``i`` with source block ``j``; the result
+    sends source ``j`` to position ``perm[j]`` (the convention of :class:`BlockMonomial`).
+    """
+    cost = similarity.detach().to("cpu", torch.float64, copy=True).neg_()  # scipy solves on the CPU
+    rows, cols = linear_sum_assignment(cost.numpy())  # a C-contiguous float64 array: not copied
+    return perm_from_pairs(torch.as_tensor(rows, device="cpu").long(), torch.as_tensor(cols, device="cpu").long(), similarity.shape[1])
+
+
+def perm_from_pairs(rows: Tensor, cols: Tensor, n: int) -> Tensor:
+    """The permutation (``perm[cols[i]] = rows[i]``, on the CPU) of a complete matching of ``n`` pairs."""
+    perm = torch.empty(n, dtype=torch.long, device="cpu")
+    perm[cols] = rows
+    return perm
+

@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 from torch import Tensor
 
-from ..linalg import householder_to_first, single_threaded, single_threaded_context
+from ..linalg import assign, householder_to_first, perm_from_pairs, single_threaded, single_threaded_context
 from ..symmetry.sample import rotary_block
 
 
@@ -123,23 +122,6 @@ class CompletedPolar:
         return r if self._frame is None else self._frame.expand(r)
 
 
-def assign(similarity: Tensor) -> Tensor:
-    """The permutation ``perm`` maximising ``sum_h similarity[perm[h], h]``.
-
-    ``similarity[i, j]`` compares target block ``i`` with source block ``j``; the result
-    sends source ``j`` to position ``perm[j]`` (the convention of :class:`BlockMonomial`).
-    """
-    cost = similarity.detach().to("cpu", torch.float64, copy=True).neg_()  # scipy solves on the CPU
-    rows, cols = linear_sum_assignment(cost.numpy())  # a C-contiguous float64 array: not copied
-    return _perm_from_pairs(torch.as_tensor(rows, device="cpu").long(), torch.as_tensor(cols, device="cpu").long(), similarity.shape[1])
-
-
-def _perm_from_pairs(rows: Tensor, cols: Tensor, n: int) -> Tensor:
-    perm = torch.empty(n, dtype=torch.long, device="cpu")
-    perm[cols] = rows
-    return perm
-
-
 _SPARSE_FROM = 1 << 20  # products at least this big are assigned sparsely (below, dense is cheaper)
 
 
@@ -200,7 +182,7 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
             return assign(similarity)
         new_rows, new_cols = _violations(similarity, u, v, top, largest, rows)
         if new_rows.numel() == 0:
-            return _perm_from_pairs(matched_rows, matched_cols, n)
+            return perm_from_pairs(matched_rows, matched_cols, n)
         edge_rows, edge_cols = torch.cat([edge_rows, new_rows]), torch.cat([edge_cols, new_cols])
     return assign(similarity)
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..linalg import assign
+
 
 def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Tensor | None, transpose: bool) -> Tensor:
     """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats``, then permute the blocks:
@@ -349,8 +351,6 @@ class DenseMlpMap:
 
     def harden(self) -> MlpMap:
         """The permutation ``P`` is (or is closest to: linear assignment), with the same scales."""
-        from ..matching.solvers import assign
-
         perm = self.perm if self.perm is not None else assign(self.matrix.detach()).to(self.matrix.device)
         return MlpMap(BlockMonomial.scaled_permutation(perm, self.scale.detach().double()))
 
@@ -399,8 +399,6 @@ class DenseAttentionMap:
 
     def harden(self) -> AttentionMap:
         """The head permutation ``P`` is (or is closest to), composed with the per-head maps."""
-        from ..matching.solvers import assign
-
         perm = self.perm if self.perm is not None else assign(self.matrix.detach()).to(self.matrix.device)
         qk, ov, within = self.heads.qk, self.heads.ov, self.heads.query_perm
         g = self.heads.group_size
