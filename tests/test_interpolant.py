@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import hf_lmc
 from hf_lmc.matching.interpolant import Interpolant
 from hf_lmc.symmetry import AttentionMap, BlockMonomial, DenseMlpMap, ResidualMap, Transform
-from hf_lmc.symmetry.params import GLParam, OrthogonalParam, PermutationParam
+from hf_lmc.matching.params import GLParam, OrthogonalParam, PermutationParam
 from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, CONFIGS, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
 

@@ -7,7 +7,7 @@ import torch
 
 import hf_lmc
 from hf_lmc.matching.learned import WORST_GRID, DualMatcher, LearnedMatcher
-from hf_lmc.symmetry.params import PermutationParam
+from hf_lmc.matching.params import PermutationParam
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, logits, relative_error, sample_inputs
 

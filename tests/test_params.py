@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_lmc.matching.solvers import polar
-from hf_lmc.symmetry.params import GLParam, OrthogonalParam, PermutationParam, sinkhorn
+from hf_lmc.matching.params import GLParam, OrthogonalParam, PermutationParam, sinkhorn
 from hf_lmc.symmetry.sample import random_gl, random_orthogonal
 
 F64 = torch.float64
@@ -148,7 +148,7 @@ def test_unknown_parameterisations_are_rejected():
 
 
 def test_polar_gradient_matches_finite_differences_even_at_the_identity():
-    from hf_lmc.symmetry.params import _Polar
+    from hf_lmc.matching.params import _Polar
 
     g = torch.Generator().manual_seed(5)
     for m in (torch.randn(4, 4, dtype=F64, generator=g), torch.eye(4, dtype=F64)):
@@ -157,7 +157,7 @@ def test_polar_gradient_matches_finite_differences_even_at_the_identity():
 
 @pytest.mark.parametrize("frame", ["own", "target", "both"])
 def test_rotary_param_commutes_with_rope_and_starts_at_init(frame):
-    from hf_lmc.symmetry.params import RotaryParam
+    from hf_lmc.matching.params import RotaryParam
     from hf_lmc.symmetry.sample import rotary_block
 
     g = torch.Generator().manual_seed(7)
@@ -228,7 +228,7 @@ def test_a_batch_of_head_maps_is_each_head_map(frame, rotary):
     """A layer's KV-head maps train as one batched module (one matrix_exp per layer, which a GPU
     needs: each call synchronises with the host). Head h of the batch must be exactly the map
     one module for head h alone computes, for the same parameters."""
-    from hf_lmc.symmetry.params import RotaryParam
+    from hf_lmc.matching.params import RotaryParam
     from hf_lmc.symmetry.sample import rotary_block
 
     g = torch.Generator().manual_seed(11)

@@ -30,7 +30,7 @@ from ..barriers import alpha_grid, excess_over_line
 from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
 from ..devices import launch_device
 from ..symmetry import Transform
-from ..symmetry.params import OrthogonalParam
+from .params import OrthogonalParam
 from .interpolant import Interpolant
 from .trainable import TrainableTransform
 from .universe import UniverseMatcher

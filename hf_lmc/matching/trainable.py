@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..options import PERMUTATIONS
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
-from ..symmetry.params import PERMUTATION_METHODS, GLParam, OrthogonalParam, PermutationParam, RotaryParam
+from .params import GLParam, OrthogonalParam, PermutationParam, RotaryParam
 
-#: How the unit and head assignments train: ``"fixed"`` (not at all; the default), or a parameterisation.
-PERMUTATIONS = ("fixed", *PERMUTATION_METHODS)
+__all__ = ["PERMUTATIONS", "TrainableTransform"]  # PERMUTATIONS: how the assignments train (hf_lmc.options)
 
 
 def _inverse_then(perm: Tensor, first: Tensor) -> Tensor:
