@@ -26,9 +26,9 @@ import torch
 
 from hf_lmc import ActivationMatcher, DualMatcher, LearnedMatcher, canonicalize, zoo
 from hf_lmc.alignment import LearnOptions
-from hf_lmc.barriers import alpha_grid, excess_over_line, loss_barrier
 from hf_lmc.canonical import interpolate, to_hf
 from hf_lmc.evaluation import EvalOptions, evaluate, load_batches
+from hf_lmc.grids import alpha_grid, excess_over_line, loss_barrier
 from hf_lmc.loading import load_model
 from hf_lmc.matching.learned import FOCI, OBJECTIVES
 from hf_lmc.matching.trainable import PERMUTATIONS

@@ -14,7 +14,6 @@ exactly the barrier above on the same alpha grid.
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,6 +24,7 @@ from transformers import PreTrainedModel
 
 from .canonical import combine, canonicalize, to_hf, weighted_sum
 from .evaluation import EvalOptions, evaluate, load_batches
+from .grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barrier, simplex_grid
 from .loading import LoadedModel, load_model, revisions_per_model
 from .alignment import DATA_METHODS, LearnOptions, align_many, check_method
 from .symmetry import Transform
@@ -55,65 +55,6 @@ class BarrierResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self) | {"barriers": self.barriers}, indent=2)
-
-
-def excess_over_line(alphas: Sequence[float], losses: Sequence[float]) -> list[float]:
-    """The loss at each alpha above the straight line between the endpoints' losses."""
-    start, end = losses[0], losses[-1]
-    return [loss - ((1 - a) * start + a * end) for a, loss in zip(alphas, losses)]
-
-
-def loss_barrier(alphas: list[float], losses: list[float]) -> float:
-    """``max_alpha`` of the loss above the straight line between the endpoints."""
-    return max(excess_over_line(alphas, losses))
-
-
-def alpha_grid(points: int) -> list[float]:
-    if points < 2:
-        raise ValueError(f"--alphas needs at least 2 points, got {points}")
-    return [i / (points - 1) for i in range(points)]
-
-
-def simplex_grid(count: int, points: int) -> list[tuple[float, ...]]:
-    """Every point of the simplex of ``count`` models whose coordinates are multiples of
-    ``1/(points-1)``, plus the centre if it is not one of them. Vertices (the models themselves)
-    come first, in model order; with two models the points are ``(1 - alpha, alpha)`` of
-    :func:`alpha_grid`."""
-    if count < 2:
-        raise ValueError(f"a simplex grid needs at least 2 models, got {count}")
-    steps = len(alpha_grid(points)) - 1
-    grid = [tuple(c / steps for c in reversed(combo)) for combo in _compositions(steps, count)]
-    grid.sort(key=lambda w: (-max(w), [-x for x in w]))  # vertices first, then edges, ...
-    centre = (1.0 / count,) * count
-    if not any(all(abs(x - c) < 1e-12 for x, c in zip(w, centre)) for w in grid):
-        grid.append(centre)
-    return grid
-
-
-def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
-    """Every tuple of ``parts`` non-negative integers summing to ``total``."""
-    for cuts in itertools.combinations(range(total + parts - 1), parts - 1):
-        edges = (-1, *cuts, total + parts - 1)
-        yield tuple(edges[i + 1] - edges[i] - 1 for i in range(parts))
-
-
-def simplex_barrier(points: Sequence[Sequence[float]], losses: Sequence[float]) -> float:
-    """``max_w`` of the loss above the plane through the vertices' losses (``points`` must hold
-    every vertex); with two models, :func:`loss_barrier`."""
-    return max(excess_over_vertices(points, losses))
-
-
-def excess_over_vertices(points: Sequence[Sequence[float]], losses: Sequence[float]) -> list[float]:
-    """Each grid point's loss above ``sum_k w_k L(theta_k)``, the plane through the vertices'
-    losses (``points`` must hold every vertex)."""
-    vertex = {}
-    for w, loss in zip(points, losses):
-        for k, x in enumerate(w):
-            if x == 1.0:
-                vertex[k] = loss
-    if len(vertex) != len(points[0]):
-        raise ValueError("the grid must contain every vertex (each model on its own)")
-    return [loss - sum(x * vertex[k] for k, x in enumerate(w)) for w, loss in zip(points, losses)]
 
 
 @dataclass

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
+from .adapters import adapter_for
 from .canonical import CanonicalModel, drain
 from .spec import ArchSpec, Group, spec_differences
 from .symmetry import axes_of
@@ -91,15 +92,12 @@ def common_spec(a: ArchSpec, b: ArchSpec, name_a: str = "A", name_b: str = "B") 
 
 
 def spec_of(config: PretrainedConfig) -> ArchSpec:
-    from .adapters import adapter_for
-
+    """The architecture spec of ``config``, as its adapter reads it."""
     return adapter_for(config).spec(config)
 
 
 def resized_config(config: PretrainedConfig, spec: ArchSpec) -> PretrainedConfig:
     """``config`` with its widths set to ``spec``'s (via the adapter's table of width keys)."""
-    from .adapters import adapter_for
-
     adapter = adapter_for(config)
     widths = {key: getattr(spec, field) for field, key in adapter.width_keys.items()}
     try:  # built anew, so that the config class validates the new widths

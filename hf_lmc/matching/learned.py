@@ -26,9 +26,9 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..barriers import alpha_grid, excess_over_line
 from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
 from ..devices import launch_device
+from ..grids import alpha_grid, excess_over_line
 from ..symmetry import Transform
 from .params import OrthogonalParam
 from .interpolant import Interpolant
