@@ -49,7 +49,7 @@ def main() -> None:
         ca, cb = canonicalize(a.model), canonicalize(b.model)
         for label, (options, kinds) in VARIANTS.items():
             matcher = WeightMatcher(kinds, progress=False, **options)
-            aligned = matcher.fit(ca, cb).to(torch.float32).apply(cb).materialize()
+            aligned = matcher.match(ca, cb).to(torch.float32).apply(cb).materialize()
             loss = evaluate(to_hf(interpolate(ca, aligned, 0.5)), batches).loss
             print(f"| {name} | {label} | {loss:.3f} | {loss - middle:.3f} | {min(matcher.history):.4f} |", flush=True)
 

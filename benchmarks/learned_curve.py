@@ -103,7 +103,7 @@ def main() -> None:
     grid = alpha_grid(11)
     init = "weight"
     if args.init == "activation":  # calibrated as the barrier table's activation row
-        init = ActivationMatcher(zoo.fit_batches(args.pair, 200), progress=False).fit(canonicalize(a), canonicalize(b))
+        init = ActivationMatcher(zoo.fit_batches(args.pair, 200), progress=False).match(canonicalize(a), canonicalize(b))
 
     curves: dict[str, dict[int, float]] = {}
     for method in args.methods:

@@ -51,7 +51,7 @@ def measure(name: str, labels: list[str], points: int, learn: LearnOptions, prog
             method = "weight"
             canonical = [hf_lmc.canonicalize(m.model) for m in loaded]
             matcher = hf_lmc.WeightMatcher(progress=False)
-            transforms = {"weight": [Transform()] + [matcher.fit(canonical[0], c) for c in canonical[1:]]}
+            transforms = {"weight": [Transform()] + [matcher.match(canonical[0], c) for c in canonical[1:]]}
         result = simplex_barrier_of_loaded(
             loaded, data, methods=(method,), points=points, symmetries="full", eval_options=EvalOptions(batch_size=16),
             progress=False, fit_batches=fit, learn=learn, transforms=transforms,

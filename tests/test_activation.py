@@ -19,7 +19,7 @@ def test_permutation_only_matching_recovers_a_permuted_twin():
     config = tiny_configs()["gpt_neox"]
     a = hf_lmc.canonicalize(build_model(config, dtype=torch.float64))
     b = hf_lmc.random_symmetry(a.spec, seed=3, kinds="permutation").apply(a).materialize()
-    transform = hf_lmc.ActivationMatcher(_calibration(config), "permutation", progress=False).fit(a, b)
+    transform = hf_lmc.ActivationMatcher(_calibration(config), "permutation", progress=False).match(a, b)
     for name, tensor in transform.apply(b).state_dict().items():
         torch.testing.assert_close(tensor, a[name], msg=name)
 
@@ -36,7 +36,7 @@ def test_calibration_data_forms(form):
         "dataloader": DataLoader([{"input_ids": row} for row in ids], batch_size=3),
         "generator": ({"input_ids": chunk} for chunk in ids.split(2)),
     }[form]
-    transform = hf_lmc.ActivationMatcher(data, "permutation", progress=False).fit(a, b)
+    transform = hf_lmc.ActivationMatcher(data, "permutation", progress=False).match(a, b)
     for name, tensor in transform.apply(b).state_dict().items():
         torch.testing.assert_close(tensor, a[name], msg=name)
 
@@ -58,4 +58,4 @@ def test_empty_calibration_data_is_an_error():
     config = tiny_configs()["gpt2"]
     a = hf_lmc.canonicalize(build_model(config))
     with pytest.raises(ValueError, match="no calibration tokens"):
-        hf_lmc.ActivationMatcher([], progress=False).fit(a, a)
+        hf_lmc.ActivationMatcher([], progress=False).match(a, a)

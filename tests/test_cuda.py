@@ -149,7 +149,7 @@ def test_weight_matching_on_cuda_matches_the_cpu():
     config = tiny_configs()["llama"]
     a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
     cpu, gpu = hf_lmc.WeightMatcher(progress=False, device="cpu"), hf_lmc.WeightMatcher(progress=False, device="cuda")
-    on_cpu, on_gpu = cpu.fit(a, b), gpu.fit(a, b)
+    on_cpu, on_gpu = cpu.match(a, b), gpu.match(a, b)
     assert all(t.device.type == "cpu" for t in transform_tensors(on_gpu).values())
     assert cpu.objective(a, b, on_gpu) == pytest.approx(cpu.objective(a, b, on_cpu), rel=1e-4)
 

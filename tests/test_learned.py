@@ -221,7 +221,7 @@ def test_a_given_starting_transform_is_where_training_starts(cls):
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)} for _ in range(3)]
-    start = hf_lmc.ActivationMatcher(batches, progress=False).fit(hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b))
+    start = hf_lmc.ActivationMatcher(batches, progress=False).match(hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b))
     weight_start = cls(model_a, model_b, dtype=torch.float64).transforms()[1]
     matcher = cls(model_a, model_b, init=start, dtype=torch.float64)
     transform_b = matcher.transforms()[1]

@@ -33,7 +33,7 @@ def test_twin_merge_at_half_computes_a(arch, method):
         model = build_model(config, seed=seed, dtype=torch.float32)
         a = hf_lmc.canonicalize(model)
         b = hf_lmc.random_symmetry(a.spec, seed=seed + 1, dtype=torch.float32).apply(a).materialize()
-        transform = _matcher(method, config).fit(a, b)
+        transform = _matcher(method, config).match(a, b)
         merged = hf_lmc.interpolate(a, transform.to(torch.float32).apply(b), 0.5)
         inputs = sample_inputs(config, seed=seed)
         err = relative_error(logits(hf_lmc.to_hf(merged), inputs), logits(model, inputs))
@@ -46,7 +46,7 @@ def test_alpha_endpoints_give_each_model():
     config = tiny_configs()["llama"]
     model_a, model_b = build_model(config, seed=1, dtype=torch.float32), build_model(config, seed=2, dtype=torch.float32)
     a, b = hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b)
-    aligned = hf_lmc.WeightMatcher(progress=False).fit(a, b).to(torch.float32).apply(b)
+    aligned = hf_lmc.WeightMatcher(progress=False).match(a, b).to(torch.float32).apply(b)
     inputs = sample_inputs(config)
     assert relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 0.0)), inputs), logits(model_a, inputs)) < 1e-5
     assert relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 1.0)), inputs), logits(model_b, inputs)) < 1e-4
@@ -57,7 +57,7 @@ def test_matching_reduces_distance_between_independent_models():
     a = hf_lmc.canonicalize(build_model(config, seed=1))
     b = hf_lmc.canonicalize(build_model(config, seed=2))
     matcher = hf_lmc.WeightMatcher(progress=False)
-    transform = matcher.fit(a, b)
+    transform = matcher.match(a, b)
     fitted = matcher.objective(a, b, transform)
     assert fitted < 0.9 * matcher.objective(a, b, hf_lmc.Transform())
     assert fitted == pytest.approx(min(matcher.history))  # the best transform seen is returned
@@ -67,16 +67,32 @@ def test_permutation_only_matching_recovers_a_permuted_twin():
     config = tiny_configs()["gpt2"]
     a = hf_lmc.canonicalize(build_model(config))
     b = hf_lmc.random_symmetry(a.spec, seed=3, kinds="permutation").apply(a).materialize()
-    transform = hf_lmc.WeightMatcher("permutation", progress=False).fit(a, b)
+    transform = hf_lmc.WeightMatcher("permutation", progress=False).match(a, b)
     for name, tensor in transform.apply(b).state_dict().items():
         torch.testing.assert_close(tensor, a[name], msg=name)
+
+
+@pytest.mark.parametrize("method", ["weight", "activation"])
+def test_pairwise_fit_is_the_identity_and_match(method):
+    """The shared contract: one transform per model, A's the identity and B's what match finds;
+    any other number of models is refused with the method that takes it."""
+    config = tiny_configs()["gpt2"]
+    a, b, c = (hf_lmc.canonicalize(build_model(config, seed=s)) for s in (1, 2, 3))
+    matched = _matcher(method, config).match(a, b)
+    first, second = _matcher(method, config).fit([a, b], [0.3, 0.7])
+    assert first.maps == {}
+    assert transform_tensors(second).keys() == transform_tensors(matched).keys()
+    for name, tensor in transform_tensors(matched).items():
+        torch.testing.assert_close(transform_tensors(second)[name], tensor, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="UniverseMatcher"):
+        _matcher(method, config).fit([a, b, c])
 
 
 def test_different_architectures_are_rejected():
     a = hf_lmc.canonicalize(build_model(tiny_configs()["gpt2"]))
     b = hf_lmc.canonicalize(build_model(tiny_configs()["llama"]))
     with pytest.raises(ValueError, match="differ in architecture"):
-        hf_lmc.WeightMatcher(progress=False).fit(a, b)
+        hf_lmc.WeightMatcher(progress=False).match(a, b)
 
 
 def test_balanced_gl_matching_inverts_any_gl_map():
@@ -228,7 +244,7 @@ def test_weight_matching_recovers_a_twin_whose_embeddings_span_less_than_the_str
     model = build_model(config, seed=136, dtype=torch.float32)
     a = hf_lmc.canonicalize(model)
     b = hf_lmc.random_symmetry(a.spec, seed=137, dtype=torch.float32).apply(a).materialize()
-    transform = hf_lmc.WeightMatcher(progress=False).fit(a, b)
+    transform = hf_lmc.WeightMatcher(progress=False).match(a, b)
     merged = hf_lmc.interpolate(a, transform.to(torch.float32).apply(b), 0.5)
     inputs = sample_inputs(config, seed=136)
     assert relative_error(logits(hf_lmc.to_hf(merged), inputs), logits(model, inputs)) < 1e-5
@@ -247,7 +263,7 @@ def test_per_head_solves_side_by_side_give_the_sequential_transform_bit_for_bit(
         results = []
         for n in (1, 4):
             torch.set_num_threads(n)
-            results.append(hf_lmc.WeightMatcher(progress=False, device="cpu").fit(a, b))
+            results.append(hf_lmc.WeightMatcher(progress=False, device="cpu").match(a, b))
     finally:
         torch.set_num_threads(threads)
     sequential, side_by_side = (transform_tensors(t) for t in results)

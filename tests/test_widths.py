@@ -58,7 +58,7 @@ def _endpoints_check(narrow_config, wide_config, seed: int, swap: bool) -> None:
         source = model_a if name == "A" else model_b
         err = relative_error(logits(exported, inputs), logits(source, inputs))
         assert err < 1e-10, f"embedded {name}: relative error {err:.1e}"
-    transform = hf_lmc.WeightMatcher(progress=False).fit(a, b)
+    transform = hf_lmc.WeightMatcher(progress=False).match(a, b)
     moved = transform.apply(b)
     for alpha, expected in ((0.0, model_a), (1.0, model_b)):
         merged = hf_lmc.to_hf(hf_lmc.interpolate(a, moved, alpha))
@@ -105,7 +105,7 @@ def test_weight_matching_recovers_a_moved_copy_of_an_embedded_model():
     a = embed(narrow, spec).materialize()
     b = hf_lmc.random_symmetry(spec, seed=4).apply(a).materialize()
     matcher = hf_lmc.WeightMatcher(progress=False)
-    assert matcher.objective(a, b, matcher.fit(a, b)) < 1e-12
+    assert matcher.objective(a, b, matcher.match(a, b)) < 1e-12
 
 
 def test_unsupported_shape_differences_are_rejected_in_one_line():

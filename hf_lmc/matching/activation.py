@@ -32,11 +32,12 @@ from ..evaluation import Batch, EvalOptions, load_batches
 from ..linalg import solve_side_by_side
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, resolve_kinds
+from .contract import PairwiseMatcher
 from .solvers import Moments, assign, assign_heads, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones
 from .weight import _check_compatible, _stack
 
 
-class ActivationMatcher:
+class ActivationMatcher(PairwiseMatcher):
     """Align model B to model A from their activations on calibration data.
 
     Args:
@@ -49,7 +50,8 @@ class ActivationMatcher:
         dtype: dtype the models run in (moments always accumulate in float64).
         progress: show a progress bar over the batches.
 
-    ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``.
+    ``match(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``; ``fit([a, b])``
+    returns ``[Transform(), T]`` (:class:`~hf_lmc.matching.contract.PairwiseMatcher`).
     """
 
     def __init__(
@@ -67,7 +69,8 @@ class ActivationMatcher:
         self.dtype = dtype
         self.progress = progress
 
-    def fit(self, a: CanonicalModel, b: CanonicalModel) -> Transform:
+    def match(self, a: CanonicalModel, b: CanonicalModel) -> Transform:
+        """B's transform ``T`` with ``T.apply(b) ~ a``, from the models' activations on the calibration data."""
         spec = _check_compatible(a, b)
         stats = self._collect(spec, a, b)
         residual = self._solve_residual(spec, stats.stream)

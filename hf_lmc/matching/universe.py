@@ -60,6 +60,7 @@ class UniverseMatcher:
         self.history: list[float] = []
 
     def fit(self, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None) -> list[Transform]:
+        """One transform per model toward the shared reference (``weights``: uniform by default)."""
         if len(models) < 2:
             raise ValueError(f"universe matching needs at least 2 models, got {len(models)}")
         for other in models[1:]:
@@ -77,7 +78,7 @@ class UniverseMatcher:
                 [transforms[j].to(torch.float32, device).apply(models[j]) for j in others], _renormalised(weights, others)
             )
             matcher = WeightMatcher(self.symmetries, progress=False, **self.options)
-            transforms[k] = matcher.fit(reference, models[k])
+            transforms[k] = matcher.match(reference, models[k])
             bar.update()
             return min(matcher.history) if matcher.history else 0.0
 

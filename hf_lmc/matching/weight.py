@@ -28,6 +28,7 @@ from ..devices import compute_device, full_float32_products
 from ..linalg import solve_side_by_side
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
+from .contract import PairwiseMatcher
 from .solvers import (
     CompletedPolar,
     Moments,
@@ -67,7 +68,7 @@ def _apply(transform: Transform, tensors: dict[str, Tensor]) -> dict[str, Tensor
 EXACT = 1e-12  # an objective this small means B is A up to rounding: nothing left to improve
 
 
-class WeightMatcher:
+class WeightMatcher(PairwiseMatcher):
     """Align model B to model A without data.
 
     Args:
@@ -87,7 +88,8 @@ class WeightMatcher:
             at a time. The per-head solves run on the CPU, up to ``torch.get_num_threads()``
             side by side, and so does scipy's part of each assignment.
 
-    ``fit(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``, on the CPU.
+    ``match(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``, on the CPU;
+    ``fit([a, b])`` returns ``[Transform(), T]`` (:class:`~hf_lmc.matching.contract.PairwiseMatcher`).
     """
 
     def __init__(
@@ -112,7 +114,8 @@ class WeightMatcher:
 
     # -- public ------------------------------------------------------------------------------
 
-    def fit(self, a: CanonicalModel, b: CanonicalModel) -> Transform:
+    def match(self, a: CanonicalModel, b: CanonicalModel) -> Transform:
+        """B's transform ``T`` with ``T.apply(b) ~ a`` (on the CPU)."""
         with full_float32_products():
             return self._fit(a, b)
 
