@@ -425,7 +425,7 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
     loader = torch.utils.data.DataLoader(
         torch.arange(8), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
-    from hf_lmc.matching.learned import _passes
+    from hf_lmc.matching.training import _passes
 
     stream = _passes(loader)
     orders = [torch.cat([next(stream), next(stream)]).tolist() for _ in range(3)]
@@ -586,3 +586,36 @@ def test_two_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path)
         for key in single["params"]:  # float64; Adam's normalisation lifts all-reduce rounding to ~1e-10
             torch.testing.assert_close(other["params"][key], single["params"][key], rtol=1e-7, atol=1e-9, msg=f"{name}: {key}")
         torch.testing.assert_close(other["logits"], single["logits"], rtol=1e-6, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
+def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, count):
+    """The shared contract for learned and dual matching: ``fit(models)`` gives, bit for bit, the
+    transforms of the path built from the models (3+: the simplex from universe matching, the
+    first model learning as A does in ``cls``), trained with the same seed and settings."""
+    from hf_lmc.matching import TrainedMatcher, UniverseMatcher
+    from hf_lmc.options import LearnOptions
+    from tests.models import transform_tensors
+
+    config = tiny_configs()["gpt2"]
+    models = [hf_lmc.canonicalize(build_model(config, seed=s)) for s in range(1, count + 1)]
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
+    learn = LearnOptions(steps=3, lr=1e-2, seed=1)
+    got = TrainedMatcher(cls, batches, learn=learn, progress=False).fit(models)
+
+    if count == 2:
+        torch.manual_seed(1)
+        path = cls(*models)
+    else:
+        start = UniverseMatcher(progress=False).fit(models)
+        torch.manual_seed(1)
+        path = hf_lmc.SimplexMatcher(models, init=start, learns_first=cls is DualMatcher)
+    path.fit(batches, steps=3, lr=1e-2, progress=False)
+    expected = list(path.transforms())
+    assert len(got) == len(expected) == count
+    for mine, theirs in zip(got, expected):
+        mine, theirs = transform_tensors(mine), transform_tensors(theirs)
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], t) for k, t in theirs.items())

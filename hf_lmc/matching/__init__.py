@@ -1,8 +1,29 @@
-"""Alignment methods: find the transforms that bring models into one basin (B into A's, or M models into a shared one)."""
+"""Alignment methods: find the transforms that bring models into one basin (B into A's, or M models into a shared one).
+
+Every method answers ``fit(models, weights=None) -> list[Transform]``, one transform per model
+(:class:`~hf_lmc.matching.contract.Matcher`). Pairwise methods also answer ``match(a, b)``, B's
+transform; the learned paths are ``nn.Module`` s trained by :func:`train`, and
+:class:`TrainedMatcher` runs them under the shared contract.
+"""
 
 from .activation import ActivationMatcher
-from .learned import DualMatcher, LearnedMatcher, SimplexMatcher
+from .contract import Matcher, PairwiseMatcher
+from .learned import DualMatcher, LearnedMatcher, PairPath, SimplexMatcher, TrainedPath
+from .training import TrainedMatcher, train
 from .universe import UniverseMatcher
 from .weight import WeightMatcher
 
-__all__ = ["ActivationMatcher", "DualMatcher", "LearnedMatcher", "SimplexMatcher", "UniverseMatcher", "WeightMatcher"]
+__all__ = [
+    "ActivationMatcher",
+    "DualMatcher",
+    "LearnedMatcher",
+    "Matcher",
+    "PairPath",
+    "PairwiseMatcher",
+    "SimplexMatcher",
+    "TrainedMatcher",
+    "TrainedPath",
+    "UniverseMatcher",
+    "WeightMatcher",
+    "train",
+]

@@ -1,7 +1,10 @@
-"""Learned and dual matching: transforms trained on the loss of the interpolated model (DESIGN §4).
+"""Learned and dual matching: transforms trained on the loss of the interpolated model (docs/design.md §4).
 
-``LearnedMatcher`` trains B's transform only; ``DualMatcher`` trains both models' transforms
-toward one shared linear path. Both start from weight matching (B's transform) and the identity
+The path modules are plain ``nn.Module`` s whose call is the loss at a sampled point of their
+path (:class:`TrainedPath`), so they train in any loop; ``fit`` is the package's loop
+(:func:`hf_lmc.matching.training.train`). Two models share :class:`PairPath`: ``LearnedMatcher``
+trains B's transform only and ``DualMatcher`` both models' transforms, toward one shared linear
+path. Both start from weight matching (B's transform) and the identity
 (A's), and evaluate the interpolant with the stock HF class at one ``lambda`` per call: half the
 draws from ``U(0.4, 0.6)``, half near the path's current worst point, which ``fit`` re-locates
 on the latest batches as training moves it. ``merge(alpha)`` hardens the transforms and
@@ -9,58 +12,48 @@ returns a stock model: an exact symmetry of each endpoint at ``alpha = 0`` and `
 
 ``SimplexMatcher`` is the same for M models: each carries a transform toward one shared point,
 starting from universe matching, trained at weights ``w ~ Dirichlet(0.1 * 1)`` over the simplex.
-All three share the training loop (:class:`PathTrainer`) and the interpolant.
+All three share the loss (:class:`TrainedPath`), the training loop and the interpolant.
 """
 
 from __future__ import annotations
 
-import collections
-import itertools
-import json
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
 from ..devices import launch_device
 from ..grids import alpha_grid, excess_over_line
+from ..options import FOCI, OBJECTIVES
 from ..symmetry import Transform
-from .params import OrthogonalParam
 from .interpolant import Interpolant
 from .trainable import TrainableTransform
+from .training import train
 from .universe import UniverseMatcher
 from .weight import WeightMatcher
 
+#: Where a path's transforms start without a given one: weight (or universe) matching's solution, or the identity.
 INITS = ("weight", "identity")
-#: What the point of the path is trained toward: the batch's ``"labels"``, or the endpoints'
-#: ``"ensemble"`` at the same weights (soft targets: the mixture of their predicted distributions).
-OBJECTIVES = ("labels", "ensemble")
-_PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
-_SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one waits for the device)
-#: Where the worst point of the path is looked for: the barrier's 11-point grid (DESIGN §1).
+#: Where the worst point of the path is looked for: the barrier's 11-point grid (docs/design.md §1).
 #: Draws near it are uniform within half a grid step of it.
 WORST_GRID = tuple(alpha_grid(11))
-#: Which grid points the ``worst_fraction`` of draws go near: the single ``"worst"`` one, or each
-#: interior point in proportion to its ``"excess"`` over the line (see :class:`DualMatcher`).
-FOCI = ("worst", "excess")
 
 
-class PathTrainer(nn.Module):
-    """The training loop shared by the learned matchers: ``self(batch)`` is the loss at a sampled
-    point of the path (or simplex); the transforms' parameters are what trains."""
+class TrainedPath(nn.Module):
+    """A path (or simplex) of merges whose transforms train: ``self(batch)`` is the loss at a
+    sampled point of it, and the transforms' parameters are what trains. Subclasses set the
+    interpolant, the objective and ``label`` and implement ``forward`` and ``transforms``."""
 
     interpolant: Interpolant
     objective: str
     label: str  # the progress bar's name for this matcher; each concrete matcher sets it
-    seeks_worst = False  # whether fit() re-locates the path's worst point (see DualMatcher)
-    input_noise = 0.0  # std of the Gaussian noise on pixel_values in training mode (see DualMatcher)
+    seeks_worst = False  # whether fit() re-locates the path's worst point (see PairPath)
+    input_noise = 0.0  # std of the Gaussian noise on pixel_values in training mode (see PairPath)
 
     def _set_input_noise(self, input_noise: float, model: CanonicalModel) -> None:
+        """Set :attr:`input_noise`, refusing a negative std or noise for a model that takes no images."""
         if not input_noise >= 0:
             raise ValueError(f"input_noise must be >= 0, got {input_noise}")
         if input_noise and not model.adapter.takes_images:
@@ -104,124 +97,10 @@ class PathTrainer(nn.Module):
         mask = mask.to(per_position.dtype)
         return (per_position * mask).sum() / mask.sum()
 
-    def _parameter_groups(self, residual_lr: float | None) -> list[dict]:
-        """Adam parameter groups: the residual maps' at ``residual_lr`` (when given), the rest at the base rate."""
-        trainable = [p for p in self.parameters() if p.requires_grad]
-        if residual_lr is None:
-            return [{"params": trainable}]
-        residual = {id(p) for m in self.modules() if isinstance(m, OrthogonalParam) for p in m.parameters()}
-        groups = [
-            {"params": [p for p in trainable if id(p) not in residual]},
-            {"params": [p for p in trainable if id(p) in residual], "lr": residual_lr},
-        ]
-        return [group for group in groups if group["params"]]
-
-    def fit(
-        self,
-        batches: Iterable[dict[str, Tensor]],
-        *,
-        steps: int,
-        lr: float = 1e-3,
-        residual_lr: float | None = None,
-        schedule: str = "constant",
-        warmup_steps: int = 0,
-        accelerator=None,
-        gradient_accumulation_steps: int = 1,
-        mixed_precision: str = "no",
-        checkpoint_dir: str | Path | None = None,
-        checkpoint_every: int | None = None,
-        resume: bool = False,
-        locate_every: int = 50,
-        progress: bool = True,
-        callback: Callable[[int, PathTrainer], None] | None = None,
-    ) -> list[float]:
-        """Train the transforms for ``steps`` batches with Adam under :mod:`accelerate`.
-
-        ``batches`` is read in passes until ``steps`` batches are drawn: a re-iterable (a list, a
-        ``DataLoader``) is iterated anew on every pass, so a shuffling loader reshuffles and no
-        batch is held past its step; a one-shot iterator's batches are kept and replayed. Under
-        several processes give each its own shard (``accelerator.prepare(loader)`` does).
-        ``schedule`` is any :func:`transformers.get_scheduler` name (``"constant"``,
-        ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first ``warmup_steps`` of
-        them warming up linearly. ``residual_lr`` sets the residual (orthogonal) maps' learning
-        rate apart from the rest (default ``lr``): one step of it turns every layer's stream at
-        once.
-        With ``checkpoint_dir``, ``accelerator.save_state`` runs every ``checkpoint_every``
-        steps (and at the end); ``resume=True`` continues from the last saved step, replaying
-        the data order. ``callback(step, matcher)`` runs after every batch (e.g. to
-        evaluate the barrier during training). Returns the loss of every step.
-        """
-        from accelerate import Accelerator
-        from transformers import get_scheduler
-
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
-        if not 0 <= warmup_steps <= max(steps, 0):
-            raise ValueError(f"warmup_steps must lie in [0, steps={steps}], got {warmup_steps}")
-        if residual_lr is not None and not residual_lr > 0:
-            raise ValueError(f"residual_lr must be > 0, got {residual_lr}")
-        if locate_every < 1:
-            raise ValueError(f"locate_every must be >= 1, got {locate_every}")
-        if accelerator is None:
-            accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
-        optimizer = torch.optim.Adam(self._parameter_groups(residual_lr), lr=lr)
-        updates = max(math.ceil(steps / accelerator.gradient_accumulation_steps), 1)  # optimizer steps
-        if schedule == "constant" and warmup_steps:
-            schedule = "constant_with_warmup"  # transformers' "constant" ignores warmup
-        scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=updates)
-        model, optimizer = accelerator.prepare(self, optimizer)
-        # Stepped here rather than prepared: accelerate's wrapper advances a prepared scheduler
-        # once per process, which would run the schedule faster with more processes.
-        accelerator.register_for_checkpointing(scheduler)
-        folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        start = 0
-        if resume and folder is not None and (folder / _PROGRESS).is_file():
-            accelerator.load_state(str(folder))
-            start = json.loads((folder / _PROGRESS).read_text())["step"]
-        stream = _passes(batches)
-        recent = collections.deque(maxlen=2)  # where the worst point is located
-        for _ in range(start):  # replay the data order up to where the saved run stopped
-            recent.append(next(stream))
-        losses = []  # on the device, read once at the end
-        bar = tqdm(range(start, steps), desc=self.label, disable=not progress or not accelerator.is_local_main_process)
-        for step in bar:
-            recent.append(next(stream))
-            batch = {k: v.to(accelerator.device) for k, v in recent[-1].items()}
-            with accelerator.accumulate(model):
-                loss = model(batch)
-                accelerator.backward(loss)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad()
-            losses.append(loss.detach())  # no host sync: a GPU keeps the next step's kernels queued
-            if self.seeks_worst and (step + 1) % locate_every == 0:
-                self.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
-            if callback is not None:
-                callback(step + 1, self)
-            if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
-                bar.set_postfix(loss=f"{losses[-1].item():.4f}")
-            last = step + 1 == steps
-            if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
-                accelerator.save_state(str(folder))
-                if accelerator.is_main_process:
-                    (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
-        return torch.stack(losses).tolist() if losses else []
-
-
-def _passes(batches: Iterable[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
-    """``batches`` without end. ``itertools.cycle`` would keep every batch of the first pass
-    (a whole dataset's worth from a ``DataLoader``) and replay that pass's order; a re-iterable
-    is iterated again instead. A one-shot iterator cannot be, so its batches are kept."""
-    if isinstance(batches, Iterator):
-        batches = itertools.cycle(batches)
-    while True:
-        empty = True
-        for batch in batches:
-            empty = False
-            yield batch
-        if empty:
-            raise ValueError("fit: batches yielded no batch; pass a non-empty list, DataLoader or iterator of batches")
+    #: The package's training loop as a method: ``path.fit(batches, steps=...)`` is
+    #: :func:`hf_lmc.matching.training.train` ``(path, batches, steps=...)``, with the same
+    #: arguments, and returns the loss of every step.
+    fit = train
 
 
 def _wide(logits: Tensor) -> Tensor:
@@ -247,22 +126,26 @@ def _with_assignments(hardened: Transform, assignments: Transform | None, like: 
 
 
 def _check_objective(objective: str) -> str:
+    """``objective`` itself, or a ``ValueError`` naming :data:`OBJECTIVES`."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; choose from {OBJECTIVES}")
     return objective
 
 
 def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``batch`` with labels: a causal LM's are its ``input_ids``."""
     inputs = dict(batch)
     if "labels" not in inputs and "input_ids" in inputs:
         inputs["labels"] = inputs["input_ids"]  # causal LM: next-token loss
     return inputs
 
 
-class DualMatcher(PathTrainer):
-    """Both models learn their transforms toward one shared linear path.
+class PairPath(TrainedPath):
+    """The linear path ``(1 - a) T_A(A) + a T_B(B)`` between two models, trained at sampled
+    ``a``: B's transform always, A's where the class sets ``learns_a``
+    (:class:`DualMatcher`; :class:`LearnedMatcher` keeps A as it is). Instantiate one of those two.
 
-    A step evaluates the path ``(1 - a) T_A(A) + a T_B(B)`` as ``(1 - a) A + a T_A^-1 T_B(B)``
+    With A's transform trained, a step evaluates the path as ``(1 - a) A + a T_A^-1 T_B(B)``
     (the same path moved by the symmetry ``T_A^-1``: the same loss and gradients), so it moves
     one model's tensors and costs what a one-sided step does; ``merge`` exports the path itself.
 
@@ -274,10 +157,10 @@ class DualMatcher(PathTrainer):
             ``permutations="fixed"`` the start's assignments are the ones kept).
         symmetries: the group weight matching searches for the initialisation.
         permutations: ``"fixed"`` keeps the starting unit and head assignments and trains only
-            the continuous maps (measured best on every zoo pair, README); ``"ste"`` or
+            the continuous maps (the default; comparisons in docs/benchmarks.md); ``"ste"`` or
             ``"sinkhorn"`` train the assignments too (n x n scores per layer).
         orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
-        frame: where each continuous map's trained factor sits (:mod:`hf_lmc.symmetry.params`):
+        frame: where each continuous map's trained factor sits (:mod:`hf_lmc.matching.params`):
             ``"own"``, ``M_0 f(A)``, Adam stepping in the coordinates of the model the map moves;
             ``"target"``, ``f(A) M_0``, stepping in those it moves them into (A's, for B's map);
             or ``"both"``, ``f(L) M_0 f(A)``. The same group every way; only the optimiser's
@@ -292,9 +175,8 @@ class DualMatcher(PathTrainer):
             point, the alpha of the 11-point grid where the loss stands highest above the line
             between the endpoints. ``fit`` re-locates it every ``locate_every`` steps; in a
             loop of your own, call :meth:`locate_worst`. Training only on the middle of the path
-            pushes its worst point out to alpha = 0.3 or 0.7, where the barrier is then measured;
-            following it there took the Pythia zoo pair from 0.039 / 0.033 to 0.023 / 0.014
-            nats (learned / dual, 1000 steps; README).
+            pushes its worst point outward, where the barrier is then measured; these draws
+            follow it there (docs/benchmarks.md).
         focus: where those draws go. ``"worst"``: near the one grid point of highest excess.
             ``"excess"``: near each interior grid point with probability proportional to its
             excess over the line (none where the path is at or below it), so a path with two
@@ -307,10 +189,8 @@ class DualMatcher(PathTrainer):
             every training-mode call (in the model's input units). Endpoints that have memorised
             their training images have no loss on them to speak of, so the transforms learn to fit
             those images rather than the path on new ones; noise of about the size at which the
-            endpoints' loss on training images reaches their held-out loss restores that. On the
-            zoo's ViT (pixels in [-1, 1]) 0.25 took the 1000-step barrier from 0.050 / 0.061 to
-            0.029 / 0.016 nats (learned / dual, mean of three seeds, with weight matching's
-            previous first residual map; README).
+            endpoints' loss on training images reaches their held-out loss restores that
+            (docs/benchmarks.md).
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
         checkpoint_layers: rebuild each layer's interpolated weights inside gradient
             checkpointing, so only one layer's transformed weights are alive at a time. A
@@ -328,8 +208,8 @@ class DualMatcher(PathTrainer):
             ``accelerator.prepare`` or ``.to`` puts it.
     """
 
-    learns_a = True
-    label = "dual matching"
+    #: Whether A's transform trains too (B's always does); each concrete path sets it.
+    learns_a: bool
 
     def __init__(
         self,
@@ -493,14 +373,28 @@ class DualMatcher(PathTrainer):
         return to_hf(interpolate(*self.aligned(), alpha))
 
 
-class LearnedMatcher(DualMatcher):
-    """Only B learns its transform (one-sided learned matching); A stays as it is."""
+    @classmethod
+    def over_simplex(cls, models: Sequence, **options) -> SimplexMatcher:
+        """This matching for three or more models: a :class:`SimplexMatcher` whose first model's
+        transform trains exactly when A's does here (``learns_first=cls.learns_a``)."""
+        return SimplexMatcher(models, learns_first=cls.learns_a, **options)
+
+
+class DualMatcher(PairPath):
+    """Both models learn their transforms toward one shared linear path (arguments: :class:`PairPath`)."""
+
+    learns_a = True
+    label = "dual matching"
+
+
+class LearnedMatcher(PairPath):
+    """Only B learns its transform (one-sided learned matching); A stays as it is (arguments: :class:`PairPath`)."""
 
     learns_a = False
     label = "learned matching"
 
 
-class SimplexMatcher(PathTrainer):
+class SimplexMatcher(TrainedPath):
     """M models learn their transforms toward one shared point: the M-model dual matching.
 
     Every point ``sum_k w_k T_k(theta_k)`` of the simplex the aligned models span should have
@@ -516,7 +410,7 @@ class SimplexMatcher(PathTrainer):
             anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
         concentration: the Dirichlet concentration of the sampled weights.
         symmetries, permutations, orthogonal, frame, objective, input_noise, dtype, checkpoint_layers, shard_endpoints,
-        init_device: as for :class:`DualMatcher` (``"ensemble"`` mixes the M endpoints at the sampled weights).
+        init_device: as for :class:`PairPath` (``"ensemble"`` mixes the M endpoints at the sampled weights).
     """
 
     label = "simplex matching"

@@ -1,0 +1,260 @@
+"""The training loop of the learned matchers, and learned and dual matching under the shared contract.
+
+:func:`train` runs Adam under :mod:`accelerate` on any path module whose call is the loss at a
+sampled point of its path (:class:`~hf_lmc.matching.learned.TrainedPath`: the modules'
+``.fit`` is this function). The loop is its own piece so that the path modules stay plain
+``nn.Module`` s a user can equally train in a loop of their own.
+
+:class:`TrainedMatcher` is learned or dual matching as every search method is called,
+``fit(models, weights) -> list[Transform]``: it builds the path from the models, trains it
+with the settings of :class:`~hf_lmc.options.LearnOptions` and
+:class:`~hf_lmc.options.AccelerateOptions`, and returns the hardened transforms.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..canonical import CanonicalModel
+from ..devices import launch_device
+from ..options import AccelerateOptions, LearnOptions
+from ..symmetry import Transform
+from .params import OrthogonalParam
+from .universe import UniverseMatcher
+
+_PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
+_SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one waits for the device)
+
+
+def train(
+    path: nn.Module,
+    batches: Iterable[dict[str, Tensor]],
+    *,
+    steps: int,
+    lr: float = 1e-3,
+    residual_lr: float | None = None,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    accelerator=None,
+    gradient_accumulation_steps: int = 1,
+    mixed_precision: str = "no",
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    locate_every: int = 50,
+    progress: bool = True,
+    callback: Callable[[int, nn.Module], None] | None = None,
+) -> list[float]:
+    """Train ``path``'s transforms for ``steps`` batches with Adam under :mod:`accelerate`.
+
+    ``path(batch)`` is the loss at a sampled point of the path; ``path.label`` names the
+    progress bar, and where ``path.seeks_worst`` holds, ``path.locate_worst(batches)`` runs on
+    the latest two batches every ``locate_every`` steps.
+
+    ``batches`` is read in passes until ``steps`` batches are drawn: a re-iterable (a list, a
+    ``DataLoader``) is iterated anew on every pass, so a shuffling loader reshuffles and no
+    batch is held past its step; a one-shot iterator's batches are kept and replayed. Under
+    several processes give each its own shard (``accelerator.prepare(loader)`` does).
+    ``schedule`` is any :func:`transformers.get_scheduler` name (``"constant"``,
+    ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first ``warmup_steps`` of
+    them warming up linearly. ``residual_lr`` sets the residual (orthogonal) maps' learning
+    rate apart from the rest (default ``lr``): one step of it turns every layer's stream at
+    once. Without ``accelerator``, one is made from ``gradient_accumulation_steps`` and
+    ``mixed_precision``.
+    With ``checkpoint_dir``, ``accelerator.save_state`` runs every ``checkpoint_every``
+    steps (and at the end); ``resume=True`` continues from the last saved step, replaying
+    the data order. ``callback(step, path)`` runs after every batch (e.g. to evaluate the
+    barrier during training). Returns the loss of every step.
+    """
+    from transformers import get_scheduler  # deferred: transformers.optimization is slow to import, and only training needs it
+
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if not 0 <= warmup_steps <= max(steps, 0):
+        raise ValueError(f"warmup_steps must lie in [0, steps={steps}], got {warmup_steps}")
+    if residual_lr is not None and not residual_lr > 0:
+        raise ValueError(f"residual_lr must be > 0, got {residual_lr}")
+    if locate_every < 1:
+        raise ValueError(f"locate_every must be >= 1, got {locate_every}")
+    if accelerator is None:
+        accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
+    optimizer = torch.optim.Adam(_parameter_groups(path, residual_lr), lr=lr)
+    updates = max(math.ceil(steps / accelerator.gradient_accumulation_steps), 1)  # optimizer steps
+    if schedule == "constant" and warmup_steps:
+        schedule = "constant_with_warmup"  # transformers' "constant" ignores warmup
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=updates)
+    model, optimizer = accelerator.prepare(path, optimizer)
+    # Stepped here rather than prepared: accelerate's wrapper advances a prepared scheduler
+    # once per process, which would run the schedule faster with more processes.
+    accelerator.register_for_checkpointing(scheduler)
+    folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    start = 0
+    if resume and folder is not None and (folder / _PROGRESS).is_file():
+        accelerator.load_state(str(folder))
+        start = json.loads((folder / _PROGRESS).read_text())["step"]
+    stream = _passes(batches)
+    recent = collections.deque(maxlen=2)  # where the worst point is located
+    for _ in range(start):  # replay the data order up to where the saved run stopped
+        recent.append(next(stream))
+    losses = []  # on the device, read once at the end
+    bar = tqdm(range(start, steps), desc=path.label, disable=not progress or not accelerator.is_local_main_process)
+    for step in bar:
+        recent.append(next(stream))
+        batch = {k: v.to(accelerator.device) for k, v in recent[-1].items()}
+        with accelerator.accumulate(model):
+            loss = model(batch)
+            accelerator.backward(loss)
+            optimizer.step()
+            if accelerator.sync_gradients:
+                scheduler.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())  # no host sync: a GPU keeps the next step's kernels queued
+        if path.seeks_worst and (step + 1) % locate_every == 0:
+            path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
+        if callback is not None:
+            callback(step + 1, path)
+        if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
+            bar.set_postfix(loss=f"{losses[-1].item():.4f}")
+        last = step + 1 == steps
+        if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
+            accelerator.save_state(str(folder))
+            if accelerator.is_main_process:
+                (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
+    return torch.stack(losses).tolist() if losses else []
+
+
+def _parameter_groups(path: nn.Module, residual_lr: float | None) -> list[dict]:
+    """Adam parameter groups: the residual maps' at ``residual_lr`` (when given), the rest at the base rate."""
+    trainable = [p for p in path.parameters() if p.requires_grad]
+    if residual_lr is None:
+        return [{"params": trainable}]
+    residual = {id(p) for m in path.modules() if isinstance(m, OrthogonalParam) for p in m.parameters()}
+    groups = [
+        {"params": [p for p in trainable if id(p) not in residual]},
+        {"params": [p for p in trainable if id(p) in residual], "lr": residual_lr},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+def _passes(batches: Iterable[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
+    """``batches`` without end. ``itertools.cycle`` would keep every batch of the first pass
+    (a whole dataset's worth from a ``DataLoader``) and replay that pass's order; a re-iterable
+    is iterated again instead. A one-shot iterator cannot be, so its batches are kept."""
+    if isinstance(batches, Iterator):
+        batches = itertools.cycle(batches)
+    while True:
+        empty = True
+        for batch in batches:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("fit: batches yielded no batch; pass a non-empty list, DataLoader or iterator of batches")
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None):
+    """Run with torch's RNG seeded to ``seed`` and restore the caller's state afterwards
+    (``None``: the RNG as it stands). Every process of a launch seeds alike, so all draw the
+    same interpolation weights, as the learned matchers require."""
+    if seed is None:
+        yield
+        return
+    # GPUs' states are saved only where CUDA already runs: reading them would start it (a context
+    # per device) in a process launched to stay on the CPU.
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+class TrainedMatcher:
+    """Learned or dual matching under the contract every search method shares:
+    ``fit(models, weights) -> list[Transform]``, one transform per model.
+
+    Args:
+        path_class: the two-model path to train, :class:`~hf_lmc.DualMatcher` (both models'
+            transforms train) or :class:`~hf_lmc.LearnedMatcher` (B's only). Three or more
+            models train its simplex form, ``path_class.over_simplex``
+            (:class:`~hf_lmc.SimplexMatcher`), whose first model's transform trains as A's
+            does in ``path_class``.
+        batches: the training batches (as for :func:`train`).
+        learn: the path's and the loop's settings (``seed`` seeds the draws of both).
+        accelerate: the loop's ``accelerate.Accelerator`` settings.
+        symmetries: the group the weight-matching (or, for 3+ models, universe-matching) start searches.
+        progress: show progress bars.
+        device: where the weight-matching start runs (default: this process's launch device).
+        **path_kwargs: further arguments of the path's constructor (e.g. ``dtype``,
+            ``checkpoint_layers``).
+
+    ``fit`` trains a fresh path on every call; ``losses`` holds the last call's loss per step.
+    """
+
+    def __init__(
+        self,
+        path_class: type[nn.Module],
+        batches: Iterable[dict[str, Tensor]],
+        *,
+        learn: LearnOptions = LearnOptions(),
+        accelerate: AccelerateOptions = AccelerateOptions(),
+        symmetries="full",
+        progress: bool = True,
+        device: str | torch.device | None = None,
+        **path_kwargs,
+    ):
+        self.path_class = path_class
+        self.batches = batches
+        self.learn = learn
+        self.accelerate = accelerate
+        self.symmetries = symmetries
+        self.progress = progress
+        self.device = device
+        self.path_kwargs = path_kwargs
+        self.losses: list[float] = []
+
+    def fit(self, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None) -> list[Transform]:
+        """One trained, hardened transform per model; the merge is ``sum_k weights[k] T_k(models[k])``.
+
+        Two models train ``path_class(a, b)`` from weight matching's start (``weights`` do not
+        change it: the draws cover the path). More train the simplex from universe matching's
+        start at ``weights``.
+        """
+        learn = self.learn
+        options = {
+            "symmetries": self.symmetries, "permutations": learn.permutations, "orthogonal": learn.orthogonal,
+            "frame": learn.frame, "objective": learn.objective, "input_noise": learn.input_noise, **self.path_kwargs,
+        }
+        if len(models) < 2:
+            raise ValueError(f"{self.path_class.__name__} aligns two or more models, got {len(models)}")
+        if len(models) == 2:
+            with seeded(learn.seed):
+                path = self.path_class(
+                    *models, lambda_range=learn.lambda_range, worst_fraction=learn.worst_fraction, focus=learn.focus,
+                    init_device=self.device, **options,
+                )
+                self._train(path)
+            return list(path.transforms())
+        device = launch_device(self.device)  # a learned refinement follows: unless asked, start where the launch put this process
+        start = UniverseMatcher(self.symmetries, progress=self.progress, device=device).fit(models, weights)
+        with seeded(learn.seed):
+            path = self.path_class.over_simplex(models, init=start, concentration=learn.concentration, **options)
+            self._train(path)
+        return list(path.transforms())
+
+    def _train(self, path: nn.Module) -> None:
+        learn, accelerate = self.learn, self.accelerate
+        self.losses = path.fit(
+            self.batches, steps=learn.steps, lr=learn.lr, residual_lr=learn.residual_lr, schedule=learn.schedule,
+            warmup_steps=learn.warmup, mixed_precision=accelerate.mixed_precision,
+            gradient_accumulation_steps=accelerate.gradient_accumulation_steps, progress=self.progress,
+        )
