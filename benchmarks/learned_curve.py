@@ -1,11 +1,11 @@
 """Barrier against training steps: what dual matching buys over one-sided learned matching.
 
-Over a full symmetry group the merged function depends only on ``T_A^-1 T_B`` (DESIGN §4), so
+Over a full symmetry group the merged function depends only on ``T_A^-1 T_B`` (docs/design.md §4), so
 dual matching cannot reach a function one-sided matching cannot; any gain is in optimisation.
 This trains :class:`hf_lmc.LearnedMatcher` and :class:`hf_lmc.DualMatcher` on the same zoo pair,
 the same batches (fresh training-split batches of ``--batch-size`` every step) and the same optimiser
 settings, and every ``--every`` steps measures the held-out barrier of the hardened merge on an
-11-point alpha grid (DESIGN §1). Prints one markdown table: steps × method → barrier.
+11-point alpha grid (docs/design.md §1). Prints one markdown table: steps × method → barrier.
 
     python benchmarks/learned_curve.py --pair gpt2 --steps 1000 --every 250
     python benchmarks/learned_curve.py --pair gpt2 --steps 3000 --schedule cosine --lr 1e-2 --warmup 100

@@ -4,7 +4,7 @@ Three independently trained members of a zoo entry (seeds 0, 1, 2: different ini
 data order) span a simplex of merges ``sum_k w_k T_k(theta_k)``. For each method this evaluates
 held-out loss on a grid of that simplex (every point with coordinates in steps of
 ``1/(points-1)``, plus the centre) and reports the barrier: the worst grid point's excess over
-``sum_k w_k L(theta_k)`` (DESIGN §1 for M models; hf_lmc.barriers.simplex_barrier).
+``sum_k w_k L(theta_k)`` (docs/design.md §1 for M models; hf_lmc.barriers.simplex_barrier).
 
 Rows: ``average`` (the stored weights), ``weight (to first)`` (B and C each aligned to A by
 two-model weight matching: the naive baseline), ``weight`` (universe matching), ``learned``

@@ -1,4 +1,4 @@
-"""The canonical form (DESIGN §2) and the exact round trip to stock Hugging Face models.
+"""The canonical form (docs/design.md §2) and the exact round trip to stock Hugging Face models.
 
 A :class:`CanonicalModel` is an architecture spec, the source's HF config, and a function from
 *group* (``"embed"``, a layer index, ``"head"``) to that group's canonical tensors. Groups are
@@ -171,7 +171,7 @@ def canonicalize(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> CanonicalModel:
-    """Rewrite a stock HF model exactly into canonical form (DESIGN §2).
+    """Rewrite a stock HF model exactly into canonical form (docs/design.md §2).
 
     Args:
         model: a ``GPT2LMHeadModel``, ``GPTNeoXForCausalLM``, ``LlamaForCausalLM`` or
@@ -348,7 +348,7 @@ def to_hf(canonical: CanonicalModel) -> PreTrainedModel:
     """A stock model of the source's class computing the canonical model's function.
 
     Inner norms get unit gain and zero shift; LayerNorm models without a head bias use the
-    ``u = 1/sqrt(d)`` export trick (DESIGN §2); tying is dropped when it cannot survive.
+    ``u = 1/sqrt(d)`` export trick (docs/design.md §2); tying is dropped when it cannot survive.
     The result saves with ``save_pretrained`` and reloads with ``from_pretrained``.
     """
     config = export_config(canonical)

@@ -6,14 +6,14 @@ shape (the larger of each width), so that everything downstream (matching, inter
 export) sees two models of one spec, and the merge exports as a stock checkpoint of that shape.
 A model already at the common shape is left as it is.
 
-The math (canonical form, DESIGN §2; ``n_d(x) = x / sqrt(|x|^2 / d + eps)``; B of width
+The math (canonical form, docs/design.md §2; ``n_d(x) = x / sqrt(|x|^2 / d + eps)``; B of width
 ``d_B`` into A's ``d_A >= d_B``):
 
 * **Residual stream.** ``E`` (``d_A x d_B``, orthonormal columns) carries B's stream into A's,
   and writers are scaled by ``c = sqrt(d_A / d_B)``: ``W_out <- c E W_out``. Then
   ``|c E x|^2 / d_A = |x|^2 / d_B``: the stream keeps its per-coordinate RMS, so
   ``n_{d_A}(c E x) = c E n_{d_B}(x)`` with the *same* eps, and readers take
-  ``W_in <- W_in E^T / c``, which gives ``W_in n_{d_B}(x)`` back exactly. (DESIGN §3 keeps the
+  ``W_in <- W_in E^T / c``, which gives ``W_in n_{d_B}(x)`` back exactly. (docs/design.md §3 keeps the
   writers and scales eps by ``d_B/d_A`` instead; both are exact for B alone, but the two eps
   differ by the global scale symmetry ``n(c x; c^2 eps) = n(x; eps)``, and spending that
   symmetry on the writers keeps one eps for the whole merge: no endpoint is approximate.)
@@ -30,7 +30,7 @@ The math (canonical form, DESIGN §2; ``n_d(x) = x / sqrt(|x|^2 / d + eps)``; B 
   live value, but its zero output columns drop it).
 
 Every alignment then runs on two models of one shape, and the rectangular problems of
-DESIGN §3 are exactly the square ones on the embedded model: the residual Procrustes over
+docs/design.md §3 are exactly the square ones on the embedded model: the residual Procrustes over
 ``O(d_A)`` (fixing ``u`` for LayerNorm models) gives ``R E``, a ``d_A x d_B`` map with
 orthonormal columns (``max_R tr(R^T M E^T)`` over orthogonal ``R`` is the rectangular
 Procrustes problem for the cross-covariance ``M``), and padded units and heads are all-zero,

@@ -1,4 +1,4 @@
-"""Activation matching: the weight matcher's structure, with costs from activations (DESIGN §4).
+"""Activation matching: the weight matcher's structure, with costs from activations (docs/design.md §4).
 
 Both models run the same calibration batches; per token, one pass records
 

@@ -4,11 +4,11 @@ With M endpoints it is the point ``sum_k w_k T_k(theta_k)`` of the simplex they 
 code, with the two-model path as the case ``w = (1 - alpha, alpha)``.
 
 Learned matching trains the parameters of ``T`` through the loss of the interpolated model on
-real batches (DESIGN §4). Nothing here re-implements a forward pass: canonical tensors are
+real batches (docs/design.md §4). Nothing here re-implements a forward pass: canonical tensors are
 exported with the same code as :func:`hf_lmc.to_hf` (the adapter's ``hf_group``), and the stock
 model class runs them through :func:`torch.func.functional_call`.
 
-Memory (DESIGN §5): the model class is a weightless skeleton (its parameter slots are empty,
+Memory (docs/design.md §5): the model class is a weightless skeleton (its parameter slots are empty,
 so device moves and state dicts see only the transforms), and each transformer layer's interpolated weights are built *inside* that layer's call. With
 ``checkpoint_layers`` the call runs under :func:`torch.utils.checkpoint.checkpoint`, so a
 layer's transformed weights are freed after its forward and rebuilt in backward: only one

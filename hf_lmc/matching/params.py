@@ -1,4 +1,4 @@
-"""Trainable parameterisations of the symmetry groups (for learned and dual matching, DESIGN §4).
+"""Trainable parameterisations of the symmetry groups (for learned and dual matching, docs/design.md §4).
 
 Each module holds free parameters and produces a group element that stays *in* its group for
 every parameter value, so gradient steps never leave the set of function-preserving maps:
@@ -23,7 +23,7 @@ every parameter value, so gradient steps never leave the set of function-preserv
 
 Every module starts exactly at its initial element and stays in its connected component (the
 sign of the determinant never changes), which is why learned matching starts from weight
-matching's solution (DESIGN §4). Groundwork for ``LearnedMatcher`` / ``DualMatcher``.
+matching's solution (docs/design.md §4). Only the learned matchers use them (:mod:`hf_lmc.matching.trainable`).
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ class OrthogonalParam(nn.Module):
             return torch.linalg.matrix_exp(a)
         eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
         # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
-        # is I + 2A + ...: per Adam step it turned the whole stream twice as far as exp, and the
-        # LLaMA zoo barrier was 0.074 against 0.061 at half the rate (README, learned matching).
+        # is I + 2A + ...: per Adam step it turns the whole stream twice as far as exp, and trained
+        # to a higher barrier than at half the rate (docs/benchmarks.md).
         return torch.linalg.solve(eye - a / 2, eye + a / 2)
 
     def _inner(self) -> Tensor:
@@ -139,8 +139,8 @@ class GLParam(nn.Module):
 
     ``init = (M_0, M_0^{-1})`` may carry leading batch dimensions (a layer's KV heads): the
     maps are then trained and returned as one batch, with a single ``matrix_exp`` call per
-    forward (on a GPU each call synchronises with the host, and one per head made a dual step
-    40x a training step at Pythia-160M shape).
+    forward: on a GPU each call synchronises with the host, so one call per head would stall
+    every step (docs/benchmarks.md).
     """
 
     def __init__(self, b: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = "own", dtype=torch.float32):

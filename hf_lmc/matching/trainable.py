@@ -21,8 +21,6 @@ from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
 from .params import GLParam, OrthogonalParam, PermutationParam, RotaryParam
 
-__all__ = ["PERMUTATIONS", "TrainableTransform"]  # PERMUTATIONS: how the assignments train (hf_lmc.options)
-
 
 def _inverse_then(perm: Tensor, first: Tensor) -> Tensor:
     """Per row (layer), the permutation of ``perm^-1 o first``: ``argsort(perm)[first]``."""

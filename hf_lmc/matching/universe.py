@@ -1,4 +1,4 @@
-"""Universe matching: M models aligned to one shared reference by weight matching (DESIGN §4).
+"""Universe matching: M models aligned to one shared reference by weight matching (docs/design.md §4).
 
 Two models have a natural reference (A) and one transform to find (B's). With M models any
 choice of reference favours one model, so every model moves, toward an *evolving* reference:

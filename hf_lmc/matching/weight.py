@@ -1,4 +1,4 @@
-"""Data-free weight matching over the full symmetry group (DESIGN §4).
+"""Data-free weight matching over the full symmetry group (docs/design.md §4).
 
 Coordinate descent on ``sum_t |A_t - T(B)_t|^2 / |A_t|^2`` over canonical tensors ``t``:
 
@@ -193,16 +193,16 @@ class WeightMatcher(PairwiseMatcher):
         """The residual map the first sweep matches layers under.
 
         Embeddings and head fix it only on the directions they span. Where they span fewer
-        than the stream (a vocabulary or patch smaller than the width: the zoo's ViT spans 33
-        of 64), the rest is arbitrary, and a wrong start there leaves coordinate descent in a
-        local optimum (a GPT-NeoX twin with 5 tokens in a 32-wide stream ended 0.14 off). The
-        free directions are chosen from every layer's circuits, which no layer map moves
-        (:func:`_circuits`); the directions the embeddings and head fix are kept. Only when some
-        directions are free does this read the layers: one extra pass before the first sweep.
+        than the stream (a vocabulary or patch smaller than the width), the rest is arbitrary,
+        and a wrong start there can leave coordinate descent in a local optimum, even for a
+        twin. The free directions are chosen from every layer's circuits, which no layer map
+        moves (:func:`_circuits`); the directions the embeddings and head fix are kept. Only
+        when some directions are free does this read the layers: one extra pass before the
+        first sweep.
         """
         if "residual" not in self.kinds:
             return self._solve_residual(spec, fixed)
-        # Where the statistics are, like the refits: a d x d SVD takes seconds on one CPU thread at d = 2048.
+        # Where the statistics are, like the refits: a d x d SVD is slow on one CPU thread at LLM widths.
         completion = CompletedPolar(fixed.cross, fixing_ones=spec.centred)
         for i in range(spec.num_layers if completion.free else 0):
             circuits = zip(_circuits(spec, i, self._moved(a.group(i))), _circuits(spec, i, self._moved(b.group(i))))

@@ -1,4 +1,8 @@
-"""Function-preserving symmetries of canonical models: group elements, the axes table, sampling."""
+"""Function-preserving symmetries of canonical models: group elements, the axes table, sampling.
+
+The layer below matching: nothing here imports :mod:`hf_lmc.matching`. Their trainable
+parameterisations, which only the learned matchers use, are in :mod:`hf_lmc.matching.params`.
+"""
 
 from .engine import GLOBAL_AXES, LAYER_AXES, Transform, axes_of
 from .groups import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap

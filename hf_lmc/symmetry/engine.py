@@ -6,7 +6,7 @@ axis no symmetry touches, e.g. the vocabulary). Layer-local spaces get the layer
 appended (``attn`` on layer 3 is the space ``attn.3``). A :class:`Transform` maps space names to
 group elements; applying it to a tensor applies each axis's element in its role.
 
-Spaces and roles (DESIGN §3):
+Spaces and roles (docs/design.md §3):
 
 ==============  ==================================  =======================================
 space           group                               roles

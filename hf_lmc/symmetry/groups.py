@@ -323,7 +323,7 @@ class DenseMlpMap:
     """MLP units mixed by a dense ``n x n`` matrix ``P`` (``y = P x``), with per-unit scales.
 
     The trainable form of :class:`MlpMap` for learned matching: ``P`` comes from
-    :class:`~hf_lmc.symmetry.params.PermutationParam` (a hard permutation matrix in the forward
+    :class:`~hf_lmc.matching.params.PermutationParam` (a hard permutation matrix in the forward
     pass under the straight-through estimator, a doubly stochastic one under Sinkhorn). ``up``
     rows get ``P (s x)``, ``gate`` rows ``P x`` and ``down`` columns ``P (x / s)``, which is the
     exact symmetry whenever ``P`` is a permutation matrix. :meth:`harden` gives the

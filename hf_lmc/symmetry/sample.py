@@ -1,6 +1,6 @@
 """Random elements of a model's symmetry group, and the structured blocks they are made of.
 
-``random_symmetry(spec, seed)`` draws from the full group of DESIGN §3 (or a named subset);
+``random_symmetry(spec, seed)`` draws from the full group of docs/design.md §3 (or a named subset);
 applying it must leave the model's function unchanged, which makes it a free property test
 for every adapter and for the engine itself.
 """
