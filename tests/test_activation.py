@@ -15,6 +15,7 @@ def _calibration(config, batches: int = 4):
     return [sample_inputs(config, seed=100 + s) for s in range(batches)]
 
 
+@pytest.mark.slow
 def test_permutation_only_matching_recovers_a_permuted_twin():
     config = tiny_configs()["gpt_neox"]
     a = hf_lmc.canonicalize(build_model(config, dtype=torch.float64))

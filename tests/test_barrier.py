@@ -51,6 +51,7 @@ def test_text_data_from_file_and_folder(tmp_path):
         load_batches(["abc"], config, None, options)
 
 
+@pytest.mark.slow
 def test_weight_matching_flattens_the_path_to_a_moved_twin_with_noise():
     config = tiny_configs()["llama"]
     a = build_model(config, seed=1, dtype=torch.float32)

@@ -60,7 +60,7 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
     assert all(not p.requires_grad for p in interpolant.template.parameters())
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in ("gpt2", "gpt_neox") else a for a in ARCHITECTURES])
 def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
     """Over randomised configs: exact at init, gradients reach every parameter, exact hardened export."""
     from hf_lmc.matching.trainable import TrainableTransform
@@ -122,10 +122,11 @@ def test_checkpointed_layers_spread_a_fraction_evenly_and_reject_other_values():
     assert checkpointed_layers(24, 0.25) == frozenset(range(0, 24, 4))
     assert len(checkpointed_layers(7, 0.5)) == 4 and checkpointed_layers(7, 0.0) == frozenset()
     for bad in (1.5, -0.1, "half", None):
-        with pytest.raises(ValueError, match="checkpoint_layers takes True, False or a fraction"):
+        with pytest.raises(ValueError, match="checkpoint_layers"):
             checkpointed_layers(12, bad)
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(arch=st.sampled_from(ARCHITECTURES), data=st.data())
 def test_an_endpoint_alone_is_its_stock_model(arch, data):

@@ -34,6 +34,7 @@ def test_twin_stays_exact_from_weight_matching_init():
     assert relative_error(logits(matcher.merge(0.5), inputs), logits(model, inputs)) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_training_lowers_the_interpolation_loss_and_endpoints_stay_exact(cls):
     """Trained (straight-through) permutations; the fixed default has its own test below."""
@@ -51,6 +52,7 @@ def test_training_lowers_the_interpolation_loss_and_endpoints_stay_exact(cls):
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
 def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoints(arch, cls):
@@ -72,6 +74,7 @@ def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoint
         assert relative_error(logits(target.merge(alpha), inputs), logits(endpoint, inputs)) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
 def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_steps(arch):
     """Dual matching's merge depends only on ``T_A^-1 T_B = f(A_A)^-1 M_0 f(A_B)`` (DESIGN §4), and
@@ -106,7 +109,7 @@ def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_step
     assert relative_error(logits(both.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox", "vit"])
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) for a in ("gpt2", "llama", "gpt_neox")] + ["vit"])
 def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
     """Dual matching evaluates ``(1 - a) A + a T_A^-1 T_B(B)``, which is ``(1 - a) T_A(A) + a T_B(B)``
     moved by the symmetry ``T_A^-1``: the same function, so the same loss as a function of both
@@ -163,7 +166,7 @@ def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
         LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2), init="identity", shard_endpoints=True)
 
 
-@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
+@pytest.mark.parametrize("cls", [LearnedMatcher, pytest.param(DualMatcher, marks=pytest.mark.slow)])
 def test_fixed_permutations_keep_the_starting_assignment_and_train_the_rest(cls):
     """``permutations="fixed"``: no scores to train, the hardened unit and head orders stay
     weight matching's, and the continuous maps still learn (SwiGLU scales included)."""
@@ -213,6 +216,7 @@ def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
             assert abs(matcher(batch, alpha=0.3).item() - want.item()) < 1e-12 * want.item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_a_given_starting_transform_is_where_training_starts(cls):
     """``init=`` an exact Transform of B (here activation matching's): the untrained matcher
@@ -239,6 +243,7 @@ def test_a_given_starting_transform_is_where_training_starts(cls):
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt_neox", "vit"])
 def test_ensemble_objective_is_the_cross_entropy_to_the_endpoints_mixture(arch):
     """``objective="ensemble"``: the loss at ``alpha`` is the cross-entropy of the interpolated
@@ -320,10 +325,10 @@ def test_bad_options_are_rejected():
         DualMatcher(model, model, worst_fraction=1.5)
     with pytest.raises(ValueError, match="input_noise must be >= 0"):
         DualMatcher(model, model, input_noise=-0.1)
-    with pytest.raises(ValueError, match="input_noise perturbs images, and GPT2LMHeadModel takes input_ids: use input_noise=0"):
+    with pytest.raises(ValueError, match="input_noise.*GPT2LMHeadModel"):
         hf_lmc.SimplexMatcher([model, model, model], input_noise=0.1)
     vit = build_model(tiny_configs()["vit"], seed=0)
-    with pytest.raises(ValueError, match=r"this batch has none \(keys: labels\)"):
+    with pytest.raises(ValueError, match=r"pixel_values.*\blabels\b"):
         DualMatcher(vit, vit, input_noise=0.1)({"labels": torch.zeros(1, dtype=torch.long)})
     with pytest.raises(ValueError, match="at least one batch"):
         DualMatcher(model, model).locate_worst([])
@@ -331,6 +336,7 @@ def test_bad_options_are_rejected():
         DualMatcher(model, model).fit([], steps=1, locate_every=0, progress=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_follow_it(cls):
     """``locate_worst`` against the barrier measured the user's way: stock merged models on the
@@ -397,6 +403,7 @@ def test_fit_relocates_the_worst_point_on_its_last_two_batches():
     assert sorted(seen) == [1, 2, 3, 4] and seen[1] == 0.5  # the middle of lambda_range until first located
 
 
+@pytest.mark.slow
 def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator():
     """A DataLoader that shuffles reshuffles on every pass, and no pass is held in memory (as
     ``itertools.cycle`` would hold a whole dataset); a generator's batches are replayed."""
@@ -435,6 +442,7 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
             LearnedMatcher(model_a, model_b).fit(empty, steps=1, progress=False)
 
 
+@pytest.mark.slow
 def test_a_seeded_alignment_is_reproducible_and_leaves_the_callers_rng_alone():
     from hf_lmc.alignment import align
     from hf_lmc.options import LearnOptions
@@ -469,7 +477,8 @@ def test_draws_read_the_located_point_from_the_device_only_when_it_changes():
     matcher = LearnedMatcher(model_a, model_b, worst_fraction=1.0, focus="excess")
     draws = [matcher.sample_lambda() for _ in range(3)]
     read = matcher._focus_read
-    assert all(0.4 <= d <= 0.6 for d in draws) and [matcher.sample_lambda() for _ in range(5)] and matcher._focus_read is read
+    draws += [matcher.sample_lambda() for _ in range(5)]
+    assert all(0.4 <= float(d) <= 0.6 for d in draws) and matcher._focus_read is read  # later draws reuse the host copy
     matcher.locate_worst(batches)
     matcher.sample_lambda()
     assert matcher._focus_read is not read and matcher._focus_read[1] == float(matcher.worst_alpha)
@@ -498,6 +507,7 @@ def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
         matcher.fit(batches, steps=1, residual_lr=0.0, progress=False)
 
 
+@pytest.mark.slow
 def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
@@ -521,6 +531,7 @@ def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
         torch.testing.assert_close(p, q, msg=name)
 
 
+@pytest.mark.slow
 def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
     """A run killed mid-way (here: by its callback) resumes with its optimizer, LR schedule and
     the worst point its draws follow."""
@@ -554,6 +565,7 @@ def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
         fresh().fit(batches, steps=2, warmup_steps=3, progress=False)
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     """DDP over 2 CPU processes, with the endpoints whole and sharded, trains and merges exactly
     as 1 process does on the same global batches; sharded, each process holds half the endpoints' layers."""

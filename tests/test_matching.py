@@ -22,7 +22,7 @@ def _matcher(method: str, config):
     return hf_lmc.ActivationMatcher(calibration, progress=False)
 
 
-@pytest.mark.parametrize("method", ["weight", "activation"])
+@pytest.mark.parametrize("method", ["weight", pytest.param("activation", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_twin_merge_at_half_computes_a(arch, method):
     """If B is A moved by any random symmetry, the aligned merge at alpha=0.5 is A."""
@@ -231,6 +231,7 @@ def test_layer_circuits_move_only_with_the_residual_map(arch):
             torch.testing.assert_close(after, r @ before @ r.T, rtol=1e-9, atol=1e-9 * before.abs().max().item())
 
 
+@pytest.mark.slow
 def test_weight_matching_recovers_a_twin_whose_embeddings_span_less_than_the_stream():
     """5 tokens in a 32-wide stream fix the first residual estimate on 10 of 31 directions; with the
     rest left to the SVD, coordinate descent stalled in a local optimum 0.14 off (a hypothesis draw).

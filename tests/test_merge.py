@@ -42,6 +42,7 @@ def test_weight_merge_of_a_twin_is_a(arch, tmp_path):
     assert not any(p.name.startswith(".merged.tmp") for p in tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_alpha_endpoints_and_dtype(tmp_path):
     config = tiny_configs()["llama"]
     model_a, model_b = build_model(config, seed=1, dtype=torch.float32), build_model(config, seed=2, dtype=torch.float32)
@@ -177,7 +178,7 @@ def test_barrier_cli_prints_json(tmp_path, capsys):
     assert abs(report["barriers"]["weight"]) < 1e-4 and (tmp_path / "p.png").is_file()
 
 
-@pytest.mark.parametrize("method", ["activation", "learned", "dual"])
+@pytest.mark.parametrize("method", [pytest.param("activation", marks=pytest.mark.slow), pytest.param("learned", marks=pytest.mark.slow), "dual"])
 def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     """Twins stay exact through every data-driven method (learned ones start at weight matching)."""
     model, (a, b) = twin_folders(tmp_path, "vit", [7])

@@ -58,6 +58,7 @@ def test_universe_merge_of_twins_computes_the_model(arch):
     run()
 
 
+@pytest.mark.slow
 def test_universe_matching_pulls_independent_models_together():
     config = tiny_configs()["gpt_neox"]
     models = [hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2, 3)]
@@ -90,6 +91,7 @@ def test_simplex_grid_and_barrier():
         simplex_barrier(grid[3:], plane[3:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("learns_first", [True, False])
 def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
     config = tiny_configs()["llama"]
@@ -154,6 +156,7 @@ def test_two_models_through_merge_models_are_merge_bit_for_bit(tmp_path):
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
 def test_dual_merge_of_three_twins_with_the_simplex_barrier_in_the_card(tmp_path, capsys):
     model, folders = twin_folders(tmp_path, "vit", [5, 6])
     torch.save({"pixel_values": torch.randn(12, 3, 8, 8), "labels": torch.randint(0, 3, (12,))}, tmp_path / "fit.pt")

@@ -90,11 +90,11 @@ def test_errors_name_the_key_on_one_line():
     assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"warmup": 300}))
     polar = _error(_recipe(learn={"orthogonal": "polar", "frame": "target"}))
     assert "learn.frame: the polar parameterisation has no fixed base to step around" in polar
-    assert "learn.residual_lr: Input should be greater than 0" in _error(_recipe(learn={"residual_lr": 0}))
-    assert "learn.worst_fraction: Input should be less than or equal to 1" in _error(_recipe(learn={"worst_fraction": 1.5}))
-    assert "learn.input_noise: Input should be greater than or equal to 0" in _error(_recipe(learn={"input_noise": -0.1}))
+    assert "learn.residual_lr" in _error(_recipe(learn={"residual_lr": 0}))
+    assert "learn.worst_fraction" in _error(_recipe(learn={"worst_fraction": 1.5}))
+    assert "learn.input_noise" in _error(_recipe(learn={"input_noise": -0.1}))
     both = _error(_recipe(learn={"lambda_range": [0.7, 0.2]}, accelerate={"mixed_precision": "fp8"}))
-    assert "learn.lambda_range: needs 0 <= low <= high <= 1" in both and "accelerate.mixed_precision: Input should be 'no', 'fp16' or 'bf16'" in both
+    assert "learn.lambda_range" in both and "accelerate.mixed_precision" in both  # every bad key, in one line
 
 
 def test_overrides_and_yaml_errors(tmp_path):
@@ -102,10 +102,10 @@ def test_overrides_and_yaml_errors(tmp_path):
     path.write_text(yaml.safe_dump({"sweep": [{"name": "s", "models": ["a", "b"]}], "output": {"dir": "o"}}))
     recipe = load_recipe(path, {"sweep.0.name": "tiny", "eval.data.zoo": "digits", "method": ["weight", "average"]})
     assert recipe.groups[0][0] == "tiny" and recipe.eval.data.zoo == "digits" and recipe.method == ["weight", "average"]
-    with pytest.raises(RecipeError, match=r"sweep is a list of 1; use an index below 1"):
+    with pytest.raises(RecipeError, match=r"\bsweep\b"):
         load_recipe(path, {"sweep.3.name": "x"})
     path.write_text("models: [a, b\noutput: {dir: o}\n")
-    with pytest.raises(RecipeError, match=r"r\.yaml:\d+:\d+: not valid YAML"):
+    with pytest.raises(RecipeError, match=r"r\.yaml:\d+:\d+"):  # file, line and column
         load_recipe(path)
 
 
@@ -119,9 +119,10 @@ def test_cli_check_schema_and_bad_recipe(tmp_path, capsys):
     bad.write_text("models: [a, {path: b, revison: x}]\noutput: {dir: o}\n")
     assert main(["run", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hf-lmc: error: ") and err.count("\n") == 1 and "models[1].revison: unknown key" in err
+    assert err.startswith("hf-lmc: error: ") and err.count("\n") == 1 and "models[1].revison" in err
     assert main(["run", str(bad), "--set", "nokey"]) == 2
-    assert "--set takes KEY=VALUE" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--set" in err and "nokey" in err and err.count("\n") == 1, err
 
 
 # -- runs --------------------------------------------------------------------------------------
@@ -142,6 +143,7 @@ def _digits_like(path, n=8):
     return str(path)
 
 
+@pytest.mark.slow
 def test_sweep_writes_models_and_one_summary_table(tmp_path):
     model, a, b = _twins(tmp_path)
     data = _digits_like(tmp_path / "d.pt")
@@ -182,7 +184,7 @@ def test_a_failing_run_leaves_nothing_and_pushes_nothing(tmp_path):
         "sweep": [{"name": "good", "models": [str(a), str(b)]}, {"name": "bad", "models": [str(a), str(tmp_path / "missing")]}],
         "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m-{group}"},
     }
-    with pytest.raises(RecipeError, match=r"^bad / weight: no such model folder"):
+    with pytest.raises(RecipeError, match=r"^bad / weight: .*missing"):  # the run and the folder it lacks
         run_recipe(recipe, progress=False, api=api)
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name] and api.calls == []
 
@@ -223,7 +225,7 @@ def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
 
     recipe["models"][0]["adapter"] = str(tmp_path / "no-lora")
     recipe["output"]["dir"] = str(tmp_path / "out2")
-    with pytest.raises(RecipeError, match="^models / average: PEFT adapter: no such model folder: .*no-lora$"):
+    with pytest.raises(RecipeError, match="^models / average: .*no-lora$"):
         run_recipe(recipe, progress=False)
 
 
@@ -237,7 +239,7 @@ def test_data_sources(tmp_path):
     assert rows["text"] == ["one", "two"]
     with pytest.raises(DataError, match="files mixes kinds"):
         load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "rows.jsonl")]), "train")
-    with pytest.raises(DataError, match="no such data file: .*missing.txt"):
+    with pytest.raises(DataError, match="missing.txt"):
         load_data(DataSpec(files=[str(tmp_path / "missing.txt")]), "train")
     rows.save_to_disk(str(tmp_path / "saved"))
     assert load_data(DataSpec(dataset=str(tmp_path / "saved")), "test") == str(tmp_path / "saved")
@@ -306,6 +308,7 @@ def tiny_zoo(monkeypatch):
         monkeypatch.setitem(zoo.ZOO, name, zoo.ZOO[name].scaled(config=config, batch_size=4))
 
 
+@pytest.mark.slow
 def test_the_offline_recipe_runs(tiny_zoo, tmp_path, capsys):
     out = tmp_path / "out"
     args = ["run", str(RECIPES / "zoo-offline.yaml"), "--set", "zoo.steps=2", "--set", f"zoo.cache={tmp_path / 'zoo'}",
@@ -313,12 +316,14 @@ def test_the_offline_recipe_runs(tiny_zoo, tmp_path, capsys):
             "--set", "eval.alphas=3"]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert "| models | average | weight | activation |" in printed and "6 merged model(s)" in printed
+    assert any(all(word in line for word in ("models", "average", "weight", "activation")) for line in printed.splitlines()), printed
+    assert len(list(out.glob("*/*/config.json"))) == 6  # weight and activation merges of three pairs
     for arch in ("gpt2", "pythia", "llama"):
         for method in ("weight", "activation"):
             card = ModelCard.load(out / arch / method / "README.md")
             assert card.data.to_dict()["base_model"] == [f"zoo:{arch}/seed0", f"zoo:{arch}/seed1"]
-    assert (out / "summary.md").read_text().count("\n| ") == 4  # header + gpt2, pythia, llama
+    summary = (out / "summary.md").read_text()
+    assert all(f"| {arch} " in summary for arch in ("gpt2", "pythia", "llama")), summary
 
 
 def test_device_reaches_the_merge(tmp_path, monkeypatch):

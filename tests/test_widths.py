@@ -67,6 +67,7 @@ def _endpoints_check(narrow_config, wide_config, seed: int, swap: bool) -> None:
     assert all(torch.isfinite(t).all() for t in moved.state_dict().values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_narrower_model_embeds_exactly_and_merges_reproduce_both_endpoints(arch):
     @PROPERTY
@@ -127,6 +128,7 @@ def test_unsupported_shape_differences_are_rejected_in_one_line():
         embed(hf_lmc.canonicalize(build_model(tiny_configs()["gpt2"])), dataclasses.replace(gpt2, hidden_size=4, num_heads=1, num_kv_heads=1))
 
 
+@pytest.mark.slow
 def test_cli_merges_two_widths_into_the_wider_stock_checkpoint(tmp_path, capsys):
     narrow_config = tiny_configs()["gpt2"]
     wide_config = resized_config(narrow_config, dataclasses.replace(spec_of(narrow_config), hidden_size=12, num_heads=3, num_kv_heads=3, intermediate_size=40))
@@ -141,7 +143,7 @@ def test_cli_merges_two_widths_into_the_wider_stock_checkpoint(tmp_path, capsys)
         merged = MODEL_CLASSES["gpt2"].from_pretrained(out).eval()
         assert (merged.config.n_embd, merged.config.n_head, merged.config.n_inner) == (12, 3, 40)
         assert relative_error(logits(merged, inputs), logits(expected, inputs)) < 1e-5
-        assert "embedded exactly into the common shape (hidden_size 8 → 12" in (out / "README.md").read_text()
+        assert "hidden_size 8 → 12" in (out / "README.md").read_text()
     # The barrier path: both methods start at A and end at B (average: the embedded models, unaligned).
     batches = [sample_inputs(narrow_config, seed=s, batch=4, length=8) for s in range(2)]
     result = hf_lmc.barrier(tmp_path / "wide", tmp_path / "narrow", batches, methods=("average", "weight"), alphas=3, progress=False)
