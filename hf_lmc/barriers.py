@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .alignment import align_many
-from .canonical import combine, canonicalize, to_hf, weighted_sum
+from .canonical import canonicalize, combine, to_hf, weighted_sum
 from .evaluation import evaluate, load_batches
 from .grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barrier, simplex_grid
 from .loading import LoadedModel, load_model, revisions_per_model

@@ -19,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from .adapters import Adapter, UnsupportedModelError, adapter_for
 from .checkpoint import Checkpoint, CheckpointError, all_finite
+from .options import ParameterError
 from .spec import ArchSpec, Group, group_of
 
 #: ``(group, rows)`` -> the group's canonical tensors; ``rows`` (a slice or None for all)
@@ -104,18 +105,18 @@ def weighted_sum(tensors: Sequence[Tensor], weights: Sequence[float | Tensor]) -
     return total
 
 
-def simplex_weights(weights: Sequence[float] | None, count: int, flag: str = "--weights") -> tuple[float, ...]:
+def simplex_weights(weights: Sequence[float] | None, count: int, parameter: str = "weights") -> tuple[float, ...]:
     """``weights`` checked to be a point of the simplex (``count`` entries, >= 0, sum 1);
     ``None`` gives uniform weights."""
     if weights is None:
         return (1.0 / count,) * count
     weights = tuple(float(w) for w in weights)
     if len(weights) != count:
-        raise ValueError(f"{flag} needs one weight per model: got {len(weights)} for {count} models")
+        raise ParameterError(f"{{}} needs one weight per model: got {len(weights)} for {count} models", parameter)
     if not all(w >= 0 and math.isfinite(w) for w in weights):
-        raise ValueError(f"{flag} must be >= 0, got {' '.join(f'{w:g}' for w in weights)}")
+        raise ParameterError(f"{{}} must be >= 0, got {' '.join(f'{w:g}' for w in weights)}", parameter)
     if abs(sum(weights) - 1) > 1e-6:
-        raise ValueError(f"{flag} must sum to 1, got {' '.join(f'{w:g}' for w in weights)} (sum {sum(weights):g})")
+        raise ParameterError(f"{{}} must sum to 1, got {' '.join(f'{w:g}' for w in weights)} (sum {sum(weights):g})", parameter)
     return weights
 
 

@@ -23,7 +23,14 @@ from pydantic import ValidationError
 from . import __version__
 from .methods import METHODS, NAMES
 from .options import (
-    FIT_OPTIONS, SYMMETRIES, AccelerateOptions, EvalOptions, LearnOptions, OutputExistsError, OutputOptions, ParameterError,
+    FIT_OPTIONS,
+    SYMMETRIES,
+    AccelerateOptions,
+    EvalOptions,
+    LearnOptions,
+    OutputExistsError,
+    OutputOptions,
+    ParameterError,
 )
 
 EXAMPLES = """\
@@ -103,6 +110,7 @@ class OptionFlags:
         message = error["msg"].removeprefix("Value error, ")
         if error["loc"]:
             name = str(error["loc"][0])
+            message += f", got {error['input']!r}"
         else:  # a check across fields names its field first ("frame: ...")
             name, sep, rest = message.partition(": ")
             if not sep or name not in self.flags:
@@ -144,8 +152,8 @@ OUTPUT = OptionFlags(OutputOptions)
 def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
-    from .verify import check_exactness, tiny_configs
     from .adapters import adapter_for
+    from .verify import check_exactness, tiny_configs
 
     dtype = getattr(torch, args.dtype)
     if args.models:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 
+from .options import ParameterError
+
 
 def excess_over_line(alphas: Sequence[float], losses: Sequence[float]) -> list[float]:
     """The loss at each alpha above the straight line between the endpoints' losses."""
@@ -29,7 +31,7 @@ def loss_barrier(alphas: list[float], losses: list[float]) -> float:
 def alpha_grid(points: int) -> list[float]:
     """``points`` evenly spaced alphas from 0 to 1, both ends included (at least 2)."""
     if points < 2:
-        raise ValueError(f"--alphas needs at least 2 points, got {points}")
+        raise ParameterError(f"{{}} needs at least 2 points, got {points}", "alphas")
     return [i / (points - 1) for i in range(points)]
 
 

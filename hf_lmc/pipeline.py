@@ -30,8 +30,23 @@ from transformers import AutoConfig
 
 from .adapters import adapter_for
 from .alignment import align_many
-from .barriers import BarrierResult, SimplexBarrierResult, barrier_of_loaded, plot, plot_simplex, simplex_barrier_of_loaded
-from .canonical import block_rows, canonicalize, combine, export_config, hf_state_dict_groups, simplex_weights, weighted_sum
+from .barriers import (
+    BarrierResult,
+    SimplexBarrierResult,
+    barrier_of_loaded,
+    plot,
+    plot_simplex,
+    simplex_barrier_of_loaded,
+)
+from .canonical import (
+    block_rows,
+    canonicalize,
+    combine,
+    export_config,
+    hf_state_dict_groups,
+    simplex_weights,
+    weighted_sum,
+)
 from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device
@@ -43,6 +58,7 @@ from .methods import METHODS, check_method
 from .options import LearnOptions, MergeSpec, OutputExistsError, ParameterError
 from .symmetry import Transform, resolve_kinds
 from .widths import common_spec, describe, to_common_shape
+
 
 @dataclass(frozen=True)
 class MergeResult:

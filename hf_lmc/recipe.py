@@ -27,7 +27,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, PositiveInt, ValidationError, ValidationInfo, WithJsonSchema, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from .methods import METHODS, NAMES
 from .options import SYMMETRIES, AccelerateOptions, EvalOptions, LearnOptions, Options, OutputOptions, check_device

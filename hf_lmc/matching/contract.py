@@ -36,13 +36,7 @@ class PairwiseMatcher:
         raise NotImplementedError
 
     def fit(self, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None) -> list[Transform]:
-        """``[Transform(), self.match(a, b)]`` for ``models = [a, b]``; a ``ValueError`` for any other count.
-
-        ``fit(a, b)``, the former pairwise call, still returns ``match(a, b)`` until its callers
-        move to :meth:`match`.
-        """
-        if isinstance(models, CanonicalModel):
-            return self.match(models, weights)
+        """``[Transform(), self.match(a, b)]`` for ``models = [a, b]``; a ``ValueError`` for any other count."""
         if len(models) != 2:
             raise ValueError(
                 f"{type(self).__name__} aligns two models, got {len(models)}; for three or more use UniverseMatcher "

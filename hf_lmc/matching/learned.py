@@ -258,7 +258,7 @@ class PairPath(TrainedPath):
         if isinstance(init, Transform):
             start = init
         else:
-            start = WeightMatcher(symmetries, progress=False, device=init_device).fit(a, b) if init == "weight" else None
+            start = WeightMatcher(symmetries, progress=False, device=init_device).match(a, b) if init == "weight" else None
         start, self._assignments = _split_fixed(start, permutations)
         if self._assignments is not None:
             b = self._assignments.to(dtype).apply(b).materialize()  # B stored in its assigned order
@@ -492,7 +492,7 @@ class SimplexMatcher(TrainedPath):
     @torch.no_grad()
     def merge(self, weights: Sequence[float] | None = None) -> PreTrainedModel:
         """A stock HF model computing ``sum_k w_k T_k(theta_k)`` with exact transforms (uniform by default)."""
-        weights = simplex_weights(weights, self.count, "weights")
+        weights = simplex_weights(weights, self.count)
         hardened = [t.harden().to(self.dtype) for t in self.learned]
         models = self.interpolant.models  # in their fixed assigned orders; the first already moved when it does not learn
         moved = [models[0] if self.fixed_first is not None else hardened.pop(0).apply(models[0])]

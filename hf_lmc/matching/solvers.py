@@ -16,7 +16,6 @@ from torch import Tensor
 from ..linalg import assign, householder_to_first, perm_from_pairs, single_threaded, single_threaded_context
 from ..symmetry.sample import rotary_block
 
-
 #: The least singular value a least-squares GL map keeps (and below which a
 #: Procrustes target leaves a direction free), relative to its largest.
 MIN_RELATIVE_SINGULAR_VALUE = 1e-6

@@ -77,7 +77,9 @@ def train(
     the data order. ``callback(step, path)`` runs after every batch (e.g. to evaluate the
     barrier during training). Returns the loss of every step.
     """
-    from transformers import get_scheduler  # deferred: transformers.optimization is slow to import, and only training needs it
+    from transformers import (
+        get_scheduler,  # deferred: transformers.optimization is slow to import, and only training needs it
+    )
 
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
