@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU checks in one go (about 7 minutes on an H100), most wanted first: the CUDA tests, a
-# learned step's cost against a base step at Pythia-160M shape (the README's 4x512 batch and
+# learned step's cost against a base step at Pythia-160M shape (docs/benchmarks.md's 4x512 batch and
 # 16x512, each with half the layers checkpointed too: not yet timed on a GPU; each step also timed
 # back to back, since fit no longer reads each step's loss back), a weight-matching
 # merge against a plain average at Pythia-1B shape, one layer's per-head solves on 1 / 4 / 16

@@ -12,7 +12,7 @@ measures, each in its own process (wall time of the second of two steps, peak RS
   * ``dual, no checkpointing``: the same with every layer's weights alive until backward;
   * ``dual, half the layers checkpointed`` (``checkpoint_layers=0.5``): between the two;
   * with ``--one-sided``: a :class:`hf_lmc.LearnedMatcher` step (only B's transform), in the own
-    frame and with ``frame="both"``, which takes dual matching's steps (README) at this cost;
+    frame and with ``frame="both"``, which takes dual matching's steps (docs/learned-matching.md) at this cost;
   * with ``--processes 2``: the dual step under DDP in 2 processes (one thread each, the batch
     per process), with the endpoints whole in each process and sharded across them
     (``shard_endpoints=True``); memory is per process (the larger of the two).

@@ -2,7 +2,7 @@
 
 On a GPU a learned or dual step at small batch is bound by launches (and host syncs), not by
 arithmetic: at Pythia-160M shape on an H100 the dual step took 0.37 s against the base model's
-0.048 s (README, cost of a step). What it launches does not depend on the width, so this counts,
+0.048 s (docs/benchmarks.md, cost of a step). What it launches does not depend on the width, so this counts,
 on the CPU, the operators one step dispatches (forward, recomputation and backward, through a
 ``TorchDispatchMode``) for a GPT-NeoX of Pythia-160M's structure (12 layers, 12 heads, partial
 rotary) at width 192, and times the step on one thread, where at this width it is bound by the

@@ -245,12 +245,8 @@ class MergeSpec(OutputOptions):
     def _as_strings(cls, models):
         return tuple(str(m) for m in models)
 
-    @field_validator("output", mode="before")
+    @field_validator("output", "device", mode="before")
     @classmethod
-    def _output_as_string(cls, output):
-        return str(output)
-
-    @field_validator("device", mode="before")
-    @classmethod
-    def _device_as_string(cls, device):
-        return None if device is None else str(device)  # checked where it is used (hf_lmc.devices)
+    def _as_string(cls, value):
+        """A ``Path`` or ``torch.device`` given from Python, as text (the device is checked where it is used)."""
+        return None if value is None else str(value)

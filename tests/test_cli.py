@@ -85,3 +85,18 @@ def _names_in_one_error_line(capsys, *named):
     errors = [line for line in err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in err, err
     assert all(name in errors[0] for name in named), err
+
+
+def test_every_option_is_described_once_for_flags_recipes_and_the_api():
+    """Each option model's field carries the description that becomes its ``--help`` line and its
+    recipe schema entry; a field added without one fails here."""
+    from hf_lmc import cli, options
+    from hf_lmc.recipe import Recipe
+
+    models = (options.LearnOptions, options.AccelerateOptions, options.EvalOptions, options.OutputOptions, options.MergeSpec)
+    undescribed = [f"{m.__name__}.{name}" for m in models for name, field in m.model_fields.items() if not field.description]
+    assert not undescribed
+    schema = Recipe.model_json_schema()["$defs"]
+    assert set(schema["LearnOptions"]["properties"]) == set(cli.LEARN.flags) == set(options.LearnOptions.model_fields)
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["merge"].format_help()
+    assert all(flag in help_text for flag in (*cli.LEARN.flags.values(), *cli.ACCELERATE.flags.values(), *cli.OUTPUT.flags.values()))

@@ -77,7 +77,7 @@ def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoint
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "gpt_neox"])
 def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_steps(arch):
-    """Dual matching's merge depends only on ``T_A^-1 T_B = f(A_A)^-1 M_0 f(A_B)`` (DESIGN §4), and
+    """Dual matching's merge depends only on ``T_A^-1 T_B = f(A_A)^-1 M_0 f(A_B)`` (docs/design.md §4), and
     ``f(A)^-1 = f(-A)`` while Adam's step is odd in the gradient: one-sided matching with
     ``frame="both"`` (``f(L) M_0 f(A)``) follows dual matching step for step, ``L = -A_A``.
     The same batches and weight draws give the same losses and the same merged function; the
