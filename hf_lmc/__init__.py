@@ -30,6 +30,7 @@ _PUBLIC = {
     "DualMatcher": "matching",
     "LearnedMatcher": "matching",
     "SimplexMatcher": "matching",
+    "TrainedMatcher": "matching",
     "UniverseMatcher": "matching",
     "WeightMatcher": "matching",
     "METHODS": "methods",
@@ -72,7 +73,9 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
     from .barriers import BarrierResult, barrier  # noqa: F401
     from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf  # noqa: F401
     from .checkpoint import CheckpointError  # noqa: F401
-    from .matching import ActivationMatcher, DualMatcher, LearnedMatcher, SimplexMatcher, UniverseMatcher, WeightMatcher  # noqa: F401
+    from .matching import (  # noqa: F401
+        ActivationMatcher, DualMatcher, LearnedMatcher, SimplexMatcher, TrainedMatcher, UniverseMatcher, WeightMatcher,
+    )
     from .methods import METHODS  # noqa: F401
     from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeSpec, OutputOptions  # noqa: F401
     from .pipeline import MergeResult, merge, merge_models  # noqa: F401

@@ -110,7 +110,8 @@ class OptionFlags:
         message = error["msg"].removeprefix("Value error, ")
         if error["loc"]:
             name = str(error["loc"][0])
-            message += f", got {error['input']!r}"
+            if error["type"] != "value_error":  # pydantic's own checks do not say what they refused; ours do
+                message += f", got {error['input']!r}"
         else:  # a check across fields names its field first ("frame: ...")
             name, sep, rest = message.partition(": ")
             if not sep or name not in self.flags:
