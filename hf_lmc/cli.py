@@ -13,7 +13,9 @@ modules inside functions.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import typing
 from collections.abc import Sequence
 from pathlib import Path
@@ -501,9 +503,17 @@ def _return_freed_memory_promptly() -> None:
         pass
 
 
+def exit_on_sigterm() -> None:
+    """Have SIGTERM end the run as Ctrl-C does, by an exception in the main thread, so that what
+    was half-written (staging folders) is removed on the way out; the exit code is 128 + 15."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _return_freed_memory_promptly()
+    if threading.current_thread() is threading.main_thread():
+        exit_on_sigterm()
     try:
         return args.run(args)
     except (ParameterError, OutputExistsError) as err:  # the library names its parameter; here it is a flag

@@ -28,7 +28,7 @@ from .adapters import adapter_for
 from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_config, hf_state_dict_groups
 from .checkpoint import SAFETENSORS_DTYPES
 from .devices import full_float32_products
-from .options import OutputExistsError, parse_size
+from .options import OutputExistsError, ParameterError, parse_size
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -207,8 +207,7 @@ def write_checkpoint(
     max_bytes = parse_size(shard_size)
     if output.exists() and not overwrite:
         raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    staging = staging_folder(output)
     try:
         writer = _ShardWriter(staging, max_bytes)
 
@@ -239,26 +238,95 @@ def write_checkpoint(
             shutil.copy2(path, staging / name)
         if card is not None:
             card.save(staging / "README.md")
-        move_into_place(staging, output)
+        move_into_place(staging, output, overwrite=overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output
 
 
-def move_into_place(staging: Path, output: Path) -> None:
-    """Rename a finished ``staging`` folder onto ``output``, replacing what was there.
+def check_apart(output: str | Path, inputs: Iterable[str | Path]) -> None:
+    """Refuse an ``output`` folder that is, contains or lies inside one of the ``inputs`` folders
+    (paths resolved, links followed): replacing it would delete an input, writing into it would
+    change one. Names that are not local folders (Hub ids not yet downloaded) are skipped."""
+    out = Path(output).resolve()
+    for given in inputs:
+        folder = Path(given)
+        if not folder.exists():
+            continue
+        folder = folder.resolve()
+        if out == folder or folder.is_relative_to(out) or out.is_relative_to(folder):
+            where = "is" if out == folder else "contains" if folder.is_relative_to(out) else "lies inside"
+            raise ParameterError(f"{{}} {output} {where} the input {given}; write the merge to a folder of its own", "output")
 
-    The old folder is removed only once the new one is in place, so an interruption leaves the
-    old or the new folder, never a mix.
+
+def staging_folder(output: Path) -> Path:
+    """A fresh hidden sibling of ``output`` to write into before :func:`move_into_place`.
+
+    Its name carries this process's id (``.NAME.tmp-PID-xxxx``), so that a later run can tell the
+    folders of runs that died (SIGKILL, power loss) from those of runs still writing, and removes
+    the dead ones (:func:`clean_stale`)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(output)
+    return Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
+
+
+def move_into_place(staging: Path, output: Path, *, overwrite: bool = True) -> None:
+    """Rename a finished ``staging`` folder onto ``output``.
+
+    Without ``overwrite`` the rename only succeeds while ``output`` does not exist: a concurrent
+    run that got there first keeps its folder, and this one fails with :class:`OutputExistsError`
+    (its staging folder is removed by the caller). With ``overwrite`` the old folder is set aside
+    (``.NAME.old-PID-xxxx``) and removed only once the new one is in place; if the second rename
+    fails the old folder goes back, and if the process dies between the two renames, the next run
+    puts it back (:func:`clean_stale`), so ``output`` is never lost.
     """
-    if output.exists():
-        retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-        output.rename(retired / output.name)
+    if not overwrite or not output.exists():
+        try:
+            staging.rename(output)  # POSIX: fails on a non-empty existing folder
+        except OSError as err:
+            if output.exists():
+                raise OutputExistsError(f"{output} was written by another run meanwhile; pass {{}} to replace it", "overwrite") from err
+            raise
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-{os.getpid()}-", dir=output.parent))
+    output.rename(retired / output.name)
+    try:
         staging.rename(output)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        staging.rename(output)
+    except BaseException:
+        (retired / output.name).rename(output)
+        retired.rmdir()
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def clean_stale(output: Path) -> list[Path]:
+    """Tidy what runs that died left beside ``output``: their staging folders are removed, and an
+    old folder set aside by an interrupted ``--overwrite`` goes back to ``output`` when it is
+    missing. Folders of live processes are left alone. Returns the folders it removed or restored."""
+    tidied = []
+    for kind in ("old", "tmp"):  # an old folder first: it may be all that is left of the output
+        for folder in sorted(output.parent.glob(f".{output.name}.{kind}-*")):
+            pid = folder.name.removeprefix(f".{output.name}.{kind}-").split("-")[0]
+            if not folder.is_dir() or not pid.isdigit() or _alive(int(pid)):
+                continue
+            kept = folder / output.name
+            if kind == "old" and kept.is_dir() and not output.exists():
+                kept.rename(output)
+            shutil.rmtree(folder, ignore_errors=True)
+            tidied.append(folder)
+    return tidied
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it runs, under another user
+        return True
+    return True
 
 
 def _with_dtype(config: PretrainedConfig, dtype: torch.dtype | None) -> PretrainedConfig:

@@ -51,7 +51,7 @@ from .card import inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device
 from .evaluation import describe_data, load_batches
-from .export import write_checkpoint
+from .export import check_apart, write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model, revisions_per_model
 from .methods import METHODS, check_method
@@ -280,7 +280,9 @@ def resolve(spec: MergeSpec) -> Inputs:
     if output.exists() and not spec.overwrite:
         raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
 
+    check_apart(output, spec.models)  # before any download: local inputs are checked as given
     folders = [resolve_checkpoint(m, r) for m, r in zip(spec.models, revisions)]
+    check_apart(output, folders)  # and as resolved (a Hub snapshot)
     configs = [AutoConfig.from_pretrained(f) for f in folders]
     width_notes = []
     for k in range(1, count):

@@ -27,11 +27,11 @@ from tqdm.auto import tqdm
 
 from . import pipeline, zoo
 from .evaluation import DataError
-from .export import PROCESSOR_FILES, move_into_place
+from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folder
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
 from .methods import METHODS
-from .options import FIT_OPTIONS, EvalOptions, MergeSpec, OutputExistsError
+from .options import FIT_OPTIONS, EvalOptions, MergeSpec, OutputExistsError, ParameterError
 from .recipe import ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
 
 SUMMARY = "summary"  # summary.md, summary.json, summary.csv in output.dir
@@ -108,6 +108,11 @@ def run_recipe(
         recipe = load_recipe(recipe.model_dump() if isinstance(recipe, Recipe) else recipe, overrides)
     _refuse_several_processes()
     final = Path(recipe.output.dir)
+    local = [p for _, refs in recipe.groups for ref in refs for p in (ref.path, ref.adapter) if p and not p.startswith(ZOO_PREFIX)]
+    try:
+        check_apart(final, local)
+    except ParameterError as err:
+        raise RecipeError(err.named("output.dir")) from None
     if final.exists() and not recipe.output.overwrite:
         raise OutputExistsError(f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite")
     # Data problems surface before any model is trained, downloaded or aligned.
@@ -115,8 +120,7 @@ def run_recipe(
     fit_data = load_data(recipe.data, "train") if recipe.data is not None and needs_data else None
     eval_data = load_data(recipe.eval.data, "test") if recipe.eval is not None else None
 
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    staging = staging_folder(final)
     try:
         with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
             resolver = _ModelResolver(recipe, Path(scratch), progress)
@@ -138,7 +142,7 @@ def run_recipe(
             _relabel_card(staging / run.folder, {str(staging / run.folder): targets[run.folder] or str(final / run.folder)})
         result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
         write_summary(result, staging)
-        move_into_place(staging, final)
+        move_into_place(staging, final, overwrite=recipe.output.overwrite)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

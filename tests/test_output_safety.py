@@ -1,0 +1,161 @@
+"""No input is lost and no output is half-written, however the output is spelled or the run ends:
+an output that is, contains or lies inside an input is refused; concurrent writers cannot both
+succeed; runs killed by SIGKILL leave debris that the next run removes; SIGTERM cleans up as
+Ctrl-C does; an interrupted ``--overwrite`` never loses the old folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import hf_lmc
+import hf_lmc.export as export
+from hf_lmc.cli import main
+from hf_lmc.export import clean_stale, move_into_place, save_canonical, staging_folder
+from hf_lmc.options import OutputExistsError
+from hf_lmc.verify import tiny_configs
+from tests.models import build_model, char_tokenizer_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pair(tmp_path: Path) -> tuple[Path, Path]:
+    folders = []
+    for seed in (0, 1):
+        folder = tmp_path / f"m{seed}"
+        build_model(tiny_configs()["gpt2"], seed=seed, dtype=torch.float32).save_pretrained(folder)
+        char_tokenizer_folder(folder, tiny_configs()["gpt2"].vocab_size)
+        folders.append(folder)
+    return folders[0], folders[1]
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _debris(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def test_an_output_that_is_contains_or_lies_inside_an_input_is_refused_and_the_inputs_stay(tmp_path, capsys, monkeypatch):
+    a, b = _pair(tmp_path)
+    before = {folder: _snapshot(folder) for folder in (a, b)}
+    capsys.readouterr()  # what saving the pair printed
+    monkeypatch.chdir(tmp_path)
+    for output in (str(b), "./m1/", "m1/.", str(tmp_path), str(a / "merged")):
+        assert main(["merge", str(a), "m1", "-o", output, "--overwrite"]) == 2, output
+        err = capsys.readouterr().err
+        assert err.startswith("hf-lmc: error: --output") and err.count("\n") == 1, err
+    link = tmp_path / "link"
+    link.symlink_to(b, target_is_directory=True)  # the same folder under another name
+    assert main(["merge", str(a), str(b), "-o", str(link), "--overwrite"]) == 2
+    assert {folder: _snapshot(folder) for folder in (a, b)} == before
+    with pytest.raises(ValueError, match="output"):  # the Python API names its parameter
+        hf_lmc.merge(a, b, b, overwrite=True, progress=False)
+
+
+def test_a_recipe_writing_over_an_input_is_refused(tmp_path, capsys):
+    a, b = _pair(tmp_path)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"models": [str(a), str(b)], "output": {"dir": str(b), "overwrite": True}}))
+    before = _snapshot(b)
+    capsys.readouterr()
+    assert main(["run", str(recipe)]) == 2
+    assert "output.dir" in capsys.readouterr().err and _snapshot(b) == before
+
+
+def test_of_two_writers_to_one_output_without_overwrite_the_second_fails_and_the_first_stays(tmp_path, monkeypatch):
+    """The existence check at the start is repeated by the final rename itself: a run that
+    finds the folder written meanwhile says so and leaves it as it is."""
+    out = tmp_path / "out"
+    real_finish = export._ShardWriter.finish
+
+    def finish_after_another_run(writer):
+        real_finish(writer)
+        out.mkdir()
+        (out / "other.txt").write_text("the other run's merge")
+
+    monkeypatch.setattr(export._ShardWriter, "finish", finish_after_another_run)
+    with pytest.raises(OutputExistsError, match="meanwhile"):
+        save_canonical(hf_lmc.canonicalize(build_model(tiny_configs()["gpt2"])), out, progress=False)
+    assert [p.name for p in out.iterdir()] == ["other.txt"] and not _debris(tmp_path)
+
+
+def test_an_interrupted_overwrite_gets_its_old_folder_back(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("the previous merge")
+    staging = staging_folder(out)
+    real_rename = Path.rename
+
+    def failing_second_rename(self, target):
+        if self == staging:
+            raise OSError("disk gone")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", failing_second_rename)
+    with pytest.raises(OSError, match="disk gone"):
+        move_into_place(staging, out, overwrite=True)
+    assert (out / "old.txt").read_text() == "the previous merge" and _debris(tmp_path) == [staging.name]
+
+
+def test_the_next_run_removes_dead_runs_debris_and_restores_a_set_aside_output(tmp_path):
+    dead = _dead_pid()
+    out = tmp_path / "out"
+    (tmp_path / f".out.tmp-{dead}-abc").mkdir()  # a staging folder of a killed run
+    (tmp_path / f".out.old-{dead}-def" / "out").mkdir(parents=True)  # killed between the two renames of --overwrite
+    (tmp_path / f".out.old-{dead}-def" / "out" / "model.txt").write_text("the previous merge")
+    live = tmp_path / f".out.tmp-{os.getpid()}-ghi"  # a run still writing
+    live.mkdir()
+    clean_stale(out)
+    assert (out / "model.txt").read_text() == "the previous merge"
+    assert _debris(tmp_path) == [live.name]
+
+
+@pytest.mark.slow
+def test_a_merge_killed_during_export_leaves_no_output_and_the_next_run_no_debris(tmp_path):
+    """Fault injection: the merge's process dies by SIGKILL with one shard written."""
+    a, b = _pair(tmp_path)
+    out = tmp_path / "out"
+    killed = _run_dying(a, b, out, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not out.exists() and _debris(tmp_path)  # what the dead run left
+    assert main(["merge", str(a), str(b), "-o", str(out), "--device", "cpu"]) == 0
+    assert (out / "config.json").is_file() and not _debris(tmp_path)
+
+
+@pytest.mark.slow
+def test_sigterm_cleans_up_as_ctrl_c_does(tmp_path):
+    a, b = _pair(tmp_path)
+    out = tmp_path / "out"
+    terminated = _run_dying(a, b, out, signal.SIGTERM)
+    assert terminated.returncode == 128 + signal.SIGTERM, terminated.stderr
+    assert not out.exists() and not _debris(tmp_path)
+
+
+def _run_dying(a: Path, b: Path, out: Path, signum: int) -> subprocess.CompletedProcess:
+    """``hf-lmc merge`` in a child that sends itself ``signum`` once the first shard is on disk."""
+    script = textwrap.dedent(f"""
+        import os, hf_lmc.export as export
+        from hf_lmc.cli import main
+        real_flush = export._ShardWriter.flush
+        def flush(writer):
+            real_flush(writer)
+            os.kill(os.getpid(), {int(signum)})
+        export._ShardWriter.flush = flush
+        raise SystemExit(main(["merge", {str(a)!r}, {str(b)!r}, "-o", {str(out)!r}, "--shard-size", "2KB", "--device", "cpu"]))
+    """)
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+
+
+def _dead_pid() -> int:
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    return int(child.stdout)
