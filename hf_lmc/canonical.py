@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
-from .adapters import Adapter, UnsupportedModelError, adapter_for
+from .adapters import Adapter, UnsupportedModelError, adapter_for, read_config
 from .checkpoint import Checkpoint, CheckpointError, all_finite
 from .options import ParameterError
 from .spec import ArchSpec, Group, group_of
@@ -208,7 +208,7 @@ def canonicalize(
         folder = Path(model)
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
-        config = AutoConfig.from_pretrained(folder)
+        config = read_config(folder)
         adapter = adapter_for(config)
         checkpoint = Checkpoint(folder, adapter)
         spec = adapter.spec(config)

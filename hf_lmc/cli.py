@@ -308,13 +308,11 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -
 
 
 def cmd_symmetries(args: argparse.Namespace) -> int:
-    from transformers import AutoConfig
-
-    from .adapters import adapter_for
+    from .adapters import adapter_for, read_config
     from .hub import resolve_checkpoint
     from .symmetry import axes_of
 
-    config = AutoConfig.from_pretrained(resolve_checkpoint(args.model))
+    config = read_config(resolve_checkpoint(args.model))
     spec = adapter_for(config).spec(config)
     print(spec)
     names = spec.names() if args.all_layers else [n for n in spec.names() if not n.startswith("layers.") or n.startswith("layers.0.")]

@@ -103,7 +103,7 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
         raise DataError("text evaluation needs a tokenizer: pass models as folders or Hub ids that include one")
     texts = _texts(data, options.split)  # missing data is reported before tokenizer problems
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=False)
     except (OSError, ValueError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"model A ({tokenizer_folder}) has no usable tokenizer for text data: {reason}") from err
@@ -143,7 +143,7 @@ def _image_batches(data, processor_folder: Path | None, options: EvalOptions) ->
 
         if processor_folder is None:
             raise DataError("image evaluation needs model A's image processor (preprocessor_config.json)")
-        processor = AutoImageProcessor.from_pretrained(processor_folder)
+        processor = AutoImageProcessor.from_pretrained(processor_folder, trust_remote_code=False)
     batches = []
     n = len(dataset) if options.max_batches is None else min(len(dataset), options.max_batches * options.batch_size)
     for start in range(0, n, options.batch_size):

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
-from .adapters import adapter_for
+from .adapters import adapter_for, read_config
 from .checkpoint import Checkpoint
 from .hub import resolve_checkpoint
 from .options import ParameterError
@@ -29,7 +29,7 @@ def load_model(reference, revision: str | None = None) -> LoadedModel:
         source = Path(str(getattr(reference, "name_or_path", "") or ""))
         return LoadedModel(reference.eval(), source if source.is_dir() else None)
     folder = resolve_checkpoint(reference, revision)
-    config = AutoConfig.from_pretrained(folder)
+    config = read_config(folder)
     adapter = adapter_for(config)
     Checkpoint(folder, adapter)  # fail on missing / corrupt shards with our message, not transformers'
     model = adapter.model_class.from_pretrained(folder)

@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import AutoConfig
 
-from .adapters import adapter_for
+from .adapters import adapter_for, read_config
 from .alignment import align_many
 from .barriers import (
     BarrierResult,
@@ -283,7 +282,7 @@ def resolve(spec: MergeSpec) -> Inputs:
     check_apart(output, spec.models)  # before any download: local inputs are checked as given
     folders = [resolve_checkpoint(m, r) for m, r in zip(spec.models, revisions)]
     check_apart(output, folders)  # and as resolved (a Hub snapshot)
-    configs = [AutoConfig.from_pretrained(f) for f in folders]
+    configs = [read_config(f) for f in folders]
     width_notes = []
     for k in range(1, count):
         width_notes += _check_same_architecture(configs[0], configs[k], spec.models[0], spec.models[k])

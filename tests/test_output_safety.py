@@ -159,3 +159,25 @@ def _run_dying(a: Path, b: Path, out: Path, signum: int) -> subprocess.Completed
 def _dead_pid() -> int:
     child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
     return int(child.stdout)
+
+
+def test_a_folder_that_needs_custom_code_is_refused_without_running_it_or_asking(tmp_path):
+    """transformers asks on stdin whether to run a folder's code for an unknown model type with an
+    ``auto_map``; hf_lmc passes ``trust_remote_code=False`` everywhere, so nothing asks and the
+    folder's code never runs, even with a "y" waiting on stdin."""
+    a, _ = _pair(tmp_path)
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    marker = tmp_path / "code-ran"
+    (custom / "configuration_custom.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+        "from transformers import PretrainedConfig\nclass CustomConfig(PretrainedConfig):\n    model_type = 'custom_lmc'\n"
+    )
+    (custom / "config.json").write_text(
+        '{"model_type": "custom_lmc", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}'
+    )
+    for args in (["merge", str(a), str(custom), "-o", str(tmp_path / "out")], ["symmetries", str(custom)]):
+        run = subprocess.run([sys.executable, "-m", "hf_lmc", *args], cwd=ROOT, input="y\ny\n", capture_output=True, text=True, timeout=300)
+        assert run.returncode == 2, run.stderr
+        assert "custom code" in run.stderr and "[y/N]" not in run.stdout + run.stderr and "Traceback" not in run.stderr
+    assert not marker.exists() and not (tmp_path / "out").exists()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
 
 from .base import Adapter, UnsupportedModelError
 from .gpt2 import GPT2Adapter
@@ -34,4 +36,19 @@ def adapter_for(config: PretrainedConfig) -> Adapter:
     return adapter
 
 
-__all__ = ["ADAPTERS", "Adapter", "UnsupportedModelError", "adapter_for", "supported_classes"]
+def read_config(folder: str | Path) -> PretrainedConfig:
+    """The config of a model folder, read without running any code the folder ships: a config
+    that needs its own code (``auto_map``) is refused in one line, and transformers never asks
+    on stdin whether to run it."""
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except ValueError as err:
+        if "trust_remote_code" not in str(err) and "auto_map" not in str(err):
+            raise
+        raise UnsupportedModelError(
+            f"{folder} needs custom code (its config names an auto_map), which hf_lmc never runs; "
+            f"hf_lmc supports {supported_classes()}"
+        ) from None
+
+
+__all__ = ["ADAPTERS", "Adapter", "UnsupportedModelError", "adapter_for", "read_config", "supported_classes"]
