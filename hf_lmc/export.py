@@ -146,12 +146,12 @@ def _write_row_blocks(writer: _ShardWriter, group: RowBlocks, prepare) -> None:
     """Stream a :class:`RowBlocks` group: its shared tensors once, each row tensor block by block."""
     first = next(group.blocks)
     for key in [k for k in first if k not in group.keys]:
-        writer.add(key, prepare(first.pop(key)))
+        writer.add(key, prepare(key, first.pop(key)))
     streamed = list(first)
     if len(streamed) == 1:
         (key,) = streamed
         chunk = first.pop(key)
-        writer.add_rows(key, [group.total_rows, *chunk.shape[1:]], itertools.chain([prepare(chunk)], (prepare(b[key]) for b in group.blocks)))
+        writer.add_rows(key, [group.total_rows, *chunk.shape[1:]], itertools.chain([prepare(key, chunk)], (prepare(key, b[key]) for b in group.blocks)))
         return
     # Several row tensors would interleave in the file: gather them (no adapter has more than one).
     parts = {key: [first.pop(key)] for key in streamed}
@@ -159,7 +159,7 @@ def _write_row_blocks(writer: _ShardWriter, group: RowBlocks, prepare) -> None:
         for key in streamed:
             parts[key].append(block[key])
     for key in streamed:
-        writer.add(key, prepare(torch.cat(parts.pop(key))))
+        writer.add(key, prepare(key, torch.cat(parts.pop(key))))
 
 
 def _copy_file(src, dst, size: int) -> None:
@@ -211,10 +211,17 @@ def write_checkpoint(
     try:
         writer = _ShardWriter(staging, max_bytes)
 
-        def prepare(tensor: Tensor) -> Tensor:
+        def prepare(key: str, tensor: Tensor) -> Tensor:
             tensor = tensor.detach()
             if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)  # before the move: fewer bytes to copy off a GPU
+                cast = tensor.to(dtype)  # before the move: fewer bytes to copy off a GPU
+                if not bool(torch.isfinite(cast).all()):  # finite inputs, but beyond the dtype's range
+                    largest = tensor.abs().max().item()
+                    raise ParameterError(
+                        f"{key} overflows {str(dtype).removeprefix('torch.')} (largest magnitude {largest:.3g}); "
+                        "write it with {} bfloat16 or float32", "dtype",
+                    )
+                tensor = cast
             return tensor.cpu().contiguous()
 
         with full_float32_products():
@@ -224,7 +231,7 @@ def write_checkpoint(
                     continue
                 # A group dict is emptied as it is written, so each tensor is freed once on disk.
                 for key, tensor in drain(group) if isinstance(group, dict) else group.items():
-                    writer.add(key, prepare(tensor))
+                    writer.add(key, prepare(key, tensor))
         writer.finish()
         config = _with_dtype(config, dtype)
         config.save_pretrained(staging)

@@ -181,3 +181,20 @@ def test_a_folder_that_needs_custom_code_is_refused_without_running_it_or_asking
         assert run.returncode == 2, run.stderr
         assert "custom code" in run.stderr and "[y/N]" not in run.stdout + run.stderr and "Traceback" not in run.stderr
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["average", "weight"])
+def test_a_weight_beyond_the_written_dtype_is_refused_by_name_and_nothing_is_written(tmp_path, capsys, method):
+    """Inputs are finite, but 1e6 is beyond float16: the written tensors are checked after the cast."""
+    a, b = _pair(tmp_path)
+    for folder in (a, b):
+        model = type(build_model(tiny_configs()["gpt2"])).from_pretrained(folder)
+        with torch.no_grad():
+            model.transformer.h[0].mlp.c_fc.weight[0, 0] = 1e6
+        model.save_pretrained(folder)
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--dtype", "float16", "--device", "cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # below the progress bars
+    assert len(errors) == 1 and "h.0.mlp.c_fc.weight" in errors[0] and "float16" in errors[0] and "--dtype" in errors[0], errors
+    assert not (tmp_path / "out").exists() and not _debris(tmp_path)
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--dtype", "bfloat16", "--device", "cpu"]) == 0
