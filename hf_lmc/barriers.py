@@ -30,7 +30,7 @@ from .loading import LoadedModel, load_model, revisions_per_model
 from .methods import METHODS, check_method
 from .options import FIT_OPTIONS, AccelerateOptions, EvalOptions, LearnOptions
 from .symmetry import Transform
-from .widths import spec_of, to_common_shape
+from .widths import check_mergeable, spec_of, to_common_shape
 
 
 @dataclass
@@ -108,6 +108,8 @@ def _merges(
     """The stock model at each point ``w`` of ``points`` (one weight per model) for ``method``:
     ``average`` mixes the stored weights, every other method the aligned canonical forms
     (``transforms`` when given, else aligned here with uniform weights)."""
+    for k, other in enumerate(loaded[1:], 2):  # a path under one config must compute what each model does
+        check_mergeable(loaded[0].model.config, other.model.config, "model 1", f"model {k}")
     one_shape = all(spec_of(m.model.config) == spec_of(loaded[0].model.config) for m in loaded)
     if method == "average" and one_shape:
         states = [m.model.state_dict() for m in loaded]

@@ -56,7 +56,7 @@ from .loading import load_model, revisions_per_model
 from .methods import METHODS, check_method
 from .options import LearnOptions, MergeSpec, OutputExistsError, ParameterError
 from .symmetry import Transform, resolve_kinds
-from .widths import common_spec, describe, to_common_shape
+from .widths import check_mergeable, to_common_shape
 
 
 @dataclass(frozen=True)
@@ -132,15 +132,6 @@ def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"unknown dtype {name!r}; use float32, float16 or bfloat16")
     return dtype
-
-
-def _check_same_architecture(config_a, config_b, a: str, b: str) -> list[str]:
-    """Fail on models no merge covers; the card notes for models of two widths (none for one)."""
-    if config_a.model_type != config_b.model_type:
-        raise ValueError(f"{a} is a {config_a.model_type} model but {b} is a {config_b.model_type} model; merge needs one architecture")
-    spec_a, spec_b = adapter_for(config_a).spec(config_a), adapter_for(config_b).spec(config_b)
-    common = common_spec(spec_a, spec_b, a, b)  # one line naming what no width embedding covers
-    return [f"{name} was {describe(spec, common)}." for name, spec in ((a, spec_a), (b, spec_b)) if spec != common]
 
 
 def _average_groups(folders: Sequence[Path], config, weights: Sequence[float]) -> Iterator[dict[str, Tensor]]:
@@ -285,7 +276,7 @@ def resolve(spec: MergeSpec) -> Inputs:
     configs = [read_config(f) for f in folders]
     width_notes = []
     for k in range(1, count):
-        width_notes += _check_same_architecture(configs[0], configs[k], spec.models[0], spec.models[k])
+        width_notes += check_mergeable(configs[0], configs[k], spec.models[0], spec.models[k])
     if width_notes and count > 2:
         raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
     eval_batches = load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor
 from transformers import PretrainedConfig
 
-from .adapters import adapter_for
+from .adapters import adapter_for, setting_differences
 from .canonical import CanonicalModel, drain
 from .spec import ArchSpec, Group, spec_differences
 from .symmetry import axes_of
@@ -89,6 +89,22 @@ def common_spec(a: ArchSpec, b: ArchSpec, name_a: str = "A", name_b: str = "B") 
         num_heads=kv * group,  # every KV group of either model nests in one of these
         num_kv_heads=kv,
     )
+
+
+def check_mergeable(config_a: PretrainedConfig, config_b: PretrainedConfig, a: str = "A", b: str = "B") -> list[str]:
+    """Refuse two models no merge covers, in one line naming what differs: another family, a
+    setting that changes what they compute (:func:`hf_lmc.adapters.setting_differences`), or
+    shapes no width embedding covers. Returns the model card's notes for models of two widths
+    (none for one)."""
+    if config_a.model_type != config_b.model_type:
+        raise ValueError(f"{a} is a {config_a.model_type} model but {b} is a {config_b.model_type} model; merge needs one architecture")
+    differ = setting_differences(config_a, config_b)
+    if differ:
+        shown = ", ".join(f"{key} {getattr(config_a, key, None)!r} vs {getattr(config_b, key, None)!r}" for key in differ)
+        raise ValueError(f"{a} and {b} compute differently ({shown}); a merge under one config would not be what it says")
+    spec_a, spec_b = spec_of(config_a), spec_of(config_b)
+    common = common_spec(spec_a, spec_b, a, b)  # one line naming what no width embedding covers
+    return [f"{name} was {describe(spec, common)}." for name, spec in ((a, spec_a), (b, spec_b)) if spec != common]
 
 
 def spec_of(config: PretrainedConfig) -> ArchSpec:

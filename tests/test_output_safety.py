@@ -198,3 +198,29 @@ def test_a_weight_beyond_the_written_dtype_is_refused_by_name_and_nothing_is_wri
     assert len(errors) == 1 and "h.0.mlp.c_fc.weight" in errors[0] and "float16" in errors[0] and "--dtype" in errors[0], errors
     assert not (tmp_path / "out").exists() and not _debris(tmp_path)
     assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--dtype", "bfloat16", "--device", "cpu"]) == 0
+
+
+@pytest.mark.parametrize("arch, change", [
+    ("gpt2", {"activation_function": "relu"}),
+    ("gpt2", {"scale_attn_weights": False}),
+    ("gpt_neox", {"use_parallel_residual": False}),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+])
+def test_models_whose_settings_change_the_function_are_refused_with_the_setting_named(tmp_path, capsys, arch, change):
+    """Same shapes, another function: merged under A's config, B's part would compute something
+    else (the issue measured a relative logit error up to 0.44 at alpha = 1)."""
+    config = tiny_configs()[arch]
+    if arch == "gpt2":
+        config.scale_attn_weights = True
+    if arch == "gpt_neox":
+        config.use_parallel_residual = True
+    other = type(config).from_dict({**config.to_dict(), **change})
+    a, b = tmp_path / "a", tmp_path / "b"
+    build_model(config, dtype=torch.float32).save_pretrained(a)
+    build_model(other, seed=1, dtype=torch.float32).save_pretrained(b)
+    capsys.readouterr()
+    for method in ("weight", "average"):
+        assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and next(iter(change)) in err, err
+    assert not (tmp_path / "out").exists()
