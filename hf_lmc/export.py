@@ -33,6 +33,7 @@ from .options import OutputExistsError, ParameterError, parse_size
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 #: Tokenizer and processor files copied from model A into the merge.
+GENERATION_CONFIG = "generation_config.json"
 PROCESSOR_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -235,7 +236,10 @@ def write_checkpoint(
         writer.finish()
         config = _with_dtype(config, dtype)
         config.save_pretrained(staging)
-        if adapter_for(config).model_class.can_generate():
+        source_generation = Path(source_folder) / GENERATION_CONFIG if source_folder is not None else None
+        if source_generation is not None and source_generation.is_file():  # A's own: its eos ids and sampling settings
+            shutil.copy2(source_generation, staging / GENERATION_CONFIG)
+        elif adapter_for(config).model_class.can_generate():
             GenerationConfig.from_model_config(config).save_pretrained(staging)
         if source_folder is not None:
             for name in PROCESSOR_FILES:
@@ -250,6 +254,14 @@ def write_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output
+
+
+def _as_umask_allows(folder: Path) -> None:
+    """Give a staging folder (``mkdtemp`` makes it private) the permissions a folder made by
+    ``save_pretrained`` or ``mkdir`` would have under the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
 
 
 def check_apart(output: str | Path, inputs: Iterable[str | Path]) -> None:
@@ -286,8 +298,10 @@ def move_into_place(staging: Path, output: Path, *, overwrite: bool = True) -> N
     (its staging folder is removed by the caller). With ``overwrite`` the old folder is set aside
     (``.NAME.old-PID-xxxx``) and removed only once the new one is in place; if the second rename
     fails the old folder goes back, and if the process dies between the two renames, the next run
-    puts it back (:func:`clean_stale`), so ``output`` is never lost.
+    puts it back (:func:`clean_stale`), so ``output`` is never lost. The folder gets the
+    permissions the umask gives a new folder (``mkdtemp`` made it private).
     """
+    _as_umask_allows(staging)
     if not overwrite or not output.exists():
         try:
             staging.rename(output)  # POSIX: fails on a non-empty existing folder

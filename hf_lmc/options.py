@@ -83,6 +83,8 @@ def parse_size(size: str | int) -> int:
         m = _SIZE.fullmatch(str(size).upper())
         if not m:
             raise ValueError(f"cannot read shard size {size!r}; use e.g. 5GB, 500MB or a number of bytes")
+        if m.group(2) == "B":  # mergekit reads 5B as five billion parameters; here it would be five bytes
+            raise ValueError(f"shard size {size!r} would be {m.group(1)} bytes; write the unit, e.g. {m.group(1)}GB, or a bare number of bytes")
         value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
     if value <= 0:
         raise ValueError(f"shard size must be positive, got {size!r}")

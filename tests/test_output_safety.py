@@ -224,3 +224,26 @@ def test_models_whose_settings_change_the_function_are_refused_with_the_setting_
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and next(iter(change)) in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_merge_keeps_a_generation_config_and_gets_the_umask_permissions(tmp_path):
+    """A's ``generation_config.json`` (its eos ids, its sampling settings) is kept rather than
+    rebuilt from config.json, and the folder is as open as ``save_pretrained``'s would be."""
+    from transformers import GenerationConfig
+
+    a, b = _pair(tmp_path)
+    GenerationConfig(eos_token_id=[0, 3], do_sample=True, top_p=0.9, max_new_tokens=7).save_pretrained(a)
+    out = tmp_path / "out"
+    hf_lmc.merge(a, b, out, device="cpu", progress=False)
+    kept = GenerationConfig.from_pretrained(out)
+    assert (kept.eos_token_id, kept.do_sample, kept.top_p, kept.max_new_tokens) == ([0, 3], True, 0.9, 7)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_shard_size_in_bare_bytes_unit_is_refused_when_parsed(capsys):
+    """``5B`` reads as five billion to mergekit users; here it would be five bytes (29 shards)."""
+    assert main(["merge", "./no/such/a", "./no/such/b", "-o", "out", "--shard-size", "5B"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-lmc: error: --shard-size") and "5GB" in err and err.count("\n") == 1
