@@ -74,7 +74,13 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
     from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf  # noqa: F401
     from .checkpoint import CheckpointError  # noqa: F401
     from .matching import (  # noqa: F401
-        ActivationMatcher, DualMatcher, LearnedMatcher, SimplexMatcher, TrainedMatcher, UniverseMatcher, WeightMatcher,
+        ActivationMatcher,
+        DualMatcher,
+        LearnedMatcher,
+        SimplexMatcher,
+        TrainedMatcher,
+        UniverseMatcher,
+        WeightMatcher,
     )
     from .methods import METHODS  # noqa: F401
     from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeSpec, OutputOptions  # noqa: F401

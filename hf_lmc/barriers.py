@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from .alignment import align_many
@@ -29,6 +28,7 @@ from .grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barri
 from .loading import LoadedModel, load_model, revisions_per_model
 from .methods import METHODS, check_method
 from .options import FIT_OPTIONS, AccelerateOptions, EvalOptions, LearnOptions
+from .progress import bar as progress_bar
 from .symmetry import Transform
 from .widths import check_mergeable, spec_of, to_common_shape
 
@@ -186,7 +186,7 @@ def barrier_of_loaded(
     grid = alpha_grid(alphas) if isinstance(alphas, int) else list(alphas)
     batches = load_batches(data, a.model.config, a.folder, eval_options)
     result = BarrierResult(grid)
-    bar = tqdm(total=len(methods) * len(grid), desc="loss along the path", disable=not progress)
+    bar = progress_bar(total=len(methods) * len(grid), desc="loss along the path", show=progress)
     for method in methods:
         models = _merges(
             method, (a, b), [(1 - alpha, alpha) for alpha in grid], symmetries=symmetries, fit_batches=fit_batches, learn=learn, accelerate=accelerate,
@@ -252,7 +252,7 @@ def simplex_barrier_of_loaded(
     grid = simplex_grid(len(loaded), points) if isinstance(points, int) else [tuple(w) for w in points]
     batches = load_batches(data, loaded[0].model.config, loaded[0].folder, eval_options)
     result = SimplexBarrierResult(grid)
-    bar = tqdm(total=len(methods) * len(grid), desc="loss over the simplex", disable=not progress)
+    bar = progress_bar(total=len(methods) * len(grid), desc="loss over the simplex", show=progress)
     for method in methods:
         models = _merges(
             method, loaded, grid, symmetries=symmetries, fit_batches=fit_batches, learn=learn, accelerate=accelerate, transforms=(transforms or {}).get(method)

@@ -13,6 +13,7 @@ modules inside functions.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -307,6 +308,12 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -
         )
 
 
+def _add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument_group("messages").add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars (as TQDM_DISABLE=1 does); results and errors still print"
+    )
+
+
 def cmd_symmetries(args: argparse.Namespace) -> int:
     from .adapters import adapter_for, read_config
     from .hub import resolve_checkpoint
@@ -348,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation = merge.add_argument_group("evaluation (optional: adds the barrier table and plot to the card)")
     evaluation.add_argument("--eval-data", default=None, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
     _add_data_options(merge, "--data")
+    _add_quiet(merge)
     merge.set_defaults(run=cmd_merge)
 
     bar = commands.add_parser(
@@ -366,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = bar.add_argument_group("report")
     report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot (three models: the simplex triangle)")
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_quiet(bar)
     bar.set_defaults(run=cmd_barrier)
 
     check = commands.add_parser(
@@ -401,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--steps", type=int, default=None, metavar="N", help="training steps per model (default: the zoo's 600)")
     quick.add_argument("--eval-chars", type=int, default=16384, metavar="N", help="held-out characters to evaluate (default: 16384)")
     quick.add_argument("--cache-dir", type=Path, default=None, metavar="DIR", help="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
+    _add_quiet(demo)
     demo.set_defaults(run=cmd_demo)
 
     sym = commands.add_parser(
@@ -483,6 +493,7 @@ def _add_recipe_commands(commands) -> None:
         )
         if parser is run:
             changes.add_argument("--overwrite", action="store_true", help="replace an existing output folder (output.overwrite)")
+    _add_quiet(run)
     run.set_defaults(run=cmd_run)
     check.set_defaults(run=cmd_recipe_check)
     schema.set_defaults(run=cmd_recipe_schema)
@@ -507,8 +518,17 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def _silence_progress() -> None:
+    """``--quiet``: every progress bar off, hf_lmc's, transformers' and huggingface_hub's (they
+    read these when a bar is made, and the commands import them later)."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "quiet", False):
+        _silence_progress()
     _return_freed_memory_promptly()
     if threading.current_thread() is threading.main_thread():
         exit_on_sigterm()

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 from huggingface_hub import ModelCard
 from torch import Tensor
-from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from .adapters import adapter_for
@@ -29,6 +28,7 @@ from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_conf
 from .checkpoint import SAFETENSORS_DTYPES
 from .devices import full_float32_products
 from .options import OutputExistsError, ParameterError, parse_size
+from .progress import bar as progress_bar
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -226,7 +226,7 @@ def write_checkpoint(
             return tensor.cpu().contiguous()
 
         with full_float32_products():
-            for group in tqdm(groups, total=total_groups, desc="writing shards", unit="group", disable=not progress):
+            for group in progress_bar(groups, total=total_groups, desc="writing shards", unit="group", show=progress):
                 if isinstance(group, RowBlocks):
                     _write_row_blocks(writer, group, prepare)
                     continue

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from peft import PeftModel
-from tqdm.auto import tqdm
 
 from . import pipeline, zoo
 from .evaluation import DataError
@@ -32,6 +31,7 @@ from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
 from .methods import METHODS
 from .options import FIT_OPTIONS, EvalOptions, MergeSpec, OutputExistsError, ParameterError
+from .progress import bar as progress_bar
 from .recipe import ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
 
 SUMMARY = "summary"  # summary.md, summary.json, summary.csv in output.dir
@@ -125,7 +125,7 @@ def run_recipe(
         with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
             resolver = _ModelResolver(recipe, Path(scratch), progress)
             runs = []
-            bar = tqdm(recipe.runs(), desc="recipe runs", unit="merge", disable=not progress)
+            bar = progress_bar(recipe.runs(), desc="recipe runs", unit="merge", show=progress)
             for group, method, refs in bar:
                 bar.set_postfix_str(f"{group} / {method}")
                 folder = recipe.run_folder(group, method)

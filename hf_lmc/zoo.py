@@ -34,10 +34,10 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AutoConfig, PreTrainedTokenizerFast
 
 from .adapters import adapter_for
+from .progress import bar as progress_bar
 
 DATA_VERSION = 1  # bump when the shipped corpus or its split changes: it is part of the cache key
 
@@ -261,7 +261,7 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
-    bar = tqdm(range(entry.steps), desc=f"training {entry.name} (seed {seed})", disable=not progress, leave=False)
+    bar = progress_bar(range(entry.steps), desc=f"training {entry.name} (seed {seed})", show=progress, leave=False)
     losses = []
     for _ in bar:
         batch = next(batches)

@@ -247,3 +247,19 @@ def test_a_shard_size_in_bare_bytes_unit_is_refused_when_parsed(capsys):
     assert main(["merge", "./no/such/a", "./no/such/b", "-o", "out", "--shard-size", "5B"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-lmc: error: --shard-size") and "5GB" in err and err.count("\n") == 1
+
+
+def test_quiet_and_tqdm_disable_silence_every_progress_bar(tmp_path):
+    """hf_lmc's bars once passed ``disable=False`` explicitly, which overrides TQDM_DISABLE."""
+    a, b = _pair(tmp_path)
+    for extra, env in ((["--quiet"], {}), ([], {"TQDM_DISABLE": "1"})):
+        out = tmp_path / f"out{len(extra)}"
+        run = subprocess.run(
+            [sys.executable, "-m", "hf_lmc", "merge", str(a), str(b), "-o", str(out), "--device", "cpu", *extra],
+            cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=300,
+        )
+        assert run.returncode == 0 and "it/s" not in run.stderr and "%|" not in run.stderr, run.stderr
+        assert f"merged model written to {out}" in run.stdout
+    loud = subprocess.run([sys.executable, "-m", "hf_lmc", "merge", str(a), str(b), "-o", str(tmp_path / "loud"), "--device", "cpu"],
+                          cwd=ROOT, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}, timeout=300)
+    assert loud.returncode == 0 and "%|" in loud.stderr  # the bars are there to silence

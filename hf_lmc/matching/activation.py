@@ -24,12 +24,12 @@ from functools import partial
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..adapters import adapter_for
 from ..canonical import CanonicalModel, to_hf
 from ..evaluation import Batch, EvalOptions, load_batches
 from ..linalg import solve_side_by_side
+from ..progress import bar as progress_bar
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, resolve_kinds
 from .contract import PairwiseMatcher
@@ -104,7 +104,7 @@ class ActivationMatcher(PairwiseMatcher):
         models = [to_hf(m.to(self.dtype)) for m in (a, b)]
         weights = [_Readers(spec, m) for m in (a, b)]
         stats = _Statistics(spec)
-        for batch in tqdm(self._batches(a), desc="activation matching", disable=not self.progress, unit="batch"):
+        for batch in progress_bar(self._batches(a), desc="activation matching", show=self.progress, unit="batch"):
             records = [_record(spec, model, batch) for model in models]
             keep = batch.get("attention_mask")
             keep = keep.reshape(-1).bool() if keep is not None else None

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel
 from ..devices import launch_device
 from ..options import AccelerateOptions, LearnOptions
+from ..progress import bar as progress_bar
 from ..symmetry import Transform
 from .params import OrthogonalParam
 from .universe import UniverseMatcher
@@ -110,7 +110,7 @@ def train(
     for _ in range(start):  # replay the data order up to where the saved run stopped
         recent.append(next(stream))
     losses = []  # on the device, read once at the end
-    bar = tqdm(range(start, steps), desc=path.label, disable=not progress or not accelerator.is_local_main_process)
+    bar = progress_bar(range(start, steps), desc=path.label, show=progress and accelerator.is_local_main_process)
     for step in bar:
         recent.append(next(stream))
         batch = {k: v.to(accelerator.device) for k, v in recent[-1].items()}

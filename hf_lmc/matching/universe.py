@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel, combine, simplex_weights
 from ..devices import compute_device
+from ..progress import bar as progress_bar
 from ..symmetry import Transform
 from .weight import WeightMatcher, _check_compatible
 
@@ -71,7 +71,7 @@ class UniverseMatcher:
         device = compute_device(self.options.get("device"))
         models = [m.to(torch.float32, device) for m in models]
         transforms: list[Transform] = [Transform()] * count
-        bar = tqdm(total=count - 1 + self.max_rounds * count, desc="universe matching", disable=not self.progress)
+        bar = progress_bar(total=count - 1 + self.max_rounds * count, desc="universe matching", show=self.progress)
 
         def align(k: int, others: list[int]) -> float:
             reference = combine(

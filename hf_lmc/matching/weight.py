@@ -21,11 +21,11 @@ from functools import partial
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..canonical import CanonicalModel
 from ..devices import compute_device, full_float32_products
 from ..linalg import solve_side_by_side
+from ..progress import bar as progress_bar
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
 from .contract import PairwiseMatcher
@@ -133,10 +133,10 @@ class WeightMatcher(PairwiseMatcher):
         for sweep in range(self.max_sweeps):
             stats = fixed.copy()
             rotate = Transform({"residual": residual} if residual is not None else {}).to(device=self.device)
-            for i in tqdm(
+            for i in progress_bar(
                 range(spec.num_layers),
                 desc=f"weight matching, sweep {sweep + 1}",
-                disable=not self.progress,
+                show=self.progress,
                 leave=False,
             ):
                 ga, gb = self._cast(a.group(i)), self._cast(b.group(i))
