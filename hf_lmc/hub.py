@@ -7,8 +7,13 @@ from pathlib import Path
 from huggingface_hub import HfApi, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-#: What a merge needs from a model repo: config, weights, tokenizer / processor files.
-CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.tiktoken"]
+#: What a merge needs from a model repo: config and tokenizer / processor files, the model card
+#: (its license is inherited), and the weights in one format: safetensors where the repo has them.
+CHECKPOINT_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "README.md"]
+SAFETENSORS_PATTERNS = ["*.safetensors"]
+BIN_PATTERNS = ["pytorch_model*.bin"]
+#: Training leftovers some repos carry beside the model.
+IGNORED = ["trainer_state.json", "training_args.bin", "optimizer.*", "scheduler.*", "rng_state*"]
 
 
 def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Path:
@@ -21,11 +26,18 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Pa
     if str(reference).startswith((".", "/", "~")) or str(reference).count("/") > 1:
         raise FileNotFoundError(f"no such model folder: {reference}")
     try:
-        return Path(snapshot_download(str(reference), revision=revision, allow_patterns=CHECKPOINT_PATTERNS))
+        folder = Path(_download(str(reference), revision, CHECKPOINT_PATTERNS + SAFETENSORS_PATTERNS))
+        if not any(folder.glob("*.safetensors")):  # an older repo: its PyTorch pickles instead
+            folder = Path(_download(str(reference), revision, CHECKPOINT_PATTERNS + BIN_PATTERNS))
+        return folder
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
         raise FileNotFoundError(f"{reference} is neither a local folder nor a Hub model repo ({type(err).__name__})") from err
     except (LocalEntryNotFoundError, HfHubHTTPError) as err:
         raise FileNotFoundError(f"could not download {reference} from the Hub and it is not cached: {err}") from err
+
+
+def _download(repo_id: str, revision: str | None, patterns: list[str]) -> str:
+    return snapshot_download(repo_id, revision=revision, allow_patterns=patterns, ignore_patterns=IGNORED)
 
 
 def push_folder(

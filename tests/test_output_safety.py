@@ -263,3 +263,28 @@ def test_quiet_and_tqdm_disable_silence_every_progress_bar(tmp_path):
     loud = subprocess.run([sys.executable, "-m", "hf_lmc", "merge", str(a), str(b), "-o", str(tmp_path / "loud"), "--device", "cpu"],
                           cwd=ROOT, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}, timeout=300)
     assert loud.returncode == 0 and "%|" in loud.stderr  # the bars are there to silence
+
+
+@pytest.mark.parametrize("has_safetensors", [True, False])
+def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, monkeypatch, has_safetensors):
+    """At the network boundary only: a recording stand-in for ``snapshot_download``."""
+    import hf_lmc.hub as hub
+
+    calls = []
+
+    def snapshot_download(repo_id, *, revision, allow_patterns, ignore_patterns):
+        calls.append(allow_patterns)
+        folder = tmp_path / "snapshot"
+        folder.mkdir(exist_ok=True)
+        if has_safetensors and "*.safetensors" in allow_patterns:
+            (folder / "model.safetensors").write_bytes(b"")
+        assert "trainer_state.json" in ignore_patterns and "training_args.bin" in ignore_patterns
+        return str(folder)
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    hub.resolve_checkpoint("org/model", "main")
+    assert all("README.md" in patterns for patterns in calls)
+    if has_safetensors:  # one call, no pickles
+        assert len(calls) == 1 and not any(p.endswith(".bin") for p in calls[0])
+    else:  # only then the PyTorch pickles
+        assert len(calls) == 2 and "pytorch_model*.bin" in calls[1] and "*.safetensors" not in calls[1]
