@@ -9,6 +9,7 @@ names (transformers 4.x) are renamed on the fly by the adapter's rename table.
 from __future__ import annotations
 
 import json
+import math
 import pickle
 import re
 from collections.abc import Iterator, Mapping
@@ -91,6 +92,29 @@ SAFETENSORS_DTYPES = {
 }
 
 
+def _check_entry(path: Path, name: str, entry, data_size: int) -> None:
+    """One header entry, checked before anything is read: well formed, of a dtype hf_lmc reads,
+    its offsets in order, inside the file and as long as its shape says."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        well_formed = isinstance(dtype, str) and all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end))
+    except (TypeError, KeyError, ValueError):
+        well_formed = False
+    if not well_formed:
+        raise CheckpointError(f"cannot read {path}: tensor {name!r} has a malformed header entry; download the file again")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"cannot read {path}: tensor {name!r} is stored as {dtype}, which hf_lmc does not read "
+            f"(it reads {', '.join(SAFETENSORS_DTYPES)}); save the model in one of those"
+        )
+    expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+    if not begin <= end <= data_size or end - begin != expected:
+        raise CheckpointError(
+            f"cannot read {path}: tensor {name!r} claims {end - begin} bytes at {begin}..{end} for shape {list(shape)} "
+            f"({expected} bytes) in {data_size} bytes of data; the file is corrupt or truncated, download it again"
+        )
+
+
 class SafetensorsFile:
     """Reads single tensors from a safetensors file with plain ``read`` calls.
 
@@ -115,15 +139,13 @@ class SafetensorsFile:
                 raise CheckpointError(
                     f"cannot read {path}: the file is corrupt or truncated, download it again ({err})"
                 ) from err
+        if not isinstance(header, dict):
+            raise CheckpointError(f"cannot read {path}: its header is not a safetensors header (a JSON {type(header).__name__}); download it again")
         header.pop("__metadata__", None)
         self.start = 8 + length
         self.entries = header
         for name, entry in header.items():
-            begin, end = entry["data_offsets"]
-            if self.start + end > size or entry["dtype"] not in SAFETENSORS_DTYPES:
-                raise CheckpointError(
-                    f"cannot read {path}: tensor {name!r} is truncated or of an unknown dtype; download it again"
-                )
+            _check_entry(path, name, entry, size - self.start)
 
     def keys(self):
         return self.entries.keys()

@@ -288,3 +288,35 @@ def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, 
         assert len(calls) == 1 and not any(p.endswith(".bin") for p in calls[0])
     else:  # only then the PyTorch pickles
         assert len(calls) == 2 and "pytorch_model*.bin" in calls[1] and "*.safetensors" not in calls[1]
+
+
+def _rewrite_header(file: Path, change) -> None:
+    """Rewrite a safetensors file's JSON header with ``change(header)`` (the data stays)."""
+    import json
+
+    raw = file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = change(json.loads(raw[8 : 8 + length]))
+    text = json.dumps(header).encode()
+    file.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+
+def _first_tensor(header: dict) -> str:
+    return next(k for k in header if k != "__metadata__")
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda h: list(h), "header"),
+    (lambda h: {**h, _first_tensor(h): {k: v for k, v in h[_first_tensor(h)].items() if k != "data_offsets"}}, "malformed"),
+    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": [10**6, 10]}}, "bytes"),
+    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "data_offsets": h[_first_tensor(h)]["data_offsets"][::-1]}}, "bytes"),
+    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "dtype": "F8_E4M3"}}, "F8_E4M3"),
+])
+def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, capsys, damage, named):
+    a, b = _pair(tmp_path)
+    _rewrite_header(b / "model.safetensors", damage)
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "model.safetensors" in errors[0] and named in errors[0], errors
+    assert not (tmp_path / "out").exists()
