@@ -49,8 +49,22 @@ def push_folder(
     commit_message: str = "Upload merge made with hf-lmc",
     api: HfApi | None = None,
 ) -> str:
-    """Create ``repo_id`` if needed and upload ``folder`` to it; returns the repo URL."""
+    """Create ``repo_id`` if needed and upload ``folder`` to it; returns the repo URL.
+
+    A failed push (no network, no token, no rights) raises :class:`PushError` in one line that
+    says the folder is kept and how to push it without merging again."""
     api = api or HfApi()
-    url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model")
+    try:
+        url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model")
+    except Exception as err:  # the Hub client raises HTTP, connection and auth errors of many types; the user needs one line
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise PushError(
+            f"{folder} is written, but pushing it to {repo_id} failed ({type(err).__name__}: {reason}); "
+            f"push it without merging again: hf upload {repo_id} {folder}" + (" --private" if private else "")
+        ) from err
     return str(url)
+
+
+class PushError(OSError):
+    """The merge is written but could not be pushed; the message says how to push it."""

@@ -320,3 +320,20 @@ def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, caps
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "model.safetensors" in errors[0] and named in errors[0], errors
     assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys, monkeypatch):
+    import hf_lmc.hub as hub
+
+    class OfflineApi:
+        def create_repo(self, repo_id, **kwargs):
+            raise ConnectionError("[Errno -3] Temporary failure in name resolution\nand a long traceback's worth")
+
+    monkeypatch.setattr(hub, "HfApi", OfflineApi)
+    a, b = _pair(tmp_path)
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(out), "--device", "cpu", "--push-to-hub", "me/merged", "--quiet"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"hf upload me/merged {out}" in errors[0] and "ConnectionError" in errors[0], errors
+    assert (out / "model.safetensors").is_file()  # kept
