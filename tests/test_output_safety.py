@@ -161,6 +161,7 @@ def _dead_pid() -> int:
     return int(child.stdout)
 
 
+@pytest.mark.slow  # subprocesses that import torch
 def test_a_folder_that_needs_custom_code_is_refused_without_running_it_or_asking(tmp_path):
     """transformers asks on stdin whether to run a folder's code for an unknown model type with an
     ``auto_map``; hf_lmc passes ``trust_remote_code=False`` everywhere, so nothing asks and the
@@ -249,6 +250,7 @@ def test_a_shard_size_in_bare_bytes_unit_is_refused_when_parsed(capsys):
     assert err.startswith("hf-lmc: error: --shard-size") and "5GB" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow  # subprocesses that import torch
 def test_quiet_and_tqdm_disable_silence_every_progress_bar(tmp_path):
     """hf_lmc's bars once passed ``disable=False`` explicitly, which overrides TQDM_DISABLE."""
     a, b = _pair(tmp_path)
