@@ -17,7 +17,8 @@ IGNORED = ["trainer_state.json", "training_args.bin", "optimizer.*", "scheduler.
 
 
 def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Path:
-    """A local folder for ``reference``: the folder itself, or a Hub snapshot of that repo id."""
+    """A local folder for ``reference``: the folder itself, or a Hub snapshot of that repo id
+    (``org/model`` at ``revision``, or ``org/model@rev``)."""
     path = Path(reference)
     if path.exists():
         if not path.is_dir():
@@ -25,10 +26,15 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Pa
         return path
     if str(reference).startswith((".", "/", "~")) or str(reference).count("/") > 1:
         raise FileNotFoundError(f"no such model folder: {reference}")
+    repo_id, at, pinned = str(reference).partition("@")  # org/model@rev, as mergekit writes a revision
+    if at:
+        if not pinned or (revision is not None and revision != pinned):
+            raise ValueError(f"{reference} names revision {pinned!r} but {revision!r} was also given; give one")
+        revision = pinned
     try:
-        folder = Path(_download(str(reference), revision, CHECKPOINT_PATTERNS + SAFETENSORS_PATTERNS))
+        folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + SAFETENSORS_PATTERNS))
         if not any(folder.glob("*.safetensors")):  # an older repo: its PyTorch pickles instead
-            folder = Path(_download(str(reference), revision, CHECKPOINT_PATTERNS + BIN_PATTERNS))
+            folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + BIN_PATTERNS))
         return folder
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
         raise FileNotFoundError(f"{reference} is neither a local folder nor a Hub model repo ({type(err).__name__})") from err

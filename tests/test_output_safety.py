@@ -339,3 +339,22 @@ def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys,
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"hf upload me/merged {out}" in errors[0] and "ConnectionError" in errors[0], errors
     assert (out / "model.safetensors").is_file()  # kept
+
+
+def test_a_hub_id_may_carry_its_revision(tmp_path, monkeypatch):
+    """``org/model@rev``, as mergekit accepts it; a second, different revision is refused."""
+    import hf_lmc.hub as hub
+
+    calls = []
+
+    def snapshot_download(repo_id, *, revision, allow_patterns, ignore_patterns):
+        calls.append((repo_id, revision))
+        (tmp_path / "model.safetensors").write_bytes(b"")
+        return str(tmp_path)
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    hub.resolve_checkpoint("org/model@v1.0")
+    hub.resolve_checkpoint("org/model@v1.0", "v1.0")
+    assert calls == [("org/model", "v1.0")] * 2
+    with pytest.raises(ValueError, match="v1.0"):
+        hub.resolve_checkpoint("org/model@v1.0", "main")
