@@ -24,6 +24,10 @@ from .options import EvalOptions, ParameterError
 Batch = dict[str, torch.Tensor]
 
 
+#: Files a tokenizer is read from; a folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+
+
 class DataError(ValueError):
     """Evaluation data that cannot be used with the model."""
 
@@ -116,6 +120,10 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         if options.max_batches and len(ids) >= options.max_batches * options.batch_size * seq_len:
             break
+    if len(ids) < seq_len:  # no whole block; transformers 5 gives a folder without tokenizer files a tokenizer that yields nothing
+        files = any((Path(tokenizer_folder) / name).is_file() for name in TOKENIZER_FILES)
+        hint = "" if files else f"; {tokenizer_folder} has no tokenizer files: copy model A's tokenizer into it"
+        raise DataError(f"the text gave {len(ids)} tokens with model A's tokenizer, fewer than one block of {seq_len}{hint}")
     blocks = torch.tensor(ids[: len(ids) // seq_len * seq_len], dtype=torch.long).reshape(-1, seq_len)
     return [{"input_ids": chunk} for chunk in blocks.split(options.batch_size)]
 

@@ -358,3 +358,16 @@ def test_a_hub_id_may_carry_its_revision(tmp_path, monkeypatch):
     assert calls == [("org/model", "v1.0")] * 2
     with pytest.raises(ValueError, match="v1.0"):
         hub.resolve_checkpoint("org/model@v1.0", "main")
+
+
+def test_text_data_for_a_model_without_tokenizer_files_is_one_line(tmp_path, capsys):
+    """transformers 5 returns an empty tokenizer for such a folder, and the batches came out empty."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, seed in ((a, 0), (b, 1)):
+        build_model(tiny_configs()["gpt2"], seed=seed, dtype=torch.float32).save_pretrained(folder)  # no tokenizer
+    (tmp_path / "eval.txt").write_text("abc abc abc\n" * 50)
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--eval-data", str(tmp_path / "eval.txt"), "--device", "cpu"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "tokenizer" in errors[0] and str(a) in errors[0], errors
+    assert not (tmp_path / "out").exists()
