@@ -115,6 +115,24 @@ def _check_entry(path: Path, name: str, entry, data_size: int) -> None:
         )
 
 
+def load_pickled_tensors(file: Path, *, mmap: bool = True):
+    """A ``torch.save`` file's tensors, unpickled with ``weights_only=True`` (no code in the file
+    runs), memory-mapped where the file's format allows. PyTorch's legacy (non-zip) format cannot
+    be memory-mapped and is read whole; a file that holds objects other than tensors is refused
+    as such, not as corrupt."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"cannot read {file}: it holds pickled objects other than tensors, which hf_lmc does not load "
+            "(weights_only=True: no code from the file runs); convert it to safetensors where it was made"
+        ) from err
+    except RuntimeError as err:
+        if mmap and "mmap can only be used" in str(err):  # the legacy format: read whole
+            return load_pickled_tensors(file, mmap=False)
+        raise
+
+
 class SafetensorsFile:
     """Reads single tensors from a safetensors file with plain ``read`` calls.
 
@@ -203,8 +221,8 @@ class Checkpoint(Mapping[str, Tensor]):
                 if file.suffix == ".safetensors":
                     self._handles[file] = SafetensorsFile(file)
                 else:
-                    self._handles[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except (OSError, RuntimeError, pickle.UnpicklingError, EOFError) as err:
+                    self._handles[file] = load_pickled_tensors(file)
+            except (OSError, RuntimeError, EOFError) as err:
                 raise CheckpointError(
                     f"cannot read {file}: the file is corrupt or truncated, download it again ({err})"
                 ) from err

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .adapters import adapter_for
+from .checkpoint import CheckpointError, load_pickled_tensors
 from .options import EvalOptions, ParameterError
 
 Batch = dict[str, torch.Tensor]
@@ -133,7 +134,12 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
 
 def _image_batches(data, processor_folder: Path | None, options: EvalOptions) -> list[Batch]:
     if isinstance(data, (str, Path)) and str(data).endswith(".pt"):
-        data = torch.load(data, weights_only=True)
+        try:
+            data = load_pickled_tensors(Path(data), mmap=False)
+        except CheckpointError as err:
+            raise DataError(str(err)) from None
+        except (OSError, RuntimeError, EOFError) as err:
+            raise DataError(f"cannot read {data} as a .pt file of image tensors ({type(err).__name__}: {str(err).strip()[:200]})") from None
     if isinstance(data, dict):
         if "pixel_values" not in data or "labels" not in data:
             raise DataError("image tensors must be a dict with 'pixel_values' and 'labels'")

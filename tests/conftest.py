@@ -5,7 +5,18 @@ every ``fit`` on the device, and tests compare against CPU tensors. ``tests/test
 out to test the device path itself.
 """
 
+import os
+
 import pytest
+from hypothesis import settings
+
+# CI draws the same examples on every run (Hypothesis's advice for CI): a red CI is then a
+# regression, reproducible, not a fresh draw. Local runs keep drawing new examples, which is how
+# ill-conditioned corners are found: so far a GPT-2 of width 2 (its centred stream is one-
+# dimensional, so LayerNorm is a sign function there) past float32's 1e-4, not float64's 1e-9.
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

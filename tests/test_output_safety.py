@@ -371,3 +371,44 @@ def test_text_data_for_a_model_without_tokenizer_files_is_one_line(tmp_path, cap
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "tokenizer" in errors[0] and str(a) in errors[0], errors
     assert not (tmp_path / "out").exists()
+
+
+def _bin_folder(folder: Path, seed: int, legacy: bool) -> Path:
+    """A tiny GPT-2 saved as ``pytorch_model.bin``, in PyTorch's zip format or its legacy one."""
+    model = build_model(tiny_configs()["gpt2"], seed=seed, dtype=torch.float32)
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin", _use_new_zipfile_serialization=not legacy)
+    return folder
+
+
+def test_old_format_bin_checkpoints_merge_and_a_pickle_of_other_objects_is_named_not_corrupt(tmp_path, capsys):
+    a, b = _bin_folder(tmp_path / "a", 0, legacy=True), _bin_folder(tmp_path / "b", 1, legacy=False)
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--device", "cpu", "--quiet"]) == 0
+    marker = tmp_path / "code-ran"
+    state = torch.load(b / "pytorch_model.bin", weights_only=True)
+    state["extra"] = _RunsCode(str(marker))
+    torch.save(state, b / "pytorch_model.bin")
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out2"), "--device", "cpu", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "other than tensors" in err and "corrupt" not in err, err
+    assert not marker.exists()
+
+
+class _RunsCode:
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path(self.path).write_text, ("ran",))
+
+
+def test_a_malformed_pt_image_file_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "vit"
+    build_model(tiny_configs()["vit"], dtype=torch.float32).save_pretrained(folder)
+    bad = tmp_path / "images.pt"
+    bad.write_bytes(b"not a torch file at all")
+    capsys.readouterr()
+    assert main(["barrier", str(folder), str(folder), "--data", str(bad), "--quiet"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "images.pt" in errors[0], errors
