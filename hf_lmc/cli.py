@@ -191,7 +191,7 @@ def _fit_options(args: argparse.Namespace):
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .pipeline import merge_models
+    from .pipeline import merge, merge_models
 
     models = args.models
     if len(models) < 2:
@@ -200,15 +200,17 @@ def cmd_merge(args: argparse.Namespace) -> int:
         raise ValueError("pass either --alpha (two models) or --weights (one per model), not both")
     if args.alpha is not None and len(models) != 2:
         raise ValueError(f"--alpha is the weight of MODEL_B when merging two models; for {len(models)} pass --weights w1 ... w{len(models)}")
-    if args.alpha is not None and not 0.0 <= args.alpha <= 1.0:
-        raise ParameterError(f"{{}} must lie in [0, 1], got {args.alpha}", "alpha")
-    weights = (1 - args.alpha, args.alpha) if args.alpha is not None else (0.5, 0.5) if args.weights is None and len(models) == 2 else args.weights
-    output = OUTPUT.build(args)
-    result = merge_models(
-        models, args.output, weights=weights, revisions=_revisions(args, len(models)), method=args.method, symmetries=args.symmetries,
-        device=args.device, data=args.data, data_options=_fit_options(args), learn=LEARN.build(args), accelerate=ACCELERATE.build(args),
-        eval_data=args.eval_data, eval_options=_eval_options(args), alphas=args.alphas, **output.model_dump(),
+    revisions = _revisions(args, len(models))
+    settings = dict(
+        method=args.method, symmetries=args.symmetries, device=args.device, data=args.data, data_options=_fit_options(args),
+        learn=LEARN.build(args), accelerate=ACCELERATE.build(args), eval_data=args.eval_data, eval_options=_eval_options(args),
+        alphas=args.alphas, **OUTPUT.build(args).model_dump(),
     )
+    if args.weights is None and len(models) == 2:  # merge checks alpha
+        alpha = 0.5 if args.alpha is None else args.alpha
+        result = merge(*models, args.output, alpha=alpha, revision_a=revisions[0], revision_b=revisions[1], **settings)
+    else:
+        result = merge_models(models, args.output, weights=args.weights, revisions=revisions, **settings)
     if result.barrier is not None:
         print(result.barrier.table())
     print(f"merged model written to {result.output}")

@@ -28,7 +28,6 @@ import lzma
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch
 from transformers import AutoConfig, PreTrainedTokenizerFast
 
 from .adapters import adapter_for
+from .export import move_into_place, staging_folder
 from .progress import bar as progress_bar
 
 DATA_VERSION = 1  # bump when the shipped corpus or its split changes: it is part of the cache key
@@ -274,17 +274,14 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
         losses.append(loss.item())
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     model.eval()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    staging = staging_folder(folder)
     try:
         model.save_pretrained(staging)
         if entry.model_type != "vit":
             char_tokenizer().save_pretrained(staging)
         final = sum(losses[-50:]) / len(losses[-50:])
         (staging / "zoo.json").write_text(json.dumps({"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final}, indent=2))
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
+        move_into_place(staging, folder, overwrite=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
