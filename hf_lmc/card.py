@@ -2,20 +2,57 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from . import __version__
 from .adapters import ADAPTERS
 from .methods import METHODS
 
 TEMPLATE = resources.files("hf_lmc") / "templates" / "merge.md"
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One merged model as its card names it: a Hub repo (``hub_id``, at ``revision``: the commit
+    of the snapshot read, else the revision asked for) goes into the ``base_model`` metadata; a
+    local folder is only described in the body, by ``label``, since the Hub cannot resolve it."""
+
+    label: str
+    hub_id: str | None = None
+    revision: str | None = None
+
+    @classmethod
+    def of(cls, reference: str | Path, revision: str | None = None, folder: str | Path | None = None, label: str | None = None) -> ModelSource:
+        """The source of a model given as ``reference`` (a local folder or ``org/model[@rev]``,
+        told apart as :func:`hf_lmc.hub.resolve_checkpoint` tells them) and read from ``folder``."""
+        text = str(reference)
+        if Path(text).exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
+            return cls(label or Path(text).name or text)
+        repo_id, _, pinned = text.partition("@")
+        revision = revision or pinned or None
+        if folder is not None and Path(folder).parent.name == "snapshots":  # the Hub cache names a snapshot by its commit
+            revision = Path(folder).name
+        return cls(label or repo_id, repo_id, revision)
+
+    def describe(self) -> str:
+        """How the card's body names the model."""
+        if self.hub_id is None:
+            return f"`{self.label}` (a local model)"
+        at = f" at revision `{self.revision}`" if self.revision else ""
+        return f"[`{self.hub_id}`](https://huggingface.co/{self.hub_id}){at}"
+
 
 def merge_card(
     *,
-    base_models: list[str],
+    base_models: Sequence[str | ModelSource],
     method: str,
     symmetries: list[str] | str,
     alpha_or_weights,
@@ -23,23 +60,37 @@ def merge_card(
     model_type: str,
     tied_embeddings_dropped: bool = False,
     barrier_table: str | None = None,
+    barriers: Mapping[str, float] | None = None,
+    eval_data: str | None = None,
+    eval_split: str | None = None,
     plot_filename: str | None = None,
-    notes: list[str] = (),
+    notes: Sequence[str] = (),
     training: list[tuple[str, str]] | None = None,
     repo_hint: str | None = None,
+    made_with: str | None = None,
 ) -> ModelCard:
-    """A card with Hub metadata (``base_model``, ``base_model_relation: merge``, tags, license).
+    """A card with Hub metadata (``base_model`` (Hub repos only), ``base_model_relation:
+    merge``, tags, license, and the barrier as ``model-index`` results).
 
-    ``alpha_or_weights``: B's weight for two models, or (more than two) a list of one weight per
-    base model, shown model by model. ``training``: (setting, value) rows of how trained
-    transforms were learned, shown as a table.
+    ``base_models``: one :class:`ModelSource` per model (a string is read by
+    :meth:`ModelSource.of`). ``alpha_or_weights``: B's weight for two models, or (more than two)
+    a list of one weight per base model, shown model by model. ``barriers``: the barrier of each
+    method on ``eval_data`` (split ``eval_split``), written as ``model-index`` metrics with
+    ``barrier_table`` shown in the body. ``training``: (setting, value) rows of how trained
+    transforms were learned. ``made_with``: the command line or recipe that made the merge,
+    shown with the hf_lmc version so that it can be run again.
     """
+    sources = [m if isinstance(m, ModelSource) else ModelSource.of(m) for m in base_models]
+    hub = [s.hub_id for s in sources if s.hub_id]
+    name = f"Merge of {_listed([s.label for s in sources])}"
     data = ModelCardData(
-        base_model=list(base_models),
-        base_model_relation="merge",
+        base_model=hub or None,
+        base_model_relation="merge" if hub else None,
         library_name="transformers",
         license=license,
         tags=["merge", "hf-lmc", "linear-mode-connectivity", model_type],
+        model_name=name if barriers else None,
+        eval_results=_barrier_results(barriers, model_type, eval_data, eval_split) if barriers else None,
     )
     notes = list(notes)
     if tied_embeddings_dropped:
@@ -49,17 +100,17 @@ def merge_card(
         )
     sym = ", ".join(symmetries) if not isinstance(symmetries, str) else symmetries
     # More than two models: a weight per model; two models keep the alpha row as they always had.
-    many = isinstance(alpha_or_weights, (list, tuple)) and len(base_models) > 2
+    many = isinstance(alpha_or_weights, (list, tuple)) and len(sources) > 2
     weights = list(alpha_or_weights) if many else None
     return ModelCard.from_template(
         data,
         template_path=str(TEMPLATE),
-        model_name=f"Merge of {_listed([Path(m).name for m in base_models])}",
-        base_models_text=_listed([f"`{m}`" for m in base_models]),
+        model_name=name,
+        base_models_text=_listed([s.describe() for s in sources]),
         method=method,
         how_aligned=METHODS[method].many_card if weights else METHODS[method].pair_card,
         alpha=alpha_or_weights,
-        weights=[(f"`{m}`", f"{w:.4g}") for m, w in zip(base_models, weights)] if weights else None,
+        weights=[(f"`{s.label}`", f"{w:.4g}") for s, w in zip(sources, weights)] if weights else None,
         symmetries=sym or "none (plain average of the stored weights)",
         model_type=model_type,
         notes=notes,
@@ -68,7 +119,24 @@ def merge_card(
         plot_filename=plot_filename,
         repo_hint=repo_hint or "path/to/merged-model",
         auto_class=ADAPTERS[model_type].auto_class,
+        version=__version__,
+        made_with=made_with,
     )
+
+
+def _barrier_results(barriers: Mapping[str, float], model_type: str, eval_data: str | None, split: str | None) -> list[EvalResult]:
+    """The barrier of each method as ``model-index`` results: one metric per method, on the
+    evaluation data (a Hub dataset by its id; local data as ``local``)."""
+    task = "image-classification" if ADAPTERS[model_type].takes_images else "text-generation"
+    data = eval_data or "evaluation data"
+    hub = not (Path(data).exists() or data.startswith((".", "/", "~")) or data.count("/") > 1 or Path(data).suffix)
+    return [
+        EvalResult(
+            task_type=task, dataset_type=data if hub else "local", dataset_name=data if hub else Path(data).name, dataset_split=split if hub else None,
+            metric_type="loss_barrier", metric_name=f"loss barrier, {method} (nats)", metric_value=round(float(value), 6),
+        )
+        for method, value in barriers.items()
+    ]
 
 
 def _listed(items: list[str]) -> str:
@@ -88,4 +156,6 @@ def inherited_license(folders: list[Path]) -> str | None:
                 found = None
             if found:
                 licenses.add(found)
+    if len(licenses) > 1:
+        logger.warning("the models' licenses differ (%s): the merge's card names none; set one before sharing it", ", ".join(sorted(licenses)))
     return licenses.pop() if len(licenses) == 1 else None

@@ -13,7 +13,10 @@ modules inside functions.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -34,6 +37,7 @@ from .options import (
     OutputExistsError,
     OutputOptions,
     ParameterError,
+    UsageError,
 )
 
 EXAMPLES = """\
@@ -45,9 +49,10 @@ examples:
   hf-lmc merge ./a ./b --output ./act --method activation --data train.txt      # align on activations
   hf-lmc merge ./a ./b --output ./dual --method dual --data train.txt --steps 200   # both learn
   hf-lmc merge ./a ./b ./c --output ./abc --weights 0.5 0.25 0.25     # universe matching of 3 models
-  hf-lmc barrier ./a ./b --data plays.txt --plot path.png             # vanilla vs aligned path
-  hf-lmc barrier ./a ./b --data test.txt --method learned --fit-data train.txt
-  hf-lmc barrier ./a ./b ./c --data plays.txt --plot simplex.png      # 3+ models: worst point of the simplex
+  hf-lmc barrier ./a ./b --eval-data plays.txt --plot path.png        # vanilla vs aligned path
+  hf-lmc barrier ./a ./b --eval-data test.txt --method learned --data train.txt
+  hf-lmc merge ./a ./b -o ./merged --eval-data Salesforce/wikitext --eval-data-name wikitext-2-raw-v1
+  hf-lmc barrier ./a ./b ./c --eval-data plays.txt --plot simplex.png # 3+ models: worst point of the simplex
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
   hf-lmc run recipes/zoo-offline.yaml                                 # a whole run (or sweep) from a YAML recipe
@@ -64,6 +69,11 @@ examples:
 """
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
+
+#: Exit codes, as argparse, ``hf`` and mergekit use them: 2 when the command as written cannot
+#: run (argparse's own usage errors, a bad or conflicting value, an output that exists or covers
+#: an input), 1 when a run fails on what it reads or writes (models, data, disk, network).
+EXIT_USAGE, EXIT_FAILED = 2, 1
 
 
 class OptionFlags:
@@ -107,7 +117,7 @@ class OptionFlags:
         try:
             return self.model(**{**values, **self.given(args), **fixed})
         except ValidationError as err:
-            raise ValueError("; ".join(self._flag_message(e) for e in err.errors())) from None
+            raise UsageError("; ".join(self._flag_message(e) for e in err.errors())) from None
 
     def _flag_message(self, error: dict) -> str:
         message = error["msg"].removeprefix("Value error, ")
@@ -123,9 +133,14 @@ class OptionFlags:
         return f"{self.flags.get(name) or _flag(name)}: {message}"
 
 
+#: Library keywords whose flag is not their name: the Python API's ``barrier(..., fit_data=)``
+#: is the command line's ``--data``, which means fitting data in every command.
+_RENAMED = {"fit_data": "--data"}
+
+
 def _flag(parameter: str) -> str:
     """The flag of a parameter (``seq_len`` -> ``--seq-len``): one name across commands."""
-    return "--" + parameter.replace("_", "-")
+    return _RENAMED.get(parameter) or "--" + parameter.replace("_", "-")
 
 
 def _argument_type(annotation) -> tuple[type, list[str] | None]:
@@ -148,8 +163,13 @@ def _argument_type(annotation) -> tuple[type, list[str] | None]:
 LEARN = OptionFlags(LearnOptions)
 ACCELERATE = OptionFlags(AccelerateOptions)
 BATCHES = OptionFlags(EvalOptions, only=("batch_size", "seq_len", "max_batches"))
-EVAL_SPLIT = OptionFlags(EvalOptions, only=("split",))
-FIT_SPLIT = OptionFlags(EvalOptions, only=("split",), flags={"split": "--data-split"}, defaults=FIT_OPTIONS, prefix="fit_")
+#: One name per data set across commands: ``--data`` is what alignment fits on (activation,
+#: learned, dual), ``--eval-data`` what the barrier is measured on; each has its split and
+#: dataset configuration flags, and both are batched alike.
+FIT_SOURCE = OptionFlags(
+    EvalOptions, only=("split", "name"), flags={"split": "--data-split", "name": "--data-name"}, defaults=FIT_OPTIONS, prefix="fit_"
+)
+EVAL_SOURCE = OptionFlags(EvalOptions, only=("split", "name"), flags={"split": "--eval-data-split", "name": "--eval-data-name"}, prefix="eval_")
 OUTPUT = OptionFlags(OutputOptions)
 
 
@@ -183,11 +203,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _eval_options(args: argparse.Namespace):
-    return EVAL_SPLIT.build(args, **BATCHES.given(args))
+    return EVAL_SOURCE.build(args, **BATCHES.given(args))
 
 
 def _fit_options(args: argparse.Namespace):
-    return FIT_SPLIT.build(args, **BATCHES.given(args))
+    return FIT_SOURCE.build(args, **BATCHES.given(args))
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
@@ -195,16 +215,16 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     models = args.models
     if len(models) < 2:
-        raise ValueError(f"merge needs at least 2 models, got {len(models)}")
+        raise UsageError(f"merge needs at least 2 models, got {len(models)}")
     if args.alpha is not None and args.weights is not None:
-        raise ValueError("pass either --alpha (two models) or --weights (one per model), not both")
+        raise UsageError("pass either --alpha (two models) or --weights (one per model), not both")
     if args.alpha is not None and len(models) != 2:
-        raise ValueError(f"--alpha is the weight of MODEL_B when merging two models; for {len(models)} pass --weights w1 ... w{len(models)}")
+        raise UsageError(f"--alpha is the weight of MODEL_B when merging two models; for {len(models)} pass --weights w1 ... w{len(models)}")
     revisions = _revisions(args, len(models))
     settings = dict(
         method=args.method, symmetries=args.symmetries, device=args.device, data=args.data, data_options=_fit_options(args),
         learn=LEARN.build(args), accelerate=ACCELERATE.build(args), eval_data=args.eval_data, eval_options=_eval_options(args),
-        alphas=args.alphas, **OUTPUT.build(args).model_dump(),
+        alphas=args.alphas, made_with=_command_markdown(args), **OUTPUT.build(args).model_dump(),
     )
     if args.weights is None and len(models) == 2:  # merge checks alpha
         alpha = 0.5 if args.alpha is None else args.alpha
@@ -219,26 +239,31 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _command_markdown(args: argparse.Namespace) -> str:
+    """The command line as typed, for the model card (``hf-lmc`` however it was started)."""
+    return f"```bash\n{shlex.join(['hf-lmc', *args.argv])}\n```"
+
+
 def cmd_barrier(args: argparse.Namespace) -> int:
     from .barriers import barrier, barrier_over_simplex, plot, plot_simplex
 
     models = args.models
     if len(models) < 2:
-        raise ValueError(f"barrier needs at least 2 models, got {len(models)}")
+        raise UsageError(f"barrier needs at least 2 models, got {len(models)}")
     revisions = _revisions(args, len(models))
     methods = ("average",) if args.method == "average" else ("average", args.method)
     common = dict(
-        methods=methods, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.fit_data,
+        methods=methods, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.data,
         fit_options=_fit_options(args), learn=LEARN.build(args), accelerate=ACCELERATE.build(args),
     )
     if len(models) == 2:
-        result = barrier(*models, args.data, alphas=args.alphas or 11, revision_a=revisions[0], revision_b=revisions[1], **common)
+        result = barrier(*models, args.eval_data, alphas=args.alphas or 11, revision_a=revisions[0], revision_b=revisions[1], **common)
         if args.plot:
             plot(result, args.plot)
     else:
         if args.plot and len(models) != 3:
-            raise ValueError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
-        result = barrier_over_simplex(models, args.data, points=args.alphas or 5, revisions=revisions, **common)
+            raise UsageError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
+        result = barrier_over_simplex(models, args.eval_data, points=args.alphas or 5, revisions=revisions, **common)
         if args.plot:
             plot_simplex(result, args.plot)
     print(result.to_json() if args.json else result.table())
@@ -248,11 +273,11 @@ def cmd_barrier(args: argparse.Namespace) -> int:
 def _revisions(args: argparse.Namespace, count: int) -> list[str | None]:
     """One revision per model from ``--revisions`` or ``--revision-a/--revision-b``."""
     if args.revisions is not None and (args.revision_a or args.revision_b):
-        raise ValueError("pass either --revisions or --revision-a/--revision-b, not both")
+        raise UsageError("pass either --revisions or --revision-a/--revision-b, not both")
     if args.revisions is None:
         return [args.revision_a, args.revision_b] + [None] * (count - 2)
     if len(args.revisions) != count:
-        raise ValueError(f"--revisions takes one entry per model ('-' for the default branch): got {len(args.revisions)} for {count} models")
+        raise UsageError(f"--revisions takes one entry per model ('-' for the default branch): got {len(args.revisions)} for {count} models")
     return [None if r == "-" else r for r in args.revisions]
 
 
@@ -268,22 +293,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_data_options(parser: argparse.ArgumentParser, data_flag: str) -> None:
-    """The alpha grid, how every data set is batched, the fitting data, and the options of the
-    learned methods' training (all generated from :mod:`hf_lmc.options`)."""
-    group = parser.add_argument_group("data settings")
-    group.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
-    BATCHES.add_to(group)
-    EVAL_SPLIT.add_to(group)
-    FIT_SPLIT.add_to(group)
-    learn = parser.add_argument_group(
-        "data-driven alignment (--method activation, learned, dual)",
-        "activation matching reads calibration batches; learned (B learns) and dual (A and B learn) matching "
-        "train the symmetry transforms on the loss along the path, starting from weight matching; with 3+ models "
-        "they start from universe matching and train at Dirichlet-sampled weights (learned: the first model stays); "
-        "docs/learned-matching.md explains every option",
+def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool) -> None:
+    """The data flags every command names alike: the evaluation data (with the alpha grid), the
+    fitting data, how both are batched, and the learned methods' training options (all but the
+    data paths generated from :mod:`hf_lmc.options`)."""
+    evaluation = parser.add_argument_group(
+        "evaluation data" + ("" if eval_required else " (optional: adds the barrier table and plot to the card)")
     )
-    learn.add_argument(data_flag, default=None, metavar="DATA", help="calibration / training data: text file or folder, datasets id or path, .pt tensors for ViT")
+    evaluation.add_argument(
+        "--eval-data", required=eval_required, default=None, metavar="DATA",
+        help="held-out data the barrier is measured on: text file or folder, datasets id or saved dataset, .pt tensors for ViT",
+    )
+    EVAL_SOURCE.add_to(evaluation)
+    evaluation.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
+    fitting = parser.add_argument_group("fitting data (--method activation, learned, dual)")
+    fitting.add_argument("--data", default=None, metavar="DATA", help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT")
+    FIT_SOURCE.add_to(fitting)
+    BATCHES.add_to(parser.add_argument_group("batching (both data sets)"))
+    learn = parser.add_argument_group(
+        "learned and dual matching",
+        "learned (B learns) and dual (A and B learn) matching train the symmetry transforms on the loss along the path, "
+        "starting from weight matching; with 3+ models they start from universe matching and train at Dirichlet-sampled "
+        "weights (learned: the first model stays); docs/learned-matching.md explains every option",
+    )
     LEARN.add_to(learn)
     ACCELERATE.add_to(parser.add_argument_group("training loop (accelerate)"))
 
@@ -310,9 +342,16 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -
         )
 
 
-def _add_quiet(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument_group("messages").add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bars (as TQDM_DISABLE=1 does); results and errors still print"
+def _add_messages(parser: argparse.ArgumentParser) -> None:
+    """``-q/--quiet`` (progress bars) and ``-v/--verbose`` (messages), one meaning in every
+    command; together they give a log without bars."""
+    group = parser.add_argument_group("messages")
+    group.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bars (as TQDM_DISABLE=1 does); results, warnings and errors still print"
+    )
+    group.add_argument(
+        "-v", "--verbose", action="count", default=0,
+        help="say what each stage does (downloads, alignment, training, writing, pushing); -vv adds details and transformers' own messages",
     )
 
 
@@ -354,10 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     out = merge.add_argument_group("output and hub")
     out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
     OUTPUT.add_to(out)
-    evaluation = merge.add_argument_group("evaluation (optional: adds the barrier table and plot to the card)")
-    evaluation.add_argument("--eval-data", default=None, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_data_options(merge, "--data")
-    _add_quiet(merge)
+    _add_data_options(merge, eval_required=False)
+    _add_messages(merge)
     merge.set_defaults(run=cmd_merge)
 
     bar = commands.add_parser(
@@ -370,13 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_options(bar)
-    data = bar.add_argument_group("data")
-    data.add_argument("--data", required=True, metavar="DATA", help="text file/folder, datasets id/path, or .pt tensors for ViT")
-    _add_data_options(bar, "--fit-data")
+    _add_data_options(bar, eval_required=True)
     report = bar.add_argument_group("report")
     report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot (three models: the simplex triangle)")
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    _add_quiet(bar)
+    _add_messages(bar)
     bar.set_defaults(run=cmd_barrier)
 
     check = commands.add_parser(
@@ -412,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--steps", type=int, default=None, metavar="N", help="training steps per model (default: the zoo's 600)")
     quick.add_argument("--eval-chars", type=int, default=16384, metavar="N", help="held-out characters to evaluate (default: 16384)")
     quick.add_argument("--cache-dir", type=Path, default=None, metavar="DIR", help="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
-    _add_quiet(demo)
+    _add_messages(demo)
     demo.set_defaults(run=cmd_demo)
 
     sym = commands.add_parser(
@@ -495,7 +530,7 @@ def _add_recipe_commands(commands) -> None:
         )
         if parser is run:
             changes.add_argument("--overwrite", action="store_true", help="replace an existing output folder (output.overwrite)")
-    _add_quiet(run)
+    _add_messages(run)
     run.set_defaults(run=cmd_run)
     check.set_defaults(run=cmd_recipe_check)
     schema.set_defaults(run=cmd_recipe_schema)
@@ -520,28 +555,103 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def _silence_progress() -> None:
-    """``--quiet``: every progress bar off, hf_lmc's, transformers' and huggingface_hub's (they
-    read these when a bar is made, and the commands import them later)."""
-    os.environ["TQDM_DISABLE"] = "1"
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+class _StderrHandler(logging.StreamHandler):
+    """Log records to whatever ``sys.stderr`` is when they are emitted (a handler made once would
+    keep writing to the stream of its time)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _messages(args: argparse.Namespace):
+    """How much a command says, for the length of the command: hf_lmc's module loggers print
+    warnings (``-v``: what each stage does; ``-vv``: details, and transformers' info messages)
+    as ``hf-lmc: ...`` lines on stderr; ``--quiet`` turns every progress bar off, hf_lmc's,
+    transformers' and huggingface_hub's. Everything is put back afterwards, so that ``main``
+    can be called from Python."""
+    verbose, quiet = getattr(args, "verbose", 0), getattr(args, "quiet", False)
+    log = logging.getLogger("hf_lmc")
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("hf-lmc: %(message)s"))
+    environment = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"} if quiet else {}
+    if verbose > 1:
+        environment["TRANSFORMERS_VERBOSITY"] = "info"
+    saved = log.level, log.propagate, {key: os.environ.get(key) for key in environment}
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
+    log.propagate = False
+    os.environ.update(environment)  # read when a library is imported or a bar is made
+    verbosity = _library_messages(quiet=quiet, verbose=verbose > 1)  # libraries already imported are told directly
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+        for key, value in saved[2].items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if quiet or verbose > 1:
+            _library_messages(quiet=False, verbose=False, verbosity=verbosity)
+
+
+def _library_messages(*, quiet: bool, verbose: bool, verbosity: int | None = None) -> int | None:
+    """Turn the progress bars of transformers and huggingface_hub off (``quiet``) or back on,
+    and transformers' verbosity to info (``verbose``) or back to ``verbosity``, where they are
+    already imported (a fresh process reads the environment when it imports them). Returns
+    transformers' verbosity as it was. Bars that ``HF_HUB_DISABLE_PROGRESS_BARS`` turned off
+    when huggingface_hub was imported stay off."""
+    locked = False
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+        locked = constants.HF_HUB_DISABLE_PROGRESS_BARS is True
+        if quiet:
+            disable_progress_bars()
+        elif not locked:
+            enable_progress_bars()
+    if "transformers" not in sys.modules:
+        return None
+    from transformers.utils import logging as hf_logging
+
+    if quiet:
+        hf_logging.disable_progress_bar()
+    elif not locked:
+        hf_logging.enable_progress_bar()
+    before = hf_logging.get_verbosity()
+    if verbose:
+        hf_logging.set_verbosity_info()
+    elif verbosity is not None:
+        hf_logging.set_verbosity(verbosity)
+    return before
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if getattr(args, "quiet", False):
-        _silence_progress()
+    args.argv = argv
     _return_freed_memory_promptly()
     if threading.current_thread() is threading.main_thread():
         exit_on_sigterm()
     try:
-        return args.run(args)
-    except (ParameterError, OutputExistsError) as err:  # the library names its parameter; here it is a flag
-        print(f"hf-lmc: error: {err.named(_flag(err.parameter))}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, FileExistsError, OSError) as err:
+        with _messages(args):
+            return args.run(args)
+    except (UsageError, OutputExistsError) as err:  # the library names its parameter; here it is a flag
+        named = err.named(_flag(err.parameter)) if isinstance(err, (ParameterError, OutputExistsError)) else err
+        print(f"hf-lmc: error: {named}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, OSError) as err:
         print(f"hf-lmc: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

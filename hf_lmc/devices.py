@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from .options import UsageError
+
 
 def parse_device(device: str | torch.device) -> torch.device:
     """``device`` as a ``torch.device``, or a one-line error naming the forms to use (nothing
@@ -14,7 +16,7 @@ def parse_device(device: str | torch.device) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+        raise UsageError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
 
 
 def compute_device(device: str | torch.device | None = None) -> torch.device:
@@ -26,7 +28,7 @@ def compute_device(device: str | torch.device | None = None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} asked for, but torch sees no CUDA device; use cpu (or leave the device unset)")
+        raise UsageError(f"device {str(device)!r} asked for, but torch sees no CUDA device; use cpu (or leave the device unset)")
     return device
 
 

@@ -9,7 +9,9 @@ image and label columns, processed by model A's image processor) or tensors
 
 from __future__ import annotations
 
+import ast
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,11 @@ class DataSettingError(ParameterError, DataError):
 
 
 def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions = EvalOptions()) -> list[Batch]:
-    """Evaluation batches for ``config``'s model from any of the accepted data forms."""
+    """Evaluation batches for ``config``'s model from any of the accepted data forms.
+
+    ``options.name`` picks the configuration of a ``datasets`` id or folder that has several
+    (the ``name`` of :func:`datasets.load_dataset`); other data forms ignore it.
+    """
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict):
         return list(data)[: options.max_batches]  # already batches
     if adapter_for(config).takes_images:
@@ -52,20 +58,48 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
 
 def describe_data(data) -> str:
     """A data argument as messages and model cards name it: a path or id as given, else its type."""
-    return repr(data) if isinstance(data, (str, Path)) else type(data).__name__
+    return repr(str(data)) if isinstance(data, (str, Path)) else type(data).__name__
 
 
-def _load_dataset(reference: str | Path, split: str):
+#: A file extension made of letters (``.txt``, ``.json``, ``.pt``), as ends a file name but
+#: rarely a Hub dataset id (``org/name-v1.2`` ends in a digit).
+_LETTER_EXTENSION = re.compile(r"\.[A-Za-z]+$")
+
+
+def _names_a_local_path(reference: str) -> bool:
+    """Whether ``reference``, which does not exist here, was meant as a local file or folder
+    rather than a Hub dataset id.
+
+    It then names a missing file (often a typo, ``eval.tx`` for ``eval.txt``), and reporting that
+    at once beats trying it as a Hub id, which spends half a minute failing on the network. A Hub
+    id is ``name`` or ``owner/name``; a reference is a path when it starts with ``./``, ``../``,
+    ``/`` or ``~``, has more than one ``/``, or its last component ends in a file extension made
+    of letters.
+    """
+    last_component = reference.rsplit("/", 1)[-1]
+    return reference.startswith(("./", "../", "/", "~")) or reference.count("/") > 1 or bool(_LETTER_EXTENSION.search(last_component))
+
+
+def _load_dataset(reference: str | Path, split: str, name: str | None = None):
+    """Split ``split`` of the dataset saved with ``save_to_disk`` in folder ``reference``, or of
+    configuration ``name`` of the ``datasets`` id or data folder ``reference``."""
     import datasets
 
     path = Path(reference)
+    if not path.exists() and (isinstance(reference, Path) or _names_a_local_path(reference)):
+        raise DataError(f"no such file or folder: {reference}")
     try:
         if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
             ds = datasets.load_from_disk(str(path))
         else:
-            ds = datasets.load_dataset(str(reference), split=split)
+            ds = datasets.load_dataset(str(reference), name, split=split)
     except Exception as err:  # datasets raises many types; the user needs one clear line
-        raise DataError(f"cannot load evaluation data {reference!r}: {err}") from err
+        configurations = _configuration_names(err)
+        if configurations and name is None:
+            raise DataError(f"{reference} has several configurations ({', '.join(configurations)}): name one (--data-name or --eval-data-name; name: in a recipe)") from err
+        if configurations:
+            raise DataError(f"{reference} has no configuration {name!r} (has {', '.join(configurations)})") from err
+        raise DataError(f"cannot load evaluation data {str(reference)!r}: {err}") from err
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(f"{reference} has no split {split!r} (has {', '.join(ds)})")
@@ -73,32 +107,92 @@ def _load_dataset(reference: str | Path, split: str):
     return ds
 
 
+def _configuration_names(err: Exception) -> list[str]:
+    """The configurations that ``datasets`` lists when a dataset's configuration is missing
+    ("Config name is missing ... available configs: [...]") or unknown ("BuilderConfig 'x' not
+    found. Available: [...]"); empty for any other error."""
+    if not isinstance(err, ValueError):
+        return []
+    listed = re.search(r"(?:available configs|Available): (\[[^\]]*\])", str(err))
+    if listed is None:
+        return []
+    try:
+        names = ast.literal_eval(listed.group(1))
+    except (ValueError, SyntaxError):
+        return []
+    return [str(n) for n in names]
+
+
 # -- text --------------------------------------------------------------------------------------
 
+#: Texts per tokenizer call: large enough for fast tokenizers to batch well, small enough that
+#: ``max_batches`` stops tokenising soon after it has its blocks.
+_TEXTS_PER_CALL = 256
 
-def _texts(data, split: str) -> list[str]:
-    if isinstance(data, str) and not Path(data).exists() and data.count("/") <= 1 and not data.endswith(".txt"):
-        data = _load_dataset(data, split)
+
+def _text_rows(data, split: str, name: str | None):
+    """``data``'s texts, in order, as a dataset (iterable or not) and the name of its text column.
+
+    A ``.txt`` file is one text, a folder of them one text per file (read only when reached); a
+    list of strings one text per string; a dataset (or a ``datasets`` id or folder, loaded here)
+    one text per row of its ``text`` column, else of its first string column. Missing data is
+    reported here, before tokenizer problems are.
+    """
+    import datasets
+
     if isinstance(data, (str, Path)):
         path = Path(data)
         if path.is_file():
-            return [path.read_text(encoding="utf-8", errors="replace")]
-        if path.is_dir():
-            files = sorted(path.glob("*.txt"))
-            if files:
-                return [f.read_text(encoding="utf-8", errors="replace") for f in files]
-            data = _load_dataset(path, split)
-        else:
-            raise DataError(f"no such evaluation data: {data}")
-    if isinstance(data, Sequence) and all(isinstance(t, str) for t in data):
-        return list(data)
+            return _file_texts([path]), "text"
+        if path.is_dir() and (files := sorted(path.glob("*.txt"))):
+            return _file_texts(files), "text"
+        data = _load_dataset(data, split, name)
+    elif isinstance(data, Sequence) and all(isinstance(t, str) for t in data):
+        return datasets.Dataset.from_dict({"text": list(data)}, features=datasets.Features({"text": datasets.Value("string")})), "text"
     columns = getattr(data, "column_names", None)
-    if columns is not None:
-        text_columns = [c for c in columns if c == "text"] or [c for c in columns if data.features[c].dtype == "string"]
-        if not text_columns:
-            raise DataError(f"dataset has no text column (columns: {', '.join(columns)})")
-        return [t for t in data[text_columns[0]] if t]
-    raise DataError(f"cannot read text from {type(data).__name__}")
+    if columns is None:
+        raise DataError(f"cannot read text from {type(data).__name__}")
+    features = data.features or {}
+    text_columns = [c for c in columns if c == "text"] or [c for c in columns if getattr(features.get(c), "dtype", None) == "string"]
+    if not text_columns:
+        raise DataError(f"dataset has no text column (columns: {', '.join(columns)})")
+    rows = data.select_columns(text_columns[:1])
+    return (rows.with_format(None) if isinstance(rows, datasets.Dataset) else rows), text_columns[0]
+
+
+def _file_texts(files: list[Path]):
+    """Text files as an iterable dataset with one whole text per file, read when its row is reached."""
+    import datasets
+
+    paths = datasets.Dataset.from_dict({"path": [str(f) for f in files]}).to_iterable_dataset()
+    return paths.map(lambda row: {"text": Path(row["path"]).read_text(encoding="utf-8", errors="replace")}, remove_columns=["path"])
+
+
+def _token_ids(rows, column: str, tokenizer, enough: int | None) -> list[int]:
+    """The token ids of the texts in ``rows[column]``, each tokenised on its own (no special
+    tokens; empty texts skipped) and concatenated in order.
+
+    Tokenising is batched and lazy: it runs on an iterable dataset, so that it stops once
+    ``enough`` ids (if given) are in hand, and writes no cache files (``Dataset.map`` would write
+    them next to a dataset read from disk).
+    """
+    import datasets
+
+    if isinstance(rows, datasets.Dataset):
+        if len(rows) == 0:  # to_iterable_dataset cannot shard an empty dataset
+            return []
+        rows = rows.to_iterable_dataset()
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        texts = [text for text in batch[column] if text]
+        return {"input_ids": tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []}
+
+    ids: list[int] = []
+    for row in rows.map(tokenize, batched=True, batch_size=_TEXTS_PER_CALL, remove_columns=[column]):
+        ids.extend(row["input_ids"])
+        if enough and len(ids) >= enough:
+            break
+    return ids
 
 
 def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None, options: EvalOptions) -> list[Batch]:
@@ -106,7 +200,7 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
 
     if tokenizer_folder is None:
         raise DataError("text evaluation needs a tokenizer: pass models as folders or Hub ids that include one")
-    texts = _texts(data, options.split)  # missing data is reported before tokenizer problems
+    rows, column = _text_rows(data, options.split, options.name)  # missing data is reported before tokenizer problems
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, trust_remote_code=False)
     except (OSError, ValueError) as err:
@@ -116,13 +210,10 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
     seq_len = options.seq_len or min(128, context)
     if seq_len > context:
         raise DataSettingError(f"{{}} {seq_len} exceeds the model's context of {context} tokens", "seq_len")
-    ids: list[int] = []
-    for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if options.max_batches and len(ids) >= options.max_batches * options.batch_size * seq_len:
-            break
+    enough = options.max_batches * options.batch_size * seq_len if options.max_batches else None
+    ids = _token_ids(rows, column, tokenizer, enough)
     if len(ids) < seq_len:  # no whole block; transformers 5 gives a folder without tokenizer files a tokenizer that yields nothing
-        files = any((Path(tokenizer_folder) / name).is_file() for name in TOKENIZER_FILES)
+        files = any((Path(tokenizer_folder) / file_name).is_file() for file_name in TOKENIZER_FILES)
         hint = "" if files else f"; {tokenizer_folder} has no tokenizer files: copy model A's tokenizer into it"
         raise DataError(f"the text gave {len(ids)} tokens with model A's tokenizer, fewer than one block of {seq_len}{hint}")
     blocks = torch.tensor(ids[: len(ids) // seq_len * seq_len], dtype=torch.long).reshape(-1, seq_len)
@@ -134,6 +225,8 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
 
 def _image_batches(data, processor_folder: Path | None, options: EvalOptions) -> list[Batch]:
     if isinstance(data, (str, Path)) and str(data).endswith(".pt"):
+        if not Path(data).exists():
+            raise DataError(f"no such file or folder: {data}")
         try:
             data = load_pickled_tensors(Path(data), mmap=False)
         except CheckpointError as err:
@@ -145,7 +238,7 @@ def _image_batches(data, processor_folder: Path | None, options: EvalOptions) ->
             raise DataError("image tensors must be a dict with 'pixel_values' and 'labels'")
         pixels, labels = data["pixel_values"], data["labels"]
         return [{"pixel_values": p, "labels": y} for p, y in zip(pixels.split(options.batch_size), labels.split(options.batch_size))]
-    dataset = _load_dataset(data, options.split) if isinstance(data, (str, Path)) else data
+    dataset = _load_dataset(data, options.split, options.name) if isinstance(data, (str, Path)) else data
     columns = dataset.column_names
     label = next((c for c in ("label", "labels", "target") if c in columns), None)
     image = next((c for c in ("pixel_values", "image", "img") if c in columns), None)

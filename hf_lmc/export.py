@@ -279,6 +279,23 @@ def check_apart(output: str | Path, inputs: Iterable[str | Path]) -> None:
             raise ParameterError(f"{{}} {output} {where} the input {given}; write the merge to a folder of its own", "output")
 
 
+def check_writable(output: str | Path, needed_bytes: int = 0) -> None:
+    """Fail before any long work if ``output`` cannot be written: its nearest existing folder is
+    not writable, or the disk there has less free space than ``needed_bytes`` (an estimate of
+    the merge's size; with ``--overwrite`` the old folder is removed only after the new one is
+    in place, so it is not counted as free)."""
+    here = Path(output).absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        raise NotADirectoryError(f"cannot write {output}: {here} is a file")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {output}: {here} is not writable; choose another output folder")
+    free = shutil.disk_usage(here).free
+    if needed_bytes > free:
+        raise OSError(f"{output} needs about {needed_bytes / 1e9:.2f} GB but {here} has {free / 1e9:.2f} GB free; free some space or choose another output folder")
+
+
 def staging_folder(output: Path) -> Path:
     """A fresh hidden sibling of ``output`` to write into before :func:`move_into_place`.
 

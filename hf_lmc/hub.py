@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from huggingface_hub import HfApi, snapshot_download
-from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from .options import UsageError
+
+logger = logging.getLogger(__name__)
 
 #: What a merge needs from a model repo: config and tokenizer / processor files, the model card
 #: (its license is inherited), and the weights in one format: safetensors where the repo has them.
@@ -29,7 +39,7 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Pa
     repo_id, at, pinned = str(reference).partition("@")  # org/model@rev, as mergekit writes a revision
     if at:
         if not pinned or (revision is not None and revision != pinned):
-            raise ValueError(f"{reference} names revision {pinned!r} but {revision!r} was also given; give one")
+            raise UsageError(f"{reference} names revision {pinned!r} but {revision!r} was also given; give one")
         revision = pinned
     try:
         folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + SAFETENSORS_PATTERNS))
@@ -43,6 +53,7 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Pa
 
 
 def _download(repo_id: str, revision: str | None, patterns: list[str]) -> str:
+    logger.info("downloading %s%s (%s)", repo_id, f"@{revision}" if revision else "", ", ".join(patterns))
     return snapshot_download(repo_id, revision=revision, allow_patterns=patterns, ignore_patterns=IGNORED)
 
 
@@ -60,6 +71,7 @@ def push_folder(
     A failed push (no network, no token, no rights) raises :class:`PushError` in one line that
     says the folder is kept and how to push it without merging again."""
     api = api or HfApi()
+    logger.info("pushing %s to %s%s", folder, repo_id, " (private)" if private else "")
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model")

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .options import ParameterError
+from .options import ParameterError, UsageError
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def method(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise ValueError(f"unknown method {name!r}; choose from {', '.join(NAMES)}") from None
+        raise UsageError(f"unknown method {name!r}; choose from {', '.join(NAMES)}") from None
 
 
 def check_method(name: str, data, count: int = 2, data_parameter: str = "data") -> Method:
@@ -114,7 +114,7 @@ def check_method(name: str, data, count: int = 2, data_parameter: str = "data") 
     entry = method(name)
     if count > 2 and not entry.multi:
         multi = ", ".join(m.name for m in METHODS.values() if m.multi)
-        raise ValueError(f"method {name!r} aligns two models; for {count} use one of {multi}")
+        raise UsageError(f"method {name!r} aligns two models; for {count} use one of {multi}")
     if entry.needs_data and data is None:
         raise ParameterError(
             f"method {name!r} learns from data: pass {{}} (a text file or folder, a datasets id, or .pt tensors for ViT)", data_parameter

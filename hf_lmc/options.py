@@ -36,6 +36,12 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
+class UsageError(ValueError):
+    """A request that cannot be carried out as written (a flag, a recipe key or an argument with
+    a value the merge cannot take, or two that conflict): the command line exits 2 for it, as
+    argparse does for its own usage errors, and 1 when a run fails on what it reads or writes."""
+
+
 class _NamesParameter:
     """An error about one parameter, worded with a ``{}`` where the parameter is named, so that
     each front end names it its own way: the Python API by its keyword (``str(err)``), the command
@@ -50,12 +56,13 @@ class _NamesParameter:
         return self.template.format(name)
 
 
-class ParameterError(_NamesParameter, ValueError):
+class ParameterError(_NamesParameter, UsageError):
     """A value the merge cannot take; ``parameter`` is the keyword that holds it."""
 
 
 class OutputExistsError(_NamesParameter, FileExistsError):
-    """The output folder exists and ``parameter`` (overwrite) was not set."""
+    """The output folder exists and ``parameter`` (overwrite) was not set: a usage error, like
+    :class:`UsageError` (an ``OSError`` cannot also be a ``ValueError``)."""
 
 
 class Options(BaseModel):
@@ -190,6 +197,7 @@ class EvalOptions(Options):
     seq_len: PositiveInt | None = Field(None, description="tokens per sequence (default: min(128, the model's context))")
     max_batches: PositiveInt | None = Field(None, description="use at most this many batches of the data")
     split: str = Field("test", description="split of a datasets id to read")
+    name: str | None = Field(None, description="configuration of a datasets id with several, e.g. wikitext-103-raw-v1")
 
 
 #: Fitting data (activation, learned and dual matching) reads the training split.
@@ -240,6 +248,12 @@ class MergeSpec(OutputOptions):
     eval_options: EvalOptions = Field(EvalOptions(), description="how the evaluation data is batched")
     alphas: int | tuple[float, ...] | None = Field(
         None, description="evaluation grid: points per edge (default 11 for two models, 5 for more), or the alpha grid itself"
+    )
+    labels: tuple[str | None, ...] | None = Field(
+        None, description="how the model card names each model (default, or None: a Hub id as given, a local folder by its name)"
+    )
+    made_with: str | None = Field(
+        None, description="markdown for the card's Reproduce section: the command line or recipe that made the merge (default: these settings)"
     )
 
     @field_validator("models", mode="before")

@@ -17,6 +17,8 @@ One frozen :class:`~hf_lmc.options.MergeSpec` drives the stages of :func:`run`:
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import re
 import tempfile
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 from torch import Tensor
 
 from .adapters import adapter_for, read_config
@@ -46,17 +49,19 @@ from .canonical import (
     simplex_weights,
     weighted_sum,
 )
-from .card import inherited_license, merge_card
+from .card import ModelSource, inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device
 from .evaluation import describe_data, load_batches
-from .export import check_apart, write_checkpoint
+from .export import check_apart, check_writable, write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model, revisions_per_model
 from .methods import METHODS, check_method
-from .options import LearnOptions, MergeSpec, OutputExistsError, ParameterError
+from .options import LearnOptions, MergeSpec, OutputExistsError, ParameterError, UsageError
 from .symmetry import Transform, resolve_kinds
 from .widths import check_mergeable, to_common_shape
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,11 @@ def merge_models(models: Sequence[str | Path], output: str | Path, *, progress: 
     models = list(models)
     if len(models) < 2:
         raise ParameterError(f"merge needs at least 2 models in {{}}, got {len(models)}", "models")
-    return run(MergeSpec(models=models, output=output, **settings), progress=progress, api=api)
+    try:
+        spec = MergeSpec(models=models, output=output, **settings)
+    except ValidationError as err:  # one line, each refused setting by its keyword
+        raise UsageError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())) from None
+    return run(spec, progress=progress, api=api)
 
 
 def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
@@ -251,9 +260,11 @@ class Inputs:
     device: torch.device
     out_dtype: torch.dtype | None
     folders: list[Path]
+    revisions: list[str | None]
     configs: list
     width_notes: list[str]
     eval_batches: list | None
+    fit_batches: list | None
 
 
 def resolve(spec: MergeSpec) -> Inputs:
@@ -274,13 +285,49 @@ def resolve(spec: MergeSpec) -> Inputs:
     folders = [resolve_checkpoint(m, r) for m, r in zip(spec.models, revisions)]
     check_apart(output, folders)  # and as resolved (a Hub snapshot)
     configs = [read_config(f) for f in folders]
+    for k, (model, folder, config) in enumerate(zip(spec.models, folders, configs)):
+        logger.info("%s: %s (%s)%s", _model_name(k, count), model, config.model_type, "" if str(folder) == str(model) else f" from {folder}")
     width_notes = []
     for k in range(1, count):
         width_notes += check_mergeable(configs[0], configs[k], spec.models[0], spec.models[k])
     if width_notes and count > 2:
         raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
+    check_writable(output, _written_bytes(folders, configs, out_dtype))
     eval_batches = load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
-    return Inputs(weights, kinds, device, out_dtype, folders, configs, width_notes, eval_batches)
+    needs_data = METHODS[spec.method].needs_data
+    fit_batches = load_batches(spec.data, configs[0], folders[0], spec.data_options) if needs_data else None
+    if eval_batches is not None:
+        logger.info("evaluation data %s: %d batches", describe_data(spec.eval_data), len(eval_batches))
+    return Inputs(weights, kinds, device, out_dtype, folders, list(revisions), configs, width_notes, eval_batches, fit_batches)
+
+
+def _settings_markdown(spec: MergeSpec) -> str:
+    """The card's Reproduce text for a merge made from Python: its settings as JSON (data given
+    as objects described by type)."""
+    settings = spec.model_dump(mode="json", exclude_defaults=True, exclude={"data", "eval_data", "made_with", "labels"})
+    for key in ("data", "eval_data"):
+        if getattr(spec, key) is not None:
+            settings[key] = str(getattr(spec, key)) if isinstance(getattr(spec, key), (str, Path)) else type(getattr(spec, key)).__name__
+    return f"with these settings (`hf_lmc.options.MergeSpec`):\n\n```json\n{json.dumps(settings, indent=2)}\n```"
+
+
+#: Files whose bytes are a model's weights, in the order a loader prefers them.
+_WEIGHT_FILES = ("*.safetensors", "*.bin")
+
+
+def _written_bytes(folders: Sequence[Path], configs: Sequence, out_dtype: torch.dtype | None) -> int:
+    """About how many bytes the merge writes: the largest input's weight files, rescaled from
+    its stored dtype to the written one (a width merge writes the wider shape)."""
+    sizes = []
+    for folder, config in zip(folders, configs):
+        try:
+            stored = _dtype(getattr(config, "dtype", None)) or torch.float32
+        except ValueError:  # a dtype name this check does not know; the export will say more
+            stored = torch.float32
+        written = out_dtype or stored
+        files = next((found for pattern in _WEIGHT_FILES if (found := list(Path(folder).glob(pattern)))), [])
+        sizes.append(sum(f.stat().st_size for f in files if f.is_file()) * written.itemsize // stored.itemsize)
+    return max(sizes, default=0)
 
 
 @dataclass(frozen=True)
@@ -300,7 +347,8 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     """Align the models (unless the method is the plain average of models of one shape) and set
     up the merged tensors. Reading streams layer by layer from the checkpoints (learned and dual
     matching hold the models in memory while they train)."""
-    config_a, folder_a = inputs.configs[0], inputs.folders[0]
+    config_a = inputs.configs[0]
+    logger.info("aligning %d models: %s%s", len(inputs.folders), spec.method, "" if spec.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}")
     if spec.method == "average" and not inputs.width_notes:
         groups = _average_groups(inputs.folders, config_a, inputs.weights)
         return Aligned(config_a, groups, None, False, None, inputs.out_dtype)
@@ -310,7 +358,7 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     canonical = [canonicalize(f, dtype=torch.float32, device=None if needs_data else inputs.device) for f in inputs.folders]
     if inputs.width_notes:  # models of two widths: exactly into one shape
         canonical = list(to_common_shape(*canonical, spec.models[0], spec.models[1]))
-    batches = load_batches(spec.data, config_a, folder_a, spec.data_options) if needs_data else None
+    batches = inputs.fit_batches
     if spec.method == "average":  # two widths: the embedded models, interpolated as they are
         transforms = [Transform() for _ in canonical]
     else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
@@ -346,6 +394,7 @@ def measure(spec: MergeSpec, inputs: Inputs, aligned: Aligned, scratch: Path, *,
     transforms, and its plot in ``scratch``; nothing without evaluation data."""
     if inputs.eval_batches is None:
         return Measured()
+    logger.info("measuring the barrier on %s", describe_data(spec.eval_data))
     loaded = [load_model(f) for f in inputs.folders]
     method = spec.method
     options = dict(
@@ -367,8 +416,10 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
     """The model card and the merged checkpoint, written to a temporary folder and renamed onto
     ``spec.output`` at the end."""
     count = len(spec.models)
+    labels = spec.labels or [None] * count
+    barriers = dict(measured.result.barriers) if measured.result else None
     card = merge_card(
-        base_models=list(spec.models),
+        base_models=[ModelSource.of(m, r, f, label) for m, r, f, label in zip(spec.models, inputs.revisions, inputs.folders, labels)],
         method=spec.method,
         symmetries=sorted(inputs.kinds) if spec.method != "average" else [],
         notes=_training_notes(spec.method, spec.learn) + inputs.width_notes,
@@ -378,10 +429,15 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
         model_type=inputs.configs[0].model_type,
         tied_embeddings_dropped=aligned.untied,
         barrier_table=measured.result.table() if measured.result else None,
+        barriers=barriers,
+        eval_data=str(spec.eval_data) if isinstance(spec.eval_data, (str, Path)) else None,
+        eval_split=spec.eval_options.split,
+        made_with=spec.made_with or _settings_markdown(spec),
         plot_filename=measured.plot.name if measured.plot else None,
         repo_hint=spec.push_to_hub or spec.output,
     )
     extra = {measured.plot.name: measured.plot} if measured.plot else {}
+    logger.info("writing %s (%s, shards of at most %s)", spec.output, str(aligned.out_dtype).removeprefix("torch."), spec.shard_size)
     return write_checkpoint(
         aligned.groups, aligned.config, spec.output, shard_size=spec.shard_size, dtype=aligned.out_dtype,
         source_folder=inputs.folders[0], card=card, extra_files=extra, overwrite=spec.overwrite, progress=progress,

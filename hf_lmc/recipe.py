@@ -39,7 +39,7 @@ from pydantic import (
 )
 
 from .methods import METHODS, NAMES
-from .options import SYMMETRIES, AccelerateOptions, EvalOptions, LearnOptions, Options, OutputOptions, check_device
+from .options import SYMMETRIES, AccelerateOptions, EvalOptions, LearnOptions, Options, OutputOptions, UsageError, check_device
 from .zoo import ZOO
 
 ZOO_PREFIX = "zoo:"
@@ -49,7 +49,7 @@ _MISSING = object()
 Method = Literal[NAMES]  # the registry's names (hf_lmc.methods)
 
 
-class RecipeError(ValueError):
+class RecipeError(UsageError):
     """A recipe that cannot run: the message names the file and the offending key."""
 
 
@@ -115,7 +115,6 @@ class DataSpec(EvalOptions):
     batching fields of :class:`hf_lmc.options.EvalOptions`)."""
 
     dataset: str | None = Field(None, description="a datasets id (e.g. Salesforce/wikitext) or a folder saved with save_to_disk")
-    name: str | None = Field(None, description="the dataset's configuration, e.g. wikitext-103-raw-v1")
     files: list[str] | None = Field(
         None, description="local data: .txt files or folders of them, .json/.jsonl/.csv/.parquet with a text column, or one .pt tensor file (ViT)"
     )
@@ -142,7 +141,9 @@ class DataSpec(EvalOptions):
     def options(self, default_split: str) -> EvalOptions:
         """How the pipeline batches this data (``default_split`` where the recipe names none)."""
         max_batches = self.max_batches if self.samples is None else math.ceil(self.samples / self.batch_size)
-        return EvalOptions(batch_size=self.batch_size, seq_len=self.seq_len, max_batches=max_batches, split=self.split or default_split)
+        return EvalOptions(
+            batch_size=self.batch_size, seq_len=self.seq_len, max_batches=max_batches, split=self.split or default_split, name=self.name
+        )
 
 
 class EvalSpec(_Section):

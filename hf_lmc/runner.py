@@ -14,6 +14,7 @@ import csv
 import dataclasses
 import io
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from peft import PeftModel
 
 from . import pipeline, zoo
@@ -30,11 +32,18 @@ from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folde
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
 from .methods import METHODS
-from .options import FIT_OPTIONS, EvalOptions, MergeSpec, OutputExistsError, ParameterError
+from .options import FIT_OPTIONS, EvalOptions, MergeSpec, OutputExistsError, ParameterError, UsageError
 from .progress import bar as progress_bar
 from .recipe import ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
 
 SUMMARY = "summary"  # summary.md, summary.json, summary.csv in output.dir
+
+logger = logging.getLogger(__name__)
+
+
+class RunFailedError(ValueError):
+    """One run of a recipe failed on what it read or wrote (its models, data, disk or the Hub);
+    the message names the run. A recipe that cannot run as written is a :class:`RecipeError`."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,7 @@ def run_recipe(
     otherwise) beside ``summary.md``, ``summary.json`` and ``summary.csv``. ``api`` stands in for
     ``huggingface_hub.HfApi`` when pushing.
     """
+    given = recipe
     if not isinstance(recipe, Recipe) or overrides:
         recipe = load_recipe(recipe.model_dump() if isinstance(recipe, Recipe) else recipe, overrides)
     _refuse_several_processes()
@@ -120,6 +130,7 @@ def run_recipe(
     fit_data = load_data(recipe.data, "train") if recipe.data is not None and needs_data else None
     eval_data = load_data(recipe.eval.data, "test") if recipe.eval is not None else None
 
+    made_with = _recipe_markdown(recipe, given)
     staging = staging_folder(final)
     try:
         with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
@@ -128,12 +139,17 @@ def run_recipe(
             bar = progress_bar(recipe.runs(), desc="recipe runs", unit="merge", show=progress)
             for group, method, refs in bar:
                 bar.set_postfix_str(f"{group} / {method}")
+                logger.info("run %s / %s: %s", group, method, ", ".join(ref.label for ref in refs))
                 folder = recipe.run_folder(group, method)
                 try:
                     sources = [resolver(ref) for ref in refs]
-                    merged = pipeline.run(merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data), progress=progress)
-                except (ValueError, OSError) as err:  # say which run of a sweep failed
-                    raise RecipeError(f"{group} / {method}: {err}") from err
+                    spec = merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data).model_copy(
+                        update={"labels": tuple(s.label if s.relabel else None for s in sources), "made_with": made_with}
+                    )
+                    merged = pipeline.run(spec, progress=progress)
+                except (ValueError, OSError) as err:  # say which run of a sweep failed, keeping what kind of failure it was
+                    failed = RecipeError if isinstance(err, (UsageError, OutputExistsError)) else RunFailedError
+                    raise failed(f"{group} / {method}: {err}") from err
                 barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
                 runs.append(RunResult(group, method, [ref.label for ref in refs], folder, barriers))
                 _relabel_card(staging / folder, {str(s.reference): s.label for s in sources if s.relabel})
@@ -154,6 +170,14 @@ def run_recipe(
         result = dataclasses.replace(result, runs=pushed)
         write_summary(result, final)
     return result
+
+
+def _recipe_markdown(recipe: Recipe, given) -> str:
+    """The card's Reproduce text of a recipe's merges: the recipe as it ran (overrides applied,
+    defaults left out), and the command that runs it."""
+    text = yaml.safe_dump(recipe.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    name = Path(given).name if isinstance(given, (str, Path)) else "recipe.yaml"
+    return f"the recipe `{name}`, as it ran (`--set` changes applied); save it and run `hf-lmc run {name}`:\n\n```yaml\n{text}```"
 
 
 def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output: Path, fit_data, eval_data) -> MergeSpec:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import hashlib
 import json
 import lzma
@@ -33,11 +34,13 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from .adapters import adapter_for
-from .export import move_into_place, staging_folder
+from .export import GENERATION_CONFIG, move_into_place, staging_folder
 from .progress import bar as progress_bar
+
+logger = logging.getLogger(__name__)
 
 DATA_VERSION = 1  # bump when the shipped corpus or its split changes: it is part of the cache key
 
@@ -145,15 +148,26 @@ def shakespeare() -> tuple[list[str], list[str]]:
     return [t for n, t in plays.items() if n not in held], [t for n, t in plays.items() if n in held]
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level fast tokenizer over every character of the shipped corpus."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _corpus_chars() -> list[str]:
+    """Every character of the shipped corpus, sorted: the tokenizer's vocabulary after ``<unk>``."""
+    return sorted(set("".join(_corpus()["plays"].values())))
 
-    chars = sorted(set("".join(_corpus()["plays"].values())))
-    vocab = {"<unk>": 0} | {c: i + 1 for i, c in enumerate(chars)}
+
+def char_tokenizer(model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer over every character of the shipped corpus.
+
+    One token per character, and tokens decode by concatenation (a ``Fuse`` decoder, no space
+    clean-up), so text decodes exactly as written. ``model_max_length`` is the context of the
+    model it is saved with (pipelines bound inputs by it); left out, the tokenizer sets no bound.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0} | {c: i + 1 for i, c in enumerate(_corpus_chars())}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", model_max_length=10**6)
+    tokenizer.decoder = decoders.Fuse()
+    bound = {} if model_max_length is None else {"model_max_length": model_max_length}
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", clean_up_tokenization_spaces=False, **bound)
 
 
 @functools.lru_cache(maxsize=1)
@@ -234,15 +248,65 @@ def build_config(entry: ZooEntry):
     return config
 
 
+def _write_lm_files(folder: Path, context: int) -> None:
+    """Write a character LM member's tokenizer and generation config into ``folder``.
+
+    Both are bounded by the model's ``context`` (its positions): the tokenizer's
+    ``model_max_length``, and ``max_length`` in the generation config, so that ``generate`` and
+    the text-generation pipeline stop where the position embeddings end. Other generation
+    settings already in ``folder`` are kept.
+    """
+    char_tokenizer(context).save_pretrained(folder)
+    generation = GenerationConfig.from_pretrained(folder) if (folder / GENERATION_CONFIG).is_file() else GenerationConfig()
+    generation.max_length = context
+    generation.save_pretrained(folder)
+
+
+def _lm_files_current(folder: Path, context: int) -> bool:
+    """Whether a cached LM member's tokenizer and generation config behave as :func:`_write_lm_files`
+    makes them: every corpus character decodes as written and both stop at ``context``.
+
+    Members cached by older versions decoded with a space between characters and let generation
+    run past the model's positions.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+        generation = GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError):  # missing or unreadable files: write them again
+        return False
+    chars = _corpus_chars()
+    decodes = tokenizer.decode(tokenizer.convert_tokens_to_ids(chars)) == "".join(chars)
+    return decodes and tokenizer.model_max_length == context and generation.max_length == context
+
+
+def _refresh_lm_files(folder: Path, context: int) -> None:
+    """Bring a cached LM member's tokenizer and generation config up to date, without retraining:
+    a copy of the member with fresh files replaces it atomically (as training writes it)."""
+    staging = staging_folder(folder)
+    try:
+        shutil.copytree(folder, staging, dirs_exist_ok=True)
+        _write_lm_files(staging, context)
+        move_into_place(staging, folder, overwrite=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progress: bool = True) -> Path:
     """Train one zoo member (or load it from the cache) and return its checkpoint folder.
 
-    ``seed`` sets both the initialisation and the data order.
+    ``seed`` sets both the initialisation and the data order. A cached language model whose
+    tokenizer or generation config an older version wrote gets current ones (its weights stay).
     """
     entry = _entry(entry)
     folder = (cache or cache_dir()) / entry.key(seed)
     if (folder / "config.json").is_file() and (folder / "zoo.json").is_file():
+        if entry.model_type != "vit":
+            context = build_config(entry).max_position_embeddings
+            if not _lm_files_current(folder, context):
+                _refresh_lm_files(folder, context)
         return folder
+    logger.info("training zoo member %s (seed %d) into %s", entry.key(seed), seed, folder)
     config = build_config(entry)
     torch.manual_seed(seed)
     model = adapter_for(config).model_class(config)
@@ -278,7 +342,7 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
     try:
         model.save_pretrained(staging)
         if entry.model_type != "vit":
-            char_tokenizer().save_pretrained(staging)
+            _write_lm_files(staging, config.max_position_embeddings)
         final = sum(losses[-50:]) / len(losses[-50:])
         (staging / "zoo.json").write_text(json.dumps({"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final}, indent=2))
         move_into_place(staging, folder, overwrite=True)

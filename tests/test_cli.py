@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hf_lmc.cli import main
@@ -38,9 +39,30 @@ def test_symmetries_prints_the_axes_table(tmp_path, capsys):
 
 
 def test_missing_folder_is_a_one_line_error(capsys):
-    assert main(["check", "./no/such/model"]) == 2
+    assert main(["check", "./no/such/model"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("hf-lmc: error:") and "no/such/model" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("argv, code", [
+    (["merge", "./a", "./b", "-o", "out", "--alpha", "0.5", "--weights", "0.5", "0.5"], 2),  # conflicting flags
+    (["merge", "./a", "./b", "-o", "out", "--alpha", "1.5"], 2),  # a value out of range
+    (["merge", "./a", "./b", "-o", "out", "--method", "dual"], 2),  # a data method without --data
+    (["merge", "./a", "./b", "-o", "out", "--device", "cuda:0"], 2) if not torch.cuda.is_available() else (["check", "--seed", "x"], 2),
+    (["merge", "./no/such/a", "./no/such/b", "-o", "out"], 1),  # the run fails on what it reads
+    (["barrier", "./no/such/a", "./no/such/b", "--eval-data", "plays.txt"], 1),
+])
+def test_exit_codes_are_2_for_usage_and_1_for_a_failed_run(argv, code, capsys, tmp_path, monkeypatch):
+    """As argparse, ``hf`` and mergekit: 2 when the command as written cannot run, 1 when the run
+    fails; either way one ``hf-lmc: error:`` line."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        got = main(argv)
+    except SystemExit as exit:  # argparse's own usage errors
+        got = exit.code
+    assert got == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "error:" in err.strip().splitlines()[-1], err
 
 
 def test_generated_learning_flags_reach_the_options_model():
@@ -100,3 +122,37 @@ def test_every_option_is_described_once_for_flags_recipes_and_the_api():
     assert set(schema["LearnOptions"]["properties"]) == set(cli.LEARN.flags) == set(options.LearnOptions.model_fields)
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["merge"].format_help()
     assert all(flag in help_text for flag in (*cli.LEARN.flags.values(), *cli.ACCELERATE.flags.values(), *cli.OUTPUT.flags.values()))
+
+
+def test_data_flags_mean_the_same_in_merge_and_barrier():
+    """``--data`` is fitting data and ``--eval-data`` evaluation data in every command, each
+    with its split and dataset configuration."""
+    from hf_lmc import cli
+
+    parser = cli.build_parser()
+    flags = ["--data", "fit.txt", "--data-split", "validation", "--data-name", "raw",
+             "--eval-data", "eval.txt", "--eval-data-split", "dev", "--eval-data-name", "clean", "--batch-size", "4"]
+    for command in (["merge", "a", "b", "-o", "out"], ["barrier", "a", "b"]):
+        args = parser.parse_args([*command, *flags])
+        assert (args.data, args.eval_data) == ("fit.txt", "eval.txt")
+        fit, evaluation = cli._fit_options(args), cli._eval_options(args)
+        assert (fit.split, fit.name, fit.batch_size) == ("validation", "raw", 4)
+        assert (evaluation.split, evaluation.name, evaluation.batch_size) == ("dev", "clean", 4)
+    with pytest.raises(SystemExit):  # the barrier has nothing to measure without evaluation data
+        parser.parse_args(["barrier", "a", "b", "--data", "fit.txt"])
+
+
+def test_a_misspelt_data_file_is_one_line_without_trying_the_hub(tmp_path, capsys, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("a file name was tried as a Hub dataset"))
+    folder = tmp_path / "m"
+    build_model(tiny_configs()["gpt2"], dtype=torch.float32).save_pretrained(folder)
+    from tests.models import char_tokenizer_folder
+
+    char_tokenizer_folder(folder, tiny_configs()["gpt2"].vocab_size)
+    (tmp_path / "eval.txt").write_text("some text " * 50)
+    capsys.readouterr()
+    assert main(["barrier", str(folder), str(folder), "--eval-data", str(tmp_path / "eval.tx"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "eval.tx" in err, err

@@ -236,7 +236,7 @@ def _card(**overrides) -> ModelCard:
 
 def test_card_metadata():
     assert _card().data.to_dict() == {
-        "base_model": ["org/model-a", "./local/model-b"],
+        "base_model": ["org/model-a"],  # a Hub id; the local model is described in the body
         "base_model_relation": "merge",
         "library_name": "transformers",
         "license": "apache-2.0",
@@ -249,7 +249,7 @@ def test_card_body():
     text = _card().text
     assert "linear mode connectivity" in text and "`weight`" in text and "weight matching" in text
     assert "heads, mlp, residual" in text and "| 0.3 |" in text
-    assert "`org/model-a` and `./local/model-b`" in text
+    assert "[`org/model-a`](https://huggingface.co/org/model-a) and `model-b` (a local model)" in text
     assert TABLE in text and "![loss along the path](loss_along_path.png)" in text
     assert "tie_word_embeddings=False" in text and "- Trained on different seeds." in text
     assert 'AutoModelForCausalLM.from_pretrained("' in text  # the task class, not the bare backbone

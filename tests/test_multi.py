@@ -128,8 +128,8 @@ def test_cli_merge_of_three_twins_lists_every_model_and_weight(tmp_path, capsys)
     inputs = sample_inputs(model.config)
     assert relative_error(logits(merged, inputs), logits(model, inputs)) < 1e-3
     card = ModelCard.load(out / "README.md")
-    assert card.data.to_dict()["base_model"] == [str(f) for f in folders]
-    assert f"| weights | `{folders[0]}`: 0.5, `{folders[1]}`: 0.3, `{folders[2]}`: 0.2 |" in card.text
+    assert "base_model" not in card.data.to_dict()  # local folders are described in the body only
+    assert f"| weights | `{folders[0].name}`: 0.5, `{folders[1].name}`: 0.3, `{folders[2].name}`: 0.2 |" in card.text
     assert "universe weight matching" in card.text
 
 
@@ -180,12 +180,12 @@ def test_barrier_cli_over_the_simplex_of_three_twins(tmp_path, capsys):
     _, folders = twin_folders(tmp_path, "vit", [5, 6])
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
     plot = tmp_path / "simplex.png"
-    args = ["barrier", *map(str, folders), "--data", str(tmp_path / "eval.pt"), "--alphas", "3", "--json", "--plot", str(plot)]
+    args = ["barrier", *map(str, folders), "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3", "--json", "--plot", str(plot)]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["points"]) == len(simplex_grid(3, 3)) and abs(report["barriers"]["weight"]) < 1e-4
     assert set(report["barriers"]) == {"average", "weight"} and plot.stat().st_size > 1000
-    _fails(["barrier", *map(str, folders), "--data", "x.pt", "--revisions", "main"], capsys, tmp_path, "one entry per model")
+    _fails(["barrier", *map(str, folders), "--eval-data", "x.pt", "--revisions", "main"], capsys, tmp_path, "one entry per model")
     with pytest.raises(ValueError, match="one entry per model"):  # the Python API checks it too
         hf_lmc.barriers.barrier_over_simplex(folders, tmp_path / "eval.pt", revisions=["main"])
 

@@ -179,7 +179,7 @@ def test_a_folder_that_needs_custom_code_is_refused_without_running_it_or_asking
     )
     for args in (["merge", str(a), str(custom), "-o", str(tmp_path / "out")], ["symmetries", str(custom)]):
         run = subprocess.run([sys.executable, "-m", "hf_lmc", *args], cwd=ROOT, input="y\ny\n", capture_output=True, text=True, timeout=300)
-        assert run.returncode == 2, run.stderr
+        assert run.returncode == 1, run.stderr  # the input cannot be used: a failed run
         assert "custom code" in run.stderr and "[y/N]" not in run.stdout + run.stderr and "Traceback" not in run.stderr
     assert not marker.exists() and not (tmp_path / "out").exists()
 
@@ -206,6 +206,8 @@ def test_a_weight_beyond_the_written_dtype_is_refused_by_name_and_nothing_is_wri
     ("gpt2", {"scale_attn_weights": False}),
     ("gpt_neox", {"use_parallel_residual": False}),
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+    ("gpt2", {"n_positions": 8}),  # another context length: weight matching failed on a matmul
+    ("vit", {"image_size": 16}),  # another image size (another number of patches)
 ])
 def test_models_whose_settings_change_the_function_are_refused_with_the_setting_named(tmp_path, capsys, arch, change):
     """Same shapes, another function: merged under A's config, B's part would compute something
@@ -221,7 +223,7 @@ def test_models_whose_settings_change_the_function_are_refused_with_the_setting_
     build_model(other, seed=1, dtype=torch.float32).save_pretrained(b)
     capsys.readouterr()
     for method in ("weight", "average"):
-        assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--device", "cpu"]) == 2
+        assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--device", "cpu"]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and next(iter(change)) in err, err
     assert not (tmp_path / "out").exists()
@@ -318,7 +320,7 @@ def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, caps
     a, b = _pair(tmp_path)
     _rewrite_header(b / "model.safetensors", damage)
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--device", "cpu"]) == 2
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--device", "cpu"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "model.safetensors" in errors[0] and named in errors[0], errors
     assert not (tmp_path / "out").exists()
@@ -335,7 +337,7 @@ def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys,
     a, b = _pair(tmp_path)
     out = tmp_path / "out"
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(out), "--device", "cpu", "--push-to-hub", "me/merged", "--quiet"]) == 2
+    assert main(["merge", str(a), str(b), "-o", str(out), "--device", "cpu", "--push-to-hub", "me/merged", "--quiet"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"hf upload me/merged {out}" in errors[0] and "ConnectionError" in errors[0], errors
     assert (out / "model.safetensors").is_file()  # kept
@@ -367,7 +369,7 @@ def test_text_data_for_a_model_without_tokenizer_files_is_one_line(tmp_path, cap
         build_model(tiny_configs()["gpt2"], seed=seed, dtype=torch.float32).save_pretrained(folder)  # no tokenizer
     (tmp_path / "eval.txt").write_text("abc abc abc\n" * 50)
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--eval-data", str(tmp_path / "eval.txt"), "--device", "cpu"]) == 2
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--eval-data", str(tmp_path / "eval.txt"), "--device", "cpu"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "tokenizer" in errors[0] and str(a) in errors[0], errors
     assert not (tmp_path / "out").exists()
@@ -389,7 +391,7 @@ def test_old_format_bin_checkpoints_merge_and_a_pickle_of_other_objects_is_named
     state["extra"] = _RunsCode(str(marker))
     torch.save(state, b / "pytorch_model.bin")
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out2"), "--device", "cpu", "--quiet"]) == 2
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out2"), "--device", "cpu", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "other than tensors" in err and "corrupt" not in err, err
     assert not marker.exists()
@@ -409,6 +411,101 @@ def test_a_malformed_pt_image_file_is_one_line(tmp_path, capsys):
     bad = tmp_path / "images.pt"
     bad.write_bytes(b"not a torch file at all")
     capsys.readouterr()
-    assert main(["barrier", str(folder), str(folder), "--data", str(bad), "--quiet"]) == 2
+    assert main(["barrier", str(folder), str(folder), "--eval-data", str(bad), "--quiet"]) == 1
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "images.pt" in errors[0], errors
+
+
+def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version_and_command(tmp_path, monkeypatch, capsys):
+    """``base_model`` holds Hub ids only (a local model is described in the body), each Hub
+    model's commit is in the body, the barrier is ``model-index`` metadata, and the hf_lmc
+    version and the exact command are in the card."""
+    import hf_lmc.hub as hub
+    from huggingface_hub import ModelCard
+
+    a, b = _pair(tmp_path)
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "cache" / "models--org--model-b" / "snapshots" / commit
+    snapshot.parent.mkdir(parents=True)
+    b.rename(snapshot)
+    monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, *, revision, allow_patterns, ignore_patterns: str(snapshot))
+    (tmp_path / "eval.txt").write_text("abc ab. ca\n" * 40)
+    out = tmp_path / "out"
+    argv = ["merge", str(a), "org/model-b@v1", "-o", str(out), "--device", "cpu", "--eval-data", str(tmp_path / "eval.txt"),
+            "--seq-len", "8", "--alphas", "3", "--quiet"]
+    assert main(argv) == 0
+    card = ModelCard.load(out / "README.md")
+    data = card.data.to_dict()
+    assert data["base_model"] == ["org/model-b"] and data["base_model_relation"] == "merge"
+    described = card.text.split("## How to use")[0]
+    assert f"`{a.name}` (a local model)" in described and str(tmp_path) not in described
+    assert f"(https://huggingface.co/org/model-b) at revision `{commit}`" in card.text
+    results = data["model-index"][0]["results"][0]
+    assert results["dataset"] == {"name": "eval.txt", "type": "local"}
+    metrics = {m["name"]: m["value"] for m in results["metrics"]}
+    assert set(metrics) == {"loss barrier, average (nats)", "loss barrier, weight (nats)"} and all(isinstance(v, float) for v in metrics.values())
+    assert f"`hf-lmc` {hf_lmc.__version__}" in card.text
+    assert "hf-lmc " + " ".join(argv) in card.text  # the exact command (no argument here needs quoting)
+
+
+def test_a_python_merge_records_its_settings_and_a_license_conflict_is_a_warning(tmp_path, caplog):
+    from huggingface_hub import ModelCard
+
+    from hf_lmc import merge
+
+    a, b = _pair(tmp_path)
+    (a / "README.md").write_text("---\nlicense: mit\n---\n# A\n")
+    (b / "README.md").write_text("---\nlicense: apache-2.0\n---\n# B\n")
+    with caplog.at_level("WARNING", logger="hf_lmc"):
+        merge(a, b, tmp_path / "out", alpha=0.25, device="cpu", progress=False)
+    assert any("licenses differ" in r.getMessage() for r in caplog.records)
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert "license" not in card.data.to_dict()
+    assert '"weights": [\n    0.75,\n    0.25\n  ]' in card.text and '"device": "cpu"' in card.text
+
+
+def test_verbose_says_what_each_stage_does_and_is_silent_by_default(tmp_path, capsys):
+    a, b = _pair(tmp_path)
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "quiet"), "--device", "cpu", "-q"]) == 0
+    assert "hf-lmc:" not in capsys.readouterr().err
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "loud"), "--device", "cpu", "-q", "-v"]) == 0
+    err = capsys.readouterr().err
+    assert all(f"hf-lmc: {stage}" in err for stage in ("A: ", "B: ", "aligning 2 models: weight", "writing ")), err
+    assert "%|" not in err  # -q -v: a log without bars
+
+
+def test_an_unwritable_output_fails_before_any_alignment(tmp_path, capsys, monkeypatch):
+    """A read-only parent folder is reported before alignment, naming the folder. (The suite may
+    run as root, who writes anywhere, so the permission answer is stood in for.)"""
+    import hf_lmc.pipeline as pipeline
+
+    a, b = _pair(tmp_path)
+    monkeypatch.setattr(pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the output was checked"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    real_access = os.access
+    monkeypatch.setattr(export.os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
+    try:
+        capsys.readouterr()
+        assert main(["merge", str(a), str(b), "-o", str(locked / "deep" / "out"), "--device", "cpu"]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not writable" in err and str(locked) in err, err
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_disk_without_room_for_the_merge_fails_before_any_alignment(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import hf_lmc.pipeline as pipeline
+
+    a, b = _pair(tmp_path)
+    monkeypatch.setattr(pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the disk was checked"))
+    monkeypatch.setattr(export.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 100, 100))
+    capsys.readouterr()
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--device", "cpu", "--dtype", "float16"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GB free" in err, err
+    assert not (tmp_path / "out").exists() and not _debris(tmp_path)

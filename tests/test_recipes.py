@@ -16,7 +16,7 @@ from hf_lmc import pipeline, zoo
 from hf_lmc.cli import main
 from hf_lmc.evaluation import DataError
 from hf_lmc.recipe import DataSpec, RecipeError, load_recipe
-from hf_lmc.runner import fold_adapter, load_data, run_recipe
+from hf_lmc.runner import RunFailedError, fold_adapter, load_data, run_recipe
 from hf_lmc.verify import tiny_configs
 from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
 from tests.test_merge import RecordingApi
@@ -184,7 +184,7 @@ def test_a_failing_run_leaves_nothing_and_pushes_nothing(tmp_path):
         "sweep": [{"name": "good", "models": [str(a), str(b)]}, {"name": "bad", "models": [str(a), str(tmp_path / "missing")]}],
         "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m-{group}"},
     }
-    with pytest.raises(RecipeError, match=r"^bad / weight: .*missing"):  # the run and the folder it lacks
+    with pytest.raises(RunFailedError, match=r"^bad / weight: .*missing"):  # the run and the folder it lacks
         run_recipe(recipe, progress=False, api=api)
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name] and api.calls == []
 
@@ -220,12 +220,13 @@ def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
     run_recipe(recipe, progress=False)
     merged = MODEL_CLASSES["gpt2"].from_pretrained(tmp_path / "out" / "average").eval()
     assert relative_error(logits(merged, inputs), expected) < 1e-5  # alpha 0: the folded model itself
-    card = ModelCard.load(tmp_path / "out" / "average" / "README.md").data.to_dict()
-    assert card["base_model"] == [f"{tmp_path / 'base'}+{tmp_path / 'lora'}", str(tmp_path / "base")]
+    card = ModelCard.load(tmp_path / "out" / "average" / "README.md")
+    assert "base_model" not in card.data.to_dict()  # local models: named in the body
+    assert f"`{tmp_path / 'base'}+{tmp_path / 'lora'}` (a local model) and `base` (a local model)" in card.text
 
     recipe["models"][0]["adapter"] = str(tmp_path / "no-lora")
     recipe["output"]["dir"] = str(tmp_path / "out2")
-    with pytest.raises(RecipeError, match="^models / average: .*no-lora$"):
+    with pytest.raises(RunFailedError, match="^models / average: .*no-lora$"):
         run_recipe(recipe, progress=False)
 
 
@@ -321,7 +322,9 @@ def test_the_offline_recipe_runs(tiny_zoo, tmp_path, capsys):
     for arch in ("gpt2", "pythia", "llama"):
         for method in ("weight", "activation"):
             card = ModelCard.load(out / arch / method / "README.md")
-            assert card.data.to_dict()["base_model"] == [f"zoo:{arch}/seed0", f"zoo:{arch}/seed1"]
+            assert "base_model" not in card.data.to_dict()
+            assert f"`zoo:{arch}/seed0` (a local model) and `zoo:{arch}/seed1` (a local model)" in card.text
+            assert "```yaml" in card.text and "method:" in card.text  # the recipe that made it
     summary = (out / "summary.md").read_text()
     assert all(f"| {arch} " in summary for arch in ("gpt2", "pythia", "llama")), summary
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, pipeline
 
 from hf_lmc import zoo
 from hf_lmc.cli import main
@@ -22,7 +22,7 @@ def test_shipped_corpus_splits_by_whole_play():
     assert not set(train) & set(held)
     tokenizer = zoo.char_tokenizer()
     text = held[0][:500]
-    assert tokenizer.decode(tokenizer(text)["input_ids"]).replace(" ", "") == text.replace(" ", "")  # no unknowns
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # no unknowns, nothing inserted
     assert sum(map(len, zoo.held_out("gpt2", size=8192))) == 8192
     with pytest.raises(ValueError, match="no zoo entry 'bert'"):
         zoo.held_out("bert")
@@ -87,6 +87,9 @@ def test_demo_writes_a_merge_with_card_plot_and_barrier_table(tmp_path, capsys):
     assert "loss_along_path.png" in card and (out / "loss_along_path.png").is_file()
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == "gpt2" and AutoTokenizer.from_pretrained(out).get_vocab() == zoo.char_tokenizer().get_vocab()
+    tokenizer, text = AutoTokenizer.from_pretrained(out), zoo.held_out("gpt2", size=2048)[0]
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text and tokenizer.model_max_length == model.config.n_positions
+    assert pipeline("text-generation", model=str(out))("ROMEO:")[0]["generated_text"].startswith("ROMEO:")  # stops in bounds
     assert main(args) == 0  # re-running replaces its own earlier output
 
 
@@ -97,3 +100,74 @@ def test_demo_refuses_to_replace_a_folder_it_did_not_write(tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(tmp_path / "mine") in err and err.count("\n") == 1, err  # names the folder it refuses, in one line
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+# -- members used as Hub models --------------------------------------------------------------------
+
+TINY_GPT2 = zoo.ZOO["gpt2"].scaled(steps=1, warmup=1)
+
+
+@pytest.fixture(scope="module")
+def member(tmp_path_factory):
+    """One tiny GPT-2 zoo member (a single training step), shared by the tests below."""
+    return zoo.train(TINY_GPT2, 0, cache=tmp_path_factory.mktemp("zoo"), progress=False)
+
+
+def test_tokenizer_decodes_corpus_text_as_written(member):
+    """Every character, newline and punctuation mark comes back exactly, and ids stay one per character."""
+    text = zoo.held_out("gpt2", size=4096)[0]
+    vocab = zoo.char_tokenizer().get_vocab()
+    for tokenizer in (zoo.char_tokenizer(), AutoTokenizer.from_pretrained(member)):
+        ids = tokenizer(text)["input_ids"]
+        assert ids == [vocab[c] for c in text]  # the ids the published models were trained on
+        assert tokenizer.decode(ids) == text
+
+
+def test_member_files_are_bounded_by_the_model_context(member):
+    context = TINY_GPT2.config["n_positions"]
+    assert AutoTokenizer.from_pretrained(member).model_max_length == context
+    assert GenerationConfig.from_pretrained(member).max_length == context
+
+
+def test_text_generation_pipeline_runs_on_a_member_with_defaults(member):
+    """Used as a Hub model: a short prompt, default arguments, text as written (no spaces inserted)."""
+    generator, prompt = pipeline("text-generation", model=str(member)), "ROMEO:\nAnd"
+    torch.manual_seed(0)  # the pipeline samples by default: the same seed draws the same tokens twice
+    ids = generator(prompt, return_tensors=True)[0]["generated_token_ids"]
+    assert len(ids) == TINY_GPT2.config["n_positions"]  # generation stops where the positions end
+    chars = {i: c for c, i in zoo.char_tokenizer().get_vocab().items() if c != "<unk>"}
+    continuation = "".join(chars.get(i, "") for i in ids[len(prompt) :])  # an unknown is a special token: skipped
+    torch.manual_seed(0)
+    assert generator(prompt)[0]["generated_text"] == prompt + continuation
+
+
+def _write_old_style_files(folder):
+    """The tokenizer and generation config an older version wrote: no decoder, no length bound."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel(vocab=zoo.char_tokenizer().get_vocab(), unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", model_max_length=10**6).save_pretrained(folder)
+    GenerationConfig().save_pretrained(folder)
+
+
+def test_a_member_cached_with_old_tokenizer_files_is_repaired_on_load(tmp_path, monkeypatch):
+    folder = zoo.train(TINY_GPT2, 0, cache=tmp_path, progress=False)
+    weights = (folder / "model.safetensors").read_bytes()
+    _write_old_style_files(folder)
+    assert AutoTokenizer.from_pretrained(folder).decode([1, 2]) != "".join(zoo.char_tokenizer().convert_ids_to_tokens([1, 2]))
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("repairing a cached member must not retrain it")
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_training)
+    assert zoo.train(TINY_GPT2, 0, cache=tmp_path, progress=False) == folder
+    text = zoo.held_out("gpt2", size=2048)[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert tokenizer.model_max_length == GenerationConfig.from_pretrained(folder).max_length == TINY_GPT2.config["n_positions"]
+    assert (folder / "model.safetensors").read_bytes() == weights and json.loads((folder / "zoo.json").read_text())["seed"] == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no staging folder left behind
+    modified = (folder / "tokenizer.json").stat().st_mtime_ns
+    zoo.train(TINY_GPT2, 0, cache=tmp_path, progress=False)
+    assert (folder / "tokenizer.json").stat().st_mtime_ns == modified  # an up-to-date member is left alone

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import itertools
 import json
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ from .params import OrthogonalParam
 from .universe import UniverseMatcher
 
 _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
+logger = logging.getLogger(__name__)
+
 _SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one waits for the device)
 
 
@@ -133,7 +136,11 @@ def train(
             accelerator.save_state(str(folder))
             if accelerator.is_main_process:
                 (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
-    return torch.stack(losses).tolist() if losses else []
+    history = torch.stack(losses).tolist() if losses else []
+    if history:
+        tail = history[-min(len(history), _SHOW_EVERY):]
+        logger.info("%s: %d steps, mean loss of the last %d %.4f", path.label, steps - start, len(tail), sum(tail) / len(tail))
+    return history
 
 
 def _parameter_groups(path: nn.Module, residual_lr: float | None) -> list[dict]:
