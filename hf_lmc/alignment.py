@@ -19,10 +19,20 @@ from .options import AccelerateOptions, LearnOptions
 from .symmetry import Transform
 
 
-def align_many(
+def align_many(method: str, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None, **options) -> list[Transform]:
+    """One transform per model for ``method``; the merge is ``sum_k weights[k] T_k(models[k])``.
+
+    ``options`` are :func:`matcher_for`'s: ``batches`` feed the data methods; ``learn`` and
+    ``accelerate`` the trained ones. ``device`` is where weight matching's products run (default:
+    a GPU when there is one); for the trained methods' weight-matching start, unless given, this
+    process's device under ``accelerate launch``.
+    """
+    return matcher_for(method, len(models), **options).fit(models, weights)
+
+
+def matcher_for(
     method: str,
-    models: Sequence[CanonicalModel],
-    weights: Sequence[float] | None = None,
+    count: int,
     *,
     symmetries="full",
     batches=None,
@@ -30,15 +40,12 @@ def align_many(
     accelerate: AccelerateOptions = AccelerateOptions(),
     progress: bool = True,
     device=None,
-) -> list[Transform]:
-    """One transform per model for ``method``; the merge is ``sum_k weights[k] T_k(models[k])``.
-
-    ``batches`` feed the data methods; ``learn`` and ``accelerate`` the trained ones. ``device``
-    is where weight matching's products run (default: a GPU when there is one); for the trained
-    methods' weight-matching start, unless given, this process's device under ``accelerate launch``.
-    """
-    entry = check_method(method, batches, count=len(models))
-    name = entry.pair_matcher if len(models) == 2 else entry.many_matcher
+):
+    """The matcher the registry names for ``method`` and ``count`` models, set up with the same
+    settings a merge passes; its ``fit(models, weights)`` gives the transforms (and a
+    trained method's matcher keeps what its stopping rule reached in ``stopping``)."""
+    entry = check_method(method, batches, count=count)
+    name = entry.pair_matcher if count == 2 else entry.many_matcher
     if name is None:
         raise ValueError(f"{method} interpolates the stored parameters and has no canonical transforms")
     matcher_class = getattr(matching, name)
@@ -50,7 +57,7 @@ def align_many(
         matcher = matcher_class(batches, symmetries, progress=progress)
     else:
         matcher = matcher_class(symmetries, progress=progress, device=device)
-    return matcher.fit(models, weights)
+    return matcher
 
 
 def align(method: str, a: CanonicalModel, b: CanonicalModel, **options) -> tuple[Transform, Transform]:

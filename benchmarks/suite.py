@@ -1,0 +1,266 @@
+"""The benchmark suite: many independently trained pairs per family, every method at its defaults.
+
+A barrier measured on one pair, with settings tuned on that pair, says little about the next
+pair a user brings. The suite trains several pairs per family that differ in what users' models
+differ in (depth, width, number of heads, GQA ratio, rotary fraction, residual layout, tied or
+untied embeddings, training length), each member until its validation loss stops improving
+(``zoo.ZooEntry.patience``), and measures every method with the settings a user gets when
+passing no flag. It reports mean ± std and the worst pair, per family and over the suite, in
+the layout of Theus et al.'s Table 1.
+
+Three tiers, one command:
+
+* ``ci``: one tiny pair per family, seconds; ``tests/test_suite.py`` runs it so that the suite
+  cannot silently regress;
+* ``cpu``: three pairs per family on 2 cores (training about an hour the first time, then cached);
+  the results are in docs/benchmarks.md;
+* ``paper``: the configurations of Theus et al.'s Table 2 (GPT-2: 6 layers, 4 heads, width 256,
+  MLP 1024 on Shakespeare; ViT: 6 layers, 8 heads, width 256, MLP 512), meant for a GPU; on a
+  CPU, ``--max-steps`` caps the training.
+
+    python -m benchmarks.suite --tier cpu                       # train (or load) and measure
+    python -m benchmarks.suite --tier cpu --methods vanilla weight --families llama
+    python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
+
+Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache;
+``--json FILE`` keeps every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hf_lmc import zoo
+from hf_lmc.barriers import barrier
+from hf_lmc.evaluation import load_batches
+from hf_lmc.options import FIT_OPTIONS, EvalOptions, LearnOptions
+
+#: Rows of the table: (label, method, symmetries), as Theus et al.'s Table 1 orders them.
+METHODS = (
+    ("vanilla", "average", "full"),
+    ("activation", "activation", "full"),
+    ("weight", "weight", "full"),
+    ("learned (perm.)", "learned", "permutation"),
+    ("learned", "learned", "full"),
+    ("dual", "dual", "full"),
+)
+LABELS = tuple(label for label, _, _ in METHODS)
+FAMILIES = ("gpt2", "pythia", "llama", "vit")
+
+
+@dataclass(frozen=True)
+class SuitePair:
+    """One pair of the suite: a zoo entry trained from two seeds, and what it varies."""
+
+    family: str
+    entry: zoo.ZooEntry
+    varies: str
+    seeds: tuple[int, int] = (0, 1)
+
+
+def _lm(name: str, model_type: str, config: dict, *, steps: int, patience: int | None = 3, **training) -> zoo.ZooEntry:
+    return zoo.ZooEntry(name, model_type, config, steps=steps, patience=patience, **training)
+
+
+_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+_VIT = {"num_channels": 1, "num_labels": 10, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+
+
+def _gpt2(name, layers, width, heads, *, tied=True, steps=1500, patience=3):
+    config = {"n_layer": layers, "n_embd": width, "n_head": heads, "n_positions": 64, "tie_word_embeddings": tied, **_NO_DROPOUT}
+    return _lm(name, "gpt2", config, steps=steps, patience=patience)
+
+
+def _pythia(name, layers, width, heads, *, rotary, parallel, tied=False, steps=1500, patience=3):
+    config = {
+        "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads, "intermediate_size": 4 * width,
+        "rotary_pct": rotary, "use_parallel_residual": parallel, "max_position_embeddings": 64, "tie_word_embeddings": tied,
+    }
+    return _lm(name, "gpt_neox", config, steps=steps, patience=patience)
+
+
+def _llama(name, layers, width, heads, kv_heads, *, tied=False, steps=1500, patience=3):
+    config = {
+        "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "intermediate_size": int(width * 8 / 3) // 8 * 8, "max_position_embeddings": 64, "tie_word_embeddings": tied,
+    }
+    return _lm(name, "llama", config, steps=steps, patience=patience)
+
+
+def _vit(name, layers, width, heads, mlp, *, patch=7, steps=2000, patience=3):
+    config = {
+        "image_size": 28, "patch_size": patch, "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads,
+        "intermediate_size": mlp, **_VIT,
+    }
+    return zoo.ZooEntry(name, "vit", config, steps=steps, batch_size=64, lr=2e-3, data="mnist", patience=patience)
+
+
+TIERS: dict[str, list[SuitePair]] = {
+    "ci": [
+        SuitePair("gpt2", _gpt2("ci-gpt2", 1, 32, 2, steps=150, patience=None), "tiny"),
+        SuitePair("pythia", _pythia("ci-pythia", 1, 32, 2, rotary=0.5, parallel=True, steps=150, patience=None), "tiny"),
+        SuitePair("llama", _llama("ci-llama", 1, 32, 4, 2, steps=150, patience=None), "tiny"),
+        SuitePair("vit", _vit("ci-vit", 1, 32, 2, 64, steps=150, patience=None), "tiny"),
+    ],
+    "cpu": [
+        SuitePair("gpt2", _gpt2("suite-gpt2-a", 2, 128, 4, steps=2500), "2 layers, width 128, 4 heads, tied, up to 2500 steps"),
+        SuitePair("gpt2", _gpt2("suite-gpt2-b", 4, 96, 2, tied=False), "4 layers, width 96, 2 heads, untied"),
+        SuitePair("gpt2", _gpt2("suite-gpt2-c", 3, 128, 8, steps=500, patience=None), "3 layers, 8 heads, 500 steps only"),
+        SuitePair("pythia", _pythia("suite-pythia-a", 2, 128, 4, rotary=0.25, parallel=True), "parallel residual, rotary 0.25"),
+        SuitePair("pythia", _pythia("suite-pythia-b", 3, 128, 8, rotary=1.0, parallel=False), "sequential residual, rotary 1.0, 8 heads"),
+        SuitePair("pythia", _pythia("suite-pythia-c", 4, 96, 4, rotary=0.5, parallel=True, tied=True), "4 layers, width 96, rotary 0.5, tied"),
+        SuitePair("llama", _llama("suite-llama-a", 2, 128, 4, 2), "GQA 2:1"),
+        SuitePair("llama", _llama("suite-llama-b", 3, 128, 8, 2), "GQA 4:1, 8 heads"),
+        SuitePair("llama", _llama("suite-llama-c", 4, 96, 4, 4, tied=True, steps=600, patience=None), "no GQA, tied, 600 steps only"),
+        SuitePair("vit", _vit("suite-vit-a", 2, 64, 4, 128), "2 layers, width 64"),
+        SuitePair("vit", _vit("suite-vit-b", 4, 96, 6, 192), "4 layers, width 96, 6 heads"),
+        SuitePair("vit", _vit("suite-vit-c", 3, 128, 8, 256, steps=600, patience=None), "3 layers, width 128, 8 heads, 600 steps only"),
+    ],
+    "paper": [
+        SuitePair("gpt2", _gpt2("paper-gpt2", 6, 256, 4, tied=True, steps=20000, patience=5), "Table 2: 6 layers, 4 heads, width 256, MLP 1024"),
+        SuitePair("vit", _vit("paper-vit", 6, 256, 8, 512, patch=4, steps=20000, patience=5), "Table 2: 6 layers, 8 heads, width 256, MLP 512"),
+    ],
+}
+
+
+@dataclass
+class PairResult:
+    """Barriers (and the time each method took) of one pair."""
+
+    family: str
+    name: str
+    varies: str
+    barriers: dict[str, float]
+    seconds: dict[str, float]
+    members: list[dict]
+
+
+def evaluation_batches(entry: zoo.ZooEntry, folder: Path):
+    """The held-out data of ``entry`` as batches (LMs: the held-out plays, tokenised by the model's tokenizer)."""
+    data = zoo.held_out(entry)
+    if entry.model_type == "vit":
+        return data
+    config = zoo.build_config(entry)
+    return load_batches(data, config, folder, EvalOptions(batch_size=16, seq_len=entry.seq_len))
+
+
+def measure_pair(pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions) -> PairResult:
+    """Train (or load) ``pair`` and measure the barrier of every method in ``labels`` at its defaults."""
+    folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in pair.seeds]
+    members = [json.loads((f / "zoo.json").read_text()) for f in folders]
+    evaluation = evaluation_batches(pair.entry, folders[0])
+    fitting = zoo.fit_batches(pair.entry, 256, batch_size=FIT_OPTIONS.batch_size)  # what `--data D` gives at its default batch size
+    barriers, seconds = {}, {}
+    for label, method, symmetries in METHODS:
+        if label not in labels:
+            continue
+        start = time.perf_counter()
+        torch.manual_seed(0)
+        result = barrier(
+            *folders, evaluation, methods=(method,), symmetries=symmetries, fit_data=fitting, learn=learn,
+            eval_options=EvalOptions(batch_size=16), progress=False,
+        )
+        barriers[label], seconds[label] = result.barriers[method], time.perf_counter() - start
+        print(f"{pair.entry.name} {label}: barrier {barriers[label]:.4f} ({seconds[label]:.0f} s)", file=sys.stderr)
+    return PairResult(pair.family, pair.entry.name, pair.varies, barriers, seconds, [_member_summary(m) for m in members])
+
+
+def _member_summary(record: dict) -> dict:
+    keys = ("seed", "train_loss", "steps", "best_step", "validation_loss", "stopped")
+    return {k: record[k] for k in keys if k in record}
+
+
+def summary_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]:
+    """Table 1 layout: one row per method, mean ± std over pairs, the worst pair, and the ratio
+    to vanilla (mean of the per-pair ratios), for each family and over all pairs."""
+    groups = [(family, [r for r in results if r.family == family]) for family in FAMILIES] + [("all", list(results))]
+    rows = ["| family | method | pairs | barrier mean ± std | worst | ratio to vanilla (mean, worst) |", "|---|---|---|---|---|---|"]
+    for family, members in groups:
+        if not members:
+            continue
+        for label in labels:
+            values = [r.barriers[label] for r in members if label in r.barriers]
+            if not values:
+                continue
+            spread = statistics.stdev(values) if len(values) > 1 else 0.0
+            ratios = [r.barriers[label] / r.barriers["vanilla"] for r in members if label in r.barriers and r.barriers.get("vanilla", 0) > 0]
+            ratio = f"{statistics.mean(ratios):.2f}, {max(ratios):.2f}" if ratios else "—"
+            rows.append(f"| {family} | {label} | {len(values)} | {statistics.mean(values):.3f} ± {spread:.3f} | {max(values):.3f} | {ratio} |")
+    return rows
+
+
+def pair_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]:
+    """One row per pair: what it varies, how its members trained, and every method's barrier."""
+    rows = ["| pair | varies | members: steps (stop), validation loss | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    for r in results:
+        members = "; ".join(
+            f"{m.get('steps', '?')} ({m.get('stopped', 'fixed')}), {m['validation_loss']:.3f}" if "validation_loss" in m else f"fixed, train {m['train_loss']:.3f}"
+            for m in r.members
+        )
+        cells = " | ".join(f"{r.barriers[label]:.3f}" if label in r.barriers else "—" for label in labels)
+        rows.append(f"| {r.name} | {r.varies} | {members} | {cells} |")
+    return rows
+
+
+def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]:
+    """Seconds each method took per pair (merge-time alignment and the barrier's evaluation), mean and max."""
+    rows = ["| method | seconds per pair, mean | max |", "|---|---|---|"]
+    for label in labels:
+        values = [r.seconds[label] for r in results if label in r.seconds]
+        if values:
+            rows.append(f"| {label} | {statistics.mean(values):.0f} | {max(values):.0f} |")
+    return rows
+
+
+def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
+        progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions()) -> list[PairResult]:
+    """Measure every pair of ``tier`` (of ``families``); ``max_steps`` caps each member's training."""
+    results = []
+    for pair in TIERS[tier]:
+        if pair.family not in families:
+            continue
+        if max_steps is not None and pair.entry.steps > max_steps:
+            pair = SuitePair(pair.family, pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))), pair.varies)
+        results.append(measure_pair(pair, labels, cache=cache, progress=progress, learn=learn))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tier", choices=list(TIERS), default="cpu", help="which pairs (default: cpu)")
+    parser.add_argument("--methods", nargs="+", choices=LABELS, default=list(LABELS), help="rows to measure (default: all)")
+    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to measure (default: all)")
+    parser.add_argument("--max-steps", type=int, default=None, help="cap each member's training steps (the paper tier on a CPU)")
+    parser.add_argument("--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file")
+    parser.add_argument("--train-only", action="store_true", help="train (or load) the members and measure nothing")
+    parser.add_argument("--progress", action="store_true", help="progress bars while training")
+    args = parser.parse_args(argv)
+    if args.train_only:
+        for pair in TIERS[args.tier]:
+            if pair.family in args.families:
+                for seed in pair.seeds:
+                    folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
+                    print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
+        return
+    start = time.perf_counter()
+    results = run(args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps)
+    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s\n")
+    print("\n".join(summary_rows(results, args.methods)) + "\n")
+    print("\n".join(pair_rows(results, args.methods)) + "\n")
+    print("\n".join(time_rows(results, args.methods)))
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+
+
+if __name__ == "__main__":
+    main()
