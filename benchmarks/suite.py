@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from hf_lmc import zoo
 from hf_lmc.barriers import barrier
@@ -244,7 +245,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file")
     parser.add_argument("--train-only", action="store_true", help="train (or load) the members and measure nothing")
     parser.add_argument("--progress", action="store_true", help="progress bars while training")
+    parser.add_argument(
+        "--learn", nargs="+", default=[], metavar="KEY=VALUE",
+        help="learned and dual matching settings other than the defaults (LearnOptions fields, values read as YAML), e.g. steps=1000 lr=1e-2",
+    )
     args = parser.parse_args(argv)
+    learn = LearnOptions(**{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.learn)})
     if args.train_only:
         for pair in TIERS[args.tier]:
             if pair.family in args.families:
@@ -253,8 +259,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
         return
     start = time.perf_counter()
-    results = run(args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps)
-    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s\n")
+    results = run(
+        args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn
+    )
+    changed = learn.model_dump(exclude_defaults=True)
+    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "") + "\n")
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))
