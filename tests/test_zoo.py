@@ -171,3 +171,23 @@ def test_a_member_cached_with_old_tokenizer_files_is_repaired_on_load(tmp_path, 
     modified = (folder / "tokenizer.json").stat().st_mtime_ns
     zoo.train(TINY_GPT2, 0, cache=tmp_path, progress=False)
     assert (folder / "tokenizer.json").stat().st_mtime_ns == modified  # an up-to-date member is left alone
+
+
+@pytest.mark.slow
+def test_an_entry_with_patience_stops_when_its_validation_loss_stops_improving_and_keeps_its_best_weights(tmp_path):
+    """Validation batches come from the end of the training split (never the held-out plays);
+    the member saved is the best one seen, and zoo.json says how training ended."""
+    entry = zoo.ZOO["gpt2"].scaled(
+        name="patient", config={"n_layer": 1, "n_embd": 32, "n_head": 2}, steps=400, warmup=5, lr=3e-2, patience=2, eval_every=10,
+    )
+    folder = zoo.train(entry, 0, cache=tmp_path, progress=False)
+    record = json.loads((folder / "zoo.json").read_text())
+    assert record["stopped"] in ("plateau", "budget") and record["best_step"] <= record["steps"] <= 400
+    if record["stopped"] == "plateau":
+        assert record["steps"] == record["best_step"] + 2 * 10  # two checks without improvement
+    _, validation = zoo._training_split(entry)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert abs(zoo._validation_loss(model, validation) - record["validation_loss"]) < 1e-4  # the best weights were kept
+    train, _ = zoo._training_split(entry)
+    assert train.numel() < zoo.train_tokens().numel()  # the validation text is not trained on
+    assert zoo.ZOO["gpt2"].key(0) == zoo.ZOO["gpt2"].scaled(patience=None).key(0)  # older caches stay valid
