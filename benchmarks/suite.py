@@ -244,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
     parser.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file")
     parser.add_argument("--train-only", action="store_true", help="train (or load) the members and measure nothing")
+    parser.add_argument("--report", nargs="+", type=Path, default=None, metavar="JSON", help="print the tables of results saved with --json (several runs together)")
     parser.add_argument("--progress", action="store_true", help="progress bars while training")
     parser.add_argument(
         "--learn", nargs="+", default=[], metavar="KEY=VALUE",
@@ -251,6 +252,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     learn = LearnOptions(**{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.learn)})
+    if args.report:
+        results = [PairResult(**record) for path in args.report for record in json.loads(path.read_text())]
+        labels = [label for label in LABELS if any(label in r.barriers for r in results)]
+        print("\n\n".join("\n".join(rows(results, labels)) for rows in (summary_rows, pair_rows, time_rows)))
+        return
     if args.train_only:
         for pair in TIERS[args.tier]:
             if pair.family in args.families:
