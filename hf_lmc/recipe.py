@@ -39,7 +39,16 @@ from pydantic import (
 )
 
 from .methods import METHODS, NAMES
-from .options import SYMMETRIES, AccelerateOptions, EvalOptions, LearnOptions, Options, OutputOptions, UsageError, check_device
+from .options import (
+    SYMMETRIES,
+    AccelerateOptions,
+    EvalOptions,
+    LearnOptions,
+    Options,
+    OutputOptions,
+    UsageError,
+    check_device,
+)
 from .zoo import ZOO
 
 ZOO_PREFIX = "zoo:"
