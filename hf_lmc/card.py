@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from . import __version__
 from .adapters import ADAPTERS
 from .methods import METHODS
 
@@ -119,9 +119,18 @@ def merge_card(
         plot_filename=plot_filename,
         repo_hint=repo_hint or "path/to/merged-model",
         auto_class=ADAPTERS[model_type].auto_class,
-        version=__version__,
+        version=_version(),
         made_with=made_with,
     )
+
+
+def _version() -> str:
+    """hf_lmc's installed version, read from the package metadata (importing the package itself
+    from this low layer would make a cycle)."""
+    try:
+        return metadata.version("hf-lmc")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "(not installed)"
 
 
 def _barrier_results(barriers: Mapping[str, float], model_type: str, eval_data: str | None, split: str | None) -> list[EvalResult]:
