@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from importlib import metadata
 from dataclasses import dataclass
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .adapters import ADAPTERS
+from .hub import names_local_path
 from .methods import METHODS
 
 TEMPLATE = resources.files("hf_lmc") / "templates" / "merge.md"
@@ -32,9 +32,9 @@ class ModelSource:
     @classmethod
     def of(cls, reference: str | Path, revision: str | None = None, folder: str | Path | None = None, label: str | None = None) -> ModelSource:
         """The source of a model given as ``reference`` (a local folder or ``org/model[@rev]``,
-        told apart as :func:`hf_lmc.hub.resolve_checkpoint` tells them) and read from ``folder``."""
+        told apart by :func:`hf_lmc.hub.names_local_path`) and read from ``folder``."""
         text = str(reference)
-        if Path(text).exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        if names_local_path(text):
             return cls(label or Path(text).name or text)
         repo_id, _, pinned = text.partition("@")
         revision = revision or pinned or None
@@ -138,7 +138,7 @@ def _barrier_results(barriers: Mapping[str, float], model_type: str, eval_data: 
     evaluation data (a Hub dataset by its id; local data as ``local``)."""
     task = "image-classification" if ADAPTERS[model_type].takes_images else "text-generation"
     data = eval_data or "evaluation data"
-    hub = not (Path(data).exists() or data.startswith((".", "/", "~")) or data.count("/") > 1 or Path(data).suffix)
+    hub = not (names_local_path(data) or Path(data).suffix)  # a file name's suffix marks local data too
     return [
         EvalResult(
             task_type=task, dataset_type=data if hub else "local", dataset_name=data if hub else Path(data).name, dataset_split=split if hub else None,

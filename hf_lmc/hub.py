@@ -26,6 +26,14 @@ BIN_PATTERNS = ["pytorch_model*.bin"]
 IGNORED = ["trainer_state.json", "training_args.bin", "optimizer.*", "scheduler.*", "rng_state*"]
 
 
+def names_local_path(reference: str | Path) -> bool:
+    """Whether ``reference`` is read as a local path rather than a Hub repo id: it exists here,
+    starts with ``.``, ``/`` or ``~``, or has more than one ``/`` (a repo id is ``name`` or
+    ``org/name``, optionally ``@rev``)."""
+    text = str(reference)
+    return Path(text).exists() or text.startswith((".", "/", "~")) or text.count("/") > 1
+
+
 def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Path:
     """A local folder for ``reference``: the folder itself, or a Hub snapshot of that repo id
     (``org/model`` at ``revision``, or ``org/model@rev``)."""
@@ -34,7 +42,7 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Pa
         if not path.is_dir():
             raise FileNotFoundError(f"{path} is a file; pass the model folder that holds config.json")
         return path
-    if str(reference).startswith((".", "/", "~")) or str(reference).count("/") > 1:
+    if names_local_path(reference):
         raise FileNotFoundError(f"no such model folder: {reference}")
     repo_id, at, pinned = str(reference).partition("@")  # org/model@rev, as mergekit writes a revision
     if at:

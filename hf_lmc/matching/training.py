@@ -140,14 +140,14 @@ def train(
         losses.append(loss.detach())  # no host sync: a GPU keeps the next step's kernels queued
         located = (step + 1) % locate_every == 0
         if located and watch:
-            reached = stopping.check(step + 1, _estimate(path, holdout, accelerator))
+            stopping.check(step + 1, _estimate(path, holdout, accelerator))
         elif located and path.seeks_worst:
             path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
         if callback is not None:
             callback(step + 1, path)
         if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
             bar.set_postfix(loss=f"{losses[-1].item():.4f}")
-        last = step + 1 == steps or (located and watch and reached)
+        last = step + 1 == steps or stopping.reached
         if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
             accelerator.save_state(str(folder))
             if accelerator.is_main_process:
