@@ -1,8 +1,10 @@
-"""Weight-matching merge vs a plain linear average, at Pythia-1B shape.
+"""Weight-matching merge vs a plain linear average, at Pythia-1B or LLaMA-1.1B shape.
 
-Writes two GPT-NeoX checkpoints (hidden 2048, 16 layers, 8 heads, FFN 8192, partial rotary;
-float16 safetensors like the Hub's Pythia), where B is a random full symmetry of A plus noise
-(so assignment costs look like real ones), then times in one run
+Writes two checkpoints, GPT-NeoX (hidden 2048, 16 layers, 8 heads, FFN 8192, partial rotary) or
+LLaMA (hidden 2048, 16 layers, 32 heads on 4 KV heads, MLP 5632, vocab 32000), float16
+safetensors like the Hub's, where B is a random full symmetry of A plus noise (so assignment
+costs look like real ones) or, with ``--kind random``, an independent initialisation, then
+times in one run
 
   * ``hf-lmc merge A B --method average``   (the baseline: stream, lerp, write)
   * ``hf-lmc merge A B --method weight``    (weight matching, then the same)
@@ -17,6 +19,7 @@ can be read against one checkpoint.
     python benchmarks/merge_speed.py --device cpu    # weight matching on the CPU even beside a GPU
     python benchmarks/merge_speed.py --scale 0.25    # hidden, FFN and vocab scaled down
     python benchmarks/merge_speed.py --pair ~/pair   # keep the checkpoints and reuse them next time
+    python benchmarks/merge_speed.py --arch llama --kind random   # issue 38's LLaMA pair
 """
 
 from __future__ import annotations
@@ -77,18 +80,43 @@ def pythia_1b_config(scale: float) -> tf.GPTNeoXConfig:
     )
 
 
-def write_pair(folder: Path, config: tf.GPTNeoXConfig, noise: float, seed: int = 0) -> tuple[Path, Path]:
-    """A = fresh init (saved float16); B = random symmetry of A + relative noise, streamed."""
+def llama_config(scale: float) -> tf.LlamaConfig:
+    """The LLaMA shape of issue 38 (TinyLlama-1.1B's): hidden 2048, 16 layers, 32 heads on 4 KV heads, MLP 5632."""
+    hidden = int(2048 * scale) // 64 * 64
+    return tf.LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 512),
+        num_hidden_layers=16,
+        intermediate_size=int(5632 * scale) // 64 * 64,
+        vocab_size=int(32000 * scale) // 64 * 64,
+        max_position_embeddings=2048,
+        dtype="float16",
+    )
+
+
+ARCHS = {"pythia": (pythia_1b_config, tf.GPTNeoXForCausalLM, "Pythia-1B"), "llama": (llama_config, tf.LlamaForCausalLM, "LLaMA-1.1B")}
+
+
+def _fresh(model_class, config, seed: int, folder: Path) -> None:
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = model_class(config)
+    model.half().save_pretrained(folder)
+
+
+def write_pair(folder: Path, config, noise: float, seed: int = 0, *, model_class=tf.GPTNeoXForCausalLM, kind: str = "symmetry") -> tuple[Path, Path]:
+    """A = fresh init (saved float16); B = random symmetry of A + relative noise, streamed
+    (``kind="symmetry"``), or a second fresh init from another seed (``kind="random"``)."""
     import hf_lmc
     from hf_lmc.devices import compute_device
     from hf_lmc.export import save_canonical
 
     a, b = folder / "a", folder / "b"
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = tf.GPTNeoXForCausalLM(config)
-    model.half().save_pretrained(a)
-    del model
+    _fresh(model_class, config, seed, a)
+    if kind == "random":
+        _fresh(model_class, config, seed + 1, b)
+        return a, b
     device = compute_device()  # B's ~4 TFLOP of rotations: a GPU's seconds, or the CPU's minutes
     canonical = hf_lmc.canonicalize(a, dtype=torch.float32, device=device)
     transform = hf_lmc.random_symmetry(canonical.spec, seed=seed + 1, dtype=torch.float32).to(device=device)
@@ -128,9 +156,15 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
     parser.add_argument("--pair", type=Path, default=None, help="keep the pair in DIR/a, DIR/b and reuse it on later runs")
     parser.add_argument("--device", default=None, help="hf-lmc merge --device for weight matching (default: a GPU when torch sees one)")
+    parser.add_argument("--arch", choices=list(ARCHS), default="pythia", help="the shape: Pythia-1B or LLaMA-1.1B (default: pythia)")
+    parser.add_argument(
+        "--kind", choices=("symmetry", "random"), default="symmetry",
+        help="B as a random symmetry of A plus noise, or an independent random initialisation (default: symmetry)",
+    )
     args = parser.parse_args()
 
-    config = pythia_1b_config(args.scale)
+    make_config, model_class, arch_name = ARCHS[args.arch]
+    config = make_config(args.scale)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         start = time.perf_counter()
@@ -139,7 +173,7 @@ def main() -> None:
             a, b = home / "a", home / "b"
         else:
             home.mkdir(parents=True, exist_ok=True)
-            a, b = write_pair(home, config, args.noise)
+            a, b = write_pair(home, config, args.noise, model_class=model_class, kind=args.kind)
         size = folder_bytes(a)
         print(f"pair ready in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr)
         rows = {}
@@ -149,11 +183,13 @@ def main() -> None:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         runtime = {"average": measure(["cpu"], RUNTIME)["rss_kb"], "weight": measure([device], RUNTIME)["rss_kb"]}
         base = rows["average"]["wall"]
-        params = sum(p.numel() for p in tf.GPTNeoXForCausalLM(config).parameters()) if args.scale < 0.5 else None
-        shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, FFN {config.intermediate_size}, vocab {config.vocab_size}"
+        params = sum(p.numel() for p in model_class(config).parameters()) if args.scale < 0.5 else None
+        heads = f"{config.num_attention_heads} heads" + (f" / {config.num_key_value_heads} KV" if args.arch == "llama" else "")
+        shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {heads}, FFN {config.intermediate_size}, vocab {config.vocab_size}"
+        pair_kind = "B a random symmetry of A plus noise" if args.kind == "symmetry" else "A and B independent random initialisations"
         cores = len(os.sched_getaffinity(0))
         gpu = f", weight matching on {torch.cuda.get_device_name()}" if device.startswith("cuda") else ", weight matching on the CPU"
-        print(f"\nPythia-1B-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}), float16, {cores} CPU cores ({cpu_name()}){gpu}\n")
+        print(f"\n{arch_name}-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}; {pair_kind}), float16, {cores} CPU cores ({cpu_name()}){gpu}\n")
         print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint | runtime RSS (GB) | RSS less runtime / one checkpoint | GPU peak (GB) |")
         print("|---|---|---|---|---|---|---|---|")
         for method, row in rows.items():

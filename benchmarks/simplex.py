@@ -8,9 +8,10 @@ held-out loss on a grid of that simplex (every point with coordinates in steps o
 
 Rows: ``average`` (the stored weights), ``weight (to first)`` (B and C each aligned to A by
 two-model weight matching: the naive baseline), ``weight`` (universe matching), ``learned``
-(universe matching, then B's and C's transforms trained at w ~ Dirichlet(0.1 * 1) while A's
-stays) and ``dual`` (all three trained). Learned methods train on 16-sample training batches
-(Adam, lr 3e-3).
+(universe matching, then B's and C's transforms trained at w ~ Dirichlet(1), uniform over the
+simplex, while A's stays) and ``dual`` (all three trained). Learned methods train on 16-sample
+training batches at ``LearnOptions``' defaults unless told otherwise. (``python -m
+benchmarks.suite --triples`` measures the suite's triples at the defaults.)
 
     python benchmarks/simplex.py --entries vit gpt2            # trains seed 2 on first use
     python benchmarks/simplex.py --entries vit --points 6 --steps 400
@@ -69,9 +70,13 @@ def main() -> None:
     parser.add_argument("--entries", nargs="+", default=["vit"], choices=list(zoo.ZOO), help="zoo entries to measure (default: vit)")
     parser.add_argument("--methods", nargs="+", default=list(LABELS), choices=LABELS, help="rows to measure (default: all)")
     parser.add_argument("--points", type=int, default=5, help="grid points per edge of the simplex (default: 5, steps of 0.25)")
-    parser.add_argument("--steps", type=int, default=200, help="learned / dual training steps (default: 200)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
-    parser.add_argument("--concentration", type=float, default=0.1, help="Dirichlet concentration of the training weights (default: 0.1)")
+    defaults = LearnOptions()
+    parser.add_argument("--steps", type=int, default=defaults.steps, help=f"learned / dual training steps (default: {defaults.steps})")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help=f"learned / dual learning rate (default: {defaults.lr})")
+    parser.add_argument(
+        "--concentration", type=float, default=defaults.concentration,
+        help=f"Dirichlet concentration of the training weights (default: {defaults.concentration})",
+    )
     parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where simplex_<entry>.png/.json go (default: benchmarks/plots)")
     parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="learned / dual: how the unit and head permutations train (default: fixed)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

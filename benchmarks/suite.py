@@ -41,8 +41,9 @@ import torch
 import yaml
 
 from hf_lmc import zoo
-from hf_lmc.barriers import barrier
+from hf_lmc.barriers import barrier, excess_over_vertices, simplex_barrier_of_loaded
 from hf_lmc.evaluation import load_batches
+from hf_lmc.loading import load_model
 from hf_lmc.options import FIT_OPTIONS, EvalOptions, LearnOptions
 
 #: Rows of the table: (label, method, symmetries), as Theus et al.'s Table 1 orders them.
@@ -133,6 +134,20 @@ TIERS: dict[str, list[SuitePair]] = {
 }
 
 
+#: The triples of the simplex rows (``--triples``): suite pairs whose third member (seed 2) is
+#: trained too, one per family, the cheapest to train.
+TRIPLES: dict[str, list[str]] = {
+    "ci": ["ci-gpt2", "ci-vit"],
+    "cpu": ["suite-gpt2-c", "suite-pythia-a", "suite-llama-c", "suite-vit-c"],
+    "paper": ["paper-gpt2", "paper-vit"],
+}
+#: Rows of the simplex table: (label, method). Learned keeps the first model's universe-matching
+#: transform and trains the others'; dual trains all three.
+SIMPLEX_METHODS = (("vanilla", "average"), ("weight", "weight"), ("learned", "learned"), ("dual", "dual"))
+SIMPLEX_LABELS = tuple(label for label, _ in SIMPLEX_METHODS)
+SIMPLEX_POINTS = 5  # grid points per edge: weights in steps of 1/4, and the centre
+
+
 @dataclass
 class PairResult:
     """Barriers (and the time each method took) of one pair."""
@@ -173,6 +188,71 @@ def measure_pair(pair: SuitePair, labels: Sequence[str], *, cache: Path | None, 
         barriers[label], seconds[label] = result.barriers[method], time.perf_counter() - start
         print(f"{pair.entry.name} {label}: barrier {barriers[label]:.4f} ({seconds[label]:.0f} s)", file=sys.stderr)
     return PairResult(pair.family, pair.entry.name, pair.varies, barriers, seconds, [_member_summary(m) for m in members])
+
+
+@dataclass
+class TripleResult:
+    """Excess losses over the simplex of one triple: its worst grid point (the barrier) and the
+    mean over the grid, per method."""
+
+    family: str
+    name: str
+    varies: str
+    barriers: dict[str, float]
+    mean_excess: dict[str, float]
+    seconds: dict[str, float]
+
+
+def measure_triple(pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions) -> TripleResult:
+    """Train (or load) seeds 0, 1 and 2 of ``pair`` and measure every method of ``labels`` over
+    their simplex at its defaults (the grid of :data:`SIMPLEX_POINTS` per edge, and the centre)."""
+    folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (*pair.seeds, 2)]
+    loaded = [load_model(f) for f in folders]
+    evaluation = evaluation_batches(pair.entry, folders[0])
+    fitting = zoo.fit_batches(pair.entry, 256, batch_size=FIT_OPTIONS.batch_size)
+    barriers, means, seconds = {}, {}, {}
+    for label, method in SIMPLEX_METHODS:
+        if label not in labels:
+            continue
+        start = time.perf_counter()
+        torch.manual_seed(0)
+        result = simplex_barrier_of_loaded(
+            loaded, evaluation, methods=(method,), points=SIMPLEX_POINTS, symmetries="full", eval_options=EvalOptions(batch_size=16),
+            progress=False, fit_batches=fitting, learn=learn,
+        )
+        excess = excess_over_vertices(result.points, result.losses[method])
+        barriers[label], means[label] = max(excess), statistics.mean(excess)
+        seconds[label] = time.perf_counter() - start
+        print(f"{pair.entry.name} triple {label}: worst point {barriers[label]:.4f}, mean {means[label]:.4f} ({seconds[label]:.0f} s)", file=sys.stderr)
+    return TripleResult(pair.family, pair.entry.name, pair.varies, barriers, means, seconds)
+
+
+def triple_rows(results: Sequence[TripleResult], labels: Sequence[str]) -> list[str]:
+    """One row per method: the excess at the worst grid point and its mean over the grid, each as
+    mean ± std over triples and the worst triple, and the ratio to weight (universe) matching."""
+    rows = [
+        "| method | triples | worst point: mean ± std | worst triple | mean over the grid: mean ± std | worst triple | worst point / weight (mean, worst) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label in labels:
+        members = [r for r in results if label in r.barriers]
+        if not members:
+            continue
+        worst, mean = [r.barriers[label] for r in members], [r.mean_excess[label] for r in members]
+        ratios = [r.barriers[label] / r.barriers["weight"] for r in members if r.barriers.get("weight", 0) > 0]
+        ratio = f"{statistics.mean(ratios):.2f}, {max(ratios):.2f}" if ratios else "—"
+        rows.append(
+            f"| {label} | {len(members)} | {_spread(worst)} | {max(worst):.3f} | {_spread(mean)} | {max(mean):.3f} | {ratio} |"
+        )
+    rows += ["", "| triple | " + " | ".join(f"{label}: worst / mean" for label in labels) + " |", "|---|" + "---|" * len(labels)]
+    for r in results:
+        cells = " | ".join(f"{r.barriers[label]:.3f} / {r.mean_excess[label]:.3f}" if label in r.barriers else "—" for label in labels)
+        rows.append(f"| {r.name} | {cells} |")
+    return rows
+
+
+def _spread(values: Sequence[float]) -> str:
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.3f}"
 
 
 def _member_summary(record: dict) -> dict:
@@ -235,10 +315,41 @@ def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = 
     return results
 
 
+def _triples_of(tier: str, families: Sequence[str]) -> list[SuitePair]:
+    return [pair for pair in TIERS[tier] if pair.entry.name in TRIPLES[tier] and pair.family in families]
+
+
+def run_triples_of(tier: str, *, labels: Sequence[str] = SIMPLEX_LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
+                   progress: bool = False, learn: LearnOptions | None = None) -> list[TripleResult]:
+    """Measure every triple of ``tier`` (of ``families``) over its simplex (``learn``: default ``LearnOptions()``)."""
+    learn = learn or LearnOptions()
+    return [measure_triple(pair, labels, cache=cache, progress=progress, learn=learn) for pair in _triples_of(tier, families)]
+
+
+def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
+    """``--triples``: the simplex table of the tier's triples (``--json`` keeps the numbers)."""
+    labels = [label for label in SIMPLEX_LABELS if args.methods is None or label in args.methods]
+    if args.report:
+        results = [TripleResult(**record) for path in args.report for record in json.loads(path.read_text())]
+        print("\n".join(triple_rows(results, [label for label in labels if any(label in r.barriers for r in results)])))
+        return
+    if args.train_only:
+        for pair in _triples_of(args.tier, args.families):
+            zoo.train(pair.entry, 2, cache=args.cache, progress=args.progress)
+        return
+    start = time.perf_counter()
+    results = run_triples_of(args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, learn=learn)
+    changed = learn.model_dump(exclude_defaults=True)
+    print(f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "") + "\n")
+    print("\n".join(triple_rows(results, labels)))
+    if args.json:
+        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tier", choices=list(TIERS), default="cpu", help="which pairs (default: cpu)")
-    parser.add_argument("--methods", nargs="+", choices=LABELS, default=list(LABELS), help="rows to measure (default: all)")
+    parser.add_argument("--methods", nargs="+", choices=LABELS, default=None, help="rows to measure (default: all)")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to measure (default: all)")
     parser.add_argument("--max-steps", type=int, default=None, help="cap each member's training steps (the paper tier on a CPU)")
     parser.add_argument("--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
@@ -247,11 +358,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--report", nargs="+", type=Path, default=None, metavar="JSON", help="print the tables of results saved with --json (several runs together)")
     parser.add_argument("--progress", action="store_true", help="progress bars while training")
     parser.add_argument(
+        "--triples", action="store_true",
+        help=f"measure the tier's triples over their simplex instead of its pairs (rows {', '.join(SIMPLEX_LABELS)}; --methods picks among them)",
+    )
+    parser.add_argument(
         "--learn", nargs="+", default=[], metavar="KEY=VALUE",
         help="learned and dual matching settings other than the defaults (LearnOptions fields, values read as YAML), e.g. steps=1000 lr=1e-2",
     )
     args = parser.parse_args(argv)
     learn = LearnOptions(**{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.learn)})
+    if args.triples:
+        run_triples(args, learn)
+        return
+    args.methods = args.methods or list(LABELS)
     if args.report:
         results = [PairResult(**record) for path in args.report for record in json.loads(path.read_text())]
         labels = [label for label in LABELS if any(label in r.barriers for r in results)]

@@ -212,6 +212,7 @@ def _fit_options(args: argparse.Namespace):
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
+    from .devices import is_main_process
     from .pipeline import merge, merge_models
 
     models = args.models
@@ -232,6 +233,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
         result = merge(*models, args.output, alpha=alpha, revision_a=revisions[0], revision_b=revisions[1], **settings)
     else:
         result = merge_models(models, args.output, weights=args.weights, revisions=revisions, **settings)
+    if not is_main_process():  # one of several launched processes: the main one reports
+        return 0
     if result.stopping is not None:
         print(f"{result.method} matching: {result.stopping.describe()}")
     if result.barrier is not None:

@@ -105,22 +105,27 @@ def check_device(device: str | None) -> str | None:
     return device
 
 
+def default_warmup(steps: int) -> int:
+    """Warmup steps when none are given: 5 % of the training steps."""
+    return steps // 20
+
+
 class LearnOptions(Options):
     """How learned and dual matching train their transforms (see :class:`hf_lmc.DualMatcher` and
     docs/learned-matching.md). Checked when built, so a conflict fails before any model loads."""
 
-    steps: int = Field(200, ge=0, description="training steps of learned and dual matching: the budget, when --target-barrier stops them sooner")
+    steps: int = Field(1000, ge=0, description="training steps of learned and dual matching: the budget, when --target-barrier stops them sooner")
     target_barrier: float | None = Field(
         0.02, ge=0,
         description="stop learned and dual matching of two models once the path's barrier, estimated every 50 steps on the "
         "last eighth of the fitting batches (held out of training), is at most this many nats; 0 trains the whole budget",
     )
-    lr: float = Field(3e-3, gt=0, description="Adam learning rate of learned and dual matching")
+    lr: float = Field(1e-2, gt=0, description="Adam learning rate of learned and dual matching (the peak of the schedule)")
     residual_lr: float | None = Field(
         None, gt=0, description="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: lr)"
     )
-    schedule: str = Field("constant", description="learning-rate schedule: a transformers scheduler name (constant, cosine, linear, ...)")
-    warmup: int = Field(0, ge=0, description="linear warmup steps of the schedule")
+    schedule: str = Field("cosine", description="learning-rate schedule: a transformers scheduler name (cosine, constant, linear, ...)")
+    warmup: int | None = Field(None, ge=0, description="linear warmup steps of the schedule (default: a twentieth of the steps)")
     permutations: Literal["fixed", "ste", "sinkhorn"] = Field(
         "fixed",
         description="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian (ste) or Sinkhorn",
@@ -151,12 +156,21 @@ class LearnOptions(Options):
     input_noise: float = Field(
         0.0, ge=0, description="image models: std of Gaussian noise added to the training images at every step (0: none)"
     )
-    concentration: float = Field(0.1, gt=0, description="three or more models: the weights of each step are drawn from Dirichlet(concentration * 1)")
+    concentration: float = Field(
+        1.0, gt=0,
+        description="three or more models: the weights of each step are drawn from Dirichlet(concentration * 1): 1 is uniform over "
+        "the simplex, below 1 favours its vertices and edges, above 1 its centre",
+    )
     seed: int | None = Field(
         None,
         description="seed of the training draws (interpolation weights, input noise): the same seed, data and settings give the "
         "same merge (default: torch's RNG as it stands, the same in every fresh process)",
     )
+
+    @property
+    def warmup_steps(self) -> int:
+        """The warmup steps the schedule takes: ``warmup``, or 5 % of the steps when it is not set."""
+        return default_warmup(self.steps) if self.warmup is None else self.warmup
 
     @field_validator("schedule")
     @classmethod
@@ -178,7 +192,7 @@ class LearnOptions(Options):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.warmup > self.steps:
+        if self.warmup is not None and self.warmup > self.steps:
             raise ValueError(f"warmup: {self.warmup} warmup steps exceed the {self.steps} training steps")
         try:
             check_orthogonal(self.orthogonal, self.frame)

@@ -51,7 +51,7 @@ from .canonical import (
 )
 from .card import ModelSource, inherited_license, merge_card
 from .checkpoint import Checkpoint
-from .devices import compute_device
+from .devices import compute_device, launched_processes
 from .evaluation import describe_data, load_batches
 from .export import check_apart, check_writable, write_checkpoint
 from .hub import push_folder, resolve_checkpoint
@@ -109,7 +109,7 @@ def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple
     shape = f"batches of {data_options.batch_size}" + (f" × {data_options.seq_len} tokens" if data_options.seq_len else "")
     if data_options.max_batches:
         shape += f", at most {data_options.max_batches} of them"
-    schedule = learn.schedule + (f", {learn.warmup} warmup steps" if learn.warmup else "")
+    schedule = learn.schedule + (f", {learn.warmup_steps} warmup steps" if learn.warmup_steps else "")
     rows = [
         ("data", f"{describe_data(data)} (split `{data_options.split}`, {shape})"),
         ("steps", f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)"),
@@ -243,17 +243,49 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
 
     Measuring comes before writing because the barrier goes into the model card, which is
     written with the weights; nothing is written until every earlier stage has succeeded.
+    Under a launcher (``torchrun``, ``accelerate launch``) learned and dual matching train on
+    every process and the main process alone writes (:func:`_run_launched`).
     """
-    inputs = resolve(spec)
-    with tempfile.TemporaryDirectory() as scratch:
-        aligned = align(spec, inputs, progress=progress)
-        measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
-        write(spec, inputs, aligned, measured, progress=progress)
-    url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
+    processes = launched_processes()
+    if processes is None:
+        inputs = resolve(spec)
+        with tempfile.TemporaryDirectory() as scratch:
+            aligned = align(spec, inputs, progress=progress)
+            measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
+            write(spec, inputs, aligned, measured, progress=progress)
+        url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
+    else:
+        inputs, aligned, measured, url = _run_launched(spec, processes, progress=progress, api=api)
     count = len(spec.models)
     return MergeResult(
-        Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights, aligned.stopping
+        Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights,
+        aligned.stopping if aligned is not None else None,
     )
+
+
+def _run_launched(spec: MergeSpec, processes, *, progress: bool, api) -> tuple[Inputs, Aligned | None, Measured, str | None]:
+    """:func:`run` as one of several launched processes (``torchrun``, ``accelerate launch``).
+
+    Every process checks the inputs. Learned and dual matching train on all of them (DDP, each
+    fitting batch split across the processes); the other methods align on the main process
+    alone. The main process measures, writes and pushes while the others wait, so one output
+    is written, as a one-process run would write it.
+    """
+    inputs = resolve(spec)
+    processes.wait_for_everyone()  # every process has checked the output before any writes it
+    main = processes.is_main_process
+    aligned, measured, url = None, Measured(), None
+    try:
+        if main or METHODS[spec.method].trained:
+            aligned = align(spec, inputs, progress=progress and main)
+        if main:
+            with tempfile.TemporaryDirectory() as scratch:
+                measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
+                write(spec, inputs, aligned, measured, progress=progress)
+            url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
+    finally:  # a failure on the main process still releases the others (torchrun then reports it)
+        processes.wait_for_everyone()
+    return inputs, aligned, measured, url
 
 
 @dataclass(frozen=True)

@@ -685,3 +685,48 @@ def test_trained_matchers_hold_out_the_last_batches_for_the_target_and_report_it
     untargeted = TrainedMatcher(DualMatcher, batches, learn=LearnOptions(steps=4, target_barrier=None), progress=False)
     untargeted.fit(models)
     assert untargeted.stopping.estimate is None and len(untargeted.losses) == 4
+
+
+@pytest.mark.slow
+def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
+    """``torchrun --nproc_per_node 2 -m hf_lmc merge ...``: both processes train dual matching
+    (DDP, each fitting batch split between them), the main process alone writes, and the merge
+    is the one-process merge to float32 all-reduce rounding."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from hf_lmc.verify import tiny_configs
+
+    root = Path(__file__).resolve().parent.parent
+    config = tiny_configs()["vit"]
+    folders = []
+    for seed in (1, 2):
+        build_model(config, seed=seed, dtype=torch.float32).save_pretrained(tmp_path / f"m{seed}")
+        folders.append(str(tmp_path / f"m{seed}"))
+    g = torch.Generator().manual_seed(0)
+    size = config.image_size
+    torch.save({"pixel_values": torch.randn(16, config.num_channels, size, size, generator=g),
+                "labels": torch.randint(0, config.num_labels, (16,), generator=g)}, tmp_path / "fit.pt")
+    env = os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    settings = ["--data", str(tmp_path / "fit.pt"), "--batch-size", "4", "--steps", "4", "--lr", "1e-2", "--seed", "0", "--target-barrier", "0"]
+    outputs = {}
+    for name, launch in (("one", [sys.executable, "-m", "hf_lmc"]),
+                         ("two", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_lmc"])):
+        for method in ("dual", "weight"):
+            out = tmp_path / f"{name}-{method}"
+            done = subprocess.run([*launch, "merge", *folders, "-o", str(out), "--method", method, *(settings if method == "dual" else [])],
+                                  env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert done.stdout.count("merged model written to") == 1, done.stdout  # one process reports
+            outputs[name, method] = load_file(out / "model.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging debris
+    for method in ("dual", "weight"):
+        one, two = outputs["one", method], outputs["two", method]
+        assert one.keys() == two.keys()
+        for key in one:
+            torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=f"{method}: {key}")
+    assert any(not torch.equal(outputs["one", "dual"][k], outputs["one", "weight"][k]) for k in outputs["one", "dual"])  # dual trained

@@ -145,7 +145,7 @@ def test_assign_convention_matches_block_monomial():
 def test_sparse_assignment_is_as_good_as_dense(structure, candidates):
     """``assign_product`` solves on a few candidates per row and certifies the result by LP
     duality: its total similarity equals the dense optimum (permutations may differ at ties)."""
-    n, width = 1024, 48  # n * n reaches the sparse path
+    n, width = 1024, 48
     gen = torch.Generator().manual_seed(len(structure) + candidates)
     left = torch.randn(n, width, generator=gen)
     right = left[torch.randperm(n, generator=gen)] + torch.randn(n, width, generator=gen) if structure == "permuted" else torch.randn(n, width, generator=gen)
@@ -153,7 +153,7 @@ def test_sparse_assignment_is_as_good_as_dense(structure, candidates):
         left, right = left.sign().bfloat16(), right.sign().bfloat16()
     similarity = (left @ right.T).double()
     total = lambda perm: similarity[perm, torch.arange(n)].sum().item()  # noqa: E731
-    sparse = assign_product(left, right, candidates=candidates)
+    sparse = assign_product(left, right, candidates=candidates, dense_bytes=0)  # the sparse path at any size
     assert sorted(sparse.tolist()) == list(range(n))
     assert total(sparse) == pytest.approx(total(assign(left @ right.T)), rel=1e-9, abs=1e-9)
 

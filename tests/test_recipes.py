@@ -87,7 +87,7 @@ def test_errors_name_the_key_on_one_line():
     message = _error({"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{group}"}})
     assert "output.push_to_hub: 2 methods would push to one repo; put {method} in the repo id" in message
     assert "learn.schedule: unknown schedule 'cosine_decay'; choose from linear, cosine" in _error(_recipe(learn={"schedule": "cosine_decay"}))
-    assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"warmup": 300}))
+    assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"steps": 200, "warmup": 300}))
     polar = _error(_recipe(learn={"orthogonal": "polar", "frame": "target"}))
     assert "learn.frame: the polar parameterisation has no fixed base to step around" in polar
     assert "learn.residual_lr" in _error(_recipe(learn={"residual_lr": 0}))

@@ -121,14 +121,20 @@ class CompletedPolar:
         return r if self._frame is None else self._frame.expand(r)
 
 
-_SPARSE_FROM = 1 << 20  # products at least this big are assigned sparsely (below, dense is cheaper)
+#: Square assignments whose float64 cost matrix takes at most this many bytes (n <= 5792) are
+#: solved densely by scipy, which is faster there than the certified sparse solve; larger ones
+#: are solved sparsely, which never builds that matrix (docs/design.md §4 has the timings).
+DENSE_ASSIGNMENT_BYTES = 256 << 20
 
 
-def assign_product(left: Tensor, right: Tensor, rows: int = 1024, candidates: int = 32) -> Tensor:
-    """:func:`assign` on ``left @ right.T``, exactly, without a dense float64 cost matrix.
+def assign_product(
+    left: Tensor, right: Tensor, rows: int = 1024, candidates: int = 32, dense_bytes: int = DENSE_ASSIGNMENT_BYTES
+) -> Tensor:
+    """:func:`assign` on ``left @ right.T``, exactly; above ``dense_bytes`` of float64 cost
+    matrix, without building it.
 
     The product is kept in its own dtype (the float64 matrix ``linear_sum_assignment`` needs is
-    4x a bfloat16 one: 537 MB at FFN 8192). The assignment is solved on each row's
+    4x a bfloat16 one: 537 MB at FFN 8192). A large assignment is solved on each row's
     ``candidates`` best columns, then certified optimal for the whole matrix by LP duality
     (:func:`_certified_sparse_assignment`), adding any column the certificate rejects. The
     product, the candidates and the certificate's screens run where ``left`` and ``right`` are;
@@ -138,7 +144,7 @@ def assign_product(left: Tensor, right: Tensor, rows: int = 1024, candidates: in
     product = torch.empty(n, m, dtype=torch.promote_types(left.dtype, right.dtype), device=left.device)
     for i in range(0, n, rows):
         torch.matmul(left[i : i + rows], right.T, out=product[i : i + rows])
-    if n != m or n * m < _SPARSE_FROM:
+    if n != m or n * m * 8 <= dense_bytes:
         return assign(product)
     return _certified_sparse_assignment(product, candidates, rows)
 

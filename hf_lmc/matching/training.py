@@ -28,8 +28,8 @@ from accelerate import Accelerator
 from torch import Tensor, nn
 
 from ..canonical import CanonicalModel
-from ..devices import launch_device
-from ..options import AccelerateOptions, LearnOptions
+from ..devices import launch_device, launched_processes
+from ..options import AccelerateOptions, LearnOptions, default_warmup
 from ..progress import bar as progress_bar
 from ..symmetry import Transform
 from .params import OrthogonalParam
@@ -37,6 +37,7 @@ from .universe import UniverseMatcher
 
 _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 logger = logging.getLogger(__name__)
+_DEFAULTS = LearnOptions()  # a path trained with no settings trains as `hf-lmc merge` does with no flags
 
 _SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one waits for the device)
 
@@ -45,11 +46,11 @@ def train(
     path: nn.Module,
     batches: Iterable[dict[str, Tensor]],
     *,
-    steps: int,
-    lr: float = 1e-3,
+    steps: int = _DEFAULTS.steps,
+    lr: float = _DEFAULTS.lr,
     residual_lr: float | None = None,
-    schedule: str = "constant",
-    warmup_steps: int = 0,
+    schedule: str = _DEFAULTS.schedule,
+    warmup_steps: int | None = None,
     accelerator=None,
     gradient_accumulation_steps: int = 1,
     mixed_precision: str = "no",
@@ -74,7 +75,8 @@ def train(
     several processes give each its own shard (``accelerator.prepare(loader)`` does).
     ``schedule`` is any :func:`transformers.get_scheduler` name (``"constant"``,
     ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first ``warmup_steps`` of
-    them warming up linearly. ``residual_lr`` sets the residual (orthogonal) maps' learning
+    them (default: a twentieth) warming up linearly. The defaults are
+    :class:`~hf_lmc.options.LearnOptions`' (chosen on the benchmark suite, docs/benchmarks.md §0). ``residual_lr`` sets the residual (orthogonal) maps' learning
     rate apart from the rest (default ``lr``): one step of it turns every layer's stream at
     once. Without ``accelerator``, one is made from ``gradient_accumulation_steps`` and
     ``mixed_precision``.
@@ -95,6 +97,7 @@ def train(
 
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    warmup_steps = default_warmup(steps) if warmup_steps is None else warmup_steps
     if not 0 <= warmup_steps <= max(steps, 0):
         raise ValueError(f"warmup_steps must lie in [0, steps={steps}], got {warmup_steps}")
     if residual_lr is not None and not residual_lr > 0:
@@ -259,6 +262,16 @@ def seeded(seed: int | None):
         yield
 
 
+def _rows_of_process(batch: dict[str, Tensor], index: int, count: int) -> dict[str, Tensor]:
+    """Process ``index``'s share of ``batch``: an equal slice of its rows, so that DDP's mean of
+    the processes' gradients is the whole batch's (for a loss averaged over rows of one length).
+    A batch whose rows do not split evenly is kept whole on every process: the same gradient."""
+    rows = {v.shape[0] for v in batch.values() if isinstance(v, Tensor) and v.dim() > 0}
+    if len(rows) != 1 or next(iter(rows)) % count:
+        return batch
+    return {k: v.chunk(count)[index] if isinstance(v, Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+
+
 class TrainedMatcher:
     """Learned or dual matching under the contract every search method shares:
     ``fit(models, weights) -> list[Transform]``, one transform per model.
@@ -340,9 +353,12 @@ class TrainedMatcher:
         batches, holdout = self.batches, None
         if learn.target_barrier is not None and hasattr(path, "locate_worst"):
             batches, holdout = holdout_split(self.batches)
+        processes = launched_processes()
+        if processes is not None and isinstance(batches, Sequence):
+            batches = [_rows_of_process(b, processes.process_index, processes.num_processes) for b in batches]
         self.losses = path.fit(
             batches, steps=learn.steps, lr=learn.lr, residual_lr=learn.residual_lr, schedule=learn.schedule,
-            warmup_steps=learn.warmup, mixed_precision=accelerate.mixed_precision,
+            warmup_steps=learn.warmup_steps, mixed_precision=accelerate.mixed_precision,
             gradient_accumulation_steps=accelerate.gradient_accumulation_steps, progress=self.progress,
             holdout=holdout, target_barrier=learn.target_barrier,
         )
