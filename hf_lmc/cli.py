@@ -515,9 +515,12 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .devices import is_main_process
     from .runner import SUMMARY, run_recipe
 
     result = run_recipe(args.recipe, overrides=_overrides(args))
+    if not is_main_process():  # one of several launched processes: the main one reports
+        return 0
     print(result.table())
     print(f"\n{len(result.runs)} merged model(s) and {SUMMARY}.md/.json/.csv written to {result.output}")
     for run in result.runs:

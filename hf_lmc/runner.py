@@ -10,12 +10,12 @@ and nothing is pushed to the Hub until then.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -27,6 +27,7 @@ import yaml
 from peft import PeftModel
 
 from . import pipeline, zoo
+from .devices import launched_processes
 from .evaluation import DataError
 from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folder
 from .hub import push_folder, resolve_checkpoint
@@ -116,7 +117,8 @@ def run_recipe(
     given = recipe
     if not isinstance(recipe, Recipe) or overrides:
         recipe = load_recipe(recipe.model_dump() if isinstance(recipe, Recipe) else recipe, overrides)
-    _refuse_several_processes()
+    processes = launched_processes()  # under torchrun / accelerate launch: one process writes (see pipeline.run)
+    main = processes is None or processes.is_main_process
     final = Path(recipe.output.dir)
     local = [p for _, refs in recipe.groups for ref in refs for p in (ref.path, ref.adapter) if p and not p.startswith(ZOO_PREFIX)]
     try:
@@ -131,7 +133,10 @@ def run_recipe(
     eval_data = load_data(recipe.eval.data, "test") if recipe.eval is not None else None
 
     made_with = _recipe_markdown(recipe, given)
-    staging = staging_folder(final)
+    staging = staging_folder(final) if main else None
+    if processes is not None:  # every process names the main one's staging folder
+        processes.wait_for_everyone()
+        staging = _from_main(staging)
     try:
         with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
             resolver = _ModelResolver(recipe, Path(scratch), progress)
@@ -142,7 +147,8 @@ def run_recipe(
                 logger.info("run %s / %s: %s", group, method, ", ".join(ref.label for ref in refs))
                 folder = recipe.run_folder(group, method)
                 try:
-                    sources = [resolver(ref) for ref in refs]
+                    with processes.main_process_first() if processes is not None else contextlib.nullcontext():
+                        sources = [resolver(ref) for ref in refs]  # zoo members: trained once, then read from the cache
                     spec = merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data).model_copy(
                         update={"labels": tuple(s.label if s.relabel else None for s in sources), "made_with": made_with}
                     )
@@ -152,15 +158,20 @@ def run_recipe(
                     raise failed(f"{group} / {method}: {err}") from err
                 barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
                 runs.append(RunResult(group, method, [ref.label for ref in refs], folder, barriers))
-                _relabel_card(staging / folder, {str(s.reference): s.label for s in sources if s.relabel})
+                if main:
+                    _relabel_card(staging / folder, {str(s.reference): s.label for s in sources if s.relabel})
         targets = {run.folder: _push_target(recipe, run) for run in runs}
+        result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
+        if not main:  # the main process finishes, moves and pushes
+            processes.wait_for_everyone()
+            return result
         for run in runs:  # cards name the final folder (or Hub repo), not the staging one
             _relabel_card(staging / run.folder, {str(staging / run.folder): targets[run.folder] or str(final / run.folder)})
-        result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
         write_summary(result, staging)
         move_into_place(staging, final, overwrite=recipe.output.overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     if recipe.output.push_to_hub:
         pushed = [
@@ -169,7 +180,16 @@ def run_recipe(
         ]
         result = dataclasses.replace(result, runs=pushed)
         write_summary(result, final)
+    if processes is not None:
+        processes.wait_for_everyone()
     return result
+
+
+def _from_main(value):
+    """``value`` as the main launched process has it (a collective: every process calls it)."""
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
 
 
 def _recipe_markdown(recipe: Recipe, given) -> str:
@@ -351,14 +371,6 @@ def _relabel_card(folder: Path, names: Mapping[str, str]) -> None:
     for old in sorted(names, key=len, reverse=True):
         text = text.replace(old, names[old])
     card.write_text(text, encoding="utf-8")
-
-
-def _refuse_several_processes() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise RecipeError(
-            "hf-lmc run runs in one process (every process would write the same output); run it without "
-            "accelerate launch / torchrun: the accelerate section sets the training loop's mixed precision and accumulation"
-        )
 
 
 def _first_line(err: BaseException) -> str:

@@ -291,10 +291,40 @@ def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
     assert (seen["mixed_precision"], seen["gradient_accumulation_steps"]) == ("bf16", 4)
 
 
-def test_refuses_to_run_in_several_processes(monkeypatch, tmp_path):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RecipeError, match="runs in one process"):
-        run_recipe(_recipe(output={"dir": str(tmp_path / "o")}), progress=False)
+@pytest.mark.slow
+def test_a_recipe_under_torchrun_writes_once_what_one_process_writes(tmp_path):
+    """``torchrun --nproc_per_node 2 -m hf_lmc run recipe.yaml``: one output folder, one summary,
+    no staging folders left, and the merges of a one-process run (dual: to all-reduce rounding)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    root = Path(__file__).resolve().parent.parent
+    for seed, name in ((1, "a"), (2, "b")):  # independent models: dual matching has something to learn
+        build_model(tiny_configs()["vit"], seed=seed, dtype=torch.float32).save_pretrained(tmp_path / name)
+    torch.manual_seed(0)
+    data = _digits_like(tmp_path / "d.pt", n=16)
+    env = os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    launches = {"one": [sys.executable, "-m", "hf_lmc"],
+                "two": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_lmc"]}
+    for name, launch in launches.items():
+        recipe = _recipe(
+            models=[str(tmp_path / "a"), str(tmp_path / "b")], method=["weight", "dual"], data={"files": [data], "batch_size": 4},
+            learn={"steps": 3, "lr": 1e-2, "seed": 0, "target_barrier": 0}, output={"dir": str(tmp_path / name)},
+        )
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+        done = subprocess.run([*launch, "run", str(tmp_path / f"{name}.yaml")], env=env, capture_output=True, text=True,
+                              timeout=600, cwd=tmp_path, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("written to") == 1, done.stdout  # the main process reports
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["runs"]
+    for method in ("weight", "dual"):
+        one, two = (load_file(tmp_path / name / method / "model.safetensors") for name in ("one", "two"))
+        for key in one:
+            torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5, msg=f"{method}: {key}")
 
 
 @pytest.fixture
