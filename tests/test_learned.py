@@ -520,13 +520,23 @@ def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
         return LearnedMatcher(model_a, model_b, dtype=torch.float64)
 
     straight = fresh()
-    losses = straight.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, progress=False)
+    losses = straight.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, warmup_steps=1, progress=False)
     assert len(losses) == 6
 
+    class Killed(Exception):
+        pass
+
+    def kill_at_step_5(step, _):  # after the checkpoint of step 4: the run dies mid-schedule
+        if step == 5:
+            raise Killed
+
     first = fresh()
-    first.fit(batches, steps=4, lr=1e-2, gradient_accumulation_steps=2, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2, progress=False)
+    with pytest.raises(Killed):
+        first.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, warmup_steps=1, checkpoint_dir=tmp_path / "ckpt",
+                  checkpoint_every=2, callback=kill_at_step_5, progress=False)
     resumed = fresh()
-    rest = resumed.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, checkpoint_dir=tmp_path / "ckpt", resume=True, progress=False)
+    rest = resumed.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, warmup_steps=1, checkpoint_dir=tmp_path / "ckpt",
+                       resume=True, progress=False)
     assert len(rest) == 2
     for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
         torch.testing.assert_close(p, q, msg=name)

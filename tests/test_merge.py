@@ -204,7 +204,7 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     if method == "learned":
         assert "| steps | 3 (gradient accumulation 1, mixed precision `no`) |" in card
         assert "fit.pt' (split `train`, batches of 4) |" in card
-        assert "Adam, lr 0.0001, residual maps 1e-05, schedule `constant`" in card and "frame `own`" in card
+        assert "Adam, lr 0.0001, residual maps 1e-05, schedule `cosine`" in card and "frame `own`" in card  # the default schedule
 
 
 def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):

@@ -15,6 +15,7 @@ import hf_lmc
 from hf_lmc import pipeline, zoo
 from hf_lmc.cli import main
 from hf_lmc.evaluation import DataError
+from hf_lmc.options import LearnOptions
 from hf_lmc.recipe import DataSpec, RecipeError, load_recipe
 from hf_lmc.runner import RunFailedError, fold_adapter, load_data, run_recipe
 from hf_lmc.verify import tiny_configs
@@ -171,7 +172,7 @@ def test_sweep_writes_models_and_one_summary_table(tmp_path):
     assert [r["folder"] for r in rows] == ["one/weight", "one/average", "two/weight", "two/average"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"][0]["average_barrier"] == pytest.approx(result.runs[0].barriers["average"])
-    assert summary["recipe"]["eval"]["alphas"] == [0, 0.5, 1] and summary["recipe"]["learn"]["steps"] == 200  # defaults filled in
+    assert summary["recipe"]["eval"]["alphas"] == [0, 0.5, 1] and summary["recipe"]["learn"]["steps"] == LearnOptions().steps  # defaults filled in
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
     with pytest.raises(FileExistsError, match="output.overwrite"):
         run_recipe(recipe, progress=False)
