@@ -212,7 +212,6 @@ def _fit_options(args: argparse.Namespace):
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .devices import is_main_process
     from .pipeline import merge, merge_models
 
     models = args.models
@@ -233,7 +232,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         result = merge(*models, args.output, alpha=alpha, revision_a=revisions[0], revision_b=revisions[1], **settings)
     else:
         result = merge_models(models, args.output, weights=args.weights, revisions=revisions, **settings)
-    if not is_main_process():  # one of several launched processes: the main one reports
+    if not result.wrote:  # one of several launched processes: the main one reports
         return 0
     if result.stopping is not None:
         print(f"{result.method} matching: {result.stopping.describe()}")
@@ -515,11 +514,10 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .devices import is_main_process
     from .runner import SUMMARY, run_recipe
 
     result = run_recipe(args.recipe, overrides=_overrides(args))
-    if not is_main_process():  # one of several launched processes: the main one reports
+    if not result.wrote:  # one of several launched processes: the main one reports
         return 0
     print(result.table())
     print(f"\n{len(result.runs)} merged model(s) and {SUMMARY}.md/.json/.csv written to {result.output}")

@@ -80,7 +80,3 @@ def launched_processes():
 
     return PartialState(cpu=launch_device().type == "cpu")
 
-
-def is_main_process() -> bool:
-    """Whether this process is the one that writes and prints (rank 0; the only one outside a launch)."""
-    return int(os.environ.get("RANK", "0")) == 0

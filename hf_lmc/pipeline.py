@@ -75,6 +75,7 @@ class MergeResult:
     url: str | None = None
     weights: tuple[float, ...] = ()  # one per model, summing to 1
     stopping: object | None = None  # learned and dual matching: what the stopping rule reached (matching.training.Stopping)
+    wrote: bool = True  # False on every launched process but the main one, which writes (and reports) the merge
 
 
 _HARDENED = (
@@ -259,7 +260,7 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
     count = len(spec.models)
     return MergeResult(
         Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights,
-        aligned.stopping if aligned is not None else None,
+        aligned.stopping if aligned is not None else None, processes is None or processes.is_main_process,
     )
 
 

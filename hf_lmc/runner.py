@@ -71,6 +71,7 @@ class RecipeResult:
     runs: list[RunResult]
     title: str = "hf-lmc recipe"
     recipe: dict[str, Any] = field(default_factory=dict)  # the validated recipe, defaults filled in (for summary.json)
+    wrote: bool = True  # False on every launched process but the main one, which writes (and reports) the output
 
     def table(self) -> str:
         """Markdown: barrier per group of models (rows) and method (columns), vanilla average first."""
@@ -164,7 +165,7 @@ def run_recipe(
         result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
         if not main:  # the main process finishes, moves and pushes
             processes.wait_for_everyone()
-            return result
+            return dataclasses.replace(result, wrote=False)
         for run in runs:  # cards name the final folder (or Hub repo), not the staging one
             _relabel_card(staging / run.folder, {str(staging / run.folder): targets[run.folder] or str(final / run.folder)})
         write_summary(result, staging)
