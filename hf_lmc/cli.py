@@ -533,6 +533,9 @@ def cmd_recipe_check(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, _overrides(args))
     runs = recipe.runs()
     print(f"{args.recipe}: valid; {len(runs)} run(s) into {recipe.output.dir}")
+    launch = recipe.launch.command(str(args.recipe))
+    if launch:
+        print(f"  runs as {recipe.launch.processes} processes: {launch}")
     push = recipe.output.push_to_hub
     for group, method, models in runs:
         target = f" -> {push.format(group=group, method=method)}" if push else ""

@@ -191,6 +191,23 @@ class OutputSpec(OutputOptions):
         return value
 
 
+class LaunchSpec(_Section):
+    """How many processes the recipe is meant to run as (``torchrun`` / ``accelerate launch``)."""
+
+    processes: PositiveInt | None = Field(
+        None,
+        description="processes to run as; hf-lmc run started as another number refuses and prints the launch command "
+        "(default: whatever the launch gives)",
+    )
+
+    def command(self, recipe_path: str) -> str | None:
+        """The command lines that start ``recipe_path`` as ``processes`` processes (``None``: one process)."""
+        if not self.processes or self.processes == 1:
+            return None
+        n = self.processes
+        return f"torchrun --nproc_per_node {n} -m hf_lmc run {recipe_path} (CPUs), or accelerate launch --num_processes {n} -m hf_lmc run {recipe_path} (GPUs)"
+
+
 class ZooSpec(_Section):
     """How zoo members (``zoo:NAME/seedN``) are trained when they are not cached yet."""
 
@@ -232,6 +249,7 @@ class Recipe(_Section):
     eval: EvalSpec | None = Field(None, description="held-out evaluation: barrier per run (needed for barriers in the summary)")
     output: OutputSpec = Field(description="output folder, shards, dtype, Hub target")
     zoo: ZooSpec = Field(ZooSpec(), description="training of zoo:NAME/seedN members")
+    launch: LaunchSpec = Field(LaunchSpec(), description="the processes the recipe runs as (learned and dual matching train on all)")
 
     @field_validator("device")
     @classmethod

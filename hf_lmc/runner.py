@@ -16,6 +16,7 @@ import dataclasses
 import io
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -118,6 +119,13 @@ def run_recipe(
     given = recipe
     if not isinstance(recipe, Recipe) or overrides:
         recipe = load_recipe(recipe.model_dump() if isinstance(recipe, Recipe) else recipe, overrides)
+    started = int(os.environ.get("WORLD_SIZE", "1"))
+    if recipe.launch.processes and recipe.launch.processes != started:
+        path = str(given) if isinstance(given, (str, Path)) else "RECIPE.yaml"
+        raise RecipeError(
+            f"launch.processes: the recipe runs as {recipe.launch.processes} processes, this launch started {started}; "
+            f"start it with {recipe.launch.command(path) or f'hf-lmc run {path}'}"
+        )
     processes = launched_processes()  # under torchrun / accelerate launch: one process writes (see pipeline.run)
     main = processes is None or processes.is_main_process
     final = Path(recipe.output.dir)

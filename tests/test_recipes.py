@@ -368,3 +368,18 @@ def test_device_reaches_the_merge(tmp_path, monkeypatch):
     for device in ("cpu", "cuda:1"):
         run_recipe(_recipe(device=device, output={"dir": str(tmp_path / device.replace(":", "-"))}), progress=False)
     assert [spec.device for spec in calls] == ["cpu", "cuda:1"]
+
+
+def test_a_recipe_that_states_its_launch_refuses_another_and_prints_the_command(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(_recipe(output={"dir": str(tmp_path / "o")}, launch={"processes": 2})))
+    assert main(["run", str(path)]) == 2  # started as one process: a usage error, before any work
+    err = capsys.readouterr().err
+    assert f"torchrun --nproc_per_node 2 -m hf_lmc run {path}" in err and "accelerate launch --num_processes 2" in err
+    assert not (tmp_path / "o").exists()
+    assert main(["recipe", "check", str(path)]) == 0
+    assert f"runs as 2 processes: torchrun --nproc_per_node 2 -m hf_lmc run {path}" in capsys.readouterr().out
+    monkeypatch.setenv("WORLD_SIZE", "3")  # a launch of another size is refused too
+    with pytest.raises(RecipeError, match="this launch started 3"):
+        run_recipe(path, progress=False)
+    assert "launch.processes" in _error(_recipe(launch={"processes": 0}))
