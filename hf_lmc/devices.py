@@ -68,15 +68,20 @@ def full_float32_products():
         torch.set_float32_matmul_precision(previous)
 
 
+def launched_count() -> int:
+    """How many processes the launcher started (``WORLD_SIZE``; 1 outside a launch), read
+    without setting up any process group."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def launched_processes():
     """``accelerate.PartialState`` when this process is one of several that a launcher started
     (``torchrun``, ``accelerate launch``: ``WORLD_SIZE > 1``), else ``None``. Creating it sets
     up the process group (gloo on CPUs, NCCL on GPUs) that every later ``Accelerator`` of the
     process, the training loop's among them, shares. On CPUs it is asked for by name:
     accelerate's default state would see one process each (``DistributedType.NO``)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if launched_count() <= 1:
         return None
     from accelerate import PartialState  # deferred: a one-process run never needs it
 
     return PartialState(cpu=launch_device().type == "cpu")
-

@@ -244,49 +244,37 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
 
     Measuring comes before writing because the barrier goes into the model card, which is
     written with the weights; nothing is written until every earlier stage has succeeded.
-    Under a launcher (``torchrun``, ``accelerate launch``) learned and dual matching train on
-    every process and the main process alone writes (:func:`_run_launched`).
+    Under a launcher (``torchrun``, ``accelerate launch``) every process checks the inputs;
+    learned and dual matching train on all of them (DDP, each fitting batch split across them),
+    the other methods align on the main process alone, and the main process alone measures,
+    writes and pushes while the others wait: one output, as a one-process run writes it.
     """
     processes = launched_processes()
-    if processes is None:
-        inputs = resolve(spec)
-        with tempfile.TemporaryDirectory() as scratch:
-            aligned = align(spec, inputs, progress=progress)
-            measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
-            write(spec, inputs, aligned, measured, progress=progress)
-        url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
-    else:
-        inputs, aligned, measured, url = _run_launched(spec, processes, progress=progress, api=api)
-    count = len(spec.models)
-    return MergeResult(
-        Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights,
-        aligned.stopping if aligned is not None else None, processes is None or processes.is_main_process,
-    )
-
-
-def _run_launched(spec: MergeSpec, processes, *, progress: bool, api) -> tuple[Inputs, Aligned | None, Measured, str | None]:
-    """:func:`run` as one of several launched processes (``torchrun``, ``accelerate launch``).
-
-    Every process checks the inputs. Learned and dual matching train on all of them (DDP, each
-    fitting batch split across the processes); the other methods align on the main process
-    alone. The main process measures, writes and pushes while the others wait, so one output
-    is written, as a one-process run would write it.
-    """
+    main = processes is None or processes.is_main_process
     inputs = resolve(spec)
-    processes.wait_for_everyone()  # every process has checked the output before any writes it
-    main = processes.is_main_process
+    _wait(processes)  # every process has checked the output before any writes it
     aligned, measured, url = None, Measured(), None
     try:
-        if main or METHODS[spec.method].trained:
+        if main or METHODS[spec.method].trained:  # learned and dual matching train on every process (DDP)
             aligned = align(spec, inputs, progress=progress and main)
         if main:
             with tempfile.TemporaryDirectory() as scratch:
                 measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
                 write(spec, inputs, aligned, measured, progress=progress)
             url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
-    finally:  # a failure on the main process still releases the others (torchrun then reports it)
+    finally:  # a failure on the main process still releases the others (the launcher then reports it)
+        _wait(processes)
+    count = len(spec.models)
+    return MergeResult(
+        Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights,
+        aligned.stopping if aligned is not None else None, main,
+    )
+
+
+def _wait(processes) -> None:
+    """Meet the other launched processes (nothing to wait for in a one-process run)."""
+    if processes is not None:
         processes.wait_for_everyone()
-    return inputs, aligned, measured, url
 
 
 @dataclass(frozen=True)

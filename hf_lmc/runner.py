@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -28,7 +27,7 @@ import yaml
 from peft import PeftModel
 
 from . import pipeline, zoo
-from .devices import launched_processes
+from .devices import launched_count, launched_processes
 from .evaluation import DataError
 from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folder
 from .hub import push_folder, resolve_checkpoint
@@ -119,7 +118,7 @@ def run_recipe(
     given = recipe
     if not isinstance(recipe, Recipe) or overrides:
         recipe = load_recipe(recipe.model_dump() if isinstance(recipe, Recipe) else recipe, overrides)
-    started = int(os.environ.get("WORLD_SIZE", "1"))
+    started = launched_count()
     if recipe.launch.processes and recipe.launch.processes != started:
         path = str(given) if isinstance(given, (str, Path)) else "RECIPE.yaml"
         raise RecipeError(

@@ -19,7 +19,6 @@ same groups in the same order, which the data-parallel loop does (and which make
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..canonical import CanonicalModel
+from ..devices import launched_count
 from ..spec import Group
 
 
@@ -35,7 +35,7 @@ def shard_group(shard: bool):
     if not shard:
         return None
     if not (dist.is_available() and dist.is_initialized()):
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if launched_count() > 1:
             raise RuntimeError(
                 "shard_endpoints=True in a multi-process launch needs torch.distributed set up first: "
                 "create the Accelerator (or call torch.distributed.init_process_group) before the matcher"

@@ -76,9 +76,9 @@ def train(
     ``schedule`` is any :func:`transformers.get_scheduler` name (``"constant"``,
     ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first ``warmup_steps`` of
     them (default: a twentieth) warming up linearly. The defaults are
-    :class:`~hf_lmc.options.LearnOptions`' (chosen on the benchmark suite, docs/benchmarks.md §0). ``residual_lr`` sets the residual (orthogonal) maps' learning
-    rate apart from the rest (default ``lr``): one step of it turns every layer's stream at
-    once. Without ``accelerator``, one is made from ``gradient_accumulation_steps`` and
+    :class:`~hf_lmc.options.LearnOptions`' (chosen on the benchmark suite, docs/benchmarks.md
+    §0). ``residual_lr`` sets the residual (orthogonal) maps' learning rate apart from the rest
+    (default ``lr``): one step of it turns every layer's stream at once. Without ``accelerator``, one is made from ``gradient_accumulation_steps`` and
     ``mixed_precision``.
     With ``checkpoint_dir``, ``accelerator.save_state`` runs every ``checkpoint_every``
     steps (and at the end); ``resume=True`` continues from the last saved step, replaying
