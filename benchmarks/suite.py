@@ -146,6 +146,7 @@ TRIPLES: dict[str, list[str]] = {
 SIMPLEX_METHODS = (("vanilla", "average"), ("weight", "weight"), ("learned", "learned"), ("dual", "dual"))
 SIMPLEX_LABELS = tuple(label for label, _ in SIMPLEX_METHODS)
 SIMPLEX_POINTS = 5  # grid points per edge: weights in steps of 1/4, and the centre
+FIT_BATCHES = 256  # fitting batches of activation, learned and dual matching, at the command line's default batch size
 
 
 @dataclass
@@ -174,7 +175,7 @@ def measure_pair(pair: SuitePair, labels: Sequence[str], *, cache: Path | None, 
     folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in pair.seeds]
     members = [json.loads((f / "zoo.json").read_text()) for f in folders]
     evaluation = evaluation_batches(pair.entry, folders[0])
-    fitting = zoo.fit_batches(pair.entry, 256, batch_size=FIT_OPTIONS.batch_size)  # what `--data D` gives at its default batch size
+    fitting = zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=FIT_OPTIONS.batch_size)  # what `--data D` gives at its default batch size
     barriers, seconds = {}, {}
     for label, method, symmetries in METHODS:
         if label not in labels:
@@ -209,7 +210,7 @@ def measure_triple(pair: SuitePair, labels: Sequence[str], *, cache: Path | None
     folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (*pair.seeds, 2)]
     loaded = [load_model(f) for f in folders]
     evaluation = evaluation_batches(pair.entry, folders[0])
-    fitting = zoo.fit_batches(pair.entry, 256, batch_size=FIT_OPTIONS.batch_size)
+    fitting = zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=FIT_OPTIONS.batch_size)
     barriers, means, seconds = {}, {}, {}
     for label, method in SIMPLEX_METHODS:
         if label not in labels:
@@ -272,10 +273,9 @@ def summary_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[s
             values = [r.barriers[label] for r in members if label in r.barriers]
             if not values:
                 continue
-            spread = statistics.stdev(values) if len(values) > 1 else 0.0
             ratios = [r.barriers[label] / r.barriers["vanilla"] for r in members if label in r.barriers and r.barriers.get("vanilla", 0) > 0]
             ratio = f"{statistics.mean(ratios):.2f}, {max(ratios):.2f}" if ratios else "—"
-            rows.append(f"| {family} | {label} | {len(values)} | {statistics.mean(values):.3f} ± {spread:.3f} | {max(values):.3f} | {ratio} |")
+            rows.append(f"| {family} | {label} | {len(values)} | {_spread(values)} | {max(values):.3f} | {ratio} |")
     return rows
 
 
@@ -305,25 +305,27 @@ def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]
 def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
         progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions()) -> list[PairResult]:
     """Measure every pair of ``tier`` (of ``families``); ``max_steps`` caps each member's training."""
-    results = []
-    for pair in TIERS[tier]:
-        if pair.family not in families:
-            continue
-        if max_steps is not None and pair.entry.steps > max_steps:
-            pair = SuitePair(pair.family, pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))), pair.varies)
-        results.append(measure_pair(pair, labels, cache=cache, progress=progress, learn=learn))
-    return results
+    pairs = [_capped(pair, max_steps) for pair in TIERS[tier] if pair.family in families]
+    return [measure_pair(pair, labels, cache=cache, progress=progress, learn=learn) for pair in pairs]
 
 
-def _triples_of(tier: str, families: Sequence[str]) -> list[SuitePair]:
-    return [pair for pair in TIERS[tier] if pair.entry.name in TRIPLES[tier] and pair.family in families]
+def _capped(pair: SuitePair, max_steps: int | None) -> SuitePair:
+    """``pair`` with its members' training capped at ``max_steps`` (the paper tier on a CPU)."""
+    if max_steps is None or pair.entry.steps <= max_steps:
+        return pair
+    return SuitePair(pair.family, pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))), pair.varies)
+
+
+def _triples_of(tier: str, families: Sequence[str], max_steps: int | None = None) -> list[SuitePair]:
+    return [_capped(pair, max_steps) for pair in TIERS[tier] if pair.entry.name in TRIPLES[tier] and pair.family in families]
 
 
 def run_triples_of(tier: str, *, labels: Sequence[str] = SIMPLEX_LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
-                   progress: bool = False, learn: LearnOptions | None = None) -> list[TripleResult]:
-    """Measure every triple of ``tier`` (of ``families``) over its simplex (``learn``: default ``LearnOptions()``)."""
+                   progress: bool = False, max_steps: int | None = None, learn: LearnOptions | None = None) -> list[TripleResult]:
+    """Measure every triple of ``tier`` (of ``families``) over its simplex (``learn``: default
+    ``LearnOptions()``); ``max_steps`` caps each member's training."""
     learn = learn or LearnOptions()
-    return [measure_triple(pair, labels, cache=cache, progress=progress, learn=learn) for pair in _triples_of(tier, families)]
+    return [measure_triple(pair, labels, cache=cache, progress=progress, learn=learn) for pair in _triples_of(tier, families, max_steps)]
 
 
 def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
@@ -334,11 +336,13 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
         print("\n".join(triple_rows(results, [label for label in labels if any(label in r.barriers for r in results)])))
         return
     if args.train_only:
-        for pair in _triples_of(args.tier, args.families):
+        for pair in _triples_of(args.tier, args.families, args.max_steps):
             zoo.train(pair.entry, 2, cache=args.cache, progress=args.progress)
         return
     start = time.perf_counter()
-    results = run_triples_of(args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, learn=learn)
+    results = run_triples_of(
+        args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn
+    )
     changed = learn.model_dump(exclude_defaults=True)
     print(f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "") + "\n")
     print("\n".join(triple_rows(results, labels)))
@@ -379,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.train_only:
         for pair in TIERS[args.tier]:
             if pair.family in args.families:
+                pair = _capped(pair, args.max_steps)  # the members a capped run measures
                 for seed in pair.seeds:
                     folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
                     print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
