@@ -28,6 +28,7 @@ _PUBLIC = {
     "CheckpointError": "checkpoint",
     "ActivationMatcher": "matching",
     "DualMatcher": "matching",
+    "EndpointSharding": "matching",
     "LearnedMatcher": "matching",
     "SimplexMatcher": "matching",
     "TrainedMatcher": "matching",
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
     from .matching import (  # noqa: F401
         ActivationMatcher,
         DualMatcher,
+        EndpointSharding,
         LearnedMatcher,
         SimplexMatcher,
         TrainedMatcher,

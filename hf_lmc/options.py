@@ -205,8 +205,24 @@ class AccelerateOptions(Options):
     """``accelerate.Accelerator`` settings of the learned and dual training loop. One process
     holds one mixed-precision setting, so a run that changes it needs a fresh process."""
 
-    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="autocast of the training loop")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field(
+        "no", description="autocast of the training loop; with --shard-endpoints also the dtype the models' layers are gathered in"
+    )
     gradient_accumulation_steps: PositiveInt = Field(1, description="batches per optimiser step")
+    shard_endpoints: bool = Field(
+        False,
+        description="under several processes (torchrun, accelerate launch), shard the frozen models' layers across them with "
+        "FSDP2: each process keeps 1/N of every layer and gathers a layer when it is built",
+    )
+    offload_endpoints: bool = Field(
+        False, description="with --shard-endpoints, keep each process's shards in CPU memory and copy a layer to the GPU when it is gathered"
+    )
+
+    @model_validator(mode="after")
+    def _offload_needs_shards(self):
+        if self.offload_endpoints and not self.shard_endpoints:
+            raise ValueError("offload_endpoints: offloading keeps the shards in CPU memory; it needs shard_endpoints")
+        return self
 
 
 class EvalOptions(Options):

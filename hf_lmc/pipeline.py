@@ -125,6 +125,9 @@ def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple
         rows.append(("weight draws", f"Dirichlet({learn.concentration:g} · 1)"))
     rows.append(("objective", f"`{learn.objective}`" + (f", input noise std {learn.input_noise:g}" if learn.input_noise else "")))
     rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
+    if accelerate.shard_endpoints:
+        gathered = f", layers gathered in `{accelerate.mixed_precision}`" if accelerate.mixed_precision != "no" else ""
+        rows.append(("endpoints", "sharded across the processes (FSDP2)" + (", offloaded to CPU memory" if accelerate.offload_endpoints else "") + gathered))
     if stopping is not None:
         rows.append(("stopping", stopping.describe()))
     return rows

@@ -4,7 +4,10 @@ Each process trains on its shard of the same global batches; the trained paramet
 merge's logits and the endpoint elements each process holds are saved by the main process so
 the test can compare the 2-process runs (endpoints whole or sharded) with the 1-process run.
 
-    python tests/distributed_fit.py OUT [--shard-endpoints]
+    python tests/distributed_fit.py OUT [--shard-endpoints] [--offload] [--gather-float32]
+
+``--offload`` keeps the shards in CPU memory (FSDP2's CPU offload: on a CPU machine the same
+memory, but the offload code path); ``--gather-float32`` gathers the float64 endpoints in float32.
 """
 
 import json
@@ -13,12 +16,15 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from hf_lmc import LearnedMatcher
+from hf_lmc import EndpointSharding, LearnedMatcher
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
 
-def main(out: str, shard: bool) -> None:
+def main(out: str, flags: list[str]) -> None:
+    shard = "--shard-endpoints" in flags and EndpointSharding(
+        offload="--offload" in flags, dtype=torch.float32 if "--gather-float32" in flags else None
+    )
     accelerator = Accelerator(cpu=True)  # first: sharded endpoints need the process group
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
@@ -37,15 +43,19 @@ def main(out: str, shard: bool) -> None:
     held = accelerator.gather(held).tolist()
     store = matcher.interpolant.endpoints[0]
     layers = sum(t.numel() for g in range(store.spec.num_layers) for t in store.load(g).values())  # a collective when sharded
+    before = store.load(0)
+    matcher.float()  # dtype moves reach sharded layers too
+    after = store.load(0)
+    moved = all(after[n].dtype == torch.float32 and torch.equal(after[n], before[n].float()) for n in before)
     if accelerator.is_main_process:
         params = {k: v.detach().clone() for k, v in matcher.state_dict().items() if "template" not in k and "interpolant" not in k}
         torch.save({"params": params, "logits": logits}, out)
         with open(out + ".json", "w") as f:
-            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "located": located, "held": held, "layers_per_model": layers}, f)
+            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "located": located, "held": held, "layers_per_model": layers, "moved": moved}, f)
     accelerator.wait_for_everyone()
     if torch.distributed.is_initialized():  # an orderly teardown: gloo's threads end before the process does
         torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--shard-endpoints" in sys.argv[2:])
+    main(sys.argv[1], sys.argv[2:])

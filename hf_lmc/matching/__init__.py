@@ -8,6 +8,7 @@ transform; the learned paths are ``nn.Module`` s trained by :func:`train`, and
 
 from .activation import ActivationMatcher
 from .contract import Matcher, PairwiseMatcher
+from .endpoints import EndpointSharding
 from .learned import DualMatcher, LearnedMatcher, PairPath, SimplexMatcher, TrainedPath
 from .training import TrainedMatcher, train
 from .universe import UniverseMatcher
@@ -16,6 +17,7 @@ from .weight import WeightMatcher
 __all__ = [
     "ActivationMatcher",
     "DualMatcher",
+    "EndpointSharding",
     "LearnedMatcher",
     "Matcher",
     "PairPath",

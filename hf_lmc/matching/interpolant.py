@@ -17,7 +17,7 @@ checkpoints that share of the layers, spread evenly: the others keep their weigh
 backward and skip the second build (less recomputation where small batches leave a GPU
 waiting on the host). The endpoints
 live in :class:`~hf_lmc.matching.endpoints.EndpointStore` objects: they follow the module's
-device and dtype moves, and with ``shard=True`` each process keeps only its slice of them.
+device and dtype moves, and with ``shard`` each process keeps only its FSDP2 shard of them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton, weighted_sum
 from ..spec import Group
 from ..symmetry import Transform
-from .endpoints import EndpointStore, shard_group
+from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
 
 
 @dataclass
@@ -91,9 +91,11 @@ class Interpolant(nn.Module):
         checkpoint_layers: rebuild each layer's weights inside gradient checkpointing (see the
             module docstring); off, every layer's weights stay alive until backward; a fraction
             in [0, 1] checkpoints that share of the layers (:func:`checkpointed_layers`).
-        shard: under ``torch.distributed`` with N > 1 processes, keep 1/N of every endpoint
-            per process and all-gather a layer's tensors when it is built
-            (:mod:`hf_lmc.matching.endpoints`); every call is then a collective.
+        shard: under ``torch.distributed`` with N > 1 processes, shard every endpoint layer
+            across them with FSDP2 and gather a layer's tensors when it is built
+            (:mod:`hf_lmc.matching.endpoints`); every call is then a collective. An
+            :class:`~hf_lmc.matching.endpoints.EndpointSharding` sets CPU offload, the gather
+            dtype and prefetching.
 
     ``interpolant(T_B, alpha, T_A, **batch)`` runs the two-model path;
     ``interpolant.at(transforms, weights, **batch)`` any point of the simplex;
@@ -106,7 +108,7 @@ class Interpolant(nn.Module):
         b: CanonicalModel,
         *more: CanonicalModel,
         checkpoint_layers: bool | float = True,
-        shard: bool = False,
+        shard: bool | EndpointSharding = False,
     ):
         super().__init__()
         if any(m.spec != a.spec for m in (b, *more)):
@@ -116,8 +118,9 @@ class Interpolant(nn.Module):
         config = copy.deepcopy(a.config)
         if hasattr(config, "tie_word_embeddings"):
             config.tie_word_embeddings = False
-        group = shard_group(shard)
-        self.endpoints = [EndpointStore(m, group) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)]
+        sharding = sharding_of(shard)
+        mesh = shard_mesh(sharding)
+        self.endpoints = [EndpointStore(m, mesh, sharding) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)]
         self.models = tuple(store.canonical() for store in self.endpoints)
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)

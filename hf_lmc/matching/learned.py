@@ -28,6 +28,7 @@ from ..devices import launch_device
 from ..grids import alpha_grid, excess_over_line
 from ..options import FOCI, OBJECTIVES
 from ..symmetry import Transform
+from .endpoints import EndpointSharding
 from .interpolant import Interpolant
 from .trainable import TrainableTransform
 from .training import train
@@ -198,9 +199,11 @@ class PairPath(TrainedPath):
             where small batches leave a GPU waiting on the host, at the memory of the other
             layers' weights (``benchmarks/learned_step.py``).
         shard_endpoints: under ``torch.distributed`` (``accelerate launch``, ``torchrun``; create
-            the ``Accelerator`` first) keep 1/N of the frozen endpoints per process and
-            all-gather each layer when it is built (:mod:`hf_lmc.matching.endpoints`). Every
-            forward, and ``merge``, is then a collective: call them on every process.
+            the ``Accelerator`` first) shard the frozen endpoints' layers across the processes
+            with FSDP2 and gather each layer when it is built (:mod:`hf_lmc.matching.endpoints`).
+            An :class:`~hf_lmc.matching.endpoints.EndpointSharding` adds CPU offload of the
+            shards and a gather dtype. Every forward, and ``merge``, is then a collective: call
+            them on every process.
         init_device: where the weight-matching start runs (``init="weight"``). Default: this
             process's device under ``accelerate launch`` / ``torchrun`` (the CPU under
             ``--cpu``, GPU ``LOCAL_RANK`` with several processes), else a GPU when torch sees
@@ -228,7 +231,7 @@ class PairPath(TrainedPath):
         input_noise: float = 0.0,
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool | float = True,
-        shard_endpoints: bool = False,
+        shard_endpoints: bool | EndpointSharding = False,
         init_device: str | torch.device | None = None,
     ):
         super().__init__()
@@ -431,7 +434,7 @@ class SimplexMatcher(TrainedPath):
         input_noise: float = 0.0,
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool | float = True,
-        shard_endpoints: bool = False,
+        shard_endpoints: bool | EndpointSharding = False,
         init_device: str | torch.device | None = None,
     ):
         super().__init__()

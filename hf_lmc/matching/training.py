@@ -32,6 +32,7 @@ from ..devices import launch_device, launched_processes
 from ..options import AccelerateOptions, LearnOptions, default_warmup
 from ..progress import bar as progress_bar
 from ..symmetry import Transform
+from .endpoints import EndpointSharding
 from .params import OrthogonalParam
 from .universe import UniverseMatcher
 
@@ -329,7 +330,8 @@ class TrainedMatcher:
         learn = self.learn
         options = {
             "symmetries": self.symmetries, "permutations": learn.permutations, "orthogonal": learn.orthogonal,
-            "frame": learn.frame, "objective": learn.objective, "input_noise": learn.input_noise, **self.path_kwargs,
+            "frame": learn.frame, "objective": learn.objective, "input_noise": learn.input_noise,
+            "shard_endpoints": self._endpoint_sharding(), **self.path_kwargs,
         }
         if len(models) < 2:
             raise ValueError(f"{self.path_class.__name__} aligns two or more models, got {len(models)}")
@@ -347,6 +349,16 @@ class TrainedMatcher:
             path = self.path_class.over_simplex(models, init=start, concentration=learn.concentration, **options)
             self._train(path)
         return list(path.transforms())
+
+    def _endpoint_sharding(self) -> EndpointSharding | bool:
+        """``accelerate``'s endpoint settings as the path takes them: FSDP2 gathers in the
+        mixed-precision dtype, as accelerate's own FSDP2 plugin casts parameters."""
+        accelerate = self.accelerate
+        if not accelerate.shard_endpoints:
+            return False
+        launched_processes()  # torch.distributed set up (under a launch) before the endpoints are sharded
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerate.mixed_precision)
+        return EndpointSharding(offload=accelerate.offload_endpoints, dtype=dtype)
 
     def _train(self, path: nn.Module) -> None:
         learn, accelerate = self.learn, self.accelerate
