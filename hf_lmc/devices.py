@@ -74,6 +74,20 @@ def launched_count() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def computed_on_main(compute):
+    """``compute()`` as the main process of a launch computes it, sent to the others (which do
+    not compute it): one result for all, where a GPU's nondeterminism could otherwise give each
+    process its own. Without a process group of several, simply ``compute()``. A collective
+    under a launch: every process calls it."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def launched_processes():
     """``accelerate.PartialState`` when this process is one of several that a launcher started
     (``torchrun``, ``accelerate launch``: ``WORLD_SIZE > 1``), else ``None``. Creating it sets

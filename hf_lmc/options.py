@@ -218,10 +218,24 @@ class AccelerateOptions(Options):
         False, description="with --shard-endpoints, keep each process's shards in CPU memory and copy a layer to the GPU when it is gathered"
     )
 
+    checkpoint_dir: str | None = Field(
+        None,
+        description="save the training state (transforms, optimiser, schedule, random state: accelerate's save_state) to this "
+        "folder every --checkpoint-every steps and at the end, so that a killed run can --resume",
+    )
+    checkpoint_every: PositiveInt = Field(100, description="steps between saves of the training state to --checkpoint-dir")
+    resume: bool = Field(
+        False,
+        description="continue from the state last saved in --checkpoint-dir (run with the same models, data, settings and number "
+        "of processes): the merge is the one an uninterrupted run makes; with no state saved yet, start afresh",
+    )
+
     @model_validator(mode="after")
-    def _offload_needs_shards(self):
+    def _consistent(self):
         if self.offload_endpoints and not self.shard_endpoints:
             raise ValueError("offload_endpoints: offloading keeps the shards in CPU memory; it needs shard_endpoints")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("resume: resuming reads the state a run saved; name its folder with checkpoint_dir")
         return self
 
 

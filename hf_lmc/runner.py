@@ -157,7 +157,7 @@ def run_recipe(
                 try:
                     with processes.main_process_first() if processes is not None else contextlib.nullcontext():
                         sources = [resolver(ref) for ref in refs]  # zoo members: trained once, then read from the cache
-                    spec = merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data).model_copy(
+                    spec = merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data, folder).model_copy(
                         update={"labels": tuple(s.label if s.relabel else None for s in sources), "made_with": made_with}
                     )
                     merged = pipeline.run(spec, progress=progress)
@@ -208,18 +208,22 @@ def _recipe_markdown(recipe: Recipe, given) -> str:
     return f"the recipe `{name}`, as it ran (`--set` changes applied); save it and run `hf-lmc run {name}`:\n\n```yaml\n{text}```"
 
 
-def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output: Path, fit_data, eval_data) -> MergeSpec:
+def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output: Path, fit_data, eval_data, folder: Path | None = None) -> MergeSpec:
     """The one merge of ``sources`` by ``method`` that ``recipe`` asks for, written to ``output``
-    (pushed later, once every run has succeeded)."""
+    (pushed later, once every run has succeeded); ``folder`` is the run's folder in the recipe's
+    output, which names its training state under ``accelerate.checkpoint_dir``."""
     weights = recipe.alpha_or_weights(len(sources))
     if len(sources) == 2:
         weights = (1 - weights, weights)
     out = recipe.output
+    accelerate = recipe.accelerate
+    if accelerate.checkpoint_dir is not None:  # one folder of training state per merge
+        accelerate = accelerate.model_copy(update={"checkpoint_dir": str(Path(accelerate.checkpoint_dir) / (folder or output.name))})
     return MergeSpec(
         models=[s.reference for s in sources], revisions=[s.revision for s in sources], output=output, weights=weights,
         method=method, symmetries=recipe.symmetries, device=recipe.device, data=fit_data,
         data_options=recipe.data.options("train") if recipe.data else FIT_OPTIONS,
-        learn=recipe.learn, accelerate=recipe.accelerate, eval_data=eval_data,
+        learn=recipe.learn, accelerate=accelerate, eval_data=eval_data,
         eval_options=recipe.eval.data.options("test") if recipe.eval else EvalOptions(),
         alphas=recipe.eval.alphas if recipe.eval else 11, dtype=out.dtype, shard_size=out.shard_size,
     )

@@ -16,7 +16,7 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from hf_lmc import EndpointSharding, LearnedMatcher
+from hf_lmc import EndpointSharding, LearnedMatcher, WeightMatcher
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
@@ -29,7 +29,11 @@ def main(out: str, flags: list[str]) -> None:
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
     torch.manual_seed(0)  # the same lambda draws in every process
+    starts = []  # weight matching runs in the main process alone; the others receive its start
+    match = WeightMatcher.match
+    WeightMatcher.match = lambda self, a, b: starts.append(1) or match(self, a, b)
     matcher = LearnedMatcher(model_a, model_b, dtype=torch.float64, shard_endpoints=shard)
+    starts = accelerator.gather(torch.tensor([float(len(starts))])).tolist()
     g = torch.Generator().manual_seed(0)
     global_batches = [torch.randint(0, config.vocab_size, (4, 10), generator=g) for _ in range(3)]
     shards = [{"input_ids": x.chunk(accelerator.num_processes)[accelerator.process_index]} for x in global_batches]
@@ -51,7 +55,7 @@ def main(out: str, flags: list[str]) -> None:
         params = {k: v.detach().clone() for k, v in matcher.state_dict().items() if "template" not in k and "interpolant" not in k}
         torch.save({"params": params, "logits": logits}, out)
         with open(out + ".json", "w") as f:
-            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "located": located, "held": held, "layers_per_model": layers, "moved": moved}, f)
+            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "located": located, "held": held, "layers_per_model": layers, "moved": moved, "starts": starts}, f)
     accelerator.wait_for_everyone()
     if torch.distributed.is_initialized():  # an orderly teardown: gloo's threads end before the process does
         torch.distributed.destroy_process_group()

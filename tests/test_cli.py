@@ -96,6 +96,25 @@ def test_a_frame_the_parameterisation_cannot_take_is_refused_before_any_work(cap
     _names_in_one_error_line(capsys, "polar", "target")
 
 
+def test_generated_accelerate_flags_reach_the_options_model():
+    from hf_lmc import cli
+    from hf_lmc.options import AccelerateOptions
+
+    parser = cli.build_parser()
+    flags = ["--mixed-precision", "bf16", "--gradient-accumulation-steps", "2", "--shard-endpoints", "--offload-endpoints",
+             "--checkpoint-dir", "state", "--checkpoint-every", "5", "--resume"]
+    options = cli.ACCELERATE.build(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
+    assert options == AccelerateOptions(mixed_precision="bf16", gradient_accumulation_steps=2, shard_endpoints=True, offload_endpoints=True,
+                                        checkpoint_dir="state", checkpoint_every=5, resume=True)
+    assert set(cli.ACCELERATE.fields) == set(AccelerateOptions.model_fields)
+
+
+@pytest.mark.parametrize("flags, named", [(["--offload-endpoints"], ("offload", "shard")), (["--resume"], ("resume", "checkpoint"))])
+def test_an_accelerate_flag_without_the_one_it_needs_is_refused_before_any_work(capsys, flags, named):
+    assert main(["merge", "./no/such/a", "./no/such/b", "--output", "out", *flags]) == 2
+    _names_in_one_error_line(capsys, *named)
+
+
 def test_negative_input_noise_is_refused_before_any_work(capsys):
     assert main(["merge", "./no/such/a", "./no/such/b", "--output", "out", "--input-noise", "-0.1"]) == 2
     _names_in_one_error_line(capsys, "--input-noise", "-0.1")

@@ -604,6 +604,7 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     info = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
     assert [info[n]["num_processes"] for n in runs] == [n for n, _ in runs.values()]  # really that many processes
     assert all(info[n]["moved"] for n in runs)  # .float() casts the endpoints, shards included
+    assert all(info[n]["starts"] == [1] + [0] * (runs[n][0] - 1) for n in runs)  # one weight matching, on the main process
     for name in ("two", "two, sharded", "four, sharded, offloaded"):
         assert info[name]["located"] == info["one"]["located"], name  # one worst point for all
     whole, = info["one"]["held"]
@@ -715,7 +716,8 @@ def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
     """``torchrun --nproc_per_node 2 -m hf_lmc merge ...``: both processes train dual matching
     (DDP, each fitting batch split between them; the endpoints whole, or sharded by FSDP2 and
     offloaded), the main process alone writes, and the merge is the one-process merge to float32
-    all-reduce rounding."""
+    all-reduce rounding. A run killed mid-way resumes from its saved state to the uninterrupted
+    run's merge."""
     import os
     import subprocess
     import sys
@@ -757,4 +759,17 @@ def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
         assert reference.keys() == other.keys()
         for key in reference:
             torch.testing.assert_close(other[key], reference[key], rtol=1e-4, atol=1e-5, msg=f"{name}, {method}: {key}")
+
+    # Killed after the state of step 2 was saved, resumed: the uninterrupted two-process merge.
+    state, out = ["--checkpoint-dir", str(tmp_path / "state"), "--checkpoint-every", "2"], tmp_path / "resumed"
+    killed = [*two[:-2], str(root / "tests" / "killed_merge.py"), "3"]
+    dual = ["merge", *folders, "-o", str(out), "--method", "dual", *settings, *state]
+    done = subprocess.run([*killed, *dual], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+    assert done.returncode != 0 and not out.exists()
+    # The same kill again: a resumed run takes only the last two steps, so it never reaches it.
+    done = subprocess.run([*killed, *dual, "--resume"], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, straight = load_file(out / "model.safetensors"), outputs["two", "dual"]
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=1e-6, atol=1e-7, msg=f"resumed: {key}")
     assert any(not torch.equal(outputs["one", "dual"][k], outputs["one", "weight"][k]) for k in outputs["one", "dual"])  # dual trained

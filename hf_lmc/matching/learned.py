@@ -17,18 +17,18 @@ All three share the loss (:class:`TrainedPath`), the training loop and the inter
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
-from ..devices import launch_device
+from ..devices import computed_on_main, launch_device
 from ..grids import alpha_grid, excess_over_line
 from ..options import FOCI, OBJECTIVES
 from ..symmetry import Transform
-from .endpoints import EndpointSharding
+from .endpoints import EndpointSharding, sharding_of
 from .interpolant import Interpolant
 from .trainable import TrainableTransform
 from .training import train
@@ -124,6 +124,14 @@ def _with_assignments(hardened: Transform, assignments: Transform | None, like: 
     if assignments is None:
         return hardened
     return hardened.compose(assignments.to(dtype=torch.float64, device=next(like.parameters()).device))
+
+
+def _held(shard_endpoints) -> Callable[[CanonicalModel], CanonicalModel]:
+    """How a path keeps its models while it sets up: in memory, read once for the start and the
+    endpoints; or, when the endpoints are sharded, as they are (a checkpoint folder stays on
+    disk), read group by group by the start's sweeps and as the shards are cut, so that no
+    process holds a whole model, let alone two."""
+    return (lambda model: model) if sharding_of(shard_endpoints) is not None else CanonicalModel.materialize
 
 
 def _check_objective(objective: str) -> str:
@@ -255,16 +263,18 @@ class PairPath(TrainedPath):
         self.register_buffer("grid_excess", torch.zeros(len(WORST_GRID), dtype=torch.float64), persistent=focus == "excess")
         self._focus_read = None  # (buffer versions, worst alpha, excess weights): see _focus_state
         self.dtype = dtype
-        a = canonicalize(model_a, dtype=dtype).materialize()
-        b = canonicalize(model_b, dtype=dtype).materialize()
+        held = _held(shard_endpoints)
+        a, b = held(canonicalize(model_a, dtype=dtype)), held(canonicalize(model_b, dtype=dtype))
         self._set_input_noise(input_noise, a)
         if isinstance(init, Transform):
             start = init
+        elif init == "weight":
+            start = computed_on_main(lambda: WeightMatcher(symmetries, progress=False, device=init_device).match(a, b))
         else:
-            start = WeightMatcher(symmetries, progress=False, device=init_device).match(a, b) if init == "weight" else None
+            start = None
         start, self._assignments = _split_fixed(start, permutations)
         if self._assignments is not None:
-            b = self._assignments.to(dtype).apply(b).materialize()  # B stored in its assigned order
+            b = held(self._assignments.to(dtype).apply(b))  # B stored in its assigned order
         options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         self.transform_b = TrainableTransform(a.spec, start, **options)
         self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
@@ -448,10 +458,11 @@ class SimplexMatcher(TrainedPath):
             raise ValueError(f"concentration must be > 0, got {concentration}")
         self.concentration = float(concentration)
         self.dtype = dtype
-        canonical = [canonicalize(m, dtype=dtype).materialize() for m in models]
+        held = _held(shard_endpoints)
+        canonical = [held(canonicalize(m, dtype=dtype)) for m in models]
         self._set_input_noise(input_noise, canonical[0])
         if init == "weight":
-            start = list(UniverseMatcher(symmetries, progress=False, device=init_device).fit(canonical))
+            start = list(computed_on_main(lambda: UniverseMatcher(symmetries, progress=False, device=init_device).fit(canonical)))
         elif init == "identity":
             start = [Transform()] * len(canonical)
         elif len(init) != len(canonical):
@@ -461,7 +472,7 @@ class SimplexMatcher(TrainedPath):
         # A model that does not learn is moved once, here, and costs nothing per step.
         self.fixed_first = None if learns_first else start[0]
         if self.fixed_first is not None:
-            canonical[0] = self.fixed_first.to(dtype).apply(canonical[0]).materialize()
+            canonical[0] = held(self.fixed_first.to(dtype).apply(canonical[0]))
         options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         first = 0 if learns_first else 1
         self._assignments = []  # per learned model, as ``self.learned``
@@ -469,7 +480,7 @@ class SimplexMatcher(TrainedPath):
             start[k], assignments = _split_fixed(start[k], permutations)
             self._assignments.append(assignments)
             if assignments is not None:  # stored in its assigned order
-                canonical[k] = assignments.to(dtype).apply(canonical[k]).materialize()
+                canonical[k] = held(assignments.to(dtype).apply(canonical[k]))
         self.learned = nn.ModuleList(TrainableTransform(canonical[0].spec, t, **options) for t in start[first:])
         self.interpolant = Interpolant(*canonical, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)
 

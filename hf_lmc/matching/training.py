@@ -121,6 +121,7 @@ def train(
     if resume and folder is not None and (folder / _PROGRESS).is_file():
         accelerator.load_state(str(folder))
         start = json.loads((folder / _PROGRESS).read_text())["step"]
+        logger.info("%s: resuming from step %d of %s", path.label, start, folder)
     stream = _passes(batches)
     recent = collections.deque(maxlen=2)  # where the worst point is located
     for _ in range(start):  # replay the data order up to where the saved run stopped
@@ -128,7 +129,9 @@ def train(
     losses = []  # on the device, read once at the end
     watch = holdout is not None and hasattr(path, "locate_worst")
     stopping = path.stopping = Stopping(target_barrier if watch else None, len(holdout) if watch else 0, budget=steps)
-    if watch and stopping.check(start, _estimate(path, holdout, accelerator)):
+    # The estimate before the first step; a resumed run re-estimates only where the saved run
+    # did (every locate_every steps), since locating moves the worst point its draws follow.
+    if watch and start % locate_every == 0 and stopping.check(start, _estimate(path, holdout, accelerator)):
         steps = start  # the start already reaches the target
     bar = progress_bar(range(start, steps), desc=path.label, show=progress and accelerator.is_local_main_process)
     for step in bar:
@@ -373,5 +376,6 @@ class TrainedMatcher:
             warmup_steps=learn.warmup_steps, mixed_precision=accelerate.mixed_precision,
             gradient_accumulation_steps=accelerate.gradient_accumulation_steps, progress=self.progress,
             holdout=holdout, target_barrier=learn.target_barrier,
+            checkpoint_dir=accelerate.checkpoint_dir, checkpoint_every=accelerate.checkpoint_every, resume=accelerate.resume,
         )
         self.stopping = getattr(path, "stopping", None)  # a fit that is not the package loop may leave none
