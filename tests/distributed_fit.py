@@ -4,10 +4,10 @@ Each process trains on its shard of the same global batches; the trained paramet
 merge's logits and the endpoint elements each process holds are saved by the main process so
 the test can compare the 2-process runs (endpoints whole or sharded) with the 1-process run.
 
-    python tests/distributed_fit.py OUT [--shard-endpoints] [--offload] [--gather-float32]
+    python tests/distributed_fit.py OUT [--shard-endpoints] [--offload] [--gather-float32] [--family=NAME]
 
 ``--offload`` keeps the shards in CPU memory (FSDP2's CPU offload: on a CPU machine the same
-memory, but the offload code path); ``--gather-float32`` gathers the float64 endpoints in float32.
+memory, but the offload code path); ``--gather-float32`` gathers the float64 endpoints in float32; ``--family=`` picks the tiny model (default ``gpt2``).
 """
 
 import json
@@ -26,7 +26,8 @@ def main(out: str, flags: list[str]) -> None:
         offload="--offload" in flags, dtype=torch.float32 if "--gather-float32" in flags else None
     )
     accelerator = Accelerator(cpu=True)  # first: sharded endpoints need the process group
-    config = tiny_configs()["gpt2"]
+    family = next((f.removeprefix("--family=") for f in flags if f.startswith("--family=")), "gpt2")
+    config = tiny_configs()[family]
     model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
     torch.manual_seed(0)  # the same lambda draws in every process
     starts = []  # weight matching runs in the main process alone; the others receive its start
@@ -35,14 +36,20 @@ def main(out: str, flags: list[str]) -> None:
     matcher = LearnedMatcher(model_a, model_b, dtype=torch.float64, shard_endpoints=shard)
     starts = accelerator.gather(torch.tensor([float(len(starts))])).tolist()
     g = torch.Generator().manual_seed(0)
-    global_batches = [torch.randint(0, config.vocab_size, (4, 10), generator=g) for _ in range(3)]
-    shards = [{"input_ids": x.chunk(accelerator.num_processes)[accelerator.process_index]} for x in global_batches]
+    if family == "vit":
+        size = (4, config.num_channels, config.image_size, config.image_size)
+        global_batches = [{"pixel_values": torch.randn(size, generator=g, dtype=torch.float64),
+                           "labels": torch.randint(0, config.num_labels, (4,), generator=g)} for _ in range(3)]
+    else:
+        global_batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 10), generator=g)} for _ in range(3)]
+    rank, count = accelerator.process_index, accelerator.num_processes
+    shards = [{k: v.chunk(count)[rank] for k, v in batch.items()} for batch in global_batches]
     located = []  # the worst point, re-located after every step (on each process's shards, averaged)
     record = lambda step, m: located.append(float(m.worst_alpha))  # noqa: E731
     losses = matcher.fit(shards, steps=3, lr=1e-2, accelerator=accelerator, locate_every=1, callback=record, progress=False)
     merged = matcher.merge(0.5)  # a collective when the endpoints are sharded: every process calls it
     with torch.no_grad():
-        logits = merged(global_batches[0]).logits
+        logits = merged(**{k: v for k, v in global_batches[0].items() if k != "labels"}).logits
     held = torch.tensor([float(sum(store.local_numel() for store in matcher.interpolant.endpoints))])
     held = accelerator.gather(held).tolist()
     store = matcher.interpolant.endpoints[0]

@@ -217,6 +217,10 @@ class PairPath(TrainedPath):
             ``--cpu``, GPU ``LOCAL_RANK`` with several processes), else a GPU when torch sees
             one (:func:`hf_lmc.devices.launch_device`). The matcher itself goes where
             ``accelerator.prepare`` or ``.to`` puts it.
+
+    Under ``torch.distributed`` with several processes, construction is a collective: the main
+    process computes the start and sends it to the others (one start for all), so build the
+    matcher on every process.
     """
 
     #: Whether A's transform trains too (B's always does); each concrete path sets it.
