@@ -4,7 +4,8 @@ Writes two GPT-NeoX checkpoints of Pythia-160M's shape (random weights: memory a
 depend on the values) and, under ``torchrun`` with N gloo processes (one thread each), builds a
 :class:`hf_lmc.DualMatcher` from the two folders as ``hf-lmc merge`` does (weight matching's
 start, computed by the main process and sent to the others), then runs two training steps on a
-batch of 2 x 128 tokens per process. Per process (the largest of the N):
+batch of 2 x 128 tokens per process, with glibc's allocator set as ``hf-lmc`` sets it (large
+blocks served by ``mmap``, so freed tensors leave RSS at once). Per process (the largest of the N):
 
   * set-up peak: the peak RSS while the matcher is built, less the runtime's (RSS once torch,
     transformers and hf_lmc are imported), on the main process (which also runs weight
@@ -34,7 +35,8 @@ from pathlib import Path
 SHAPES = {"70m": (512, 6, 8), "160m": (768, 12, 12)}  # Pythia's GPT-NeoX shapes: (hidden, layers, heads)
 
 CHILD = r"""
-import json, re, sys, time
+import ctypes, json, re, sys, time
+ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # as hf-lmc's command line sets it: freed tensors go back to the OS at once
 import torch
 from accelerate import Accelerator
 from hf_lmc import DualMatcher

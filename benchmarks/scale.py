@@ -1,0 +1,153 @@
+"""Memory and time per dual-matching step for 1B, 7B and 70B pairs on 1, 8 and 64 GPUs, computed.
+
+Nothing here runs a model: the tables of docs/scale.md are computed from the shapes and from
+what the H100 measured at Pythia-1.4B's shape (docs/benchmarks.md §6.3: a dual step with layer
+checkpointing under bfloat16 autocast, 4 x 512 tokens, float32 endpoints, one GPU: 197 ms of GPU
+work, 14.81 GB peak allocated). The model, term by term:
+
+Memory per GPU (bytes; ``b`` is the endpoints' dtype size, ``N`` the processes):
+
+* endpoint layers: ``2 L P b / N`` sharded (FSDP2), ``2 L P b`` whole, 0 when offloaded to the CPU;
+* embeddings and heads: ``2 x 2 V d b``, whole on every GPU (the store keeps them whole);
+* layers in flight: sharded, ``2 (2 + b + 2) P`` (per endpoint: the layer gathered in bfloat16
+  under ``--mixed-precision bf16``, its copy in the endpoints' dtype, the prefetched next); plus,
+  always, the layer being built: ``3 P x 4`` (T_A(A), T_B(B) and their mix, float32);
+* transforms and Adam: ``2 (d^2 + L (K hd^2 + F)) x 16`` (dual: two transforms; residual map,
+  per-KV-head OV maps, MLP scales; float32 parameter, gradient and two moments);
+* activations (Korthikanti et al. 2022, full recomputation): ``L T d x 2`` at the layer
+  boundaries, one layer recomputed ``T d (34 + 5 a s / d)``, and the logits ``T V x 10``.
+
+Time per step and GPU: FLOPs over the throughput the 1.4B measurement implies. Per layer and
+step: building the interpolated weights applies each endpoint's maps, ``2 (d + hd) P`` per
+endpoint, and the layer computes ``2 T P``; checkpointed, a step builds three times (forward,
+recomputation, backward: the endpoints are frozen, so only the maps' gradient is formed) and
+computes four times (forward, recomputation, backward at twice the forward). The embedding and
+head add the same with ``P = 2 V d`` (built) and ``V d`` (computed). The weight build does not depend on the tokens and is repeated by every
+data-parallel process: more GPUs add tokens per step, not speed per step. Gathers move
+``2 x 2 x (N - 1) / N x L P x 2`` bytes per GPU and step (both endpoints, forward and
+recomputation, in bfloat16; offloaded shards also cross from the host, ``4 L P b / N``), at an assumed 300 GB/s within a node (NVLink) and 50 GB/s across nodes
+(400 Gb/s InfiniBand per GPU); with the next layer prefetched they overlap the computation.
+
+    python benchmarks/scale.py            # the tables of docs/scale.md
+    python benchmarks/scale.py --tokens 8192
+
+The model is checked against the measurement it is calibrated on (printed first): it is a
+projection, to be replaced by measurements at 7B and 70B when GPUs are lent.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+GB = 1e9
+MEASURED = {"shape": "pythia-1.4b", "tokens": 2048, "seq": 512, "gpu_seconds": 0.197, "peak_gb": 14.81, "endpoint_bytes": 4}
+INTRA_NODE, INTER_NODE = 300 * GB, 50 * GB  # assumed all-gather bandwidth per GPU (bytes/s)
+GPUS_PER_NODE = 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    d: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    gated: bool  # SwiGLU: three MLP matrices
+
+    @property
+    def head_dim(self) -> int:
+        return self.d // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        attention = 2 * self.d * self.d + 2 * self.d * self.kv_heads * self.head_dim
+        return attention + (3 if self.gated else 2) * self.d * self.ffn
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + 2 * self.vocab * self.d
+
+
+SHAPES = {
+    "pythia-1.4b": Shape("Pythia-1.4B", 2048, 24, 16, 16, 8192, 50304, False),
+    "llama-1b": Shape("LLaMA-3.2-1B", 2048, 16, 32, 8, 8192, 128256, True),
+    "llama-7b": Shape("LLaMA-2-7B", 4096, 32, 32, 32, 11008, 32000, True),
+    "llama-70b": Shape("LLaMA-2-70B", 8192, 80, 64, 8, 28672, 32000, True),
+}
+
+
+def memory(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool) -> dict[str, float]:
+    """Bytes per GPU, by term."""
+    p = s.layer_params
+    sharded = n > 1
+    layers = 0 if offload else 2 * s.layers * p * b / (n if sharded else 1)
+    transforms = 2 * (s.d**2 + s.layers * (s.kv_heads * s.head_dim**2 + s.ffn)) * 16
+    activations = s.layers * tokens * s.d * 2 + tokens * s.d * (34 + 5 * s.heads * seq / s.d) + tokens * s.vocab * 10
+    return {
+        "endpoint layers": layers,
+        "embeddings, heads": 4 * s.vocab * s.d * b,
+        "in flight": (2 * (2 + 2 + b) * p if sharded or offload else 0) + 3 * p * 4,
+        "transforms, Adam": transforms,
+        "activations": activations,
+    }
+
+
+def flops(s: Shape, tokens: int) -> tuple[float, float]:
+    """(weight build, token compute) FLOPs of one checkpointed dual step."""
+    build = 3 * 2 * 2 * (s.d + s.head_dim) * (s.layers * s.layer_params + 2 * s.vocab * s.d)
+    compute = 4 * 2 * tokens * (s.layers * s.layer_params + s.vocab * s.d)
+    return build, compute
+
+
+def throughput() -> float:
+    """FLOP/s achieved by the measured step."""
+    build, compute = flops(SHAPES[MEASURED["shape"]], MEASURED["tokens"])
+    return (build + compute) / MEASURED["gpu_seconds"]
+
+
+def row(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool) -> str:
+    terms = memory(s, n, tokens, seq, b, offload)
+    total = sum(terms.values()) / GB
+    build, compute = flops(s, tokens)
+    rate = throughput()
+    step = (build + compute) / rate
+    traffic = 4 * (n - 1) / n * s.layers * s.layer_params * 2 if n > 1 else 0.0  # gathered in bf16
+    if offload:  # host-to-device copies of every layer, forward and recomputation
+        traffic += 4 * s.layers * s.layer_params * b / n
+    bandwidth = INTRA_NODE if n <= GPUS_PER_NODE else INTER_NODE
+    gather = traffic / bandwidth
+    fits = "yes" if total <= 80 else "no"
+    dtype = "fp32" if b == 4 else "bf16"
+    return (f"| {s.name} | {n} | {dtype}{', offloaded' if offload else ''} | {terms['endpoint layers'] / GB:.1f} | "
+            f"{terms['embeddings, heads'] / GB:.1f} | {(terms['in flight'] + terms['transforms, Adam'] + terms['activations']) / GB:.1f} | "
+            f"**{total:.1f}** | {fits} | {build / rate:.2f} + {compute / rate:.2f} = {step:.2f} | {traffic / GB:.0f} GB, {gather:.2f} s |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU and step (default: 4 x 1024)")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length")
+    args = parser.parse_args()
+
+    m = SHAPES[MEASURED["shape"]]
+    check = sum(memory(m, 1, MEASURED["tokens"], MEASURED["seq"], MEASURED["endpoint_bytes"], False).values()) / GB
+    print(f"Calibration: {MEASURED['shape']}, {MEASURED['tokens']} tokens, fp32 endpoints, one H100: "
+          f"{throughput() / 1e12:.0f} TFLOP/s achieved ({MEASURED['gpu_seconds'] * 1e3:.0f} ms of GPU work); "
+          f"memory model {check:.2f} GB against {MEASURED['peak_gb']} GB measured ({check / MEASURED['peak_gb'] - 1:+.0%}).\n")
+    print(f"{args.tokens} tokens per GPU and step (sequences of {args.seq}); dual matching, layer checkpointing, bf16 autocast.\n")
+    print("| pair | GPUs | endpoints | endpoint layers (GB) | embeddings, heads (GB) | step working set (GB) | total per GPU (GB) | fits 80 GB | step (s): build + tokens | gathers per GPU and step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key in ("llama-1b", "llama-7b", "llama-70b"):
+        s = SHAPES[key]
+        for n in (1, 8, 64):
+            for b, offload in ((4, False), (4, True), (2, False), (2, True)):
+                if offload and n == 1:
+                    continue  # offload needs the FSDP2 shards of a launch of 2 or more processes
+                print(row(s, n, args.tokens, args.seq, b, offload))
+
+
+if __name__ == "__main__":
+    main()
