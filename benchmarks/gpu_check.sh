@@ -1,6 +1,7 @@
 #!/bin/bash
-# The GPU checks in one go (about 7 minutes on an H100), most wanted first: the CUDA tests, a
-# learned step's cost against a base step at Pythia-160M shape (docs/benchmarks.md's 4x512 batch and
+# The GPU checks in one go (about 10 minutes on an H100), most wanted first: the CUDA tests, a
+# dual step at Pythia-1.4B shape with the endpoint layers offloaded to CPU memory against the same
+# step without (issue 38), a learned step's cost against a base step at Pythia-160M shape (docs/benchmarks.md's 4x512 batch and
 # 16x512, each with half the layers checkpointed too: not yet timed on a GPU; each step also timed
 # back to back, since fit no longer reads each step's loss back), a weight-matching
 # merge against a plain average at Pythia-1B shape, one layer's per-head solves on 1 / 4 / 16
@@ -24,6 +25,7 @@ run() {  # run NAME SECONDS COMMAND...: one check, its log, its exit status and 
     grep -E "^\||passed|failed" "$out/$name.log" | tail -8
 }
 run cuda_tests 120 python3 -m pytest -q -p no:warnings tests/test_cuda.py
+run step_1.4b_offload 200 python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload
 run step_160m 90 python3 benchmarks/learned_step.py --device cuda
 run step_160m_16x512 90 python3 benchmarks/learned_step.py --device cuda --batch 16
 run merge_speed_1b 240 python3 benchmarks/merge_speed.py --pair /tmp/pair

@@ -26,6 +26,7 @@ memory = its peak RSS less the runtime's, i.e. RSS once torch, transformers and 
     python benchmarks/learned_step.py --processes 2    # adds the 2-process rows (torchrun, gloo)
     python benchmarks/learned_step.py --one-sided      # adds one-sided steps, own frame and frame="both"
     python benchmarks/learned_step.py --device cuda --one-sided --shape 1.4b --autocast bf16
+    python benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload  # + endpoints in CPU memory
 
 On ``--device cuda`` every step runs in one process (the allocator's statistics reset between
 them): time is the mean of 5 synchronised steps after 2 warm-up steps (and of 5 more back to
@@ -118,6 +119,7 @@ LABELS = {
     "dual-half": "dual, half the layers checkpointed",
     "learned-own": "one-sided (layer checkpointing)",
     "learned-both": "one-sided, `frame=\"both\"` (layer checkpointing)",
+    "dual-offloaded": "dual, endpoint layers offloaded to CPU memory (FSDP2)",
     "ddp": "dual, 2 processes (per process)",
     "ddp-sharded": "dual, 2 processes, sharded endpoints (per process)",
 }
@@ -133,7 +135,7 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
     import torch
     import transformers as tf
 
-    from hf_lmc import DualMatcher, LearnedMatcher
+    from hf_lmc import DualMatcher, EndpointSharding, LearnedMatcher
 
     hidden, layers, heads = SHAPES[shape]
     config = tf.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
@@ -153,7 +155,9 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
             params = list(module.parameters())
         else:
             cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
-            module = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=CHECKPOINTING.get(mode, True)).to(device)
+            sharding = EndpointSharding(offload=True) if mode == "dual-offloaded" else False
+            module = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=CHECKPOINTING.get(mode, True),
+                         shard_endpoints=sharding).to(device)
             run_step = lambda: module({"input_ids": ids}).backward()
             params = [p for p in module.parameters() if p.requires_grad]
 
@@ -226,13 +230,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the steps run (default: cpu)")
     parser.add_argument("--shape", default="160m", choices=list(SHAPES), help="Pythia shape (default: 160m)")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16"], help="cuda: run the steps under bf16 autocast")
+    parser.add_argument("--offload", action="store_true", help="cuda: add a dual step with the endpoint layers in CPU memory (FSDP2's CPU offload)")
     args = parser.parse_args()
     if args.device == "cpu" and (args.shape != "160m" or args.autocast != "none"):
         parser.error("--shape and --autocast apply to --device cuda")
+    if args.offload and args.device != "cuda":
+        parser.error("--offload applies to --device cuda")
     if args.device == "cuda" and args.processes != 1:
         parser.error("--processes 2 is the CPU (gloo) measurement")
     modes = ("base", "dual", "dual-no-checkpointing", "dual-half") + (("learned-own", "learned-both") if args.one_sided else ())
     modes += ("ddp", "ddp-sharded") if args.processes == 2 else ()
+    modes += ("dual-offloaded",) if args.offload else ()
     if args.device == "cuda":
         import torch
 

@@ -215,7 +215,9 @@ class AccelerateOptions(Options):
         "FSDP2: each process keeps 1/N of every layer and gathers a layer when it is built",
     )
     offload_endpoints: bool = Field(
-        False, description="with --shard-endpoints, keep each process's shards in CPU memory and copy a layer to the GPU when it is gathered"
+        False,
+        description="with --shard-endpoints, keep each process's shards (in one process: the layers) in CPU memory and copy a layer "
+        "to the GPU when it is gathered",
     )
 
     checkpoint_dir: str | None = Field(

@@ -143,6 +143,33 @@ def test_universe_merge_on_cuda_of_twins_is_the_model(tmp_path):
     assert merged_error(out, model) < 1e-3
 
 
+def test_offloaded_endpoints_on_cuda_step_as_whole_ones():
+    """``EndpointSharding(offload=True)`` on one GPU: the layers live in CPU memory (FSDP2) and
+    are copied to the GPU when built; the loss and its gradients are the whole endpoints'."""
+    import torch.distributed as dist
+
+    from hf_lmc import EndpointSharding
+
+    config = tiny_configs()["llama"]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()}
+    try:
+        whole = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity").cuda()
+        offloaded = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True)).cuda()
+        shards = [p for store in offloaded.interpolant.endpoints for layer in store.layers.values() for p in layer.parameters()]
+        assert shards and all(p.to_local().device.type == "cpu" for p in shards)
+        losses = [m(batch, alpha=0.5) for m in (whole, offloaded)]
+        for loss in losses:
+            loss.backward()
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=1e-12)
+        for (name, p), (_, q) in zip(whole.named_parameters(), offloaded.named_parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_weight_matching_on_cuda_matches_the_cpu():
     """Independent models: the GPU's float32 products round differently, so the objective, not
     each assignment, is compared."""

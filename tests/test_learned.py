@@ -166,6 +166,36 @@ def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
         LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2), init="identity", shard_endpoints=True)
 
 
+def test_offloaded_endpoints_in_one_process_train_and_merge_as_whole_ones():
+    """``EndpointSharding(offload=True)`` without a launcher: FSDP2 keeps the layers (on a mesh of
+    one, over the one-process group it sets up) and the loss, its gradients and the merge are
+    the whole endpoints' exactly."""
+    import torch.distributed as dist
+
+    from hf_lmc import EndpointSharding
+
+    config = tiny_configs()["llama"]
+    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}
+    assert not dist.is_initialized()
+    try:
+        whole = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity")
+        offloaded = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True))
+        assert all(len(store.layers) == config.num_hidden_layers and not any(isinstance(g, int) for g in store.tensors)
+                   for store in offloaded.interpolant.endpoints)
+        losses = [m(batch, alpha=0.5) for m in (whole, offloaded)]
+        for loss in losses:
+            loss.backward()
+        assert torch.equal(losses[0], losses[1])
+        for (name, p), (_, q) in zip(whole.named_parameters(), offloaded.named_parameters()):
+            assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
+        with torch.no_grad():
+            torch.testing.assert_close(offloaded.merge(0.5)(**batch).logits, whole.merge(0.5)(**batch).logits, rtol=0, atol=0)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("cls", [LearnedMatcher, pytest.param(DualMatcher, marks=pytest.mark.slow)])
 def test_fixed_permutations_keep_the_starting_assignment_and_train_the_rest(cls):
     """``permutations="fixed"``: no scores to train, the hardened unit and head orders stay

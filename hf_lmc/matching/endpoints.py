@@ -52,7 +52,8 @@ class EndpointSharding:
     Args:
         offload: keep each process's shards in CPU memory; a layer is copied to the device when
             it is gathered (``CPUOffloadPolicy``). Device memory then holds only embeddings,
-            heads and the layers in flight.
+            heads and the layers in flight. It works in a single process too (a mesh of one,
+            on a one-process group that :func:`shard_mesh` sets up when there is none).
         dtype: gather the endpoint layers in this dtype, e.g. ``torch.bfloat16``: half the
             traffic of float32 (``MixedPrecisionPolicy``'s ``param_dtype``); the gathered
             tensors are cast back to the endpoints' dtype, so only their rounding changes.
@@ -73,8 +74,12 @@ def sharding_of(shard: bool | EndpointSharding) -> EndpointSharding | None:
 
 
 def shard_mesh(sharding: EndpointSharding | None):
-    """The device mesh to shard endpoints over, or ``None`` (no sharding asked, or one process:
-    nothing to shard)."""
+    """The device mesh FSDP2 shards the endpoints over, or ``None`` (no sharding asked, or one
+    process and nothing to offload).
+
+    Offloading in a single process needs a mesh of one: without a process group, a one-process
+    group is set up on an in-memory store (no network, no launcher).
+    """
     if sharding is None:
         return None
     if not (dist.is_available() and dist.is_initialized()):
@@ -83,8 +88,11 @@ def shard_mesh(sharding: EndpointSharding | None):
                 "shard_endpoints in a multi-process launch needs torch.distributed set up first: "
                 "create the Accelerator (or call torch.distributed.init_process_group) before the matcher"
             )
-        return None
-    if dist.get_world_size() == 1:
+        if not sharding.offload:
+            return None
+        backend = "nccl" if launch_device().type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() == 1 and not sharding.offload:
         return None
     # A group of its own: endpoint gathers never queue behind (or between) DDP's gradient all-reduces.
     return DeviceMesh.from_group(dist.new_group(), launch_device().type)
@@ -119,7 +127,6 @@ class EndpointStore:
     def __init__(self, model: CanonicalModel, mesh=None, sharding: EndpointSharding | None = None):
         self.spec, self.config = model.spec, model.config
         self.mesh, self.sharding = mesh, (sharding if mesh is not None else None)
-        self.world = mesh.size() if mesh is not None else 1
         self.tensors: dict[Group, dict[str, Tensor]] = {}  # whole groups
         self.layers: dict[int, nn.Module] = {}  # sharded layers, as FSDP2 modules
         self._prefetched: int | None = None  # the layer whose gather is in flight (``_handle``)
@@ -135,8 +142,8 @@ class EndpointStore:
                 self.tensors[group] = tensors
 
     def sharded(self, group: Group) -> bool:
-        """Whether this process holds only a slice of ``group``: layers, when N > 1."""
-        return isinstance(group, int) and self.world > 1
+        """Whether FSDP2 keeps ``group``: layers, when sharded across processes (or offloaded)."""
+        return isinstance(group, int) and self.mesh is not None
 
     def _shard(self, tensors: dict[str, Tensor], mesh) -> nn.Module:
         sharding = self.sharding
