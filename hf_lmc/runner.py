@@ -27,7 +27,7 @@ import yaml
 from peft import PeftModel
 
 from . import pipeline, zoo
-from .devices import launched_count, launched_processes
+from .devices import computed_on_main, launched_count, launched_processes
 from .evaluation import DataError
 from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folder
 from .hub import push_folder, resolve_checkpoint
@@ -141,10 +141,9 @@ def run_recipe(
     eval_data = load_data(recipe.eval.data, "test") if recipe.eval is not None else None
 
     made_with = _recipe_markdown(recipe, given)
-    staging = staging_folder(final) if main else None
-    if processes is not None:  # every process names the main one's staging folder
+    if processes is not None:
         processes.wait_for_everyone()
-        staging = _from_main(staging)
+    staging = computed_on_main(lambda: staging_folder(final))  # every process names the main one's staging folder
     try:
         with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
             resolver = _ModelResolver(recipe, Path(scratch), progress)
@@ -191,13 +190,6 @@ def run_recipe(
     if processes is not None:
         processes.wait_for_everyone()
     return result
-
-
-def _from_main(value):
-    """``value`` as the main launched process has it (a collective: every process calls it)."""
-    from accelerate.utils import broadcast_object_list
-
-    return broadcast_object_list([value])[0]
 
 
 def _recipe_markdown(recipe: Recipe, given) -> str:
