@@ -99,3 +99,10 @@ def launched_processes():
     from accelerate import PartialState  # deferred: a one-process run never needs it
 
     return PartialState(cpu=launch_device().type == "cpu")
+
+
+def wait_for_others(processes) -> None:
+    """Meet the other launched processes (``processes``: :func:`launched_processes`' state, or
+    ``None`` in a one-process run, where there is nothing to wait for)."""
+    if processes is not None:
+        processes.wait_for_everyone()

@@ -51,7 +51,7 @@ from .canonical import (
 )
 from .card import ModelSource, inherited_license, merge_card
 from .checkpoint import Checkpoint
-from .devices import compute_device, launched_processes
+from .devices import compute_device, launched_processes, wait_for_others
 from .evaluation import describe_data, load_batches
 from .export import check_apart, check_writable, write_checkpoint
 from .hub import push_folder, resolve_checkpoint
@@ -255,7 +255,7 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
     processes = launched_processes()
     main = processes is None or processes.is_main_process
     inputs = resolve(spec)
-    _wait(processes)  # every process has checked the output before any writes it
+    wait_for_others(processes)  # every process has checked the output before any writes it
     aligned, measured, url = None, Measured(), None
     try:
         if main or METHODS[spec.method].trained:  # learned and dual matching train on every process (DDP)
@@ -266,18 +266,12 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
                 write(spec, inputs, aligned, measured, progress=progress)
             url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
     finally:  # a failure on the main process still releases the others (the launcher then reports it)
-        _wait(processes)
+        wait_for_others(processes)
     count = len(spec.models)
     return MergeResult(
         Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights,
         aligned.stopping if aligned is not None else None, main,
     )
-
-
-def _wait(processes) -> None:
-    """Meet the other launched processes (nothing to wait for in a one-process run)."""
-    if processes is not None:
-        processes.wait_for_everyone()
 
 
 @dataclass(frozen=True)

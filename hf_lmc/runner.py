@@ -27,7 +27,7 @@ import yaml
 from peft import PeftModel
 
 from . import pipeline, zoo
-from .devices import computed_on_main, launched_count, launched_processes
+from .devices import computed_on_main, launched_count, launched_processes, wait_for_others
 from .evaluation import DataError
 from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folder
 from .hub import push_folder, resolve_checkpoint
@@ -141,8 +141,7 @@ def run_recipe(
     eval_data = load_data(recipe.eval.data, "test") if recipe.eval is not None else None
 
     made_with = _recipe_markdown(recipe, given)
-    if processes is not None:
-        processes.wait_for_everyone()
+    wait_for_others(processes)  # every process has checked the recipe before the main one stages anything
     staging = computed_on_main(lambda: staging_folder(final))  # every process names the main one's staging folder
     try:
         with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
@@ -187,8 +186,7 @@ def run_recipe(
         ]
         result = dataclasses.replace(result, runs=pushed)
         write_summary(result, final)
-    if processes is not None:
-        processes.wait_for_everyone()
+    wait_for_others(processes)
     return result
 
 

@@ -82,6 +82,7 @@ def shard_mesh(sharding: EndpointSharding | None):
     """
     if sharding is None:
         return None
+    device_type = launch_device().type
     if not (dist.is_available() and dist.is_initialized()):
         if launched_count() > 1:
             raise RuntimeError(
@@ -90,12 +91,11 @@ def shard_mesh(sharding: EndpointSharding | None):
             )
         if not sharding.offload:
             return None
-        backend = "nccl" if launch_device().type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() == 1 and not sharding.offload:
         return None
     # A group of its own: endpoint gathers never queue behind (or between) DDP's gradient all-reduces.
-    return DeviceMesh.from_group(dist.new_group(), launch_device().type)
+    return DeviceMesh.from_group(dist.new_group(), device_type)
 
 
 class _FrozenLayer(nn.Module):
@@ -137,7 +137,7 @@ class EndpointStore:
             # residual map's gradient) through the whole step, so a gathered copy of them would
             # be alive at the peak beside the shard, and sharding them would save nothing.
             if self.sharded(group):
-                self.layers[group] = self._shard(tensors, mesh)
+                self.layers[group] = self._shard(tensors)
             else:
                 self.tensors[group] = tensors
 
@@ -145,12 +145,12 @@ class EndpointStore:
         """Whether FSDP2 keeps ``group``: layers, when sharded across processes (or offloaded)."""
         return isinstance(group, int) and self.mesh is not None
 
-    def _shard(self, tensors: dict[str, Tensor], mesh) -> nn.Module:
+    def _shard(self, tensors: dict[str, Tensor]) -> nn.Module:
         sharding = self.sharding
         layer = _FrozenLayer(tensors)
         tensors.clear()  # the holder has the only reference: sharding frees the whole tensors
-        offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if sharding.offload else OffloadPolicy()
-        fully_shard(layer, mesh=mesh, reshard_after_forward=True, offload_policy=offload,
+        offload = CPUOffloadPolicy(pin_memory=self.mesh.device_type == "cuda") if sharding.offload else OffloadPolicy()
+        fully_shard(layer, mesh=self.mesh, reshard_after_forward=True, offload_policy=offload,
                     mp_policy=MixedPrecisionPolicy(param_dtype=sharding.dtype))
         return layer
 
@@ -205,7 +205,7 @@ class EndpointStore:
                 layer.unshard()
                 tensors = {name: t.to(moved[t.dtype]) for name, t in layer.gathered().items()}
                 layer.reshard()
-                self.layers[group] = self._shard(tensors, self.mesh)
+                self.layers[group] = self._shard(tensors)
 
     def _settle(self) -> None:
         """Finish and drop a prefetched gather (before the shards change)."""
