@@ -270,3 +270,31 @@ def test_per_head_solves_side_by_side_give_the_sequential_transform_bit_for_bit(
     sequential, side_by_side = (transform_tensors(t) for t in results)
     assert sequential.keys() == side_by_side.keys()
     assert all(torch.equal(sequential[name], side_by_side[name]) for name in sequential)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=704, vocab_size=512),
+        transformers.GPTNeoXConfig(hidden_size=256, num_attention_heads=4, num_hidden_layers=2, intermediate_size=1024, vocab_size=512, rotary_pct=0.25),
+    ],
+    ids=["llama", "gpt_neox"],
+)
+def test_matching_bound_counts_the_products_weight_matching_runs(config):
+    """benchmarks/matching_bound.py's floor must count what the matcher actually multiplies:
+    at least 85 % of the FLOPs torch counts (the rest: per-head moments, self products), never more."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.matching_bound import parts
+
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model_class = transformers.LlamaForCausalLM if isinstance(config, transformers.LlamaConfig) else transformers.GPTNeoXForCausalLM
+        models.append(hf_lmc.canonicalize(model_class(config), dtype=torch.float32))
+    matcher = hf_lmc.WeightMatcher(progress=False, device="cpu")
+    with FlopCounterMode(display=False) as counter:
+        matcher.match(*models)
+    counted = counter.get_total_flops() / 1e9
+    floor = sum(gflop for part, gflop, _ in parts(config, len(matcher.history) // 2) if "export" not in part)
+    assert 0.85 * counted <= floor <= counted
