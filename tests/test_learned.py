@@ -729,6 +729,55 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
     assert at_start.stopping.steps == 0 and at_start.stopping.reached
 
 
+class _WorseningPath(torch.nn.Module):
+    """A stand-in path whose training steps raise its barrier: the loss ``-x`` drives ``x`` up, and
+    the held-out barrier estimate is ``x`` itself (``grid_excess``), as ``locate_worst`` reports."""
+
+    label, seeks_worst = "worsening", True
+
+    def __init__(self, start: float):
+        super().__init__()
+        self.x = torch.nn.Parameter(torch.tensor(start, dtype=torch.float64))
+        self.grid_excess = torch.zeros(1, dtype=torch.float64)
+
+    def forward(self, batch):
+        return -self.x
+
+    def locate_worst(self, batches):
+        self.grid_excess = self.x.detach().reshape(1).clone()
+
+
+def test_training_that_raises_the_barrier_keeps_the_lowest_path_seen(tmp_path):
+    """Where the last held-out estimate is above an earlier one, train() puts back the
+    parameters of the lowest (here the start's) and says so; a run resumed from a saved state
+    knows the lowest path seen before the save."""
+    from hf_lmc.matching.training import train
+
+    batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}] * 2
+    path = _WorseningPath(0.5)
+    train(path, batches, steps=6, lr=0.1, schedule="constant", locate_every=2, holdout=batches, target_barrier=0.01, progress=False)
+    assert path.x.item() == 0.5  # the start's value, exactly
+    assert path.stopping.steps == 0 and path.stopping.estimate == 0.5
+    last_steps, last_estimate = path.stopping.last
+    assert last_steps == 6 and last_estimate > 0.5
+    assert "kept" in path.stopping.describe()
+
+    descending = _WorseningPath(0.5)
+    descending.forward = lambda batch: descending.x  # loss x: the barrier falls every step
+    train(descending, batches, steps=6, lr=0.1, schedule="constant", locate_every=2, holdout=batches, target_barrier=0.0, progress=False)
+    assert descending.stopping.last is None and descending.stopping.steps == 6 and descending.x.item() < 0.5
+
+    # killed after step 4 (state saved at 2 and 4), resumed: the start is still the lowest path seen
+    folder = tmp_path / "state"
+    first = _WorseningPath(0.5)
+    train(first, batches, steps=4, lr=0.1, schedule="constant", locate_every=2, holdout=batches, target_barrier=0.01,
+          checkpoint_dir=folder, checkpoint_every=2, progress=False)
+    resumed = _WorseningPath(0.5)
+    train(resumed, batches, steps=6, lr=0.1, schedule="constant", locate_every=2, holdout=batches, target_barrier=0.01,
+          checkpoint_dir=folder, checkpoint_every=2, resume=True, progress=False)
+    assert resumed.x.item() == 0.5 and resumed.stopping.steps == 0
+
+
 def test_trained_matchers_hold_out_the_last_batches_for_the_target_and_report_it():
     from hf_lmc.matching.training import TrainedMatcher, holdout_split
     from hf_lmc.options import LearnOptions

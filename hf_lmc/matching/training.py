@@ -89,8 +89,9 @@ def train(
     With ``holdout`` batches (a slice of the data never trained on) and a path that locates its
     worst point, the worst point is located on them instead, before the first step, every
     ``locate_every`` steps and after the last, and the largest excess found is the path's barrier estimate; with
-    ``target_barrier``, training stops as soon as the estimate is at most that. What was
-    reached is left in ``path.stopping`` (a :class:`Stopping`).
+    ``target_barrier``, training stops as soon as the estimate is at most that. Where the last
+    estimate is above an earlier one, the parameters of the lowest (possibly the start's) are
+    put back. What was reached is left in ``path.stopping`` (a :class:`Stopping`).
     """
     from transformers import (
         get_scheduler,  # deferred: transformers.optimization is slow to import, and only training needs it
@@ -116,6 +117,8 @@ def train(
     # Stepped here rather than prepared: accelerate's wrapper advances a prepared scheduler
     # once per process, which would run the schedule faster with more processes.
     accelerator.register_for_checkpointing(scheduler)
+    best = _BestPath([p for p in path.parameters() if p.requires_grad])
+    accelerator.register_for_checkpointing(best)  # a resumed run still knows the best path seen before it
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     start = 0
     if resume and folder is not None and (folder / _PROGRESS).is_file():
@@ -131,7 +134,7 @@ def train(
     stopping = path.stopping = Stopping(target_barrier if watch else None, len(holdout) if watch else 0, budget=steps)
     # The estimate before the first step; a resumed run re-estimates only where the saved run
     # did (every locate_every steps), since locating moves the worst point its draws follow.
-    if watch and start % locate_every == 0 and stopping.check(start, _estimate(path, holdout, accelerator)):
+    if watch and start % locate_every == 0 and best.offer(stopping, start, _estimate(path, holdout, accelerator)):
         steps = start  # the start already reaches the target
     bar = progress_bar(range(start, steps), desc=path.label, show=progress and accelerator.is_local_main_process)
     for step in bar:
@@ -147,7 +150,7 @@ def train(
         losses.append(loss.detach())  # no host sync: a GPU keeps the next step's kernels queued
         located = (step + 1) % locate_every == 0
         if located and watch:
-            stopping.check(step + 1, _estimate(path, holdout, accelerator))
+            best.offer(stopping, step + 1, _estimate(path, holdout, accelerator))
         elif located and path.seeks_worst:
             path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
         if callback is not None:
@@ -162,7 +165,9 @@ def train(
         if last:
             break
     if watch and stopping.steps != start + len(losses):  # the estimate reported is the final path's
-        stopping.check(start + len(losses), _estimate(path, holdout, accelerator))
+        best.offer(stopping, start + len(losses), _estimate(path, holdout, accelerator))
+    if watch:
+        best.restore_if_lower(stopping)
     history = torch.stack(losses).tolist() if losses else []
     if history:
         tail = history[-min(len(history), _SHOW_EVERY):]
@@ -183,6 +188,7 @@ class Stopping:
     budget: int
     steps: int = 0
     estimate: float | None = None
+    last: tuple[int, float] | None = None  # (steps, estimate) of the last path, where an earlier, lower one was kept
 
     @property
     def reached(self) -> bool:
@@ -198,11 +204,53 @@ class Stopping:
         if self.estimate is None:
             return f"trained all {self.budget} steps (no held-out estimate)"
         found = f"barrier {self.estimate:.4f} nats on {self.holdout_batches} held-out batches after {self.steps} steps"
+        if self.last is not None:
+            found += f" (kept: the lowest estimate seen; the path after {self.last[0]} steps read {self.last[1]:.4f})"
         if not self.target:
             return found
         if self.reached:
             return f"{found}: target {self.target:g} reached"
         return f"{found}: target {self.target:g} not reached within the budget of {self.budget} steps"
+
+
+class _BestPath:
+    """The trained parameters at the lowest barrier estimate the stopping rule has seen, restored
+    when training ends higher (as ``transformers.Trainer``'s ``load_best_model_at_end`` keeps the
+    best checkpoint): a run whose steps make the path worse, e.g. a learning rate too high for
+    the models, returns no worse a path than its start on the held-out batches. The estimate is
+    the same on every process (its losses are all-reduced), so every process keeps the same
+    step. Registered for ``accelerator.save_state``, so a resumed run keeps it too."""
+
+    def __init__(self, parameters: list[nn.Parameter]):
+        self.parameters = parameters
+        self.steps: int | None = None
+        self.estimate: float | None = None
+        self.values: list[Tensor] | None = None
+
+    def offer(self, stopping: Stopping, steps: int, estimate: float) -> bool:
+        """Record ``estimate`` after ``steps`` in ``stopping``, keep the path if it is the lowest
+        yet; whether training should stop."""
+        logger.debug("barrier estimate %.4f on the held-out batches after %d steps", estimate, steps)
+        if self.estimate is None or estimate < self.estimate:
+            self.steps, self.estimate = steps, estimate
+            self.values = [p.detach().clone() for p in self.parameters]
+        return stopping.check(steps, estimate)
+
+    def restore_if_lower(self, stopping: Stopping) -> None:
+        """Put the kept parameters back where the last estimate is above the kept one."""
+        if self.values is None or stopping.estimate is None or not stopping.estimate > self.estimate:
+            return
+        with torch.no_grad():
+            for parameter, value in zip(self.parameters, self.values):
+                parameter.copy_(value)
+        stopping.last = (stopping.steps, stopping.estimate)
+        stopping.check(self.steps, self.estimate)
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "estimate": self.estimate, "values": self.values}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.estimate, self.values = state["steps"], state["estimate"], state["values"]
 
 
 def _estimate(path: nn.Module, holdout: Sequence[dict[str, Tensor]], accelerator) -> float:
