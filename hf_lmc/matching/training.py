@@ -40,6 +40,10 @@ _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 logger = logging.getLogger(__name__)
 _DEFAULTS = LearnOptions()  # a path trained with no settings trains as `hf-lmc merge` does with no flags
 
+#: A held-out estimate above DIVERGING_RISE x the lowest seen + DIVERGING_MARGIN nats means the steps
+#: diverge (a learning rate too high for the models): training goes back to the lowest path at half
+#: the rate. Wandering of a healthy run stays well inside (docs/learned-matching.md).
+DIVERGING_RISE, DIVERGING_MARGIN = 1.25, 0.02
 _SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one waits for the device)
 
 
@@ -151,6 +155,8 @@ def train(
         located = (step + 1) % locate_every == 0
         if located and watch:
             best.offer(stopping, step + 1, _estimate(path, holdout, accelerator))
+            if best.diverging(stopping):
+                _back_off(path, best, stopping, optimizer, scheduler, lambda: _estimate(path, holdout, accelerator))
         elif located and path.seeks_worst:
             path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
         if callback is not None:
@@ -189,6 +195,7 @@ class Stopping:
     steps: int = 0
     estimate: float | None = None
     last: tuple[int, float] | None = None  # (steps, estimate) of the last path, where an earlier, lower one was kept
+    backtracks: int = 0  # times a diverging run went back to its lowest path at half the learning rate
 
     @property
     def reached(self) -> bool:
@@ -206,6 +213,8 @@ class Stopping:
         found = f"barrier {self.estimate:.4f} nats on {self.holdout_batches} held-out batches after {self.steps} steps"
         if self.last is not None:
             found += f" (kept: the lowest estimate seen; the path after {self.last[0]} steps read {self.last[1]:.4f})"
+        if self.backtracks:
+            found += f" (learning rate halved {self.backtracks} time{'s' if self.backtracks > 1 else ''} as the estimate rose)"
         if not self.target:
             return found
         if self.reached:
@@ -236,21 +245,44 @@ class _BestPath:
             self.values = [p.detach().clone() for p in self.parameters]
         return stopping.check(steps, estimate)
 
+    def diverging(self, stopping: Stopping) -> bool:
+        """Whether the last estimate rose so far above the lowest (by more than a quarter of it
+        plus 0.02 nats) that the steps are diverging rather than wandering."""
+        return self.estimate is not None and stopping.estimate > self.estimate * DIVERGING_RISE + DIVERGING_MARGIN
+
     def restore_if_lower(self, stopping: Stopping) -> None:
         """Put the kept parameters back where the last estimate is above the kept one."""
-        if self.values is None or stopping.estimate is None or not stopping.estimate > self.estimate:
-            return
+        if self.values is not None and stopping.estimate is not None and stopping.estimate > self.estimate:
+            self.restore()
+            stopping.last = (stopping.steps, stopping.estimate)
+            stopping.check(self.steps, self.estimate)
+
+    def restore(self) -> None:
+        """Put the kept parameters back."""
         with torch.no_grad():
             for parameter, value in zip(self.parameters, self.values):
                 parameter.copy_(value)
-        stopping.last = (stopping.steps, stopping.estimate)
-        stopping.check(self.steps, self.estimate)
 
     def state_dict(self) -> dict:
         return {"steps": self.steps, "estimate": self.estimate, "values": self.values}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.estimate, self.values = state["steps"], state["estimate"], state["values"]
+
+
+def _back_off(path: nn.Module, best: _BestPath, stopping: Stopping, optimizer, scheduler, estimate: Callable[[], float]) -> None:
+    """A diverging run goes back to its lowest path, with Adam's moments (the diverged steps')
+    cleared and the learning rate halved for the rest of the schedule."""
+    logger.info("%s: barrier estimate rose to %.4f; back to the path after %d steps (%.4f), learning rate halved",
+                path.label, stopping.estimate, best.steps, best.estimate)
+    best.restore()
+    estimate()  # locates the worst point the draws follow on the restored path
+    stopping.check(best.steps, best.estimate)
+    stopping.backtracks += 1
+    optimizer.state.clear()
+    scheduler.base_lrs = [lr / 2 for lr in scheduler.base_lrs]  # the schedule multiplies these
+    for group in optimizer.param_groups:
+        group["lr"] /= 2
 
 
 def _estimate(path: nn.Module, holdout: Sequence[dict[str, Tensor]], accelerator) -> float:
