@@ -228,7 +228,7 @@ class _BestPath:
     best checkpoint): a run whose steps make the path worse, e.g. a learning rate too high for
     the models, returns no worse a path than its start on the held-out batches. The estimate is
     the same on every process (its losses are all-reduced), so every process keeps the same
-    step. Registered for ``accelerator.save_state``, so a resumed run keeps it too."""
+    step. Kept in CPU memory; registered for ``accelerator.save_state``, so a resumed run keeps it too."""
 
     def __init__(self, parameters: list[nn.Parameter]):
         self.parameters = parameters
@@ -242,7 +242,7 @@ class _BestPath:
         logger.debug("barrier estimate %.4f on the held-out batches after %d steps", estimate, steps)
         if self.estimate is None or estimate < self.estimate:
             self.steps, self.estimate = steps, estimate
-            self.values = [p.detach().clone() for p in self.parameters]
+            self.values = [p.detach().to("cpu", copy=True) for p in self.parameters]  # off the accelerator: it holds the models
         return stopping.check(steps, estimate)
 
     def diverging(self, stopping: Stopping) -> bool:
