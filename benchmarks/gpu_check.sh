@@ -1,12 +1,27 @@
 #!/bin/bash
-# The GPU checks in one go (about 10 minutes on an H100), most wanted first: the CUDA tests, a
-# dual step at Pythia-1.4B shape with the endpoint layers offloaded to CPU memory against the same
-# step without (issue 38), a learned step's cost against a base step at Pythia-160M shape (docs/benchmarks.md's 4x512 batch and
-# 16x512, each with half the layers checkpointed too: not yet timed on a GPU; each step also timed
-# back to back, since fit no longer reads each step's loss back), a weight-matching
-# merge against a plain average at Pythia-1B shape, one layer's per-head solves on 1 / 4 / 16
-# threads, then the learned step at Pythia-1.4B shape under bf16 autocast in two processes (its
-# time varied from process to process, 2026-11-27). Logs go to ${OUT:-gpu-check}/.
+# The GPU checks, each in its own process with its own log and time limit, all inside one deadline
+# (a lent machine's minutes are few). With no arguments every check runs, most wanted first;
+# arguments name the checks to run, in that order:
+#
+#   bash benchmarks/gpu_check.sh                                    # all (about 12 minutes on an H100)
+#   DEADLINE=540 bash benchmarks/gpu_check.sh step_1.4b_offload merge_llama_random
+#
+# The checks:
+#   cuda_tests            tests/test_cuda.py (skipped on machines without CUDA)
+#   step_1.4b_offload     a dual step at Pythia-1.4B shape, bf16 autocast, with the endpoint layers
+#                         offloaded to CPU memory (FSDP2) against the same step without (issue 38)
+#   step_160m             learned and dual step costs against a base step, Pythia-160M, 4 x 512
+#   step_160m_16x512      the same at 16 x 512
+#   merge_pythia          weight merge against a plain average, Pythia-1B shape, B a symmetry of A
+#   merge_llama_random    the same at the LLaMA-1.1B shape, A and B independent initialisations
+#   merge_llama_symmetry  the LLaMA-1.1B shape with B a symmetry of A plus noise
+#   merge_llama_profile   cProfile of the LLaMA weight merge on the GPU (after merge_llama_random)
+#   head_solves           one layer's per-head solves on 1 / 4 / 16 threads
+#   step_1.4b_bf16        the 1.4B bf16 step without offload, in a process of its own
+#
+# Logs go to ${OUT:-gpu-check}/NAME.log; each check's exit status and time are printed, with the
+# tables of its log. DEADLINE (seconds, default 3600) caps the whole run: a check gets the lesser
+# of its own limit and what is left, and none starts with under 20 s left.
 #
 # On this workplace's device machines (image 'cuda': torch 2.11, transformers 5.17) carry the
 # wheels the image lacks and put them first on the path (device README: pip download with
@@ -15,20 +30,52 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site WHEELS/*.whl && export PYTHONPATH=/tmp/site:$PWD
 set -u
 out=${OUT:-gpu-check}
+deadline=$((SECONDS + ${DEADLINE:-3600}))
+pairs=${PAIRS:-/tmp/hf-lmc-pairs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-run() {  # run NAME SECONDS COMMAND...: one check, its log, its exit status and time
-    local name=$1 limit=$2 start=$SECONDS
-    shift 2
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
-    echo "$name: rc=$? in $((SECONDS - start)) s"
-    grep -E "^\||passed|failed" "$out/$name.log" | tail -8
+
+declare -A LIMIT=(
+    [cuda_tests]=120 [step_1.4b_offload]=240 [step_160m]=90 [step_160m_16x512]=90 [merge_pythia]=180
+    [merge_llama_random]=180 [merge_llama_symmetry]=180 [merge_llama_profile]=90 [head_solves]=60 [step_1.4b_bf16]=150
+)
+ALL=(cuda_tests step_1.4b_offload step_160m step_160m_16x512 merge_pythia merge_llama_random merge_llama_symmetry
+     merge_llama_profile head_solves step_1.4b_bf16)
+
+command_of() {  # the command line of one check
+    case $1 in
+        cuda_tests) echo python3 -m pytest -q -p no:warnings tests/test_cuda.py ;;
+        step_1.4b_offload) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload ;;
+        step_160m) echo python3 benchmarks/learned_step.py --device cuda ;;
+        step_160m_16x512) echo python3 benchmarks/learned_step.py --device cuda --batch 16 ;;
+        merge_pythia) echo python3 benchmarks/merge_speed.py --pair "$pairs/pythia" ;;
+        merge_llama_random) echo python3 benchmarks/merge_speed.py --arch llama --kind random --pair "$pairs/llama-random" ;;
+        merge_llama_symmetry) echo python3 benchmarks/merge_speed.py --arch llama --pair "$pairs/llama-symmetry" ;;
+        merge_llama_profile)  # the pair merge_llama_random wrote
+            echo "bash -c 'python3 -m cProfile -s cumtime -m hf_lmc merge $pairs/llama-random/a $pairs/llama-random/b"\
+                 "-o /tmp/profiled --method weight --device \${PROFILE_DEVICE:-cuda} --quiet | head -80'" ;;
+        head_solves) echo python3 benchmarks/head_solves.py --threads 1 4 16 ;;
+        step_1.4b_bf16) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 ;;
+        *) return 1 ;;
+    esac
 }
-run cuda_tests 120 python3 -m pytest -q -p no:warnings tests/test_cuda.py
-run step_1.4b_offload 200 python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload
-run step_160m 90 python3 benchmarks/learned_step.py --device cuda
-run step_160m_16x512 90 python3 benchmarks/learned_step.py --device cuda --batch 16
-run merge_speed_1b 240 python3 benchmarks/merge_speed.py --pair /tmp/pair
-run head_solves 60 python3 benchmarks/head_solves.py --threads 1 4 16
-run step_1.4b_bf16 150 python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16
-run step_1.4b_bf16_again 150 python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16
+
+run() {  # run NAME: one check, its log, its exit status and time
+    local name=$1 start=$SECONDS left=$((deadline - SECONDS)) cmd
+    if ! cmd=$(command_of "$name"); then
+        echo "$name: no such check (${ALL[*]})"
+        return
+    fi
+    if ((left < 20)); then
+        echo "$name: skipped, $left s left"
+        return
+    fi
+    local limit=$((LIMIT[$name] < left ? LIMIT[$name] : left))
+    eval timeout "$limit" "$cmd" > "$out/$name.log" 2>&1
+    echo "$name: rc=$? in $((SECONDS - start)) s (limit $limit s)"
+    grep -E "^\||passed|failed|Error|^ +[0-9]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ " "$out/$name.log" | head -40
+}
+
+for name in "${@:-${ALL[@]}}"; do
+    run "$name"
+done

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import transformers
@@ -9,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
+from hf_lmc.matching import weight as weight_matching
 from hf_lmc.matching.solvers import assign, assign_product, match_gl, match_rotary
 from hf_lmc.symmetry.sample import random_gl, rotary_block
 from hf_lmc.verify import tiny_configs
@@ -271,6 +274,36 @@ def test_per_head_solves_side_by_side_give_the_sequential_transform_bit_for_bit(
     assert sequential.keys() == side_by_side.keys()
     assert all(torch.equal(sequential[name], side_by_side[name]) for name in sequential)
 
+
+
+def test_mlp_assignments_on_worker_threads_give_the_in_line_transform_bit_for_bit(monkeypatch):
+    """Weight matching solves each layer's MLP assignment on a worker thread while the next
+    layers' products run: the transform must be the one of solving each in turn, in line."""
+    config = transformers.GPTNeoXConfig(
+        vocab_size=32, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96,
+        max_position_embeddings=32, rotary_pct=0.5,
+    )
+    a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
+    solved_on: dict[int, list[str]] = {}
+    solve = weight_matching.assign_similarity
+
+    def recording(similarity):
+        solved_on[threads].append(threading.current_thread().name)
+        return solve(similarity)
+
+    monkeypatch.setattr(weight_matching, "assign_similarity", recording)
+    results = {}
+    for threads in (0, 3):
+        solved_on[threads] = []
+        results[threads] = transform_tensors(hf_lmc.WeightMatcher(progress=False, device="cpu", solver_threads=threads).match(a, b))
+    in_line, on_workers = results[0], results[3]
+    assert in_line.keys() == on_workers.keys()
+    assert all(torch.equal(in_line[name], on_workers[name]) for name in in_line)
+    assert len(solved_on[0]) == len(solved_on[3]) >= config.num_hidden_layers  # one per layer and sweep
+    assert set(solved_on[0]) == {threading.main_thread().name}
+    assert threading.main_thread().name not in solved_on[3]
+    with pytest.raises(ValueError, match="solver_threads"):
+        hf_lmc.WeightMatcher(solver_threads=-1)
 
 @pytest.mark.parametrize(
     "config",

@@ -140,13 +140,29 @@ def assign_product(
     product, the candidates and the certificate's screens run where ``left`` and ``right`` are;
     the matching itself (scipy) on the CPU.
     """
+    return assign_similarity(similarity_product(left, right, rows), candidates, rows, dense_bytes)
+
+
+def similarity_product(left: Tensor, right: Tensor, rows: int = 1024) -> Tensor:
+    """``left @ right.T`` in ``rows``-row slices, in the operands' dtype, where they are."""
     n, m = left.shape[0], right.shape[0]
     product = torch.empty(n, m, dtype=torch.promote_types(left.dtype, right.dtype), device=left.device)
     for i in range(0, n, rows):
         torch.matmul(left[i : i + rows], right.T, out=product[i : i + rows])
+    return product
+
+
+def assign_similarity(
+    similarity: Tensor, candidates: int = 32, rows: int = 1024, dense_bytes: int = DENSE_ASSIGNMENT_BYTES
+) -> Tensor:
+    """:func:`assign` on ``similarity``: dense up to ``dense_bytes`` of float64 cost matrix,
+    else sparse and certified (:func:`assign_product` says how). Only this part runs scipy,
+    which releases the GIL: weight matching runs it on worker threads, beside later layers'
+    products."""
+    n, m = similarity.shape
     if n != m or n * m * 8 <= dense_bytes:
-        return assign(product)
-    return _certified_sparse_assignment(product, candidates, rows)
+        return assign(similarity)
+    return _certified_sparse_assignment(similarity, candidates, rows)
 
 
 def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int) -> Tensor:

@@ -17,6 +17,8 @@ kept, so neither model needs to be in memory as a whole. The large products run 
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from functools import partial
 
 import torch
@@ -34,12 +36,13 @@ from .solvers import (
     Moments,
     assign,
     assign_heads,
-    assign_product,
+    assign_similarity,
     balanced_scales,
     match_gl_moments,
     match_rotary_moments,
     polar,
     polar_fixing_ones,
+    similarity_product,
 )
 
 
@@ -87,6 +90,10 @@ class WeightMatcher(PairwiseMatcher):
             current CUDA device when there is one, else the CPU). Layers are moved there one
             at a time. The per-head solves run on the CPU, up to ``torch.get_num_threads()``
             side by side, and so does scipy's part of each assignment.
+        solver_threads: how many layers' MLP unit assignments (scipy, on the CPU) run on
+            threads of their own while the next layers' products go on; each holds its layer
+            until it is done. Default: half of ``torch.get_num_threads()``, at least 1 and at
+            most 4. ``0`` solves each in turn, in line. The result is the same either way.
 
     ``match(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``, on the CPU;
     ``fit([a, b])`` returns ``[Transform(), T]`` (:class:`~hf_lmc.matching.contract.PairwiseMatcher`).
@@ -102,7 +109,10 @@ class WeightMatcher(PairwiseMatcher):
         similarity_dtype: torch.dtype = torch.bfloat16,
         progress: bool = True,
         device: str | torch.device | None = None,
+        solver_threads: int | None = None,
     ):
+        if solver_threads is not None and solver_threads < 0:
+            raise ValueError(f"solver_threads must be >= 0, got {solver_threads}")
         self.kinds = resolve_kinds(symmetries)
         self.device = compute_device(device)
         self.dtype = dtype
@@ -110,6 +120,7 @@ class WeightMatcher(PairwiseMatcher):
         self.max_sweeps = max_sweeps
         self.tol = tol
         self.progress = progress
+        self.solver_threads = solver_threads
         self.history: list[float] = []
 
     # -- public ------------------------------------------------------------------------------
@@ -133,17 +144,7 @@ class WeightMatcher(PairwiseMatcher):
         for sweep in range(self.max_sweeps):
             stats = fixed.copy()
             rotate = Transform({"residual": residual} if residual is not None else {}).to(device=self.device)
-            for i in progress_bar(
-                range(spec.num_layers),
-                desc=f"weight matching, sweep {sweep + 1}",
-                show=self.progress,
-                leave=False,
-            ):
-                ga, gb = self._cast(a.group(i)), self._cast(b.group(i))
-                maps = self._match_layer(spec, i, ga, gb, rotate)
-                layer_maps |= maps
-                stats.add(ga, gb, Transform(maps).to(self.dtype, self.device))
-                del ga, gb
+            self._sweep(spec, a, b, rotate, stats, layer_maps, desc=f"weight matching, sweep {sweep + 1}")
             # One pass scores the layer maps under the current residual map and under its refit.
             current = stats.objective(residual)
             refit = self._solve_residual(spec, stats)
@@ -158,6 +159,48 @@ class WeightMatcher(PairwiseMatcher):
                 break
             residual = refit
         return best
+
+    def _sweep(
+        self,
+        spec: ArchSpec,
+        a: CanonicalModel,
+        b: CanonicalModel,
+        rotate: Transform,
+        stats: _ResidualStats,
+        layer_maps: dict,
+        desc: str,
+    ) -> None:
+        """Match every layer under the residual map ``rotate``: the maps go into ``layer_maps``,
+        the layers (B's with them applied) into ``stats``.
+
+        Within a sweep no layer's maps depend on another's, so a layer's MLP assignment (scipy,
+        on the CPU, seconds at thousands of units) is solved on a worker thread while the next
+        layers' products run. Layers are added to ``stats`` in order, as their assignments
+        finish, so the sums and the result are those of a sweep that solves each in turn.
+        """
+        threads = self.solver_threads
+        if threads is None:
+            threads = min(4, max(1, torch.get_num_threads() // 2))
+        solver = ThreadPoolExecutor(threads, thread_name_prefix="hf_lmc-assign") if threads else _InLine()
+        pending: deque = deque()  # (layer, its tensors, attention map, MLP map being solved), oldest first
+
+        def add_oldest():
+            i, ga, gb, attention, mlp = pending.popleft()
+            maps = {f"attn.{i}": attention, f"mlp.{i}": mlp.result()}
+            layer_maps.update(maps)
+            stats.add(ga, gb, Transform(maps).to(self.dtype, self.device))
+
+        try:
+            for i in progress_bar(range(spec.num_layers), desc=desc, show=self.progress, leave=False):
+                ga, gb = self._cast(a.group(i)), self._cast(b.group(i))
+                pending.append((i, ga, gb, *self._match_layer(spec, i, ga, gb, rotate, solver)))
+                del ga, gb
+                if len(pending) > threads:  # a layer per worker in flight, no more
+                    add_oldest()
+            while pending:
+                add_oldest()
+        finally:
+            solver.shutdown(wait=True, cancel_futures=True)
 
     def _cast(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         return {k: v.to(device=self.device, dtype=self.dtype) for k, v in tensors.items()}
@@ -213,15 +256,16 @@ class WeightMatcher(PairwiseMatcher):
     # -- layers ------------------------------------------------------------------------------
 
     def _match_layer(
-        self, spec: ArchSpec, i: int, a: dict[str, Tensor], b: dict[str, Tensor], rotate: Transform
-    ) -> dict:
-        """Layer ``i``'s attention and MLP maps for B's layer seen through the residual map."""
+        self, spec: ArchSpec, i: int, a: dict[str, Tensor], b: dict[str, Tensor], rotate: Transform, solver: Executor
+    ) -> tuple[AttentionMap, Future[MlpMap]]:
+        """Layer ``i``'s attention map and (being solved on ``solver``) MLP map, for B's layer
+        seen through the residual map."""
         p = f"layers.{i}."
         attn = {n: rotate.apply_tensor(n, t) for n, t in b.items() if n.startswith(p + "attn.")}
         attention = self._match_attention(spec, p, a, attn)
         del attn  # B's rotated attention weights are not needed for the MLP
         mlp = {n: t for n, t in b.items() if n.startswith(p + "mlp.")}
-        return {f"attn.{i}": attention, f"mlp.{i}": self._match_mlp(spec, p, a, mlp, rotate)}
+        return attention, self._match_mlp(spec, p, a, mlp, rotate, solver)
 
     def _match_attention(self, spec: ArchSpec, p: str, a: dict[str, Tensor], b: dict[str, Tensor]) -> AttentionMap:
         h, kv, g, dh = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
@@ -294,13 +338,14 @@ class WeightMatcher(PairwiseMatcher):
         return AttentionMap(qk, ov, query_perm)
 
     def _match_mlp(
-        self, spec: ArchSpec, p: str, a: dict[str, Tensor], b: dict[str, Tensor], rotate: Transform
-    ) -> MlpMap:
+        self, spec: ArchSpec, p: str, a: dict[str, Tensor], b: dict[str, Tensor], rotate: Transform, solver: Executor
+    ) -> Future[MlpMap]:
         """Units by linear assignment on ``<up_a, up_b> + <down_a, down_b> (+ <gate_a, gate_b>)``.
 
         B's residual map is applied here, in ``similarity_dtype``: the F x F similarity only
         ranks units, so bfloat16 products (several times faster on CPUs) do not change it.
         SwiGLU scales come from row norms, which the orthogonal residual map leaves alone.
+        The similarity is computed here; its assignment is solved on ``solver``.
         """
         n, low = spec.intermediate_size, self.similarity_dtype
 
@@ -321,18 +366,36 @@ class WeightMatcher(PairwiseMatcher):
         if scaled:
             scale_a = balanced_scales(*units(a, self.dtype)[:2]).double().cpu()
             scale_b = balanced_scales(*units(b, self.dtype)[:2]).double().cpu()
+
+        def mlp_map(perm: Tensor) -> MlpMap:
+            return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b / scale_a[perm]))
+
         if "mlp" not in self.kinds:
-            perm = torch.arange(n, device="cpu")
-        else:
+            return _InLine().submit(mlp_map, torch.arange(n, device="cpu"))
 
-            def descriptors(up, down, gate, scale):  # one row per unit: balanced up, down, gate
-                if scaled:
-                    scale = scale.to(device=up.device, dtype=low)[:, None]
-                    up, down = scale * up, down / scale
-                return torch.cat([up, down] + ([gate] if gate is not None else []), 1)
+        def descriptors(up, down, gate, scale):  # one row per unit: balanced up, down, gate
+            if scaled:
+                scale = scale.to(device=up.device, dtype=low)[:, None]
+                up, down = scale * up, down / scale
+            return torch.cat([up, down] + ([gate] if gate is not None else []), 1)
 
-            perm = assign_product(descriptors(*units(a, low), scale_a), descriptors(*units(b, low, rotate), scale_b))
-        return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b / scale_a[perm]))
+        similarity = similarity_product(
+            descriptors(*units(a, low), scale_a), descriptors(*units(b, low, rotate), scale_b)
+        )
+        return solver.submit(lambda: mlp_map(assign_similarity(similarity)))
+
+
+class _InLine(Executor):
+    """An executor that runs each job at once, in the caller's thread (``solver_threads=0``)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as err:  # handed to whoever asks for the result, as a pool would
+            future.set_exception(err)
+        return future
+
 
 
 class _ResidualStats:
