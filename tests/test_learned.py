@@ -775,10 +775,10 @@ def test_training_that_ends_diverged_returns_the_lowest_path_seen(tmp_path):
     assert resumed.x.item() == 0.5 and resumed.stopping.steps == 0
 
 
-def test_training_whose_estimate_diverges_goes_back_at_half_the_learning_rate():
+def test_training_whose_estimate_diverges_goes_back_at_half_the_learning_rate(tmp_path):
     """An estimate above twice the lowest + 0.1 nats means the steps diverge: training goes back
     to the lowest path, clears Adam's moments and halves the learning rate for the rest of the
-    schedule."""
+    schedule; a run resumed from a state saved after that still counts the halving."""
     from hf_lmc.matching.training import train
 
     batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}] * 2
@@ -789,6 +789,16 @@ def test_training_whose_estimate_diverges_goes_back_at_half_the_learning_rate():
     assert seen == pytest.approx([0.75, 1.0, 0.5, 0.625, 0.75, 0.875], abs=1e-6)
     assert path.stopping.backtracks == 1 and path.stopping.last is None and path.x.item() == pytest.approx(0.875)
     assert "halved 1 time" in path.stopping.describe()
+
+    # killed after step 4 (state saved at 2 and 4), resumed: the halving is remembered, rate and count
+    folder, settings = tmp_path / "state", {"checkpoint_dir": tmp_path / "state", "checkpoint_every": 2}
+    train(_WorseningPath(0.5), batches, steps=4, lr=0.25, schedule="constant", locate_every=3, holdout=batches,
+          target_barrier=0.01, progress=False, **settings)
+    resumed, seen = _WorseningPath(0.5), []
+    train(resumed, batches, steps=6, lr=0.25, schedule="constant", locate_every=3, holdout=batches, target_barrier=0.01,
+          callback=lambda step, p: seen.append(p.x.item()), progress=False, resume=True, **settings)
+    assert folder.is_dir() and seen == pytest.approx([0.75, 0.875], abs=1e-6)
+    assert resumed.stopping.backtracks == 1 and "halved 1 time" in resumed.stopping.describe()
 
 
 def test_trained_matchers_hold_out_the_last_batches_for_the_target_and_report_it():

@@ -138,7 +138,9 @@ def train(
         recent.append(next(stream))
     losses = []  # on the device, read once at the end
     watch = holdout is not None and hasattr(path, "locate_worst")
-    stopping = path.stopping = Stopping(target_barrier if watch else None, len(holdout) if watch else 0, budget=steps)
+    stopping = path.stopping = Stopping(
+        target_barrier if watch else None, len(holdout) if watch else 0, budget=steps, backtracks=best.backtracks
+    )
     # The estimate before the first step; a resumed run re-estimates only where the saved run
     # did (every locate_every steps), since locating moves the worst point its draws follow.
     if watch and start % locate_every == 0 and best.offer(stopping, start, _estimate(path, holdout, accelerator)):
@@ -240,6 +242,7 @@ class _BestPath:
         self.steps: int | None = None
         self.estimate: float | None = None
         self.values: list[Tensor] | None = None
+        self.backtracks = 0  # times training went back here at half the learning rate
 
     def offer(self, stopping: Stopping, steps: int, estimate: float) -> bool:
         """Record ``estimate`` after ``steps`` in ``stopping``, keep the path if it is the lowest
@@ -271,10 +274,11 @@ class _BestPath:
                 parameter.copy_(value)
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps, "estimate": self.estimate, "values": self.values}
+        return {"steps": self.steps, "estimate": self.estimate, "values": self.values, "backtracks": self.backtracks}
 
     def load_state_dict(self, state: dict) -> None:
         self.steps, self.estimate, self.values = state["steps"], state["estimate"], state["values"]
+        self.backtracks = state.get("backtracks", 0)  # states saved before the count was kept lack it
 
 
 def _back_off(path: nn.Module, best: _BestPath, stopping: Stopping, optimizer, scheduler, estimate: Callable[[], float]) -> None:
@@ -285,7 +289,8 @@ def _back_off(path: nn.Module, best: _BestPath, stopping: Stopping, optimizer, s
     best.restore()
     estimate()  # locates the worst point the draws follow on the restored path
     stopping.check(best.steps, best.estimate)
-    stopping.backtracks += 1
+    best.backtracks += 1
+    stopping.backtracks = best.backtracks
     optimizer.state.clear()
     scheduler.base_lrs = [lr / 2 for lr in scheduler.base_lrs]  # the schedule multiplies these
     for group in optimizer.param_groups:
