@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1
 
 declare -A LIMIT=(
     [cuda_tests]=120 [step_1.4b_offload]=240 [step_160m]=90 [step_160m_16x512]=90 [merge_pythia]=180
-    [merge_llama_random]=180 [merge_llama_symmetry]=180 [merge_llama_profile]=90 [head_solves]=60 [step_1.4b_bf16]=150
+    [merge_llama_random]=240 [merge_llama_symmetry]=240 [merge_llama_profile]=150 [head_solves]=60 [step_1.4b_bf16]=150
 )
 ALL=(cuda_tests step_1.4b_offload step_160m step_160m_16x512 merge_pythia merge_llama_random merge_llama_symmetry
      merge_llama_profile head_solves step_1.4b_bf16)
