@@ -275,7 +275,6 @@ def test_per_head_solves_side_by_side_give_the_sequential_transform_bit_for_bit(
     assert all(torch.equal(sequential[name], side_by_side[name]) for name in sequential)
 
 
-
 def test_mlp_assignments_on_worker_threads_give_the_in_line_transform_bit_for_bit(monkeypatch):
     """Weight matching solves each layer's MLP assignment on a worker thread while the next
     layers' products run: the transform must be the one of solving each in turn, in line."""
@@ -304,6 +303,7 @@ def test_mlp_assignments_on_worker_threads_give_the_in_line_transform_bit_for_bi
     assert threading.main_thread().name not in solved_on[3]
     with pytest.raises(ValueError, match="solver_threads"):
         hf_lmc.WeightMatcher(solver_threads=-1)
+
 
 @pytest.mark.parametrize(
     "config",

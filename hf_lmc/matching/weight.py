@@ -397,7 +397,6 @@ class _InLine(Executor):
         return future
 
 
-
 class _ResidualStats:
     """Everything the residual step needs, and enough to score *any* residual map.
 
