@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import suite
+from benchmarks import suite, width_scaling
 
 
 @pytest.mark.slow
@@ -33,3 +33,16 @@ def test_learned_simplex_refinement_improves_on_universe_matching(tmp_path):
     assert r.barriers["learned"] < r.barriers["weight"] and r.mean_excess["learned"] < r.mean_excess["weight"], r
     rows = suite.triple_rows(results, ("vanilla", "weight", "learned"))
     assert any(row.startswith("| learned | 1 |") for row in rows), rows
+
+
+@pytest.mark.parametrize("family", list(width_scaling.BASES))
+def test_width_scaling_changes_the_tier_pair_in_its_width_alone(family):
+    base = width_scaling.pair_at(family, 10**6).entry  # any width other than the tier's
+    tier = next(p.entry for p in suite.TIERS["cpu"] if p.entry.name == width_scaling.BASES[family])
+    width_key = width_scaling.WIDTH_KEYS[family][0]
+    assert width_scaling.pair_at(family, tier.config[width_key]).entry == tier  # the tier's width: its cached pair
+    wide = width_scaling.pair_at(family, 256).entry
+    changed = {k for k in tier.config if wide.config.get(k) != tier.config[k]}
+    assert changed == ({width_key, "intermediate_size"} if family == "llama" else {width_key})
+    assert (wide.steps, wide.patience, wide.batch_size, wide.lr, wide.data) == (tier.steps, tier.patience, tier.batch_size, tier.lr, tier.data)
+    assert wide.name != tier.name != base.name != wide.name  # one zoo cache entry per width

@@ -177,17 +177,23 @@ class ActivationMatcher(PairwiseMatcher):
         units, n = layer.units, layer.units.tokens
         mean_a, mean_b = units.sum_a / n, units.sum_b / n
         rms_a, rms_b = (units.sq_a / n).sqrt(), (units.sq_b / n).sqrt()
+        scaled = spec.gated_mlp and "mlp_scale" in self.kinds
+        sign = torch.ones(spec.intermediate_size, dtype=torch.float64)
         if "mlp" in self.kinds:
             std_a = (rms_a.square() - mean_a.square()).clamp_min(0).sqrt().clamp_min(1e-12)
             std_b = (rms_b.square() - mean_b.square()).clamp_min(0).sqrt().clamp_min(1e-12)
-            covariance = units.covariance()
-            perm = assign(covariance / (std_a[:, None] * std_b[None, :]) + _TIE_BREAK * (weights_a @ weights_b.T))
+            correlation = units.covariance() / (std_a[:, None] * std_b[None, :])
+            # A SwiGLU unit's sign is a symmetry (weight matching's _match_mlp): a flipped
+            # partner correlates at -1, as closely as an unflipped one at +1.
+            perm = assign((correlation.abs() if scaled else correlation) + _TIE_BREAK * (weights_a @ weights_b.T))
+            if scaled:
+                sign = torch.where(correlation[perm, torch.arange(spec.intermediate_size)] < 0, -1.0, 1.0).double()
         else:
             perm = torch.arange(spec.intermediate_size)
         scale = torch.ones(spec.intermediate_size, dtype=torch.float64)
-        if spec.gated_mlp and "mlp_scale" in self.kinds:
+        if scaled:
             ok = (rms_a[perm] > 0) & (rms_b > 0)
-            scale = torch.where(ok, rms_a[perm] / rms_b.where(ok, torch.ones_like(rms_b)), scale)
+            scale = sign * torch.where(ok, rms_a[perm] / rms_b.where(ok, torch.ones_like(rms_b)), scale)
         return MlpMap(BlockMonomial.scaled_permutation(perm, scale))
 
 

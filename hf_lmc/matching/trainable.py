@@ -135,7 +135,11 @@ class _MlpParams(_TracksOrder):
             self.register_buffer("perm", torch.stack(perms))
         else:
             self.units = nn.ModuleList(PermutationParam(n, init=perm, method=permutations, dtype=dtype) for perm in perms)
-        self.log_scale = nn.Parameter(torch.stack(scales).log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
+        scales = torch.stack(scales)
+        # A unit's sign (a SwiGLU symmetry, weight matching's start may flip it) stays as started:
+        # a scale trained through zero would leave the group.
+        self.register_buffer("sign", torch.where(scales < 0, -1.0, 1.0).to(dtype), persistent=False)
+        self.log_scale = nn.Parameter(scales.abs().log(), requires_grad=spec.gated_mlp)  # only SwiGLU units scale
         # Scales commute with one another: a factor on each side ("both") is a second, zero-started
         # log-scale added to the first, as the difference of A's and B's is in dual matching.
         both = frame == "both" and spec.gated_mlp
@@ -148,9 +152,11 @@ class _MlpParams(_TracksOrder):
     def _log_scale(self) -> Tensor:
         return self.log_scale if self.left_log_scale is None else self.log_scale + self.left_log_scale
 
+    def _scale(self) -> Tensor:
+        return self.sign * self._log_scale().exp()
+
     @staticmethod
-    def _maps(perm: Tensor, log_scale: Tensor, ordered: bool) -> list[MlpMap]:
-        scale = log_scale.exp()
+    def _maps(perm: Tensor, scale: Tensor, ordered: bool) -> list[MlpMap]:
         return [
             MlpMap(BlockMonomial(perm, s[:, None, None], inv[:, None, None], ordered))
             for perm, s, inv in zip(perm, scale.unbind(0), (1.0 / scale).unbind(0))
@@ -161,15 +167,14 @@ class _MlpParams(_TracksOrder):
         ``h`` goes where ``first`` sends it and back through ``self``, scaled by ``s_first[h] /
         s_self[idx[h]]``."""
         if self.ordered and first.ordered:
-            return self._maps(first.perm, first._log_scale() - self._log_scale(), True)
+            return self._maps(first.perm, first._scale() / self._scale(), True)
         index = _inverse_then(self.perm, first.perm)
-        return self._maps(index, first._log_scale() - self._log_scale().gather(1, index), False)
+        return self._maps(index, first._scale() / self._scale().gather(1, index), False)
 
     def forward(self) -> list[MlpMap | DenseMlpMap]:
-        log_scale = self._log_scale()
+        scale = self._scale()
         if self.units is None:
-            return self._maps(self.perm, log_scale, self.ordered)
-        scale = log_scale.exp()
+            return self._maps(self.perm, scale, self.ordered)
         maps = []
         for units, s in zip(self.units, scale.unbind(0)):
             matrix, perm = units.matrix_and_perm()

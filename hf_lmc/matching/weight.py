@@ -8,7 +8,7 @@ Coordinate descent on ``sum_t |A_t - T(B)_t|^2 / |A_t|^2`` over canonical tensor
 2. per layer, heads assigned by their QK and OV circuits (invariant to per-head maps, never
    materialising a d x d circuit), then per-KV-head QK / OV maps by balanced GL matching
    (RoPE-restricted where RoPE applies);
-3. per layer, MLP units by linear assignment (SwiGLU: on balanced up/down, then scales).
+3. per layer, MLP units by linear assignment (SwiGLU: on balanced up/down, then signed scales).
 
 Each sweep streams both models group by group; only d x d statistics and the transform are
 kept, so neither model needs to be in memory as a whole. The large products run on ``device``
@@ -342,6 +342,13 @@ class WeightMatcher(PairwiseMatcher):
     ) -> Future[MlpMap]:
         """Units by linear assignment on ``<up_a, up_b> + <down_a, down_b> (+ <gate_a, gate_b>)``.
 
+        SwiGLU units also have a sign: ``(up, down) -> (-up, -down)`` leaves
+        ``SiLU(gate x) (up x) down`` alone, and independently trained models pick it at random
+        per unit. So for SwiGLU the up/down part counts by its size,
+        ``<gate_a, gate_b> + |<up_a, up_b> + <down_a, down_b>|``, and each matched unit takes
+        that part's sign with its scale. Without it, a unit whose partner is flipped scores
+        against it, and averaging the two cancels their up and down rows.
+
         B's residual map is applied here, in ``similarity_dtype``: the F x F similarity only
         ranks units, so bfloat16 products (several times faster on CPUs) do not change it.
         SwiGLU scales come from row norms, which the orthogonal residual map leaves alone.
@@ -367,22 +374,34 @@ class WeightMatcher(PairwiseMatcher):
             scale_a = balanced_scales(*units(a, self.dtype)[:2]).double().cpu()
             scale_b = balanced_scales(*units(b, self.dtype)[:2]).double().cpu()
 
-        def mlp_map(perm: Tensor) -> MlpMap:
-            return MlpMap(BlockMonomial.scaled_permutation(perm, scale_b / scale_a[perm]))
+        def mlp_map(perm: Tensor, sign: Tensor | None = None) -> MlpMap:
+            scale = scale_b / scale_a[perm]
+            return MlpMap(BlockMonomial.scaled_permutation(perm, scale if sign is None else sign * scale))
 
         if "mlp" not in self.kinds:
             return _InLine().submit(mlp_map, torch.arange(n, device="cpu"))
 
-        def descriptors(up, down, gate, scale):  # one row per unit: balanced up, down, gate
+        def balanced(up, down, gate, scale):  # one row per unit: balanced up and down; the gate
             if scaled:
                 scale = scale.to(device=up.device, dtype=low)[:, None]
                 up, down = scale * up, down / scale
-            return torch.cat([up, down] + ([gate] if gate is not None else []), 1)
+            return torch.cat([up, down], 1), gate
 
-        similarity = similarity_product(
-            descriptors(*units(a, low), scale_a), descriptors(*units(b, low, rotate), scale_b)
-        )
-        return solver.submit(lambda: mlp_map(assign_similarity(similarity)))
+        (odd_a, gate_a), (odd_b, gate_b) = balanced(*units(a, low), scale_a), balanced(*units(b, low, rotate), scale_b)
+        if not scaled:  # no sign to choose: one product of the whole rows
+            whole = [torch.cat([x] + ([g] if g is not None else []), 1) for x, g in ((odd_a, gate_a), (odd_b, gate_b))]
+            similarity = similarity_product(*whole)
+            return solver.submit(lambda: mlp_map(assign_similarity(similarity)))
+        similarity = similarity_product(odd_a, odd_b)  # flips sign with either unit
+        flipped = similarity < 0  # one byte a pair: where a matched unit takes the sign -1
+        similarity.abs_().add_(similarity_product(gate_a, gate_b))
+
+        def solve() -> MlpMap:
+            perm = assign_similarity(similarity)
+            chosen = flipped[perm.to(flipped.device), torch.arange(n, device=flipped.device)].cpu()
+            return mlp_map(perm, 1.0 - 2.0 * chosen.double())
+
+        return solver.submit(solve)
 
 
 class _InLine(Executor):

@@ -121,7 +121,7 @@ class BlockMonomial:
 
     @staticmethod
     def scaled_permutation(perm: Tensor, scale: Tensor) -> "BlockMonomial":
-        """``y[perm[h]] = scale[h] x[h]`` (SwiGLU neurons: permutation x positive scaling)."""
+        """``y[perm[h]] = scale[h] x[h]`` (SwiGLU neurons: permutation x non-zero scaling, sign included)."""
         return BlockMonomial(perm, scale[:, None, None], (1.0 / scale)[:, None, None])
 
     def dense(self) -> Tensor:
@@ -217,7 +217,8 @@ class ResidualMap:
 
 @dataclass(frozen=True)
 class MlpMap:
-    """MLP hidden units: permutation, times per-neuron scaling of ``up`` for SwiGLU.
+    """MLP hidden units: permutation, times per-neuron scaling of ``up`` for SwiGLU (any non-zero
+    factor: ``(up, down) -> (-up, -down)`` is a symmetry too).
 
     ``up`` rows are vectors, ``down`` columns covectors, ``gate`` rows only permute
     (SiLU is not positively homogeneous).

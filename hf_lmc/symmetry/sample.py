@@ -125,6 +125,7 @@ def random_mlp(spec: ArchSpec, generator: torch.Generator, kinds: frozenset[str]
     scale = torch.ones(n, dtype=torch.float64)
     if spec.gated_mlp and "mlp_scale" in kinds:
         scale = torch.exp((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * 0.5)
+        scale = scale * (1 - 2 * torch.randint(0, 2, (n,), generator=generator)).double()  # SwiGLU units' sign flips too
     return MlpMap(BlockMonomial.scaled_permutation(perm, scale))
 
 
