@@ -170,12 +170,16 @@ def evaluation_batches(entry: zoo.ZooEntry, folder: Path):
     return load_batches(data, config, folder, EvalOptions(batch_size=16, seq_len=entry.seq_len))
 
 
-def measure_pair(pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions) -> PairResult:
-    """Train (or load) ``pair`` and measure the barrier of every method in ``labels`` at its defaults."""
+def measure_pair(
+    pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions, fit_batch_size: int = FIT_OPTIONS.batch_size
+) -> PairResult:
+    """Train (or load) ``pair`` and measure the barrier of every method in ``labels`` at its defaults
+    (fitting data: :data:`FIT_BATCHES` batches of ``fit_batch_size`` sequences, by default what
+    ``--data D`` gives)."""
     folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in pair.seeds]
     members = [json.loads((f / "zoo.json").read_text()) for f in folders]
     evaluation = evaluation_batches(pair.entry, folders[0])
-    fitting = zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=FIT_OPTIONS.batch_size)  # what `--data D` gives at its default batch size
+    fitting = zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=fit_batch_size)
     barriers, seconds = {}, {}
     for label, method, symmetries in METHODS:
         if label not in labels:
@@ -303,10 +307,11 @@ def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]
 
 
 def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
-        progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions()) -> list[PairResult]:
+        progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions(),
+        fit_batch_size: int = FIT_OPTIONS.batch_size) -> list[PairResult]:
     """Measure every pair of ``tier`` (of ``families``); ``max_steps`` caps each member's training."""
     pairs = [_capped(pair, max_steps) for pair in TIERS[tier] if pair.family in families]
-    return [measure_pair(pair, labels, cache=cache, progress=progress, learn=learn) for pair in pairs]
+    return [measure_pair(pair, labels, cache=cache, progress=progress, learn=learn, fit_batch_size=fit_batch_size) for pair in pairs]
 
 
 def _capped(pair: SuitePair, max_steps: int | None) -> SuitePair:
@@ -369,6 +374,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--learn", nargs="+", default=[], metavar="KEY=VALUE",
         help="learned and dual matching settings other than the defaults (LearnOptions fields, values read as YAML), e.g. steps=1000 lr=1e-2",
     )
+    parser.add_argument(
+        "--fit-batch-size", type=int, default=FIT_OPTIONS.batch_size, metavar="N",
+        help=f"sequences per fitting batch of activation, learned and dual matching ({FIT_BATCHES} batches; default {FIT_OPTIONS.batch_size}, what --data gives)",
+    )
     args = parser.parse_args(argv)
     learn = LearnOptions(**{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.learn)})
     if args.triples:
@@ -390,10 +399,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     start = time.perf_counter()
     results = run(
-        args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn
+        args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
+        fit_batch_size=args.fit_batch_size,
     )
     changed = learn.model_dump(exclude_defaults=True)
-    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "") + "\n")
+    batch = f", fitting batches of {args.fit_batch_size}" if args.fit_batch_size != FIT_OPTIONS.batch_size else ""
+    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "") + batch + "\n")
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))
