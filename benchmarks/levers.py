@@ -1,0 +1,159 @@
+"""Levers measured on the benchmark suite's pairs and left out of the defaults (docs/benchmarks.md §0.7).
+
+Each lever is measured against the defaults on the same pairs, fitting and held-out data as
+``benchmarks/suite.py``:
+
+* ``activation-start``: learned matching at the defaults, started from activation matching's
+  transform instead of weight matching's (``LearnedMatcher(init=...)``);
+* ``repair``: the midpoint of weight and of learned matching with every GPT-2 MLP unit's
+  pre-activation mean and std set to the average of the endpoints' (REPAIR, Jordan et al.
+  2022) on 64 fitting batches; not a symmetry, only the merged point moves (GPT-2 pairs only);
+* ``float32-similarity``: weight matching with float32 unit and head similarities in place of
+  bfloat16.
+
+    python -m benchmarks.levers activation-start --families gpt2 vit
+    python -m benchmarks.levers repair --families gpt2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from hf_lmc import zoo
+from hf_lmc.alignment import align_many
+from hf_lmc.barriers import barrier_of_loaded
+from hf_lmc.canonical import canonicalize, combine, to_hf
+from hf_lmc.evaluation import evaluate
+from hf_lmc.loading import load_model
+from hf_lmc.matching import ActivationMatcher, LearnedMatcher, TrainedMatcher, WeightMatcher
+from hf_lmc.options import FIT_OPTIONS, EvalOptions, LearnOptions
+from hf_lmc.symmetry import Transform
+
+from . import suite
+
+LEVERS = ("activation-start", "repair", "float32-similarity")
+
+
+def _loaded(pair: suite.SuitePair):
+    folders = [zoo.train(pair.entry, seed, progress=False) for seed in pair.seeds]
+    loaded = [load_model(f) for f in folders]
+    evaluation = suite.evaluation_batches(pair.entry, folders[0])
+    fitting = zoo.fit_batches(pair.entry, suite.FIT_BATCHES, batch_size=FIT_OPTIONS.batch_size)
+    return loaded, [canonicalize(m.model) for m in loaded], evaluation, fitting
+
+
+def _barrier(loaded, evaluation, method: str, transform_b: Transform) -> float:
+    result = barrier_of_loaded(
+        *loaded, evaluation, methods=(method,), alphas=11, symmetries="full", eval_options=EvalOptions(batch_size=16),
+        progress=False, transforms={method: (Transform(), transform_b)},
+    )
+    return result.barriers[method]
+
+
+def activation_start(pair: suite.SuitePair) -> dict[str, float]:
+    """Learned matching's barrier at the defaults from activation matching's start."""
+    loaded, (a, b), evaluation, fitting = _loaded(pair)
+    torch.manual_seed(0)
+    start = ActivationMatcher(fitting, progress=False).match(a, b)
+    _, t_b = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False, init=start).fit([a, b])
+    return {"learned, activation start": _barrier(loaded, evaluation, "learned", t_b)}
+
+
+def float32_similarity(pair: suite.SuitePair) -> dict[str, float]:
+    """Weight matching's barrier with float32 similarities."""
+    loaded, (a, b), evaluation, _ = _loaded(pair)
+    t_b = WeightMatcher(similarity_dtype=torch.float32, progress=False).match(a, b)
+    return {"weight, float32 similarities": _barrier(loaded, evaluation, "weight", t_b)}
+
+
+def repair(pair: suite.SuitePair) -> dict[str, float]:
+    """Midpoint excess of weight and learned matching, before and after renormalising the MLP units."""
+    if pair.family != "gpt2":
+        raise ValueError(f"repair is written for GPT-2's MLP (c_fc with a bias), not {pair.family}")
+    _, canonical, evaluation, fitting = _loaded(pair)
+    out = {}
+    for method in ("weight", "learned"):
+        torch.manual_seed(0)
+        t_a, t_b = align_many(method, canonical, batches=fitting if method != "weight" else None, learn=LearnOptions(), progress=False)
+        moved = [t.apply(c).materialize() if t.maps else c for t, c in zip((t_a, t_b), canonical)]
+        ends = [to_hf(combine(moved, w)) for w in ((1.0, 0.0), (0.0, 1.0))]
+        line = sum(evaluate(m, evaluation).loss for m in ends) / 2
+        midpoint = to_hf(combine(moved, (0.5, 0.5)))
+        out[f"{method}, midpoint"] = evaluate(midpoint, evaluation).loss - line
+        _renormalise(midpoint, ends, fitting[:64])
+        out[f"{method}, midpoint renormalised"] = evaluate(midpoint, evaluation).loss - line
+    return out
+
+
+def _unit_moments(model, batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MLP layer, each unit's pre-activation mean and std over ``batches`` (float64)."""
+    layers = [block.mlp.c_fc for block in model.transformer.h]
+    sums = [[0, 0.0, 0.0] for _ in layers]
+
+    def hook(index):
+        def record(_module, _inputs, output):
+            h = output.detach().double().reshape(-1, output.shape[-1])
+            sums[index][0] += h.shape[0]
+            sums[index][1] = sums[index][1] + h.sum(0)
+            sums[index][2] = sums[index][2] + h.square().sum(0)
+        return record
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        for batch in batches:
+            model(**{k: v for k, v in batch.items() if k != "labels"})
+    for handle in handles:
+        handle.remove()
+    moments = []
+    for n, total, squares in sums:
+        mean = total / n
+        moments.append((mean, (squares / n - mean.square()).clamp_min(1e-12).sqrt()))
+    return moments
+
+
+def _renormalise(midpoint, ends, batches) -> None:
+    """Set each MLP unit's pre-activation mean and std in ``midpoint`` to the endpoints' average,
+    layer by layer (a layer's statistics are taken after the layers below it are set)."""
+    ends_moments = [_unit_moments(m, batches) for m in ends]
+    for i, layer in enumerate(block.mlp.c_fc for block in midpoint.transformer.h):
+        mean, std = _unit_moments(midpoint, batches)[i]
+        target_mean = (ends_moments[0][i][0] + ends_moments[1][i][0]) / 2
+        target_std = (ends_moments[0][i][1] + ends_moments[1][i][1]) / 2
+        gain = target_std / std
+        with torch.no_grad():
+            layer.weight.mul_(gain.to(layer.weight.dtype)[None, :])  # Conv1D weight: (in, out)
+            layer.bias.copy_(((layer.bias.double() - mean) * gain + target_mean).to(layer.bias.dtype))
+
+
+MEASURES = {"activation-start": activation_start, "repair": repair, "float32-similarity": float32_similarity}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("lever", choices=LEVERS)
+    parser.add_argument("--tier", choices=list(suite.TIERS), default="cpu")
+    parser.add_argument("--families", nargs="+", choices=suite.FAMILIES, default=list(suite.FAMILIES))
+    parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    rows = []
+    for pair in suite.TIERS[args.tier]:
+        if pair.family in args.families:
+            values = MEASURES[args.lever](pair)
+            rows.append({"pair": pair.entry.name, **values})
+            print(f"{pair.entry.name}: {json.dumps(values)}", file=sys.stderr)
+    columns = [k for k in rows[0] if k != "pair"] if rows else []
+    print("| pair | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
+    for row in rows:
+        print(f"| {row['pair']} | " + " | ".join(f"{row[c]:.3f}" for c in columns) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
