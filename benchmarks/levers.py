@@ -24,14 +24,13 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_lmc import zoo
 from hf_lmc.alignment import align_many
 from hf_lmc.barriers import barrier_of_loaded
 from hf_lmc.canonical import canonicalize, combine, to_hf
 from hf_lmc.evaluation import evaluate
 from hf_lmc.loading import load_model
 from hf_lmc.matching import ActivationMatcher, LearnedMatcher, TrainedMatcher, WeightMatcher
-from hf_lmc.options import FIT_OPTIONS, EvalOptions, LearnOptions
+from hf_lmc.options import EvalOptions, LearnOptions
 from hf_lmc.symmetry import Transform
 
 from . import suite
@@ -40,10 +39,8 @@ LEVERS = ("activation-start", "repair", "float32-similarity")
 
 
 def _loaded(pair: suite.SuitePair):
-    folders = [zoo.train(pair.entry, seed, progress=False) for seed in pair.seeds]
+    folders, evaluation, fitting = suite.pair_data(pair)
     loaded = [load_model(f) for f in folders]
-    evaluation = suite.evaluation_batches(pair.entry, folders[0])
-    fitting = zoo.fit_batches(pair.entry, suite.FIT_BATCHES, batch_size=FIT_OPTIONS.batch_size)
     return loaded, [canonicalize(m.model) for m in loaded], evaluation, fitting
 
 

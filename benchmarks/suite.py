@@ -90,10 +90,15 @@ def _pythia(name, layers, width, heads, *, rotary, parallel, tied=False, steps=1
     return _lm(name, "gpt_neox", config, steps=steps, patience=patience)
 
 
+def llama_intermediate_size(width: int) -> int:
+    """The suite's LLaMA MLP width: 8/3 of the width, rounded down to a multiple of 8."""
+    return int(width * 8 / 3) // 8 * 8
+
+
 def _llama(name, layers, width, heads, kv_heads, *, tied=False, steps=1500, patience=3):
     config = {
         "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "intermediate_size": int(width * 8 / 3) // 8 * 8, "max_position_embeddings": 64, "tie_word_embeddings": tied,
+        "intermediate_size": llama_intermediate_size(width), "max_position_embeddings": 64, "tie_word_embeddings": tied,
     }
     return _lm(name, "llama", config, steps=steps, patience=patience)
 
@@ -170,16 +175,22 @@ def evaluation_batches(entry: zoo.ZooEntry, folder: Path):
     return load_batches(data, config, folder, EvalOptions(batch_size=16, seq_len=entry.seq_len))
 
 
+def pair_data(pair: SuitePair, *, seeds: Sequence[int] | None = None, cache: Path | None = None, progress: bool = False,
+              fit_batch_size: int = FIT_OPTIONS.batch_size) -> tuple[list[Path], object, list[dict]]:
+    """Train (or load) the members of ``pair`` (``seeds``, by default the pair's) and return their
+    folders, the held-out batches and :data:`FIT_BATCHES` fitting batches of ``fit_batch_size``
+    sequences (by default what ``--data D`` gives)."""
+    folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (seeds or pair.seeds)]
+    return folders, evaluation_batches(pair.entry, folders[0]), zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=fit_batch_size)
+
+
 def measure_pair(
     pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions, fit_batch_size: int = FIT_OPTIONS.batch_size
 ) -> PairResult:
     """Train (or load) ``pair`` and measure the barrier of every method in ``labels`` at its defaults
-    (fitting data: :data:`FIT_BATCHES` batches of ``fit_batch_size`` sequences, by default what
-    ``--data D`` gives)."""
-    folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in pair.seeds]
+    (fitting data: :func:`pair_data`'s)."""
+    folders, evaluation, fitting = pair_data(pair, cache=cache, progress=progress, fit_batch_size=fit_batch_size)
     members = [json.loads((f / "zoo.json").read_text()) for f in folders]
-    evaluation = evaluation_batches(pair.entry, folders[0])
-    fitting = zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=fit_batch_size)
     barriers, seconds = {}, {}
     for label, method, symmetries in METHODS:
         if label not in labels:
@@ -211,10 +222,8 @@ class TripleResult:
 def measure_triple(pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions) -> TripleResult:
     """Train (or load) seeds 0, 1 and 2 of ``pair`` and measure every method of ``labels`` over
     their simplex at its defaults (the grid of :data:`SIMPLEX_POINTS` per edge, and the centre)."""
-    folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (*pair.seeds, 2)]
+    folders, evaluation, fitting = pair_data(pair, seeds=(*pair.seeds, 2), cache=cache, progress=progress)
     loaded = [load_model(f) for f in folders]
-    evaluation = evaluation_batches(pair.entry, folders[0])
-    fitting = zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=FIT_OPTIONS.batch_size)
     barriers, means, seconds = {}, {}, {}
     for label, method in SIMPLEX_METHODS:
         if label not in labels:

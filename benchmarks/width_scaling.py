@@ -28,18 +28,18 @@ from hf_lmc.options import LearnOptions
 from . import suite
 
 BASES = {"gpt2": "suite-gpt2-a", "llama": "suite-llama-a"}
-WIDTH_KEYS = {"gpt2": ("n_embd",), "llama": ("hidden_size",)}
+WIDTH_KEY = {"gpt2": "n_embd", "llama": "hidden_size"}
 
 
 def pair_at(family: str, width: int) -> suite.SuitePair:
     """The tier's two-layer pair of ``family`` with its width set to ``width`` (LLaMA's MLP at its
     8/3 rule; GPT-2's MLP is four times the width by default)."""
     base = next(p for p in suite.TIERS["cpu"] if p.entry.name == BASES[family])
-    if base.entry.config[WIDTH_KEYS[family][0]] == width:
+    if base.entry.config[WIDTH_KEY[family]] == width:
         return base
-    config = dict(base.entry.config) | {key: width for key in WIDTH_KEYS[family]}
+    config = dict(base.entry.config) | {WIDTH_KEY[family]: width}
     if family == "llama":
-        config["intermediate_size"] = int(width * 8 / 3) // 8 * 8
+        config["intermediate_size"] = suite.llama_intermediate_size(width)
     entry = suite.zoo.ZooEntry(
         f"width-{family}-{width}", base.entry.model_type, config, steps=base.entry.steps, patience=base.entry.patience,
     )

@@ -39,7 +39,7 @@ def test_learned_simplex_refinement_improves_on_universe_matching(tmp_path):
 def test_width_scaling_changes_the_tier_pair_in_its_width_alone(family):
     base = width_scaling.pair_at(family, 10**6).entry  # any width other than the tier's
     tier = next(p.entry for p in suite.TIERS["cpu"] if p.entry.name == width_scaling.BASES[family])
-    width_key = width_scaling.WIDTH_KEYS[family][0]
+    width_key = width_scaling.WIDTH_KEY[family]
     assert width_scaling.pair_at(family, tier.config[width_key]).entry == tier  # the tier's width: its cached pair
     wide = width_scaling.pair_at(family, 256).entry
     changed = {k for k in tier.config if wide.config.get(k) != tier.config[k]}

@@ -381,17 +381,18 @@ class WeightMatcher(PairwiseMatcher):
         if "mlp" not in self.kinds:
             return _InLine().submit(mlp_map, torch.arange(n, device="cpu"))
 
+        def whole(model, rotate=None):  # one row per unit: up, down (and gate)
+            return torch.cat([t for t in units(model, low, rotate) if t is not None], 1)
+
+        if not scaled:  # no sign to choose: one product of the whole rows
+            similarity = similarity_product(whole(a), whole(b, rotate))
+            return solver.submit(lambda: mlp_map(assign_similarity(similarity)))
+
         def balanced(up, down, gate, scale):  # one row per unit: balanced up and down; the gate
-            if scaled:
-                scale = scale.to(device=up.device, dtype=low)[:, None]
-                up, down = scale * up, down / scale
-            return torch.cat([up, down], 1), gate
+            scale = scale.to(device=up.device, dtype=low)[:, None]
+            return torch.cat([scale * up, down / scale], 1), gate
 
         (odd_a, gate_a), (odd_b, gate_b) = balanced(*units(a, low), scale_a), balanced(*units(b, low, rotate), scale_b)
-        if not scaled:  # no sign to choose: one product of the whole rows
-            whole = [torch.cat([x] + ([g] if g is not None else []), 1) for x, g in ((odd_a, gate_a), (odd_b, gate_b))]
-            similarity = similarity_product(*whole)
-            return solver.submit(lambda: mlp_map(assign_similarity(similarity)))
         similarity = similarity_product(odd_a, odd_b)  # flips sign with either unit
         flipped = similarity < 0  # one byte a pair: where a matched unit takes the sign -1
         similarity.abs_().add_(similarity_product(gate_a, gate_b))
