@@ -572,6 +572,35 @@ def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
         torch.testing.assert_close(p, q, msg=name)
 
 
+def test_resuming_refuses_a_state_saved_from_another_start(tmp_path):
+    """A saved state holds factors relative to the start it trained from: resumed with another
+    pair (another weight-matching start) it is refused in one line, before anything is loaded;
+    a start recomputed with other rounding still resumes."""
+    import json
+
+    from hf_lmc.matching import training
+    from hf_lmc.options import UsageError
+
+    config = tiny_configs()["llama"]
+    model_a, model_b, model_c = (build_model(config, seed=s) for s in (1, 2, 3))
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}]
+    folder = tmp_path / "ckpt"
+    saved = DualMatcher(model_a, model_b, dtype=torch.float64)
+    saved.fit(batches, steps=1, checkpoint_dir=folder, progress=False)
+    recorded = json.loads((folder / "hf_lmc_progress.json").read_text())["start"]
+    assert recorded == json.loads(json.dumps(training.start_fingerprint(DualMatcher(model_a, model_b, dtype=torch.float64))))
+    with pytest.raises(UsageError, match="resume"):
+        DualMatcher(model_a, model_c, dtype=torch.float64).fit(batches, steps=2, checkpoint_dir=folder, resume=True, progress=False)
+
+    other_rounding = DualMatcher(model_a, model_b, dtype=torch.float64)
+    with torch.no_grad():
+        for buffer in other_rounding.buffers():
+            if buffer.is_floating_point():
+                buffer.mul_(1 + 1e-9)
+    training._check_same_start(recorded, json.loads(json.dumps(training.start_fingerprint(other_rounding))), folder)
+    assert len(other_rounding.fit(batches, steps=2, checkpoint_dir=folder, resume=True, progress=False)) == 1
+
+
 @pytest.mark.slow
 def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
     """A run killed mid-way (here: by its callback) resumes with its optimizer, LR schedule and

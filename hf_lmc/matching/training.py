@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import itertools
 import json
 import logging
@@ -29,11 +30,12 @@ from torch import Tensor, nn
 
 from ..canonical import CanonicalModel
 from ..devices import launch_device, launched_processes
-from ..options import AccelerateOptions, LearnOptions, default_warmup
+from ..options import AccelerateOptions, LearnOptions, UsageError, default_warmup
 from ..progress import bar as progress_bar
 from ..symmetry import Transform
 from .endpoints import EndpointSharding
 from .params import OrthogonalParam
+from .trainable import TrainableTransform
 from .universe import UniverseMatcher
 
 _PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
@@ -127,10 +129,12 @@ def train(
     best = _BestPath([p for p in path.parameters() if p.requires_grad])
     accelerator.register_for_checkpointing(best)  # a resumed run still knows the best path seen before it
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    start = 0
+    start, origin = 0, start_fingerprint(path) if folder is not None else None
     if resume and folder is not None and (folder / _PROGRESS).is_file():
+        saved = json.loads((folder / _PROGRESS).read_text())
+        _check_same_start(saved.get("start"), origin, folder)
         accelerator.load_state(str(folder))
-        start = json.loads((folder / _PROGRESS).read_text())["step"]
+        start = saved["step"]
         logger.info("%s: resuming from step %d of %s", path.label, start, folder)
     stream = _passes(batches)
     recent = collections.deque(maxlen=2)  # where the worst point is located
@@ -172,7 +176,7 @@ def train(
         if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
             accelerator.save_state(str(folder))
             if accelerator.is_main_process:
-                (folder / _PROGRESS).write_text(json.dumps({"step": step + 1}))
+                (folder / _PROGRESS).write_text(json.dumps({"step": step + 1, "start": origin}))
         if last:
             break
     if watch and stopping.steps != start + len(losses):  # the estimate reported is the final path's
@@ -302,6 +306,57 @@ def _estimate(path: nn.Module, holdout: Sequence[dict[str, Tensor]], accelerator
     (:meth:`~hf_lmc.matching.learned.PairPath.locate_worst` also moves the worst point there)."""
     path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in holdout])
     return max(0.0, float(path.grid_excess.max()))
+
+
+#: Relative difference at which two float fingerprints count as different starts: far above the
+#: rounding a recomputed start may differ by, far below what another start changes.
+_START_TOLERANCE = 1e-4
+
+
+def start_fingerprint(path: nn.Module) -> dict[str, list]:
+    """Where ``path``'s transforms start, in a few numbers per tensor: every tensor of its
+    :class:`~hf_lmc.matching.trainable.TrainableTransform` modules (the fixed parts, such as the
+    start's permutations, signs and bases, and the trainable parameters' starting values).
+
+    A saved training state holds trained factors relative to that start; resumed on another
+    (other models, or an hf_lmc that matches them differently) it would train on as if
+    nothing had changed. Integer tensors are fingerprinted exactly, float ones by their absolute
+    sum and a fixed random projection, compared up to :data:`_START_TOLERANCE`, so that a start
+    recomputed with other rounding (another GPU kernel) still resumes."""
+    prints = {}
+    for name, module in path.named_modules():
+        if isinstance(module, TrainableTransform):
+            for key, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+                prints[f"{name}.{key}"] = _tensor_fingerprint(tensor.detach())
+    return prints
+
+
+def _tensor_fingerprint(tensor: Tensor) -> list:
+    values = tensor.reshape(-1).cpu()
+    if not values.is_floating_point():
+        return [list(tensor.shape), hashlib.sha256(values.to(torch.int64).numpy().tobytes()).hexdigest()]
+    values = values.to(torch.float64)
+    weights = torch.rand(values.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return [list(tensor.shape), values.abs().sum().item(), (values * weights).sum().item()]
+
+
+def _check_same_start(saved: dict | None, current: dict, folder: Path) -> None:
+    """Refuse to resume a state saved from another start (a state saved before fingerprints were
+    recorded is taken as it is)."""
+    if saved is None:
+        return
+
+    def same(a: list, b: list) -> bool:
+        if a[0] != b[0] or isinstance(a[1], str) or isinstance(b[1], str):
+            return a == b
+        return all(abs(x - y) <= _START_TOLERANCE * max(abs(a[1]), abs(b[1]), 1e-12) for x, y in zip(a[1:], b[1:]))
+
+    changed = sorted(set(saved) ^ set(current)) or [name for name in current if not same(saved[name], current[name])]
+    if changed:
+        raise UsageError(
+            f"resume: the training state in {folder} was saved from another start than this run's ({changed[0]} differs: "
+            "other models, or an hf_lmc that matches them differently); resume with what saved it, or start afresh in another folder"
+        )
 
 
 def holdout_split(batches, share: float = 0.125, most: int = 8):
