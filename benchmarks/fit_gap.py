@@ -15,10 +15,9 @@ import time
 import torch
 
 from benchmarks import suite
-from hf_lmc import zoo
 from hf_lmc.matching import DualMatcher
 from hf_lmc.matching.training import holdout_split
-from hf_lmc.options import FIT_OPTIONS, LearnOptions
+from hf_lmc.options import LearnOptions
 
 
 def barrier_on(path: DualMatcher, batches) -> float:
@@ -33,9 +32,8 @@ def main(names: list[str]) -> None:
     pairs = {p.entry.name: p for p in suite.TIERS["cpu"]}
     for name in names:
         pair = pairs[name]
-        folders = [zoo.train(pair.entry, seed, progress=False) for seed in pair.seeds]
-        fitting = zoo.fit_batches(pair.entry, suite.FIT_BATCHES, batch_size=FIT_OPTIONS.batch_size)
-        evaluation = list(suite.evaluation_batches(pair.entry, folders[0]))[:16]
+        folders, evaluation, fitting = suite.pair_data(pair)
+        evaluation = list(evaluation)[:16]
         batches, holdout = holdout_split(fitting)  # as TrainedMatcher splits them
         torch.manual_seed(0)
         start = time.perf_counter()

@@ -151,7 +151,24 @@ TRIPLES: dict[str, list[str]] = {
 SIMPLEX_METHODS = (("vanilla", "average"), ("weight", "weight"), ("learned", "learned"), ("dual", "dual"))
 SIMPLEX_LABELS = tuple(label for label, _ in SIMPLEX_METHODS)
 SIMPLEX_POINTS = 5  # grid points per edge: weights in steps of 1/4, and the centre
-FIT_BATCHES = 256  # fitting batches of activation, learned and dual matching, at the command line's default batch size
+#: Fitting data of activation, learned and dual matching, in sequences (images): fixed, as a
+#: user's ``--data`` file is, so that a batch size changes how the data is cut, not how much there is.
+FIT_SEQUENCES = 8192
+
+
+@dataclass(frozen=True)
+class Fitting:
+    """The fitting data the suite gives activation, learned and dual matching: how many sequences
+    (images), in batches of what size (by default what ``--data D`` gives)."""
+
+    sequences: int = FIT_SEQUENCES
+    batch_size: int = FIT_OPTIONS.batch_size
+
+    def describe(self) -> str:
+        """What differs from the defaults, for a table's heading ("" when nothing does)."""
+        changed = [f"{self.sequences} fitting sequences"] if self.sequences != FIT_SEQUENCES else []
+        changed += [f"fitting batches of {self.batch_size}"] if self.batch_size != FIT_OPTIONS.batch_size else []
+        return "".join(f", {text}" for text in changed)
 
 
 @dataclass
@@ -176,20 +193,20 @@ def evaluation_batches(entry: zoo.ZooEntry, folder: Path):
 
 
 def pair_data(pair: SuitePair, *, seeds: Sequence[int] | None = None, cache: Path | None = None, progress: bool = False,
-              fit_batch_size: int = FIT_OPTIONS.batch_size) -> tuple[list[Path], object, list[dict]]:
+              fitting: Fitting = Fitting()) -> tuple[list[Path], object, list[dict]]:
     """Train (or load) the members of ``pair`` (``seeds``, by default the pair's) and return their
-    folders, the held-out batches and :data:`FIT_BATCHES` fitting batches of ``fit_batch_size``
-    sequences (by default what ``--data D`` gives)."""
+    folders, the held-out batches and the fitting batches ``fitting`` describes."""
     folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (seeds or pair.seeds)]
-    return folders, evaluation_batches(pair.entry, folders[0]), zoo.fit_batches(pair.entry, FIT_BATCHES, batch_size=fit_batch_size)
+    batches = zoo.fit_batches(pair.entry, fitting.sequences // fitting.batch_size, batch_size=fitting.batch_size)
+    return folders, evaluation_batches(pair.entry, folders[0]), batches
 
 
 def measure_pair(
-    pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions, fit_batch_size: int = FIT_OPTIONS.batch_size
+    pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions, fitting: Fitting = Fitting()
 ) -> PairResult:
     """Train (or load) ``pair`` and measure the barrier of every method in ``labels`` at its defaults
     (fitting data: :func:`pair_data`'s)."""
-    folders, evaluation, fitting = pair_data(pair, cache=cache, progress=progress, fit_batch_size=fit_batch_size)
+    folders, evaluation, fitting = pair_data(pair, cache=cache, progress=progress, fitting=fitting)
     members = [json.loads((f / "zoo.json").read_text()) for f in folders]
     barriers, seconds = {}, {}
     for label, method, symmetries in METHODS:
@@ -219,10 +236,12 @@ class TripleResult:
     seconds: dict[str, float]
 
 
-def measure_triple(pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions) -> TripleResult:
+def measure_triple(
+    pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions, fitting: Fitting = Fitting()
+) -> TripleResult:
     """Train (or load) seeds 0, 1 and 2 of ``pair`` and measure every method of ``labels`` over
     their simplex at its defaults (the grid of :data:`SIMPLEX_POINTS` per edge, and the centre)."""
-    folders, evaluation, fitting = pair_data(pair, seeds=(*pair.seeds, 2), cache=cache, progress=progress)
+    folders, evaluation, fitting = pair_data(pair, seeds=(*pair.seeds, 2), cache=cache, progress=progress, fitting=fitting)
     loaded = [load_model(f) for f in folders]
     barriers, means, seconds = {}, {}, {}
     for label, method in SIMPLEX_METHODS:
@@ -317,10 +336,10 @@ def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]
 
 def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
         progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions(),
-        fit_batch_size: int = FIT_OPTIONS.batch_size) -> list[PairResult]:
+        fitting: Fitting = Fitting()) -> list[PairResult]:
     """Measure every pair of ``tier`` (of ``families``); ``max_steps`` caps each member's training."""
     pairs = [_capped(pair, max_steps) for pair in TIERS[tier] if pair.family in families]
-    return [measure_pair(pair, labels, cache=cache, progress=progress, learn=learn, fit_batch_size=fit_batch_size) for pair in pairs]
+    return [measure_pair(pair, labels, cache=cache, progress=progress, learn=learn, fitting=fitting) for pair in pairs]
 
 
 def _capped(pair: SuitePair, max_steps: int | None) -> SuitePair:
@@ -335,11 +354,18 @@ def _triples_of(tier: str, families: Sequence[str], max_steps: int | None = None
 
 
 def run_triples_of(tier: str, *, labels: Sequence[str] = SIMPLEX_LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
-                   progress: bool = False, max_steps: int | None = None, learn: LearnOptions | None = None) -> list[TripleResult]:
+                   progress: bool = False, max_steps: int | None = None, learn: LearnOptions | None = None,
+                   fitting: Fitting = Fitting()) -> list[TripleResult]:
     """Measure every triple of ``tier`` (of ``families``) over its simplex (``learn``: default
     ``LearnOptions()``); ``max_steps`` caps each member's training."""
     learn = learn or LearnOptions()
-    return [measure_triple(pair, labels, cache=cache, progress=progress, learn=learn) for pair in _triples_of(tier, families, max_steps)]
+    return [measure_triple(pair, labels, cache=cache, progress=progress, learn=learn, fitting=fitting)
+            for pair in _triples_of(tier, families, max_steps)]
+
+
+def fitting_of(args: argparse.Namespace) -> Fitting:
+    """The fitting data the flags ask for."""
+    return Fitting(args.fit_sequences, args.fit_batch_size)
 
 
 def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
@@ -355,10 +381,12 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
         return
     start = time.perf_counter()
     results = run_triples_of(
-        args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn
+        args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
+        fitting=fitting_of(args),
     )
     changed = learn.model_dump(exclude_defaults=True)
-    print(f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "") + "\n")
+    print(f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")
+          + fitting_of(args).describe() + "\n")
     print("\n".join(triple_rows(results, labels)))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
@@ -385,7 +413,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--fit-batch-size", type=int, default=FIT_OPTIONS.batch_size, metavar="N",
-        help=f"sequences per fitting batch of activation, learned and dual matching ({FIT_BATCHES} batches; default {FIT_OPTIONS.batch_size}, what --data gives)",
+        help=f"sequences per fitting batch of activation, learned and dual matching (default {FIT_OPTIONS.batch_size}, what --data gives)",
+    )
+    parser.add_argument(
+        "--fit-sequences", type=int, default=FIT_SEQUENCES, metavar="N",
+        help=f"fitting sequences (images) in all, cut into batches of --fit-batch-size (default {FIT_SEQUENCES})",
     )
     args = parser.parse_args(argv)
     learn = LearnOptions(**{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.learn)})
@@ -409,11 +441,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     results = run(
         args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
-        fit_batch_size=args.fit_batch_size,
+        fitting=fitting_of(args),
     )
     changed = learn.model_dump(exclude_defaults=True)
-    batch = f", fitting batches of {args.fit_batch_size}" if args.fit_batch_size != FIT_OPTIONS.batch_size else ""
-    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "") + batch + "\n")
+    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")
+          + fitting_of(args).describe() + "\n")
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))

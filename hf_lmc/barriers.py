@@ -27,7 +27,7 @@ from .evaluation import evaluate, load_batches
 from .grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barrier, simplex_grid
 from .loading import LoadedModel, load_model, revisions_per_model
 from .methods import METHODS, check_method
-from .options import FIT_OPTIONS, AccelerateOptions, EvalOptions, LearnOptions
+from .options import EVAL_OPTIONS, FIT_OPTIONS, AccelerateOptions, EvalOptions, LearnOptions
 from .progress import bar as progress_bar
 from .symmetry import Transform
 from .widths import check_mergeable, spec_of, to_common_shape
@@ -142,7 +142,7 @@ def barrier(
     methods=("average", "weight"),
     alphas: int | list[float] = 11,
     symmetries="full",
-    eval_options: EvalOptions = EvalOptions(),
+    eval_options: EvalOptions = EVAL_OPTIONS,
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),
@@ -213,7 +213,7 @@ def barrier_over_simplex(
     methods=("average", "weight"),
     points: int = 5,
     symmetries="full",
-    eval_options: EvalOptions = EvalOptions(),
+    eval_options: EvalOptions = EVAL_OPTIONS,
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -29,6 +29,7 @@ from pydantic import ValidationError
 from . import __version__
 from .methods import METHODS, NAMES
 from .options import (
+    EVAL_OPTIONS,
     FIT_OPTIONS,
     SYMMETRIES,
     AccelerateOptions,
@@ -82,7 +83,11 @@ class OptionFlags:
     fields: the flag is the field's name (``worst_fraction`` -> ``--worst-fraction``) unless
     renamed, the help its description, the choices its ``Literal``, the default the model's own
     (shown, never copied: an absent flag leaves the field to the model). Bounds are the model's
-    too: :meth:`build` validates, and names the flag of any field it refuses."""
+    too: :meth:`build` validates, and names the flag of any field it refuses.
+
+    ``defaults`` may also map what the flags apply to onto its defaults (the batching flags of
+    ``--data`` and ``--eval-data``): the help then shows each, and :meth:`given` is the way to
+    read the flags."""
 
     def __init__(self, model, *, only: tuple[str, ...] | None = None, flags: dict[str, str] | None = None, defaults=None, prefix: str = ""):
         self.model, self.prefix = model, prefix
@@ -93,12 +98,10 @@ class OptionFlags:
     def add_to(self, group) -> None:
         """Add one flag per field to ``group`` (a parser or an argument group)."""
         for name, field in self.fields.items():
-            default = getattr(self.defaults, name)
             kind, choices = _argument_type(field.annotation)
             help_text = field.description or ""
-            if default is not None and "default" not in help_text:
-                shown = " ".join(map(str, default)) if isinstance(default, tuple) else default
-                help_text += f" (default: {shown})"
+            if "default" not in help_text:
+                help_text += self._shown_default(name)
             options = dict(dest=self.prefix + name, default=argparse.SUPPRESS, help=help_text)
             if kind is bool:
                 group.add_argument(self.flags[name], action="store_true", **options)
@@ -108,12 +111,24 @@ class OptionFlags:
                 metavar = None if choices else ("N" if kind is int else name.split("_")[-1].upper())
                 group.add_argument(self.flags[name], type=kind, choices=choices, metavar=metavar, **options)
 
+    def _shown_default(self, name: str) -> str:
+        """`` (default: 8)``, or per use `` (default: 32 for --data, 8 for --eval-data)``; empty for none."""
+        uses = self.defaults if isinstance(self.defaults, Mapping) else {"": self.defaults}
+        shown = {use: _shown(getattr(defaults, name)) for use, defaults in uses.items()}
+        if all(value is None for value in shown.values()):
+            return ""
+        if len(set(shown.values())) == 1:
+            return f" (default: {next(iter(shown.values()))})"
+        return " (default: " + ", ".join(f"{value} for {use}" for use, value in shown.items() if value is not None) + ")"
+
     def given(self, args: argparse.Namespace) -> dict:
         """The fields set on the command line."""
         return {name: getattr(args, self.prefix + name) for name in self.fields if hasattr(args, self.prefix + name)}
 
     def build(self, args: argparse.Namespace, **fixed):
         """The options model from the flags given (the model's defaults for the rest)."""
+        if isinstance(self.defaults, Mapping):
+            raise TypeError("flags with defaults per use have no one model to build; read them with given()")
         values = {name: getattr(self.defaults, name) for name in self.model.model_fields if name in self.defaults.model_fields_set}
         try:
             return self.model(**{**values, **self.given(args), **fixed})
@@ -137,6 +152,13 @@ class OptionFlags:
 #: Library keywords whose flag is not their name: the Python API's ``barrier(..., fit_data=)``
 #: is the command line's ``--data``, which means fitting data in every command.
 _RENAMED = {"fit_data": "--data"}
+
+
+def _shown(default) -> str | None:
+    """A default as its help text shows it (a pair as ``LOW HIGH``)."""
+    if default is None:
+        return None
+    return " ".join(map(str, default)) if isinstance(default, tuple) else str(default)
 
 
 def _flag(parameter: str) -> str:
@@ -163,7 +185,10 @@ def _argument_type(annotation) -> tuple[type, list[str] | None]:
 
 LEARN = OptionFlags(LearnOptions)
 ACCELERATE = OptionFlags(AccelerateOptions)
-BATCHES = OptionFlags(EvalOptions, only=("batch_size", "seq_len", "max_batches"))
+#: One set of batching flags for both data sets; where a flag is absent each keeps its own default.
+BATCHES = OptionFlags(
+    EvalOptions, only=("batch_size", "seq_len", "max_batches"), defaults={"--data": FIT_OPTIONS, "--eval-data": EVAL_OPTIONS}
+)
 #: One name per data set across commands: ``--data`` is what alignment fits on (activation,
 #: learned, dual), ``--eval-data`` what the barrier is measured on; each has its split and
 #: dataset configuration flags, and both are batched alike.

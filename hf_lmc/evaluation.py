@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .adapters import adapter_for
 from .checkpoint import CheckpointError, load_pickled_tensors
-from .options import EvalOptions, ParameterError
+from .options import EVAL_OPTIONS, EvalOptions, ParameterError
 
 Batch = dict[str, torch.Tensor]
 
@@ -39,7 +39,7 @@ class DataSettingError(ParameterError, DataError):
     """A data setting (``parameter``) that does not fit the model."""
 
 
-def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions = EvalOptions()) -> list[Batch]:
+def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions = EVAL_OPTIONS) -> list[Batch]:
     """Evaluation batches for ``config``'s model from any of the accepted data forms.
 
     ``options.name`` picks the configuration of a ``datasets`` id or folder that has several

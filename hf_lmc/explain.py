@@ -34,7 +34,7 @@ from .canonical import canonicalize, from_state_dict, to_hf
 from .evaluation import evaluate, load_batches
 from .loading import load_model
 from .methods import METHODS, check_method
-from .options import FIT_OPTIONS, EvalOptions, LearnOptions
+from .options import EVAL_OPTIONS, FIT_OPTIONS, EvalOptions, LearnOptions
 from .progress import bar as progress_bar
 from .widths import check_mergeable
 
@@ -99,7 +99,7 @@ def explain(
     *,
     method: str = "weight",
     symmetries="full",
-    eval_options: EvalOptions = EvalOptions(),
+    eval_options: EvalOptions = EVAL_OPTIONS,
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),

@@ -251,8 +251,14 @@ class EvalOptions(Options):
     name: str | None = Field(None, description="configuration of a datasets id with several, e.g. wikitext-103-raw-v1")
 
 
-#: Fitting data (activation, learned and dual matching) reads the training split.
-FIT_OPTIONS = EvalOptions(split="train")
+#: How evaluation data is batched unless told otherwise: the barrier sums a loss over the
+#: batches, so their size changes memory, not the result.
+EVAL_OPTIONS = EvalOptions()
+#: How fitting data (activation, learned and dual matching) is batched unless told otherwise:
+#: the training split, in batches of their own size. Learned and dual matching take one step per
+#: batch, and larger batches lower the barrier they reach at the same data and steps
+#: (docs/benchmarks.md, section 0.7), at the activation memory of the larger batch.
+FIT_OPTIONS = EvalOptions(split="train", batch_size=32)
 
 
 class OutputOptions(Options):
@@ -296,7 +302,7 @@ class MergeSpec(OutputOptions):
     learn: LearnOptions = Field(LearnOptions(), description="learned and dual matching")
     accelerate: AccelerateOptions = Field(AccelerateOptions(), description="accelerate settings of the training loop")
     eval_data: Any = Field(None, description="held-out data: the barrier table and plot go into the card")
-    eval_options: EvalOptions = Field(EvalOptions(), description="how the evaluation data is batched")
+    eval_options: EvalOptions = Field(EVAL_OPTIONS, description="how the evaluation data is batched")
     alphas: int | tuple[float, ...] | None = Field(
         None, description="evaluation grid: points per edge (default 11 for two models, 5 for more), or the alpha grid itself"
     )

@@ -40,6 +40,8 @@ from pydantic import (
 
 from .methods import METHODS, NAMES
 from .options import (
+    EVAL_OPTIONS,
+    FIT_OPTIONS,
     SYMMETRIES,
     AccelerateOptions,
     EvalOptions,
@@ -128,7 +130,13 @@ class DataSpec(EvalOptions):
         None, description="local data: .txt files or folders of them, .json/.jsonl/.csv/.parquet with a text column, or one .pt tensor file (ViT)"
     )
     zoo: Literal["shakespeare", "digits"] | None = Field(None, description="the offline zoo's corpus: Shakespeare plays (LMs) or digits (ViT)")
-    split: str | None = Field(None, description="split to read (default: train for fitting data, test for evaluation data)")
+    batch_size: PositiveInt | None = Field(
+        None,
+        description=f"sequences (images) per batch (default: {FIT_OPTIONS.batch_size} for fitting data, {EVAL_OPTIONS.batch_size} for evaluation data)",
+    )
+    split: str | None = Field(
+        None, description=f"split to read (default: {FIT_OPTIONS.split} for fitting data, {EVAL_OPTIONS.split} for evaluation data)"
+    )
     samples: PositiveInt | None = Field(None, description="number of sequences (images for ViT), rounded up to whole batches (default: all)")
 
     @model_validator(mode="after")
@@ -147,11 +155,13 @@ class DataSpec(EvalOptions):
             raise ValueError("samples: give samples or max_batches, not both")
         return self
 
-    def options(self, default_split: str) -> EvalOptions:
-        """How the pipeline batches this data (``default_split`` where the recipe names none)."""
-        max_batches = self.max_batches if self.samples is None else math.ceil(self.samples / self.batch_size)
+    def options(self, defaults: EvalOptions) -> EvalOptions:
+        """How the pipeline batches this data: the recipe's fields, ``defaults``' batch size and
+        split (:data:`~hf_lmc.options.FIT_OPTIONS` or :data:`~hf_lmc.options.EVAL_OPTIONS`) where it names none."""
+        batch_size = self.batch_size or defaults.batch_size
+        max_batches = self.max_batches if self.samples is None else math.ceil(self.samples / batch_size)
         return EvalOptions(
-            batch_size=self.batch_size, seq_len=self.seq_len, max_batches=max_batches, split=self.split or default_split, name=self.name
+            batch_size=batch_size, seq_len=self.seq_len, max_batches=max_batches, split=self.split or defaults.split, name=self.name
         )
 
 

@@ -33,7 +33,7 @@ from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folde
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
 from .methods import METHODS
-from .options import FIT_OPTIONS, EvalOptions, MergeSpec, OutputExistsError, ParameterError, UsageError
+from .options import EVAL_OPTIONS, FIT_OPTIONS, MergeSpec, OutputExistsError, ParameterError, UsageError
 from .progress import bar as progress_bar
 from .recipe import ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
 
@@ -212,9 +212,9 @@ def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output
     return MergeSpec(
         models=[s.reference for s in sources], revisions=[s.revision for s in sources], output=output, weights=weights,
         method=method, symmetries=recipe.symmetries, device=recipe.device, data=fit_data,
-        data_options=recipe.data.options("train") if recipe.data else FIT_OPTIONS,
+        data_options=recipe.data.options(FIT_OPTIONS) if recipe.data else FIT_OPTIONS,
         learn=recipe.learn, accelerate=accelerate, eval_data=eval_data,
-        eval_options=recipe.eval.data.options("test") if recipe.eval else EvalOptions(),
+        eval_options=recipe.eval.data.options(EVAL_OPTIONS) if recipe.eval else EVAL_OPTIONS,
         alphas=recipe.eval.alphas if recipe.eval else 11, dtype=out.dtype, shard_size=out.shard_size,
     )
 

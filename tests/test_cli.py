@@ -161,6 +161,22 @@ def test_data_flags_mean_the_same_in_merge_and_barrier():
         parser.parse_args(["barrier", "a", "b", "--data", "fit.txt"])
 
 
+def test_data_sets_keep_their_own_batch_size_unless_one_is_given():
+    """Without ``--batch-size`` fitting and evaluation data take their own defaults, which the
+    help shows; with it both take the one given."""
+    from hf_lmc import cli
+    from hf_lmc.options import EVAL_OPTIONS, FIT_OPTIONS
+
+    assert FIT_OPTIONS.batch_size != EVAL_OPTIONS.batch_size
+    parser = cli.build_parser()
+    args = parser.parse_args(["merge", "a", "b", "-o", "out", "--data", "fit.txt", "--eval-data", "eval.txt"])
+    assert (cli._fit_options(args).batch_size, cli._eval_options(args).batch_size) == (FIT_OPTIONS.batch_size, EVAL_OPTIONS.batch_size)
+    help_line = next(a.help for a in parser._subparsers._group_actions[0].choices["merge"]._actions if "--batch-size" in a.option_strings)
+    assert f"{FIT_OPTIONS.batch_size} for --data" in help_line and f"{EVAL_OPTIONS.batch_size} for --eval-data" in help_line
+    with pytest.raises(TypeError):  # flags with a default per use build no single model
+        cli.BATCHES.build(args)
+
+
 def test_a_misspelt_data_file_is_one_line_without_trying_the_hub(tmp_path, capsys, monkeypatch):
     import datasets
 

@@ -15,7 +15,7 @@ import hf_lmc
 from hf_lmc import pipeline, zoo
 from hf_lmc.cli import main
 from hf_lmc.evaluation import DataError
-from hf_lmc.options import LearnOptions
+from hf_lmc.options import EVAL_OPTIONS, FIT_OPTIONS, LearnOptions
 from hf_lmc.recipe import DataSpec, RecipeError, load_recipe
 from hf_lmc.runner import RunFailedError, fold_adapter, load_data, run_recipe
 from hf_lmc.verify import tiny_configs
@@ -270,6 +270,24 @@ def test_more_than_two_models_are_one_merge_of_all(tmp_path, monkeypatch):
     assert spec.models == ("a", "b", "c") and spec.weights == (0.2, 0.3, 0.5) and spec.revisions == (None,) * 3
     assert spec.device is None  # unset: the pipeline's default (a GPU when torch sees one)
     assert result.runs[0].folder == Path("weight") and (tmp_path / "out" / "summary.md").is_file()
+
+
+def test_fitting_and_evaluation_data_keep_their_own_batch_size(tmp_path, monkeypatch):
+    """A data section without batch_size takes its use's default (fitting and evaluation differ),
+    ``samples`` rounds up to whole batches of that size, and a batch_size given is kept."""
+    (tmp_path / "text.txt").write_text("to be or not to be")
+    calls = []
+    monkeypatch.setattr(pipeline, "run", _recording_run(calls))
+    data = {"files": [str(tmp_path / "text.txt")], "samples": 100}
+    for folder, batch in (("defaults", {}), ("given", {"batch_size": 4})):
+        recipe = _recipe(method="dual", data=data | batch, eval={"data": data | batch}, output={"dir": str(tmp_path / folder)})
+        run_recipe(recipe, progress=False)
+    (fit_default, eval_default), (fit_given, eval_given) = [(spec.data_options, spec.eval_options) for spec in calls]
+    assert FIT_OPTIONS.batch_size != EVAL_OPTIONS.batch_size
+    assert (fit_default.batch_size, fit_default.split) == (FIT_OPTIONS.batch_size, "train")
+    assert (eval_default.batch_size, eval_default.split) == (EVAL_OPTIONS.batch_size, "test")
+    assert fit_default.max_batches * FIT_OPTIONS.batch_size >= 100 > (fit_default.max_batches - 1) * FIT_OPTIONS.batch_size
+    assert (fit_given.batch_size, fit_given.max_batches, eval_given.batch_size, eval_given.max_batches) == (4, 25, 4, 25)
 
 
 def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):

@@ -100,7 +100,8 @@ class TrainedPath(nn.Module):
 
     #: The package's training loop as a method: ``path.fit(batches, steps=...)`` is
     #: :func:`hf_lmc.matching.training.train` ``(path, batches, steps=...)``, with the same
-    #: arguments, and returns the loss of every step.
+    #: arguments, and returns the loss of every step. The step defaults were chosen with
+    #: batches of :data:`hf_lmc.options.FIT_OPTIONS`' size, what ``hf-lmc merge --data`` gives.
     fit = train
 
 
