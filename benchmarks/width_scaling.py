@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from hf_lmc.options import LearnOptions
@@ -46,10 +47,27 @@ def pair_at(family: str, width: int) -> suite.SuitePair:
     return suite.SuitePair(family, entry, f"{base.varies}; width {width}")
 
 
-def rows(results: Sequence[suite.PairResult], labels: Sequence[str]) -> list[str]:
+@dataclass
+class WidthResult:
+    """What the suite measured on one family's pair at one width."""
+
+    width: int
+    pair: suite.PairResult
+
+    def record(self) -> dict:
+        """The JSON record: the suite's, with the width."""
+        return {"width": self.width, **self.pair.__dict__}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "WidthResult":
+        fields = dict(record)
+        return cls(fields.pop("width"), suite.PairResult(**fields))
+
+
+def rows(results: Sequence[WidthResult], labels: Sequence[str]) -> list[str]:
     """One row per pair: the members' validation losses and every method's barrier (ratio to vanilla)."""
     out = ["| family | width | members: validation loss | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
-    for r in sorted(results, key=lambda r: (list(BASES).index(r.family), r.width)):
+    for width, r in sorted(((w.width, w.pair) for w in results), key=lambda item: (list(BASES).index(item[1].family), item[0])):
         losses = " / ".join(f"{m['validation_loss']:.3f}" for m in r.members if "validation_loss" in m)
         vanilla = r.barriers.get("vanilla")
         cells = []
@@ -57,7 +75,7 @@ def rows(results: Sequence[suite.PairResult], labels: Sequence[str]) -> list[str
             value = r.barriers.get(label)
             ratio = f" ({value / vanilla:.2f}×)" if value is not None and vanilla and label != "vanilla" else ""
             cells.append("—" if value is None else f"{value:.3f}{ratio}")
-        out.append(f"| {r.family} | {r.width} | {losses} | " + " | ".join(cells) + " |")
+        out.append(f"| {r.family} | {width} | {losses} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -71,25 +89,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--report", nargs="+", type=Path, default=None, metavar="JSON", help="print the table of results saved with --json")
     args = parser.parse_args(argv)
     if args.report:
-        results = [_result(record) for path in args.report for record in json.loads(path.read_text())]
+        results = [WidthResult.from_record(record) for path in args.report for record in json.loads(path.read_text())]
     else:
         results = []
         for family in args.families:
             for width in args.widths:
                 result = suite.measure_pair(pair_at(family, width), args.methods, cache=args.cache, progress=False, learn=LearnOptions())
-                result.width = width
-                results.append(result)
+                results.append(WidthResult(width, result))
                 print(f"{family} width {width}: {json.dumps(result.barriers)}", file=sys.stderr)
                 if args.json:
-                    args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
-    print("\n".join(rows(results, [label for label in suite.LABELS if any(label in r.barriers for r in results)])))
-
-
-def _result(record: dict) -> suite.PairResult:
-    width = record.pop("width")
-    result = suite.PairResult(**record)
-    result.width = width
-    return result
+                    args.json.write_text(json.dumps([r.record() for r in results], indent=2))
+    print("\n".join(rows(results, [label for label in suite.LABELS if any(label in r.pair.barriers for r in results)])))
 
 
 if __name__ == "__main__":
