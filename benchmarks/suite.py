@@ -379,14 +379,14 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
         for pair in _triples_of(args.tier, args.families, args.max_steps):
             zoo.train(pair.entry, 2, cache=args.cache, progress=args.progress)
         return
-    start = time.perf_counter()
+    start, fitting = time.perf_counter(), fitting_of(args)
     results = run_triples_of(
         args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
-        fitting=fitting_of(args),
+        fitting=fitting,
     )
     changed = learn.model_dump(exclude_defaults=True)
     print(f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")
-          + fitting_of(args).describe() + "\n")
+          + fitting.describe() + "\n")
     print("\n".join(triple_rows(results, labels)))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
@@ -438,14 +438,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                     folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
                     print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
         return
-    start = time.perf_counter()
+    start, fitting = time.perf_counter(), fitting_of(args)
     results = run(
         args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
-        fitting=fitting_of(args),
+        fitting=fitting,
     )
     changed = learn.model_dump(exclude_defaults=True)
     print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")
-          + fitting_of(args).describe() + "\n")
+          + fitting.describe() + "\n")
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))

@@ -256,8 +256,9 @@ class EvalOptions(Options):
 EVAL_OPTIONS = EvalOptions()
 #: How fitting data (activation, learned and dual matching) is batched unless told otherwise:
 #: the training split, in batches of their own size. Learned and dual matching take one step per
-#: batch, and larger batches lower the barrier they reach at the same data and steps
-#: (docs/benchmarks.md, section 0.7), at the activation memory of the larger batch.
+#: batch: on the same text a larger batch alone changes little, but where the text holds more
+#: than the steps would read in small batches, larger ones lower the barrier they reach
+#: (docs/benchmarks.md, section 0.8), at the activation memory of the larger batch.
 FIT_OPTIONS = EvalOptions(split="train", batch_size=32)
 
 
