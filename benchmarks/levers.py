@@ -9,10 +9,17 @@ Each lever is measured against the defaults on the same pairs, fitting and held-
   pre-activation mean and std set to the average of the endpoints' (REPAIR, Jordan et al.
   2022) on 64 fitting batches; not a symmetry, only the merged point moves (GPT-2 pairs only);
 * ``float32-similarity``: weight matching with float32 unit and head similarities in place of
-  bfloat16.
+  bfloat16;
+* ``residual``: where learned matching's gain over weight matching sits. Weight and learned
+  matching's barriers, each with the other's residual map swapped in (the layer maps kept), and
+  how far each turns B's stream from A's: the per-token cosine of A's and ``T(B)``'s hidden
+  states, averaged over every layer's input, on 4 held-out batches;
+* ``fixed-residual``: learned matching at the defaults with the residual map held at weight
+  matching's (its learning rate 1e-9), the head maps and MLP scales trained as usual.
 
     python -m benchmarks.levers activation-start --families gpt2 vit
     python -m benchmarks.levers repair --families gpt2
+    python -m benchmarks.levers residual --pairs suite-llama-a width-llama-64 width-llama-256
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ from hf_lmc.matching import ActivationMatcher, LearnedMatcher, TrainedMatcher, W
 from hf_lmc.options import EvalOptions, LearnOptions
 from hf_lmc.symmetry import Transform
 
-from . import suite
+from . import suite, width_scaling
 
-LEVERS = ("activation-start", "repair", "float32-similarity")
+LEVERS = ("activation-start", "repair", "float32-similarity", "residual", "fixed-residual")
 
 
 def _loaded(pair: suite.SuitePair):
@@ -66,6 +73,60 @@ def float32_similarity(pair: suite.SuitePair) -> dict[str, float]:
     loaded, (a, b), evaluation, _ = _loaded(pair)
     t_b = WeightMatcher(similarity_dtype=torch.float32, progress=False).match(a, b)
     return {"weight, float32 similarities": _barrier(loaded, evaluation, "weight", t_b)}
+
+
+def _hidden_states(model, batches) -> list[torch.Tensor]:
+    """Every layer's input (and the last layer's output), one row per token over ``batches``."""
+    per_batch = []
+    with torch.no_grad():
+        for batch in batches:
+            out = model(**{k: v for k, v in batch.items() if k != "labels"}, output_hidden_states=True)
+            per_batch.append(out.hidden_states)
+    return [torch.cat([states[i].flatten(0, -2) for states in per_batch]) for i in range(len(per_batch[0]))]
+
+
+def _stream_cosine(a, b, transform_b: Transform, batches) -> float:
+    """Mean per-token cosine of A's and ``T(B)``'s hidden states, averaged over layers: near 1 when
+    the transform lines B's stream up with A's, near 0 when it turns it away."""
+    states_a = _hidden_states(to_hf(a).eval(), batches)
+    states_b = _hidden_states(to_hf(transform_b.to(torch.float32).apply(b).materialize()).eval(), batches)
+    cosines = [torch.nn.functional.cosine_similarity(x, y, dim=-1).mean().item() for x, y in zip(states_a, states_b)]
+    return sum(cosines) / len(cosines)
+
+
+def _with_residual(transform: Transform, residual_from: Transform) -> Transform:
+    maps = {k: v for k, v in transform.maps.items() if k != "residual"}
+    if "residual" in residual_from.maps:
+        maps["residual"] = residual_from.maps["residual"]
+    return Transform(maps)
+
+
+def residual(pair: suite.SuitePair) -> dict[str, float]:
+    """Weight and learned matching with each other's residual map, and how far each turns B's stream."""
+    loaded, (a, b), evaluation, fitting = _loaded(pair)
+    weight = WeightMatcher(progress=False).match(a, b)
+    torch.manual_seed(0)
+    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False).fit([a, b])
+    return {
+        "weight": _barrier(loaded, evaluation, "weight", weight),
+        "weight, learned's residual": _barrier(loaded, evaluation, "weight", _with_residual(weight, learned)),
+        "learned": _barrier(loaded, evaluation, "learned", learned),
+        "learned, weight's residual": _barrier(loaded, evaluation, "learned", _with_residual(learned, weight)),
+        "stream cosine, weight": _stream_cosine(a, b, weight, evaluation[:4]),
+        "stream cosine, learned": _stream_cosine(a, b, learned, evaluation[:4]),
+    }
+
+
+def fixed_residual(pair: suite.SuitePair) -> dict[str, float]:
+    """Learned matching at the defaults with the residual map held at weight matching's."""
+    loaded, (a, b), evaluation, fitting = _loaded(pair)
+    torch.manual_seed(0)
+    learn = LearnOptions(residual_lr=1e-9)
+    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=learn, progress=False).fit([a, b])
+    return {
+        "learned, residual fixed": _barrier(loaded, evaluation, "learned", learned),
+        "stream cosine": _stream_cosine(a, b, learned, evaluation[:4]),
+    }
 
 
 def repair(pair: suite.SuitePair) -> dict[str, float]:
@@ -127,7 +188,28 @@ def _renormalise(midpoint, ends, batches) -> None:
             layer.bias.copy_(((layer.bias.double() - mean) * gain + target_mean).to(layer.bias.dtype))
 
 
-MEASURES = {"activation-start": activation_start, "repair": repair, "float32-similarity": float32_similarity}
+MEASURES = {
+    "activation-start": activation_start, "repair": repair, "float32-similarity": float32_similarity,
+    "residual": residual, "fixed-residual": fixed_residual,
+}
+
+
+def _pairs(tier: str, families: Sequence[str], names: Sequence[str] | None) -> list[suite.SuitePair]:
+    """The tier's pairs of ``families``, or the pairs ``names`` names: the tier's, or
+    ``width-FAMILY-WIDTH`` for :mod:`benchmarks.width_scaling`'s."""
+    if not names:
+        return [pair for pair in suite.TIERS[tier] if pair.family in families]
+    by_name = {pair.entry.name: pair for pairs in suite.TIERS.values() for pair in pairs}
+    out = []
+    for name in names:
+        if name.startswith("width-"):
+            _, family, width = name.split("-")
+            out.append(width_scaling.pair_at(family, int(width)))
+        elif name in by_name:
+            out.append(by_name[name])
+        else:
+            raise SystemExit(f"unknown pair {name!r}: one of {sorted(by_name)} or width-FAMILY-WIDTH")
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -135,14 +217,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("lever", choices=LEVERS)
     parser.add_argument("--tier", choices=list(suite.TIERS), default="cpu")
     parser.add_argument("--families", nargs="+", choices=suite.FAMILIES, default=list(suite.FAMILIES))
+    parser.add_argument("--pairs", nargs="+", default=None, help="pairs by name instead (the tiers', or width-FAMILY-WIDTH)")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     rows = []
-    for pair in suite.TIERS[args.tier]:
-        if pair.family in args.families:
-            values = MEASURES[args.lever](pair)
-            rows.append({"pair": pair.entry.name, **values})
-            print(f"{pair.entry.name}: {json.dumps(values)}", file=sys.stderr)
+    for pair in _pairs(args.tier, args.families, args.pairs):
+        values = MEASURES[args.lever](pair)
+        rows.append({"pair": pair.entry.name, **values})
+        print(f"{pair.entry.name}: {json.dumps(values)}", file=sys.stderr)
     columns = [k for k in rows[0] if k != "pair"] if rows else []
     print("| pair | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     for row in rows:

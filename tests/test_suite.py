@@ -5,8 +5,13 @@ the larger tiers)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+import hf_lmc
 from benchmarks import suite, width_scaling
+from benchmarks.levers import _stream_cosine
+from hf_lmc.verify import tiny_configs
+from tests.models import build_model, sample_inputs
 
 
 @pytest.mark.slow
@@ -46,3 +51,20 @@ def test_width_scaling_changes_the_tier_pair_in_its_width_alone(family):
     assert changed == ({width_key, "intermediate_size"} if family == "llama" else {width_key})
     assert (wide.steps, wide.patience, wide.batch_size, wide.lr, wide.data) == (tier.steps, tier.patience, tier.batch_size, tier.lr, tier.data)
     assert wide.name != tier.name != base.name != wide.name  # one zoo cache entry per width
+
+
+def test_stream_cosine_reads_the_residual_map_alone():
+    """benchmarks.levers' stream cosine (docs/benchmarks.md §0.9): 1 for a twin brought back by
+    its inverse, still 1 with any head and unit maps on top (they leave the stream alone), and
+    well below 1 once the residual map turns B's stream."""
+    config = tiny_configs()["llama"]
+    a = hf_lmc.canonicalize(build_model(config, dtype=torch.float32))
+    twin = hf_lmc.random_symmetry(a.spec, seed=1, dtype=torch.float32)
+    b = twin.apply(a).materialize()
+    batches = [sample_inputs(config, seed=s) for s in range(2)]
+    back = twin.inverse()
+    layers_only = hf_lmc.random_symmetry(a.spec, seed=2, kinds={"heads", "qk", "ov", "mlp", "mlp_scale"}, dtype=torch.float32)
+    turned = hf_lmc.random_symmetry(a.spec, seed=3, kinds={"residual"}, dtype=torch.float32)
+    assert _stream_cosine(a, b, back, batches) == pytest.approx(1.0, abs=1e-4)
+    assert _stream_cosine(a, b, layers_only.compose(back), batches) == pytest.approx(1.0, abs=1e-4)
+    assert _stream_cosine(a, b, turned.compose(back), batches) < 0.5
