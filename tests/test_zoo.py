@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -191,3 +192,26 @@ def test_an_entry_with_patience_stops_when_its_validation_loss_stops_improving_a
     train, _ = zoo._training_split(entry)
     assert train.numel() < zoo.train_tokens().numel()  # the validation text is not trained on
     assert zoo.ZOO["gpt2"].key(0) == zoo.ZOO["gpt2"].scaled(patience=None).key(0)  # older caches stay valid
+
+
+def test_a_bpe_entry_reads_the_plays_through_its_own_vocabulary(tmp_path):
+    """An entry with a vocab_size trains on, saves and is evaluated with a byte-level BPE of that
+    size: the member's saved tokenizer is the one its fitting batches are drawn with, it decodes
+    text exactly, and the entry caches apart from its character twin, whose key does not change."""
+    char_entry = zoo.ZOO["llama"].scaled(steps=3, warmup=1)
+    entry = dataclasses.replace(char_entry, vocab_size=300)
+    assert entry.key(0) != char_entry.key(0)
+    assert char_entry.key(0) == dataclasses.replace(char_entry, vocab_size=None).key(0)
+    member = zoo.train(entry, 0, cache=tmp_path, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(member)
+    assert len(tokenizer) == 300 == load_model(member).model.config.vocab_size
+    assert tokenizer.get_vocab() == zoo.lm_tokenizer(entry).get_vocab()
+    text = zoo.shakespeare()[1][0][:500]
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    assert len(tokenizer(text)["input_ids"]) < len(text)  # merges, not characters
+    batch = zoo.fit_batches(entry, 1, batch_size=2)[0]["input_ids"]
+    assert 0 <= int(batch.min()) and int(batch.max()) < 300
+    ids = zoo.train_tokens(300)[:200].tolist()
+    assert tokenizer.decode(ids) == "\n\n".join(zoo.shakespeare()[0])[: len(tokenizer.decode(ids))]
+    with pytest.raises(ValueError, match="more than the 256 bytes"):
+        zoo.bpe_tokenizer(256)
