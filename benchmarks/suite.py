@@ -23,7 +23,9 @@ Three tiers, one command:
     python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
 
 Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache;
-``--json FILE`` keeps every number.
+``--json FILE`` keeps every number. The language pairs read characters, whose 65–82 tokens span
+a fraction of a 128-wide stream; ``--vocab-size N`` trains and measures them on a byte-level BPE
+of N tokens instead (:func:`with_vocabulary`), which fills the stream as real vocabularies do.
 """
 
 from __future__ import annotations
