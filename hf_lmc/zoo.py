@@ -399,11 +399,12 @@ def _write_lm_files(folder: Path, context: int, entry: ZooEntry) -> None:
 
 def _lm_files_current(folder: Path, context: int, entry: ZooEntry) -> bool:
     """Whether a cached LM member's tokenizer and generation config behave as :func:`_write_lm_files`
-    makes them: every corpus character decodes as written (a BPE member: its vocabulary is the
-    entry's), and both stop at ``context``.
+    makes them: every corpus character decodes as written, and both stop at ``context``.
 
     Members cached by older versions decoded with a space between characters and let generation
-    run past the model's positions.
+    run past the model's positions. A BPE member whose saved vocabulary is not the one this
+    process trains (another ``tokenizers`` version may merge differently) is refused: writing
+    the new one over it would pair its weights with the wrong tokens.
     """
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
@@ -413,8 +414,13 @@ def _lm_files_current(folder: Path, context: int, entry: ZooEntry) -> bool:
     if entry.vocab_size is None:
         chars = _corpus_chars()
         decodes = tokenizer.decode(tokenizer.convert_tokens_to_ids(chars)) == "".join(chars)
+    elif tokenizer.get_vocab() != lm_tokenizer(entry).get_vocab():
+        raise RuntimeError(
+            f"the cached zoo member {folder} was trained with another BPE than this process builds for "
+            f"{entry.name} (another tokenizers version?); delete the folder to train it again"
+        )
     else:
-        decodes = tokenizer.get_vocab() == lm_tokenizer(entry).get_vocab()
+        decodes = True
     return decodes and tokenizer.model_max_length == context and generation.max_length == context
 
 

@@ -215,3 +215,7 @@ def test_a_bpe_entry_reads_the_plays_through_its_own_vocabulary(tmp_path):
     assert tokenizer.decode(ids) == "\n\n".join(zoo.shakespeare()[0])[: len(tokenizer.decode(ids))]
     with pytest.raises(ValueError, match="more than the 256 bytes"):
         zoo.bpe_tokenizer(256)
+    # a cached member whose BPE differs from the one built now is refused, not given the new tokens
+    zoo.bpe_tokenizer(320).save_pretrained(member)
+    with pytest.raises(RuntimeError, match="another BPE"):
+        zoo.train(entry, 0, cache=tmp_path, progress=False)
