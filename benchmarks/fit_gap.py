@@ -29,9 +29,8 @@ def barrier_on(path: DualMatcher, batches) -> float:
 
 def main(names: list[str]) -> None:
     learn = LearnOptions()
-    pairs = {p.entry.name: p for p in suite.TIERS["cpu"]}
     for name in names:
-        pair = pairs[name]
+        pair = suite.pair_named(name)
         folders, evaluation, fitting = suite.pair_data(pair)
         evaluation = list(evaluation)[:16]
         batches, holdout = holdout_split(fitting)  # as TrainedMatcher splits them

@@ -199,16 +199,16 @@ def _pairs(tier: str, families: Sequence[str], names: Sequence[str] | None) -> l
     ``width-FAMILY-WIDTH`` for :mod:`benchmarks.width_scaling`'s."""
     if not names:
         return [pair for pair in suite.TIERS[tier] if pair.family in families]
-    by_name = {pair.entry.name: pair for pairs in suite.TIERS.values() for pair in pairs}
     out = []
     for name in names:
         if name.startswith("width-"):
             _, family, width = name.split("-")
             out.append(width_scaling.pair_at(family, int(width)))
-        elif name in by_name:
-            out.append(by_name[name])
-        else:
-            raise SystemExit(f"unknown pair {name!r}: one of {sorted(by_name)} or width-FAMILY-WIDTH")
+            continue
+        try:
+            out.append(suite.pair_named(name))
+        except ValueError as err:
+            raise SystemExit(f"{err}, or width-FAMILY-WIDTH") from None
     return out
 
 

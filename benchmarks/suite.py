@@ -353,6 +353,15 @@ def _capped(pair: SuitePair, max_steps: int | None) -> SuitePair:
     return SuitePair(pair.family, pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))), pair.varies)
 
 
+def pair_named(name: str) -> SuitePair:
+    """The pair of any tier whose zoo entry is called ``name`` (e.g. ``suite-llama-a``)."""
+    for pairs in TIERS.values():
+        for pair in pairs:
+            if pair.entry.name == name:
+                return pair
+    raise ValueError(f"unknown pair {name!r}: one of {sorted(p.entry.name for pairs in TIERS.values() for p in pairs)}")
+
+
 def with_vocabulary(pair: SuitePair, vocab_size: int | None) -> SuitePair:
     """``pair`` with its members reading the plays through a byte-level BPE of ``vocab_size``
     tokens (``zoo.bpe_tokenizer``) in place of characters: a vocabulary larger than the width, so

@@ -35,7 +35,7 @@ WIDTH_KEY = {"gpt2": "n_embd", "llama": "hidden_size"}
 def pair_at(family: str, width: int) -> suite.SuitePair:
     """The tier's two-layer pair of ``family`` with its width set to ``width`` (LLaMA's MLP at its
     8/3 rule; GPT-2's MLP is four times the width by default)."""
-    base = next(p for p in suite.TIERS["cpu"] if p.entry.name == BASES[family])
+    base = suite.pair_named(BASES[family])
     if base.entry.config[WIDTH_KEY[family]] == width:
         return base
     config = dict(base.entry.config) | {WIDTH_KEY[family]: width}

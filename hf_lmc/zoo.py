@@ -414,13 +414,13 @@ def _lm_files_current(folder: Path, context: int, entry: ZooEntry) -> bool:
     if entry.vocab_size is None:
         chars = _corpus_chars()
         decodes = tokenizer.decode(tokenizer.convert_tokens_to_ids(chars)) == "".join(chars)
-    elif tokenizer.get_vocab() != lm_tokenizer(entry).get_vocab():
-        raise RuntimeError(
-            f"the cached zoo member {folder} was trained with another BPE than this process builds for "
-            f"{entry.name} (another tokenizers version?); delete the folder to train it again"
-        )
     else:
-        decodes = True
+        if tokenizer.get_vocab() != lm_tokenizer(entry).get_vocab():
+            raise RuntimeError(
+                f"the cached zoo member {folder} was trained with another BPE than this process builds for "
+                f"{entry.name} (another tokenizers version?); delete the folder to train it again"
+            )
+        decodes = True  # the BPE decodes bytes, so any text the vocabulary came from decodes as written
     return decodes and tokenizer.model_max_length == context and generation.max_length == context
 
 
