@@ -15,17 +15,29 @@ Each lever is measured against the defaults on the same pairs, fitting and held-
   how far each turns B's stream from A's: the per-token cosine of A's and ``T(B)``'s hidden
   states, averaged over every layer's input, on 4 held-out batches;
 * ``fixed-residual``: learned matching at the defaults with the residual map held at weight
-  matching's (its learning rate 1e-9), the head maps and MLP scales trained as usual.
+  matching's (its learning rate 1e-9), the head maps and MLP scales trained as usual;
+* ``residual-structure``: whether any weight-space structure points to learned matching's
+  residual map, as a data-free estimate would need. Per tensor kind, the cosine of A's tensor
+  and ``T(B)``'s under each method; how much of B's principal token subspace (embeddings and
+  head) each residual map sends into A's (chance: ``k/d``); and two controls: weight matching's layer maps under a
+  Haar-random residual map, and re-solved (one sweep, weight similarities) under learned
+  matching's;
+* ``random-residual-start``: learned matching at the defaults started from weight matching's
+  layer maps with a Haar-random residual map in place of weight matching's: whether the
+  residual map weight matching finds is what learned matching builds on.
 
     python -m benchmarks.levers activation-start --families gpt2 vit
     python -m benchmarks.levers repair --families gpt2
     python -m benchmarks.levers residual --pairs suite-llama-a width-llama-64 width-llama-256
+    python -m benchmarks.levers residual-structure --families gpt2 pythia llama
+    python -m benchmarks.levers random-residual-start --families gpt2 pythia llama
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -37,12 +49,13 @@ from hf_lmc.canonical import canonicalize, combine, to_hf
 from hf_lmc.evaluation import evaluate
 from hf_lmc.loading import load_model
 from hf_lmc.matching import ActivationMatcher, LearnedMatcher, TrainedMatcher, WeightMatcher
+from hf_lmc.matching.solvers import polar, polar_fixing_ones
+from hf_lmc.matching.weight import _ResidualStats
 from hf_lmc.options import EvalOptions, LearnOptions
 from hf_lmc.symmetry import Transform
+from hf_lmc.symmetry.groups import ResidualMap
 
 from . import suite, width_scaling
-
-LEVERS = ("activation-start", "repair", "float32-similarity", "residual", "fixed-residual")
 
 
 def _loaded(pair: suite.SuitePair):
@@ -129,6 +142,106 @@ def fixed_residual(pair: suite.SuitePair) -> dict[str, float]:
     }
 
 
+def _kind(name: str) -> str:
+    """``embed``, ``head`` or a layer tensor's role (``q``, ``up``, ``down``, ...)."""
+    layer = re.match(r"layers\.\d+\.\w+\.(\w+)\.", name)
+    return layer.group(1) if layer else name.split(".")[0]
+
+
+def _tensor_cosines(a, b, transform: Transform) -> dict[str, float]:
+    """Per tensor kind (embeddings, head, every layer's matrices together), the mean cosine of
+    A's tensor and ``T(B)``'s: how close in weight space the transform brings B."""
+    moved = transform.to(torch.float64).apply(b)
+    cosines: dict[str, list[float]] = {"embed": [], "head": [], "layers": []}
+    for group in a.spec.groups():
+        ga, gb = a.group(group), moved.group(group)
+        for name, ta in ga.items():
+            x, y = ta.double().flatten(), gb[name].double().flatten()
+            if ta.dim() == 2 and x.norm() > 0 and y.norm() > 0:
+                kind = _kind(name)
+                cosines[kind if kind in cosines else "layers"].append((x @ y / (x.norm() * y.norm())).item())
+    return {kind: sum(v) / len(v) for kind, v in cosines.items() if v}
+
+
+def _token_subspace(model, k: int) -> torch.Tensor:
+    """The top ``k`` eigenvectors of ``E^T E / |E|^2 + H^T H / |H|^2`` (token embeddings ``E``,
+    head ``H``, one row per token): the stream directions the vocabulary uses most. No layer
+    map touches these two tensors, so the subspace moves with the residual map alone."""
+    gram = 0
+    for group, name in (("embed", "embed.tokens"), ("head", "head.weight")):
+        x = model.group(group)[name].double()
+        gram = gram + x.T @ x / x.square().sum()
+    _, vectors = torch.linalg.eigh(gram)
+    return vectors[:, -k:]
+
+
+def _subspace_overlap(a, b, transform: Transform, k: int) -> float:
+    """Share of B's top-``k`` token subspace that the residual map sends into A's: 1 when it
+    lines them up, ``k/d`` on average for a map with no relation to either."""
+    matrix = transform.maps["residual"].matrix.double()
+    return ((_token_subspace(a, k).T @ matrix @ _token_subspace(b, k)).square().sum() / k).item()
+
+
+def _haar_residual(d: int, centred: bool, seed: int) -> Transform:
+    """A Haar-random residual map (one fixing the ones vector for LayerNorm models): the polar
+    factor of a Gaussian matrix."""
+    gaussian = torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return Transform({"residual": ResidualMap.from_matrix(polar_fixing_ones(gaussian) if centred else polar(gaussian))})
+
+
+def _layer_maps_under(a, b, residual_from: Transform) -> Transform:
+    """Weight matching's layer maps solved in one sweep under ``residual_from``'s residual map,
+    which is kept (what weight matching's sweep does between its residual refits)."""
+    matcher = WeightMatcher(progress=False)
+    residual_map = residual_from.maps["residual"]
+    layer_maps: dict = {}
+    stats = _ResidualStats(a.spec.hidden_size, matcher.device)  # filled by the sweep, not read here
+    rotate = Transform({"residual": residual_map}).to(device=matcher.device)
+    matcher._sweep(a.spec, a, b, rotate, stats, layer_maps, desc="")
+    return Transform(layer_maps | {"residual": residual_map})
+
+
+def residual_structure(pair: suite.SuitePair) -> dict[str, float]:
+    """How learned matching's residual map relates to weight space, against weight matching's and chance."""
+    loaded, (a, b), evaluation, fitting = _loaded(pair)
+    weight = WeightMatcher(progress=False).match(a, b)
+    torch.manual_seed(0)
+    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False).fit([a, b])
+    d = a.spec.hidden_size
+    k = d // 4
+    haar = _haar_residual(d, a.spec.centred, seed=0)
+    out = {
+        "weight": _barrier(loaded, evaluation, "weight", weight),
+        "learned": _barrier(loaded, evaluation, "learned", learned),
+        "weight's layer maps, random residual": _barrier(loaded, evaluation, "weight", _with_residual(weight, haar)),
+        "weight's layer maps re-solved under learned's residual": _barrier(
+            loaded, evaluation, "weight", _layer_maps_under(a, b, learned)
+        ),
+        "token subspace overlap (top d/4), weight": _subspace_overlap(a, b, weight, k),
+        "token subspace overlap (top d/4), learned": _subspace_overlap(a, b, learned, k),
+        "token subspace overlap (top d/4), chance": k / d,
+    }
+    for method, transform in (("weight", weight), ("learned", learned)):
+        for kind, cosine in _tensor_cosines(a, b, transform).items():
+            out[f"cosine {kind}, {method}"] = cosine
+    return out
+
+
+def random_residual_start(pair: suite.SuitePair) -> dict[str, float]:
+    """Learned matching from weight matching's layer maps and a Haar-random residual map."""
+    loaded, (a, b), evaluation, fitting = _loaded(pair)
+    weight = WeightMatcher(progress=False).match(a, b)
+    start = _with_residual(weight, _haar_residual(a.spec.hidden_size, a.spec.centred, seed=0))
+    torch.manual_seed(0)
+    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False, init=start).fit([a, b])
+    k = a.spec.hidden_size // 4
+    return {
+        "start (weight's layer maps, random residual)": _barrier(loaded, evaluation, "weight", start),
+        "learned from it": _barrier(loaded, evaluation, "learned", learned),
+        "token subspace overlap (top d/4), learned from it": _subspace_overlap(a, b, learned, k),
+    }
+
+
 def repair(pair: suite.SuitePair) -> dict[str, float]:
     """Midpoint excess of weight and learned matching, before and after renormalising the MLP units."""
     if pair.family != "gpt2":
@@ -188,9 +301,15 @@ def _renormalise(midpoint, ends, batches) -> None:
             layer.bias.copy_(((layer.bias.double() - mean) * gain + target_mean).to(layer.bias.dtype))
 
 
+#: Each lever by the name the command line takes.
 MEASURES = {
-    "activation-start": activation_start, "repair": repair, "float32-similarity": float32_similarity,
-    "residual": residual, "fixed-residual": fixed_residual,
+    "activation-start": activation_start,
+    "repair": repair,
+    "float32-similarity": float32_similarity,
+    "residual": residual,
+    "fixed-residual": fixed_residual,
+    "residual-structure": residual_structure,
+    "random-residual-start": random_residual_start,
 }
 
 
@@ -214,7 +333,7 @@ def _pairs(tier: str, families: Sequence[str], names: Sequence[str] | None) -> l
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("lever", choices=LEVERS)
+    parser.add_argument("lever", choices=list(MEASURES))
     parser.add_argument("--tier", choices=list(suite.TIERS), default="cpu")
     parser.add_argument("--families", nargs="+", choices=suite.FAMILIES, default=list(suite.FAMILIES))
     parser.add_argument("--pairs", nargs="+", default=None, help="pairs by name instead (the tiers', or width-FAMILY-WIDTH)")
@@ -227,10 +346,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         values = MEASURES[args.lever](pair)
         rows.append({"pair": pair.entry.name, **values})
         print(f"{pair.entry.name}: {json.dumps(values)}", file=sys.stderr)
-    columns = [k for k in rows[0] if k != "pair"] if rows else []
+    columns = list(dict.fromkeys(k for row in rows for k in row if k != "pair"))
     print("| pair | " + " | ".join(columns) + " |\n|---|" + "---|" * len(columns))
     for row in rows:
-        print(f"| {row['pair']} | " + " | ".join(f"{row[c]:.3f}" for c in columns) + " |")
+        print(f"| {row['pair']} | " + " | ".join(f"{row[c]:.3f}" if c in row else "—" for c in columns) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

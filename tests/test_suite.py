@@ -11,7 +11,7 @@ import torch
 
 import hf_lmc
 from benchmarks import suite, width_scaling
-from benchmarks.levers import _stream_cosine
+from benchmarks.levers import _haar_residual, _layer_maps_under, _stream_cosine, _subspace_overlap, _tensor_cosines
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, sample_inputs
 
@@ -70,6 +70,33 @@ def test_stream_cosine_reads_the_residual_map_alone():
     assert _stream_cosine(a, b, back, batches) == pytest.approx(1.0, abs=1e-4)
     assert _stream_cosine(a, b, layers_only.compose(back), batches) == pytest.approx(1.0, abs=1e-4)
     assert _stream_cosine(a, b, turned.compose(back), batches) < 0.5
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_residual_structure_measures_tell_a_twin_from_chance(family):
+    """benchmarks.levers residual-structure (docs/benchmarks.md §0.10): a twin brought back by
+    its inverse has every tensor's cosine at 1 and its token subspace sent onto A's; a
+    Haar-random residual map (one fixing the ones vector for LayerNorm models) sends it near the
+    chance share k/d; and weight matching's layer maps re-solved under the twin's own residual
+    map bring the twin back."""
+    config = tiny_configs()[family]
+    a = hf_lmc.canonicalize(build_model(config, dtype=torch.float64))
+    twin = hf_lmc.random_symmetry(a.spec, seed=1, dtype=torch.float64)
+    b = twin.apply(a).materialize()
+    back = twin.inverse()
+    d, k = a.spec.hidden_size, a.spec.hidden_size // 4
+    assert all(c == pytest.approx(1.0, abs=1e-9) for c in _tensor_cosines(a, b, back).values())
+    assert _subspace_overlap(a, b, back, k) == pytest.approx(1.0, abs=1e-6)
+    random = _haar_residual(d, a.spec.centred, seed=0)
+    matrix = random.maps["residual"].matrix
+    assert torch.allclose(matrix @ matrix.T, torch.eye(d, dtype=matrix.dtype), atol=1e-12)
+    if a.spec.centred:
+        ones = torch.ones(d, dtype=matrix.dtype)
+        assert torch.allclose(matrix @ ones, ones, atol=1e-12)
+    overlaps = [_subspace_overlap(a, b, _haar_residual(d, a.spec.centred, seed=s).compose(back), k) for s in range(8)]
+    assert sum(overlaps) / len(overlaps) < 0.5 * (1 + k / d)  # nearer chance than a match
+    resolved = _layer_maps_under(a, b, back)
+    assert all(c == pytest.approx(1.0, abs=1e-6) for c in _tensor_cosines(a, b, resolved).values())
 
 
 def test_with_vocabulary_changes_the_language_pairs_tokens_alone():
