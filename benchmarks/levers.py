@@ -24,13 +24,17 @@ Each lever is measured against the defaults on the same pairs, fitting and held-
   matching's;
 * ``random-residual-start``: learned matching at the defaults started from weight matching's
   layer maps with a Haar-random residual map in place of weight matching's: whether the
-  residual map weight matching finds is what learned matching builds on.
+  residual map weight matching finds is what learned matching builds on;
+* ``start-parts``: learned matching at the defaults started from weight matching's transform
+  with its MLP unit maps, or its head maps, left out (identity), and from the identity: which
+  of the start's assignments its end point rests on.
 
     python -m benchmarks.levers activation-start --families gpt2 vit
     python -m benchmarks.levers repair --families gpt2
     python -m benchmarks.levers residual --pairs suite-llama-a width-llama-64 width-llama-256
     python -m benchmarks.levers residual-structure --families gpt2 pythia llama
     python -m benchmarks.levers random-residual-start --families gpt2 pythia llama
+    python -m benchmarks.levers start-parts --pairs suite-llama-a suite-pythia-b
 """
 
 from __future__ import annotations
@@ -242,6 +246,25 @@ def random_residual_start(pair: suite.SuitePair) -> dict[str, float]:
     }
 
 
+def start_parts(pair: suite.SuitePair) -> dict[str, float]:
+    """Learned matching from weight matching's transform less its unit maps or its head maps, and from the identity."""
+    loaded, (a, b), evaluation, fitting = _loaded(pair)
+    weight = WeightMatcher(progress=False).match(a, b)
+    starts = {
+        "without unit maps": Transform({k: v for k, v in weight.maps.items() if not k.startswith("mlp.")}),
+        "without head maps": Transform({k: v for k, v in weight.maps.items() if not k.startswith("attn.")}),
+        "identity": "identity",
+    }
+    out = {}
+    for label, start in starts.items():
+        torch.manual_seed(0)
+        _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False, init=start).fit([a, b])
+        out[f"learned from weight's start {label}" if label != "identity" else "learned from the identity"] = _barrier(
+            loaded, evaluation, "learned", learned
+        )
+    return out
+
+
 def repair(pair: suite.SuitePair) -> dict[str, float]:
     """Midpoint excess of weight and learned matching, before and after renormalising the MLP units."""
     if pair.family != "gpt2":
@@ -310,6 +333,7 @@ MEASURES = {
     "fixed-residual": fixed_residual,
     "residual-structure": residual_structure,
     "random-residual-start": random_residual_start,
+    "start-parts": start_parts,
 }
 
 
