@@ -76,6 +76,14 @@ def _barrier(loaded, evaluation, method: str, transform_b: Transform) -> float:
     return result.barriers[method]
 
 
+def _learned(a, b, fitting, learn: LearnOptions | None = None, init="weight") -> Transform:
+    """B's transform from learned matching (at the defaults unless ``learn``), its training
+    draws seeded as in every lever's learned row."""
+    torch.manual_seed(0)
+    _, transform_b = TrainedMatcher(LearnedMatcher, fitting, learn=learn or LearnOptions(), progress=False, init=init).fit([a, b])
+    return transform_b
+
+
 def activation_start(pair: suite.SuitePair) -> dict[str, float]:
     """Learned matching's barrier at the defaults from activation matching's start."""
     loaded, (a, b), evaluation, fitting = _loaded(pair)
@@ -122,8 +130,7 @@ def residual(pair: suite.SuitePair) -> dict[str, float]:
     """Weight and learned matching with each other's residual map, and how far each turns B's stream."""
     loaded, (a, b), evaluation, fitting = _loaded(pair)
     weight = WeightMatcher(progress=False).match(a, b)
-    torch.manual_seed(0)
-    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False).fit([a, b])
+    learned = _learned(a, b, fitting)
     return {
         "weight": _barrier(loaded, evaluation, "weight", weight),
         "weight, learned's residual": _barrier(loaded, evaluation, "weight", _with_residual(weight, learned)),
@@ -137,9 +144,7 @@ def residual(pair: suite.SuitePair) -> dict[str, float]:
 def fixed_residual(pair: suite.SuitePair) -> dict[str, float]:
     """Learned matching at the defaults with the residual map held at weight matching's."""
     loaded, (a, b), evaluation, fitting = _loaded(pair)
-    torch.manual_seed(0)
-    learn = LearnOptions(residual_lr=1e-9)
-    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=learn, progress=False).fit([a, b])
+    learned = _learned(a, b, fitting, LearnOptions(residual_lr=1e-9))
     return {
         "learned, residual fixed": _barrier(loaded, evaluation, "learned", learned),
         "stream cosine": _stream_cosine(a, b, learned, evaluation[:4]),
@@ -209,8 +214,7 @@ def residual_structure(pair: suite.SuitePair) -> dict[str, float]:
     """How learned matching's residual map relates to weight space, against weight matching's and chance."""
     loaded, (a, b), evaluation, fitting = _loaded(pair)
     weight = WeightMatcher(progress=False).match(a, b)
-    torch.manual_seed(0)
-    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False).fit([a, b])
+    learned = _learned(a, b, fitting)
     d = a.spec.hidden_size
     k = d // 4
     haar = _haar_residual(d, a.spec.centred, seed=0)
@@ -236,8 +240,7 @@ def random_residual_start(pair: suite.SuitePair) -> dict[str, float]:
     loaded, (a, b), evaluation, fitting = _loaded(pair)
     weight = WeightMatcher(progress=False).match(a, b)
     start = _with_residual(weight, _haar_residual(a.spec.hidden_size, a.spec.centred, seed=0))
-    torch.manual_seed(0)
-    _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False, init=start).fit([a, b])
+    learned = _learned(a, b, fitting, init=start)
     k = a.spec.hidden_size // 4
     return {
         "start (weight's layer maps, random residual)": _barrier(loaded, evaluation, "weight", start),
@@ -255,14 +258,12 @@ def start_parts(pair: suite.SuitePair) -> dict[str, float]:
         "without head maps": Transform({k: v for k, v in weight.maps.items() if not k.startswith("attn.")}),
         "identity": "identity",
     }
-    out = {}
-    for label, start in starts.items():
-        torch.manual_seed(0)
-        _, learned = TrainedMatcher(LearnedMatcher, fitting, learn=LearnOptions(), progress=False, init=start).fit([a, b])
-        out[f"learned from weight's start {label}" if label != "identity" else "learned from the identity"] = _barrier(
-            loaded, evaluation, "learned", learned
+    return {
+        f"learned from weight's start {label}" if label != "identity" else "learned from the identity": _barrier(
+            loaded, evaluation, "learned", _learned(a, b, fitting, init=start)
         )
-    return out
+        for label, start in starts.items()
+    }
 
 
 def repair(pair: suite.SuitePair) -> dict[str, float]:
