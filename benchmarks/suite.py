@@ -23,7 +23,8 @@ Three tiers, one command:
     python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
 
 Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache;
-``--json FILE`` keeps every number. The language pairs read characters, whose 65–82 tokens span
+``--json FILE`` keeps every number; ``--sampled`` fits the data methods on text sampled from
+each pair's own members (``--data sampled``) rather than the training plays. The language pairs read characters, whose 65–82 tokens span
 a fraction of a 128-wide stream; ``--vocab-size N`` trains and measures them on a byte-level BPE
 of N tokens instead (:func:`with_vocabulary`), which fills the stream as real vocabularies do.
 """
@@ -45,7 +46,7 @@ import yaml
 
 from hf_lmc import zoo
 from hf_lmc.barriers import barrier, excess_over_vertices, simplex_barrier_of_loaded
-from hf_lmc.evaluation import load_batches
+from hf_lmc.evaluation import SAMPLED, fitting_batches, load_batches
 from hf_lmc.loading import load_model
 from hf_lmc.options import FIT_OPTIONS, EvalOptions, LearnOptions
 
@@ -166,11 +167,13 @@ class Fitting:
 
     sequences: int = FIT_SEQUENCES
     batch_size: int = FIT_OPTIONS.batch_size
+    sampled: bool = False  # sequences sampled from the members (``--data sampled``) instead of the training plays
 
     def describe(self) -> str:
         """What differs from the defaults, for a table's heading ("" when nothing does)."""
         changed = [f"{self.sequences} fitting sequences"] if self.sequences != FIT_SEQUENCES else []
         changed += [f"fitting batches of {self.batch_size}"] if self.batch_size != FIT_OPTIONS.batch_size else []
+        changed += ["fitting data sampled from the members"] if self.sampled else []
         return "".join(f", {text}" for text in changed)
 
 
@@ -200,7 +203,15 @@ def pair_data(pair: SuitePair, *, seeds: Sequence[int] | None = None, cache: Pat
     """Train (or load) the members of ``pair`` (``seeds``, by default the pair's) and return their
     folders, the held-out batches and the fitting batches ``fitting`` describes."""
     folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (seeds or pair.seeds)]
-    batches = zoo.fit_batches(pair.entry, fitting.sequences // fitting.batch_size, batch_size=fitting.batch_size)
+    count = fitting.sequences // fitting.batch_size
+    if fitting.sampled:
+        start = time.perf_counter()
+        options = EvalOptions(batch_size=fitting.batch_size, max_batches=count, seq_len=pair.entry.seq_len)
+        models = [lambda folder=folder: load_model(folder).model for folder in folders]
+        batches = fitting_batches(SAMPLED, zoo.build_config(pair.entry), None, options, models=models, progress=progress)
+        print(f"{pair.entry.name}: {fitting.sequences} fitting sequences sampled ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    else:
+        batches = zoo.fit_batches(pair.entry, count, batch_size=fitting.batch_size)
     return folders, evaluation_batches(pair.entry, folders[0]), batches
 
 
@@ -388,7 +399,7 @@ def run_triples_of(tier: str, *, labels: Sequence[str] = SIMPLEX_LABELS, familie
 
 def fitting_of(args: argparse.Namespace) -> Fitting:
     """The fitting data the flags ask for."""
-    return Fitting(args.fit_sequences, args.fit_batch_size)
+    return Fitting(args.fit_sequences, args.fit_batch_size, args.sampled)
 
 
 def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
@@ -441,6 +452,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--fit-sequences", type=int, default=FIT_SEQUENCES, metavar="N",
         help=f"fitting sequences (images) in all, cut into batches of --fit-batch-size (default {FIT_SEQUENCES})",
+    )
+    parser.add_argument(
+        "--sampled", action="store_true",
+        help="fit activation, learned and dual matching on sequences sampled from each pair's members (--data sampled) instead of "
+        "the training plays (language pairs)",
     )
     parser.add_argument(
         "--vocab-size", type=int, default=None, metavar="N",

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from .alignment import align_many
 from .canonical import canonicalize, combine, to_hf, weighted_sum
-from .evaluation import evaluate, load_batches
+from .evaluation import evaluate, fitting_batches, load_batches
 from .grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barrier, simplex_grid
 from .loading import LoadedModel, load_model, revisions_per_model
 from .methods import METHODS, check_method
@@ -160,7 +160,10 @@ def barrier(
     for method in methods:
         check_method(method, fit_data, data_parameter="fit_data")
     a, b = load_model(model_a, revision_a), load_model(model_b, revision_b)
-    fit_batches = load_batches(fit_data, a.model.config, a.folder, fit_options) if fit_data is not None else None
+    fit_batches = (
+        fitting_batches(fit_data, a.model.config, a.folder, fit_options, models=[a.model, b.model], progress=progress)
+        if fit_data is not None else None
+    )
     return barrier_of_loaded(
         a, b, data, methods=methods, alphas=alphas, symmetries=symmetries, eval_options=eval_options, progress=progress,
         fit_batches=fit_batches, learn=learn, accelerate=accelerate,
@@ -227,7 +230,10 @@ def barrier_over_simplex(
         check_method(method, fit_data, count=len(models), data_parameter="fit_data")
     loaded = [load_model(m, r) for m, r in zip(models, revisions_per_model(revisions, len(models)))]
     first = loaded[0]
-    fit_batches = load_batches(fit_data, first.model.config, first.folder, fit_options) if fit_data is not None else None
+    fit_batches = (
+        fitting_batches(fit_data, first.model.config, first.folder, fit_options, models=[m.model for m in loaded], progress=progress)
+        if fit_data is not None else None
+    )
     return simplex_barrier_of_loaded(
         loaded, data, methods=methods, points=points, symmetries=symmetries, eval_options=eval_options, progress=progress,
         fit_batches=fit_batches, learn=learn, accelerate=accelerate,

@@ -49,6 +49,7 @@ examples:
   hf-lmc merge ./a ./b --output ./avg --method average                # vanilla baseline
   hf-lmc merge ./a ./b --output ./act --method activation --data train.txt      # align on activations
   hf-lmc merge ./a ./b --output ./dual --method dual --data train.txt --steps 200   # both learn
+  hf-lmc merge ./a ./b --output ./learned --method learned --data sampled   # learn on text the models sample
   hf-lmc merge ./a ./b ./c --output ./abc --weights 0.5 0.25 0.25     # universe matching of 3 models
   hf-lmc barrier ./a ./b --eval-data plays.txt --plot path.png        # vanilla vs aligned path
   hf-lmc barrier ./a ./b --eval-data test.txt --method learned --data train.txt
@@ -356,7 +357,8 @@ def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, g
     if grid:
         evaluation.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
     fitting = parser.add_argument_group("fitting data (--method activation, learned, dual)")
-    fitting.add_argument("--data", default=None, metavar="DATA", help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT")
+    fitting.add_argument("--data", default=None, metavar="DATA", help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT, "
+                         "or 'sampled': text sampled from the language models themselves (--data-max-batches batches, default 8192 sequences)")
     FIT_SOURCE.add_to(fitting)
     BATCHES.add_to(parser.add_argument_group("batching (both data sets)"))
     learn = parser.add_argument_group(

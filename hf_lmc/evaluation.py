@@ -5,6 +5,10 @@ Causal LMs take text (a ``.txt`` file, a folder of text files, a list of strings
 into fixed-length blocks. ViT takes images with labels (a ``datasets`` id / saved dataset with
 image and label columns, processed by model A's image processor) or tensors
 (``{"pixel_values": ..., "labels": ...}``, in memory or as a ``.pt`` file).
+
+Fitting data (activation, learned and dual matching) takes the same forms, and one more for
+language models: :data:`SAMPLED`, sequences sampled from the models being merged, for a merge
+without data of one's own (:func:`fitting_batches`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import ast
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +26,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .adapters import adapter_for
 from .checkpoint import CheckpointError, load_pickled_tensors
-from .options import EVAL_OPTIONS, EvalOptions, ParameterError
+from .devices import computed_on_main
+from .options import EVAL_OPTIONS, FIT_OPTIONS, EvalOptions, ParameterError
+from .progress import bar
 
 Batch = dict[str, torch.Tensor]
 
@@ -47,6 +53,8 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
     """
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict):
         return list(data)[: options.max_batches]  # already batches
+    if is_sampled(data):
+        raise DataError(f"{SAMPLED!r} names fitting data (--data) sampled from the models; evaluation needs held-out data of its own")
     if adapter_for(config).takes_images:
         batches = _image_batches(data, processor_folder, options)
     else:
@@ -58,6 +66,8 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
 
 def describe_data(data) -> str:
     """A data argument as messages and model cards name it: a path or id as given, else its type."""
+    if is_sampled(data):
+        return "sequences sampled from the models"
     return repr(str(data)) if isinstance(data, (str, Path)) else type(data).__name__
 
 
@@ -196,6 +206,15 @@ def _token_ids(rows, column: str, tokenizer, enough: int | None) -> list[int]:
     return ids
 
 
+def _sequence_length(config: PretrainedConfig, options: EvalOptions) -> int:
+    """Tokens per sequence: ``options.seq_len``, by default ``min(128, the model's context)``."""
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 128
+    seq_len = options.seq_len or min(128, context)
+    if seq_len > context:
+        raise DataSettingError(f"{{}} {seq_len} exceeds the model's context of {context} tokens", "seq_len")
+    return seq_len
+
+
 def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None, options: EvalOptions) -> list[Batch]:
     from transformers import AutoTokenizer
 
@@ -207,10 +226,7 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
     except (OSError, ValueError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"model A ({tokenizer_folder}) has no usable tokenizer for text data: {reason}") from err
-    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 128
-    seq_len = options.seq_len or min(128, context)
-    if seq_len > context:
-        raise DataSettingError(f"{{}} {seq_len} exceeds the model's context of {context} tokens", "seq_len")
+    seq_len = _sequence_length(config, options)
     enough = options.max_batches * options.batch_size * seq_len if options.max_batches else None
     ids = _token_ids(rows, column, tokenizer, enough)
     if len(ids) < seq_len:  # no whole block; transformers 5 gives a folder without tokenizer files a tokenizer that yields nothing
@@ -219,6 +235,94 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
         raise DataError(f"the text gave {len(ids)} tokens with model A's tokenizer, fewer than one block of {seq_len}{hint}")
     blocks = torch.tensor(ids[: len(ids) // seq_len * seq_len], dtype=torch.long).reshape(-1, seq_len)
     return [{"input_ids": chunk} for chunk in blocks.split(options.batch_size)]
+
+
+# -- sequences sampled from the models ---------------------------------------------------------
+
+#: The fitting data (``--data sampled``) that is sequences drawn from the models being merged
+#: (language models only): a merge that needs no data of the user's own.
+SAMPLED = "sampled"
+#: How many sequences are sampled when ``max_batches`` does not say (256 batches of the fitting
+#: default of 32; docs/benchmarks.md, section 0.11, measured learned matching on this many).
+SAMPLED_SEQUENCES = 8192
+#: Sequences drawn together, one forward per token for all of them.
+_SAMPLING_BATCH = 256
+
+
+def is_sampled(data) -> bool:
+    """Whether ``data`` asks for sequences sampled from the models (:data:`SAMPLED`)."""
+    return isinstance(data, str) and data == SAMPLED
+
+
+def fitting_batches(
+    data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions, *,
+    models: Sequence[PreTrainedModel | Callable[[], PreTrainedModel]] = (), progress: bool = True,
+) -> list[Batch]:
+    """The fitting batches of ``data``: :func:`sample_batches` from ``models`` when ``data`` is
+    :data:`SAMPLED` (under a launch the main process samples and sends them to the others), else
+    :func:`load_batches` with ``config``'s model and ``processor_folder``'s tokenizer."""
+    if not is_sampled(data):
+        return load_batches(data, config, processor_folder, options)
+    if adapter_for(config).takes_images:
+        raise DataError(f"{SAMPLED!r} fitting data samples text from language models; an image model needs images (--data)")
+    if Path(SAMPLED).exists():
+        raise DataError(f"{SAMPLED!r} names sequences sampled from the models, and ./{SAMPLED} exists too: write ./{SAMPLED} to fit on it")
+    return computed_on_main(lambda: sample_batches(models, _sequence_length(config, options), options, progress=progress))
+
+
+def sample_batches(
+    models: Sequence[PreTrainedModel | Callable[[], PreTrainedModel]], seq_len: int, options: EvalOptions = FIT_OPTIONS, *,
+    seed: int = 0, progress: bool = True,
+) -> list[Batch]:
+    """Batches of token sequences drawn from ``models`` at temperature 1, an equal share from each,
+    shuffled together: ``options.max_batches`` batches of ``options.batch_size`` (by default
+    :data:`SAMPLED_SEQUENCES` sequences), each ``seq_len`` tokens.
+
+    Each sequence starts at the model's BOS token (a uniformly drawn token when it has none) and
+    continues with tokens drawn from the model's next-token distribution as it is, with no top-k,
+    top-p or end-of-sequence rule: the text the model itself puts its probability on. A model
+    given as a callable is loaded when its turn comes, so that one model at a time is in memory.
+    The same ``seed``, models and device give the same batches; the caller's RNG is not touched.
+    """
+    total = (options.max_batches * options.batch_size) if options.max_batches else SAMPLED_SEQUENCES
+    shares = [total // len(models) + (k < total % len(models)) for k in range(len(models))]
+    rows = []
+    with bar(total=total, desc="sampling fitting data", unit="seq", show=progress) as counter:
+        for k, (model, share) in enumerate(zip(models, shares)):
+            model = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
+            rows.append(_sample_sequences(model, share, seq_len, seed + k, counter).cpu())
+            del model
+    sequences = torch.cat(rows)[torch.randperm(total, generator=torch.Generator().manual_seed(seed))]
+    return [{"input_ids": chunk} for chunk in sequences.split(options.batch_size)]
+
+
+@torch.no_grad()
+def _sample_sequences(model: PreTrainedModel, count: int, seq_len: int, seed: int, counter) -> torch.Tensor:
+    """``count`` sequences of ``seq_len`` tokens drawn from ``model``, one token at a time with
+    its key-value cache. A loop of its own rather than ``generate``, which folds in the
+    checkpoint's generation config (a top-k, an end-of-sequence token that stops or is
+    suppressed) and so would not draw from the model's distribution as it is."""
+    model.eval()
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    vocab = model.config.vocab_size
+    bos = getattr(model.config, "bos_token_id", None)
+    out = []
+    for start in range(0, count, _SAMPLING_BATCH):
+        n = min(_SAMPLING_BATCH, count - start)
+        if isinstance(bos, int) and 0 <= bos < vocab:
+            ids = torch.full((n, 1), bos, dtype=torch.long, device=device)
+        else:
+            ids = torch.randint(0, vocab, (n, 1), generator=generator, device=device)
+        past = None
+        for _ in range(seq_len - 1):
+            output = model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = output.past_key_values
+            probabilities = output.logits[:, -1, :vocab].float().softmax(-1)
+            ids = torch.cat([ids, torch.multinomial(probabilities, 1, generator=generator)], dim=1)
+        out.append(ids)
+        counter.update(n)
+    return torch.cat(out)
 
 
 # -- images ------------------------------------------------------------------------------------

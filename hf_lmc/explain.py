@@ -31,7 +31,7 @@ import torch
 
 from .alignment import align_many
 from .canonical import canonicalize, from_state_dict, to_hf
-from .evaluation import evaluate, load_batches
+from .evaluation import evaluate, fitting_batches, load_batches
 from .loading import load_model
 from .methods import METHODS, check_method
 from .options import EVAL_OPTIONS, FIT_OPTIONS, EvalOptions, LearnOptions
@@ -120,7 +120,10 @@ def explain(
     dtype = next(iter(state_a.values())).dtype
     ends = {"vanilla": (state_a, canonical_b.state_dict())}
     if method != "average":
-        fit_batches = load_batches(fit_data, a.model.config, a.folder, fit_options) if METHODS[method].needs_data else None
+        fit_batches = (
+            fitting_batches(fit_data, a.model.config, a.folder, fit_options, models=[a.model, b.model], progress=progress)
+            if METHODS[method].needs_data else None
+        )
         t_a, t_b = align_many(method, [canonical_a, canonical_b], symmetries=symmetries, batches=fit_batches, learn=learn, progress=progress)
         # dual matching moves A too: its path runs between T_A(A), which computes what A does, and T_B(B)
         moved_a = t_a.to(dtype).apply(canonical_a).state_dict() if t_a.maps else state_a

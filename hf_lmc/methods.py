@@ -117,7 +117,8 @@ def check_method(name: str, data, count: int = 2, data_parameter: str = "data") 
         raise UsageError(f"method {name!r} aligns two models; for {count} use one of {multi}")
     if entry.needs_data and data is None:
         raise ParameterError(
-            f"method {name!r} learns from data: pass {{}} (a text file or folder, a datasets id, or .pt tensors for ViT)", data_parameter
+            f"method {name!r} learns from data: pass {{}} (a text file or folder, a datasets id, .pt tensors for ViT, "
+            "or 'sampled' for text sampled from the language models themselves)", data_parameter
         )
     return entry
 

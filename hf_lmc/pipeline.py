@@ -52,7 +52,7 @@ from .canonical import (
 from .card import ModelSource, inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device, launched_processes, wait_for_others
-from .evaluation import describe_data, load_batches
+from .evaluation import SAMPLED_SEQUENCES, describe_data, fitting_batches, is_sampled, load_batches
 from .export import check_apart, check_writable, write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model, revisions_per_model
@@ -108,11 +108,14 @@ def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple
         return None
     learn, accelerate, data, data_options = spec.learn, spec.accelerate, spec.data, spec.data_options
     shape = f"batches of {data_options.batch_size}" + (f" × {data_options.seq_len} tokens" if data_options.seq_len else "")
-    if data_options.max_batches:
+    if is_sampled(data):
+        sequences = data_options.max_batches * data_options.batch_size if data_options.max_batches else SAMPLED_SEQUENCES
+        shape += f", {sequences} sequences drawn at temperature 1, an equal share from each model"
+    elif data_options.max_batches:
         shape += f", at most {data_options.max_batches} of them"
     schedule = learn.schedule + (f", {learn.warmup_steps} warmup steps" if learn.warmup_steps else "")
     rows = [
-        ("data", f"{describe_data(data)} (split `{data_options.split}`, {shape})"),
+        ("data", f"{describe_data(data)} ({shape})" if is_sampled(data) else f"{describe_data(data)} (split `{data_options.split}`, {shape})"),
         ("steps", f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)"),
         ("optimiser", f"Adam, lr {learn.lr:g}" + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "") + f", schedule `{schedule}`"),
         ("parameterisation", f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`"),
@@ -254,7 +257,7 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
     """
     processes = launched_processes()
     main = processes is None or processes.is_main_process
-    inputs = resolve(spec)
+    inputs = resolve(spec, progress=progress and main)
     wait_for_others(processes)  # every process has checked the output before any writes it
     aligned, measured, url = None, Measured(), None
     try:
@@ -290,7 +293,7 @@ class Inputs:
     fit_batches: list | None
 
 
-def resolve(spec: MergeSpec) -> Inputs:
+def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
     """Check the settings, find every model's folder and config, and load the evaluation data:
     every problem a user can fix surfaces here, before any long alignment work."""
     count = len(spec.models)
@@ -318,7 +321,10 @@ def resolve(spec: MergeSpec) -> Inputs:
     check_writable(output, _written_bytes(folders, configs, out_dtype))
     eval_batches = load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
     needs_data = METHODS[spec.method].needs_data
-    fit_batches = load_batches(spec.data, configs[0], folders[0], spec.data_options) if needs_data else None
+    fit_batches = None
+    if needs_data:  # sampled data: each model on the compute device in turn
+        models = [lambda folder=folder: load_model(folder).model.to(device) for folder in folders]
+        fit_batches = fitting_batches(spec.data, configs[0], folders[0], spec.data_options, models=models, progress=progress)
     if eval_batches is not None:
         logger.info("evaluation data %s: %d batches", describe_data(spec.eval_data), len(eval_batches))
     return Inputs(weights, kinds, device, out_dtype, folders, list(revisions), configs, width_notes, eval_batches, fit_batches)

@@ -122,14 +122,17 @@ class ModelRef(_Section):
 
 
 class DataSpec(EvalOptions):
-    """Where a data set comes from (exactly one of dataset, files, zoo) and how it is cut (the
-    batching fields of :class:`hf_lmc.options.EvalOptions`)."""
+    """Where a data set comes from (exactly one of dataset, files, zoo, sampled) and how it is cut
+    (the batching fields of :class:`hf_lmc.options.EvalOptions`)."""
 
     dataset: str | None = Field(None, description="a datasets id (e.g. Salesforce/wikitext) or a folder saved with save_to_disk")
     files: list[str] | None = Field(
         None, description="local data: .txt files or folders of them, .json/.jsonl/.csv/.parquet with a text column, or one .pt tensor file (ViT)"
     )
     zoo: Literal["shakespeare", "digits"] | None = Field(None, description="the offline zoo's corpus: Shakespeare plays (LMs) or digits (ViT)")
+    sampled: Literal[True] | None = Field(
+        None, description="fitting data only: text sampled from the language models being merged (samples: how many sequences, default 8192)"
+    )
     batch_size: PositiveInt | None = Field(
         None,
         description=f"sequences (images) per batch (default: {FIT_OPTIONS.batch_size} for fitting data, {EVAL_OPTIONS.batch_size} for evaluation data)",
@@ -141,10 +144,12 @@ class DataSpec(EvalOptions):
 
     @model_validator(mode="after")
     def _one_source(self):
-        given = [key for key in ("dataset", "files", "zoo") if getattr(self, key) is not None]
+        given = [key for key in ("dataset", "files", "zoo", "sampled") if getattr(self, key) is not None]
         if len(given) != 1:
             found = f"got {' and '.join(given)}" if given else "got none"
-            raise ValueError(f"give exactly one of dataset, files or zoo ({found})")
+            raise ValueError(f"give exactly one of dataset, files, zoo or sampled ({found})")
+        if self.sampled and self.split is not None:
+            raise ValueError("split: sampled data has no splits")
         if self.name is not None and self.dataset is None:
             raise ValueError("name: a dataset configuration needs dataset")
         if self.files is not None and not self.files:
@@ -170,6 +175,13 @@ class EvalSpec(_Section):
 
     data: DataSpec = Field(description="held-out data (default split: test)")
     alphas: int | list[float] = Field(11, description="points on the alpha grid, or the grid itself (from 0 to 1, increasing)")
+
+    @field_validator("data")
+    @classmethod
+    def _held_out(cls, value: DataSpec) -> DataSpec:
+        if value.sampled:
+            raise ValueError("sampled: text sampled from the models is fitting data; the barrier needs held-out data of its own")
+        return value
 
     @field_validator("alphas", mode="before")
     @classmethod
@@ -319,7 +331,7 @@ class Recipe(_Section):
     def _data_for_data_methods(cls, data, info: ValidationInfo):
         needs = [m for m in info.data.get("method", ()) if METHODS[m].needs_data]
         if data is None and needs:
-            raise ValueError(f"method {needs[0]!r} learns from data: add a data section (dataset, files or zoo)")
+            raise ValueError(f"method {needs[0]!r} learns from data: add a data section (dataset, files, zoo, or sampled: true)")
         return data
 
     @field_validator("output")

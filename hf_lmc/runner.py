@@ -28,7 +28,7 @@ from peft import PeftModel
 
 from . import pipeline, zoo
 from .devices import computed_on_main, launched_count, launched_processes, wait_for_others
-from .evaluation import DataError
+from .evaluation import SAMPLED, DataError
 from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folder
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model
@@ -243,6 +243,8 @@ def write_summary(result: RecipeResult, folder: Path) -> None:
 def load_data(spec: DataSpec, default_split: str):
     """The data of ``spec`` in a form :func:`hf_lmc.evaluation.load_batches` reads (loaded once
     per recipe; tokenisation follows per merge, with model A's tokenizer)."""
+    if spec.sampled:
+        return SAMPLED
     split = spec.split or default_split
     if spec.zoo is not None:
         if spec.zoo == "digits":

@@ -75,7 +75,7 @@ def test_errors_name_the_key_on_one_line():
     assert "models[0].path: no zoo entry 'bert'" in _error(_recipe(models=["zoo:bert/seed0", "b"]))
     assert "models[0].revision: a zoo model has no revisions" in _error(_recipe(models=[{"path": "zoo:gpt2/seed0", "revision": "main"}, "b"]))
     assert "eval.data.split: the zoo corpus has splits train and test" in _error(_recipe(eval={"data": {"zoo": "shakespeare", "split": "validation"}}))
-    assert "eval.data: give exactly one of dataset, files or zoo (got dataset and zoo)" in _error(_recipe(eval={"data": {"dataset": "x", "zoo": "digits"}}))
+    assert "eval.data: give exactly one of dataset, files, zoo or sampled (got dataset and zoo)" in _error(_recipe(eval={"data": {"dataset": "x", "zoo": "digits"}}))
     assert "eval.alphas: the grid must increase from 0 to 1" in _error(_recipe(eval={"data": {"dataset": "x"}, "alphas": [0, 0.5]}))
     assert "output.shard_size: cannot read shard size '5XB'" in _error(_recipe(output={"dir": "o", "shard_size": "5XB"}))
     assert "device: unknown device 'tpu9'; use cpu, cuda or cuda:N" in _error(_recipe(device="tpu9"))
