@@ -254,6 +254,12 @@ def is_sampled(data) -> bool:
     return isinstance(data, str) and data == SAMPLED
 
 
+def sampled_count(options: EvalOptions) -> int:
+    """How many sequences :func:`sample_batches` draws: ``options.max_batches`` batches of
+    ``options.batch_size``, else :data:`SAMPLED_SEQUENCES`."""
+    return options.max_batches * options.batch_size if options.max_batches else SAMPLED_SEQUENCES
+
+
 def fitting_batches(
     data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions, *,
     models: Sequence[PreTrainedModel | Callable[[], PreTrainedModel]] = (), progress: bool = True,
@@ -284,7 +290,7 @@ def sample_batches(
     given as a callable is loaded when its turn comes, so that one model at a time is in memory.
     The same ``seed``, models and device give the same batches; the caller's RNG is not touched.
     """
-    total = (options.max_batches * options.batch_size) if options.max_batches else SAMPLED_SEQUENCES
+    total = sampled_count(options)
     shares = [total // len(models) + (k < total % len(models)) for k in range(len(models))]
     rows = []
     with bar(total=total, desc="sampling fitting data", unit="seq", show=progress) as counter:

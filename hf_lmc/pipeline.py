@@ -52,7 +52,7 @@ from .canonical import (
 from .card import ModelSource, inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device, launched_processes, wait_for_others
-from .evaluation import SAMPLED_SEQUENCES, describe_data, fitting_batches, is_sampled, load_batches
+from .evaluation import describe_data, fitting_batches, is_sampled, load_batches, sampled_count
 from .export import check_apart, check_writable, write_checkpoint
 from .hub import push_folder, resolve_checkpoint
 from .loading import load_model, revisions_per_model
@@ -109,8 +109,7 @@ def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple
     learn, accelerate, data, data_options = spec.learn, spec.accelerate, spec.data, spec.data_options
     shape = f"batches of {data_options.batch_size}" + (f" × {data_options.seq_len} tokens" if data_options.seq_len else "")
     if is_sampled(data):
-        sequences = data_options.max_batches * data_options.batch_size if data_options.max_batches else SAMPLED_SEQUENCES
-        shape += f", {sequences} sequences drawn at temperature 1, an equal share from each model"
+        shape += f", {sampled_count(data_options)} sequences drawn at temperature 1, an equal share from each model"
     elif data_options.max_batches:
         shape += f", at most {data_options.max_batches} of them"
     schedule = learn.schedule + (f", {learn.warmup_steps} warmup steps" if learn.warmup_steps else "")
