@@ -383,18 +383,20 @@ def with_vocabulary(pair: SuitePair, vocab_size: int | None) -> SuitePair:
     return SuitePair(pair.family, entry, f"{pair.varies}; BPE of {vocab_size} tokens", pair.seeds)
 
 
-def _triples_of(tier: str, families: Sequence[str], max_steps: int | None = None) -> list[SuitePair]:
-    return [_capped(pair, max_steps) for pair in TIERS[tier] if pair.entry.name in TRIPLES[tier] and pair.family in families]
+def _triples_of(tier: str, families: Sequence[str], max_steps: int | None = None, vocab_size: int | None = None) -> list[SuitePair]:
+    return [with_vocabulary(_capped(pair, max_steps), vocab_size)
+            for pair in TIERS[tier] if pair.entry.name in TRIPLES[tier] and pair.family in families]
 
 
 def run_triples_of(tier: str, *, labels: Sequence[str] = SIMPLEX_LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
                    progress: bool = False, max_steps: int | None = None, learn: LearnOptions | None = None,
-                   fitting: Fitting = Fitting()) -> list[TripleResult]:
+                   fitting: Fitting = Fitting(), vocab_size: int | None = None) -> list[TripleResult]:
     """Measure every triple of ``tier`` (of ``families``) over its simplex (``learn``: default
-    ``LearnOptions()``); ``max_steps`` caps each member's training."""
+    ``LearnOptions()``); ``max_steps`` caps each member's training; ``vocab_size`` as for
+    :func:`run_tier`."""
     learn = learn or LearnOptions()
     return [measure_triple(pair, labels, cache=cache, progress=progress, learn=learn, fitting=fitting)
-            for pair in _triples_of(tier, families, max_steps)]
+            for pair in _triples_of(tier, families, max_steps, vocab_size)]
 
 
 def fitting_of(args: argparse.Namespace) -> Fitting:
@@ -410,7 +412,7 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
         print("\n".join(triple_rows(results, [label for label in labels if any(label in r.barriers for r in results)])))
         return
     if args.train_only:
-        for pair in _triples_of(args.tier, args.families, args.max_steps):
+        for pair in _triples_of(args.tier, args.families, args.max_steps, args.vocab_size):
             zoo.train(pair.entry, 2, cache=args.cache, progress=args.progress)
         return
     start, fitting = time.perf_counter(), fitting_of(args)

@@ -109,3 +109,23 @@ def test_with_vocabulary_changes_the_language_pairs_tokens_alone():
         assert bpe.seeds == pair.seeds
     assert suite.with_vocabulary(pairs["vit"], 1024) is pairs["vit"]
     assert suite.with_vocabulary(pairs["gpt2"], None) is pairs["gpt2"]
+
+
+@pytest.mark.parametrize("vocab_size", [None, 1024])
+def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(vocab_size, monkeypatch, capsys):
+    """``--triples`` hands every flag to the measurement (measure_triple stands in for the
+    training and merging: this checks the command's plumbing, not the barriers)."""
+    measured = []
+
+    def stand_in(pair, labels, *, cache, progress, learn, fitting):
+        measured.append((pair, learn, fitting))
+        return suite.TripleResult(pair.family, pair.entry.name, pair.varies, dict.fromkeys(labels, 0.5), dict.fromkeys(labels, 0.25),
+                                  dict.fromkeys(labels, 1.0))
+
+    monkeypatch.setattr(suite, "measure_triple", stand_in)
+    argv = ["--tier", "cpu", "--triples", "--methods", "learned", "--learn", "steps=7", "--fit-sequences", "64"]
+    suite.main(argv + (["--vocab-size", str(vocab_size)] if vocab_size else []))
+    expected = [suite.with_vocabulary(pair, vocab_size) for pair in suite.TIERS["cpu"] if pair.entry.name in suite.TRIPLES["cpu"]]
+    assert [pair for pair, _, _ in measured] == expected and len(expected) == 4
+    assert all(learn.steps == 7 and fitting.sequences == 64 for _, learn, fitting in measured)
+    assert "| learned | 4 |" in capsys.readouterr().out
