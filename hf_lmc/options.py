@@ -138,9 +138,9 @@ class LearnOptions(Options):
         "relative map has (both); target and both need cayley or exp",
     )
     objective: Literal["labels", "ensemble"] = Field(
-        "labels",
-        description="train the merge toward the data's labels, or toward the models' own predictions mixed at the same weights "
-        "(ensemble: one extra forward per model and step)",
+        "ensemble",
+        description="train the merge toward the models' own predictions mixed at the same weights (ensemble: one extra "
+        "forward per model and step), or toward the data's labels",
     )
     lambda_range: tuple[float, float] = Field((0.4, 0.6), description="two models: interpolation weights are drawn uniformly from this range")
     worst_fraction: float = Field(

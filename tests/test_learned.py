@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ def test_twin_stays_exact_from_weight_matching_init():
     config = tiny_configs()["gpt_neox"]
     model = build_model(config, seed=0, dtype=torch.float64)
     moved = hf_lmc.to_hf(hf_lmc.random_symmetry(hf_lmc.canonicalize(model).spec, seed=3).apply(hf_lmc.canonicalize(model)))
-    matcher = DualMatcher(model, moved, dtype=torch.float64)
+    matcher = DualMatcher(model, moved, objective="labels", dtype=torch.float64)
     inputs = sample_inputs(config)
     batch = {"input_ids": inputs["input_ids"]}
     expected = model(**batch, labels=batch["input_ids"]).loss
@@ -236,7 +238,7 @@ def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
     batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}
     with float64_rmsnorm():
         for cls in (LearnedMatcher, DualMatcher):
-            matcher = cls(model_a, model_b, dtype=torch.float64)
+            matcher = cls(model_a, model_b, objective="labels", dtype=torch.float64)
             start = matcher.transforms()[1]
             assert any(not torch.equal(e.map.perm, torch.arange(e.map.perm.numel())) for s, e in start.maps.items() if s.startswith("mlp."))
             moved = matcher._path()[1]
@@ -339,6 +341,16 @@ def test_ensemble_objective_mixes_every_endpoint_of_the_simplex():
         point = logits(matcher.merge(list(weights)), inputs)  # identity transforms: the plain weighted average
         expected = -(target * point.log_softmax(-1)).sum(-1).mean()
         assert matcher(inputs, weights=weights).item() == pytest.approx(expected.item(), rel=1e-10)
+
+
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher, hf_lmc.SimplexMatcher])
+def test_matchers_built_with_no_settings_train_as_the_command_line_does_with_no_flags(cls):
+    """Every constructor argument that is also a :class:`LearnOptions` field defaults to that
+    field's default: ``LearnOptions`` is the one definition, which the CLI and recipes read."""
+    defaults = hf_lmc.LearnOptions()
+    shared = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items() if name in defaults.model_fields}
+    assert {"objective", "permutations", "orthogonal", "frame", "input_noise"} <= set(shared)
+    assert shared == {name: getattr(defaults, name) for name in shared}
 
 
 def test_bad_options_are_rejected():
@@ -740,9 +752,12 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
     budgeted = DualMatcher(model_a, model_b, dtype=torch.float64)
     losses = budgeted.fit(train, steps=6, lr=1e-2, locate_every=2, holdout=holdout, target_barrier=0.0, progress=False)
     assert len(losses) == 6 and budgeted.stopping.steps == 6 and budgeted.stopping.holdout_batches == 2
-    # the estimate is the barrier of the (training-mode) path on the held-out batches, on the worst-point grid
+    # the estimate is the labels' barrier of the (training-mode) path on the held-out batches, on the
+    # worst-point grid, whatever the training objective (the default, ensemble, here)
+    transform_a, transform_b = budgeted._path()
     with torch.no_grad():
-        grid = [sum(budgeted(b, alpha=alpha).item() for b in holdout) / 2 for alpha in WORST_GRID]
+        grid = [sum(budgeted.interpolant(transform_b, alpha, transform_a, **b, labels=b["input_ids"]).loss.item() for b in holdout) / 2
+                for alpha in WORST_GRID]
     assert abs(budgeted.stopping.estimate - max(0.0, loss_barrier(list(WORST_GRID), grid))) < 1e-9
     assert ("reached" in budgeted.stopping.describe()) == budgeted.stopping.reached
 

@@ -187,9 +187,9 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     args = ["merge", str(a), str(b), "-o", str(tmp_path / "m"), "--method", method, "--data", str(tmp_path / "fit.pt"),
             "--batch-size", "4", "--steps", "3", "--lr", "1e-4", "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3"]
     if method == "dual":
-        args += ["--permutations", "sinkhorn", "--input-noise", "0.1", "--seed", "3"]
+        args += ["--permutations", "sinkhorn", "--input-noise", "0.1", "--seed", "3", "--objective", "labels"]
     if method == "learned":
-        args += ["--permutations", "fixed", "--residual-lr", "1e-5", "--objective", "ensemble"]
+        args += ["--permutations", "fixed", "--residual-lr", "1e-5"]  # the default objective, ensemble
     assert main(args) == 0
     merged = MODEL_CLASSES["vit"].from_pretrained(tmp_path / "m").eval()
     inputs = sample_inputs(model.config)
