@@ -27,6 +27,10 @@ memory = its peak RSS less the runtime's, i.e. RSS once torch, transformers and 
     python benchmarks/learned_step.py --one-sided      # adds one-sided steps, own frame and frame="both"
     python benchmarks/learned_step.py --device cuda --one-sided --shape 1.4b --autocast bf16
     python benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload  # + endpoints in CPU memory
+    python benchmarks/learned_step.py --objective labels   # as docs/benchmarks.md §6's tables before 2026-11-28
+
+The matching steps train toward the library's default objective (``ensemble``: a gradient-free
+forward of each endpoint in every step) unless ``--objective`` says otherwise.
 
 On ``--device cuda`` every step runs in one process (the allocator's statistics reset between
 them): time is the mean of 5 synchronised steps after 2 warm-up steps (and of 5 more back to
@@ -45,13 +49,15 @@ import json
 import subprocess
 import sys
 
+from hf_lmc.options import OBJECTIVES, LearnOptions
+
 CHILD = r"""
 import json, re, sys, time
 import torch, transformers as tf
 from hf_lmc import DualMatcher, LearnedMatcher
 
 mode, batch, seq, permutations = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-checkpoint_layers = json.loads(sys.argv[5])
+checkpoint_layers, objective = json.loads(sys.argv[5]), sys.argv[6]
 def rss():
     return int(re.search(r"VmRSS:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
 def hwm():
@@ -69,7 +75,8 @@ elif mode.startswith("ddp"):
     from accelerate import Accelerator
     accelerator = Accelerator(cpu=True)  # first: sharding needs the process group
     model_b = tf.GPTNeoXForCausalLM(config).eval()
-    matcher = DualMatcher(model_a, model_b, init="identity", permutations=permutations, shard_endpoints=(mode == "ddp-sharded"))
+    matcher = DualMatcher(model_a, model_b, init="identity", permutations=permutations, shard_endpoints=(mode == "ddp-sharded"),
+                          objective=objective)
     del model_a, model_b
     model = accelerator.prepare(matcher)
     params = [p for p in matcher.parameters() if p.requires_grad]
@@ -80,7 +87,8 @@ elif mode.startswith("ddp"):
 else:
     model_b = tf.GPTNeoXForCausalLM(config).eval()
     cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
-    matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=checkpoint_layers)
+    matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=checkpoint_layers,
+                  objective=objective)
     del model_a, model_b
     params = [p for p in matcher.parameters() if p.requires_grad]
     def step():
@@ -125,7 +133,8 @@ LABELS = {
 }
 
 
-def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutations: str, autocast: str, device: str = "cuda") -> dict[str, dict]:
+def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutations: str, autocast: str, objective: str,
+            device: str = "cuda") -> dict[str, dict]:
     """Every mode in this process on the GPU: mean time of 5 synchronised steps, peak allocated memory.
 
     (``device="cpu"`` runs the same code without the allocator's statistics: a dry run.)"""
@@ -157,7 +166,7 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
             cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
             sharding = EndpointSharding(offload=True) if mode == "dual-offloaded" else False
             module = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=CHECKPOINTING.get(mode, True),
-                         shard_endpoints=sharding).to(device)
+                         shard_endpoints=sharding, objective=objective).to(device)
             run_step = lambda: module({"input_ids": ids}).backward()
             params = [p for p in module.parameters() if p.requires_grad]
 
@@ -199,8 +208,8 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
     return rows
 
 
-def run(mode: str, batch: int, seq: int, permutations: str) -> dict:
-    child_args = [mode, str(batch), str(seq), permutations, json.dumps(CHECKPOINTING.get(mode, True))]
+def run(mode: str, batch: int, seq: int, permutations: str, objective: str) -> dict:
+    child_args = [mode, str(batch), str(seq), permutations, json.dumps(CHECKPOINTING.get(mode, True)), objective]
     if mode.startswith("ddp"):  # torchrun cannot take -c: the child goes through a temporary file
         import os
         import tempfile
@@ -230,6 +239,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the steps run (default: cpu)")
     parser.add_argument("--shape", default="160m", choices=list(SHAPES), help="Pythia shape (default: 160m)")
     parser.add_argument("--autocast", default="none", choices=["none", "bf16"], help="cuda: run the steps under bf16 autocast")
+    parser.add_argument("--objective", default=LearnOptions().objective, choices=OBJECTIVES,
+                        help="what the matching steps train toward (default: the library's, %(default)s; §6's tables before 2026-11-28: labels)")
     parser.add_argument("--offload", action="store_true", help="cuda: add a dual step with the endpoint layers in CPU memory (FSDP2's CPU offload)")
     args = parser.parse_args()
     if args.device == "cpu" and (args.shape != "160m" or args.autocast != "none"):
@@ -244,14 +255,14 @@ def main() -> None:
     if args.device == "cuda":
         import torch
 
-        rows = on_cuda(modes, args.shape, args.batch, args.seq, args.permutations, args.autocast)
-        where = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, autocast {args.autocast}"
+        rows = on_cuda(modes, args.shape, args.batch, args.seq, args.permutations, args.autocast, args.objective)
+        where = f"{torch.cuda.get_device_name()}, torch {torch.__version__}, autocast {args.autocast}, objective {args.objective}"
         memory_label = "peak allocated (GB)"
     else:
-        rows = {mode: run(mode, args.batch, args.seq, args.permutations) for mode in modes}
+        rows = {mode: run(mode, args.batch, args.seq, args.permutations, args.objective) for mode in modes}
         import torch
 
-        where = f"{torch.get_num_threads()} CPU thread(s) per step process"
+        where = f"{torch.get_num_threads()} CPU thread(s) per step process, objective {args.objective}"
         memory_label = "peak RSS (GB)"
     base = rows["base"]
     weights = base["weights"]

@@ -15,24 +15,32 @@ Memory per GPU (bytes; ``b`` is the endpoints' dtype size, ``N`` the processes):
 * transforms and Adam: ``2 (d^2 + L (K hd^2 + F)) x 16`` (dual: two transforms; residual map,
   per-KV-head OV maps, MLP scales; float32 parameter, gradient and two moments);
 * activations (Korthikanti et al. 2022, full recomputation): ``L T d x 2`` at the layer
-  boundaries, one layer recomputed ``T d (34 + 5 a s / d)``, and the logits ``T V x 10``.
+  boundaries, one layer recomputed ``T d (34 + 5 a s / d)``, and the logits ``T V x 10``;
+  with the ensemble objective (the default) also the target, the endpoints' mixed distribution,
+  held in float32 through the step, and its product with the log-probabilities: ``T V x 8``.
 
 Time per step and GPU: FLOPs over the throughput the 1.4B measurement implies. Per layer and
 step: building the interpolated weights applies each endpoint's maps, ``2 (d + hd) P`` per
 endpoint, and the layer computes ``2 T P``; checkpointed, a step builds three times (forward,
 recomputation, backward: the endpoints are frozen, so only the maps' gradient is formed) and
 computes four times (forward, recomputation, backward at twice the forward). The embedding and
-head add the same with ``P = 2 V d`` (built) and ``V d`` (computed). The weight build does not depend on the tokens and is repeated by every
+head add the same with ``P = 2 V d`` (built) and ``V d`` (computed). The ensemble objective
+adds a gradient-free forward of each endpoint, as it is (no build): ``2 x 2 T (L P + V d)``.
+The weight build does not depend on the tokens and is repeated by every
 data-parallel process: more GPUs add tokens per step, not speed per step. Gathers move
 ``2 x 2 x (N - 1) / N x L P x 2`` bytes per GPU and step (both endpoints, forward and
-recomputation, in bfloat16; offloaded shards also cross from the host, ``4 L P b / N``), at an assumed 300 GB/s within a node (NVLink) and 50 GB/s across nodes
+recomputation, in bfloat16; the ensemble objective's endpoint forwards gather every layer once
+more, ``2 x 3`` in all; offloaded shards also cross from the host, ``4 L P b / N``, or
+``6 L P b / N``), at an assumed 300 GB/s within a node (NVLink) and 50 GB/s across nodes
 (400 Gb/s InfiniBand per GPU); with the next layer prefetched they overlap the computation.
 
     python benchmarks/scale.py            # the tables of docs/scale.md
     python benchmarks/scale.py --tokens 8192
+    python benchmarks/scale.py --objective labels
 
-The model is checked against the measurement it is calibrated on (printed first): it is a
-projection, to be replaced by measurements at 7B and 70B when GPUs are lent.
+The model is checked against the measurement it is calibrated on (printed first; that step
+trained toward the labels, so the calibration always models ``labels``): it is a projection, to
+be replaced by measurements at 7B and 70B when GPUs are lent.
 """
 
 from __future__ import annotations
@@ -40,8 +48,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from hf_lmc.options import OBJECTIVES, LearnOptions
+
 GB = 1e9
-MEASURED = {"shape": "pythia-1.4b", "tokens": 2048, "seq": 512, "gpu_seconds": 0.197, "peak_gb": 14.81, "endpoint_bytes": 4}
+MEASURED = {"shape": "pythia-1.4b", "tokens": 2048, "seq": 512, "gpu_seconds": 0.197, "peak_gb": 14.81, "endpoint_bytes": 4,
+            "objective": "labels"}
 INTRA_NODE, INTER_NODE = 300 * GB, 50 * GB  # assumed all-gather bandwidth per GPU (bytes/s)
 GPUS_PER_NODE = 8
 
@@ -79,13 +90,14 @@ SHAPES = {
 }
 
 
-def memory(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool) -> dict[str, float]:
+def memory(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str) -> dict[str, float]:
     """Bytes per GPU, by term."""
     p = s.layer_params
     sharded = n > 1
     layers = 0 if offload else 2 * s.layers * p * b / (n if sharded else 1)
     transforms = 2 * (s.d**2 + s.layers * (s.kv_heads * s.head_dim**2 + s.ffn)) * 16
-    activations = s.layers * tokens * s.d * 2 + tokens * s.d * (34 + 5 * s.heads * seq / s.d) + tokens * s.vocab * 10
+    logits = tokens * s.vocab * (10 + (8 if objective == "ensemble" else 0))
+    activations = s.layers * tokens * s.d * 2 + tokens * s.d * (34 + 5 * s.heads * seq / s.d) + logits
     return {
         "endpoint layers": layers,
         "embeddings, heads": 4 * s.vocab * s.d * b,
@@ -95,28 +107,35 @@ def memory(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool) -> di
     }
 
 
-def flops(s: Shape, tokens: int) -> tuple[float, float]:
+def forwards(objective: str) -> int:
+    """Forward passes' worth of token compute in one checkpointed step: forward, recomputation,
+    backward at twice the forward; the ensemble objective adds one gradient-free forward per endpoint."""
+    return 4 + (2 if objective == "ensemble" else 0)
+
+
+def flops(s: Shape, tokens: int, objective: str) -> tuple[float, float]:
     """(weight build, token compute) FLOPs of one checkpointed dual step."""
     build = 3 * 2 * 2 * (s.d + s.head_dim) * (s.layers * s.layer_params + 2 * s.vocab * s.d)
-    compute = 4 * 2 * tokens * (s.layers * s.layer_params + s.vocab * s.d)
+    compute = forwards(objective) * 2 * tokens * (s.layers * s.layer_params + s.vocab * s.d)
     return build, compute
 
 
 def throughput() -> float:
     """FLOP/s achieved by the measured step."""
-    build, compute = flops(SHAPES[MEASURED["shape"]], MEASURED["tokens"])
+    build, compute = flops(SHAPES[MEASURED["shape"]], MEASURED["tokens"], MEASURED["objective"])
     return (build + compute) / MEASURED["gpu_seconds"]
 
 
-def row(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool) -> str:
-    terms = memory(s, n, tokens, seq, b, offload)
+def row(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str) -> str:
+    terms = memory(s, n, tokens, seq, b, offload, objective)
     total = sum(terms.values()) / GB
-    build, compute = flops(s, tokens)
+    build, compute = flops(s, tokens, objective)
     rate = throughput()
     step = (build + compute) / rate
-    traffic = 4 * (n - 1) / n * s.layers * s.layer_params * 2 if n > 1 else 0.0  # gathered in bf16
-    if offload:  # host-to-device copies of every layer, forward and recomputation
-        traffic += 4 * s.layers * s.layer_params * b / n
+    gathers = 2 * (3 if objective == "ensemble" else 2)  # per endpoint: forward, recomputation (and the target's forward)
+    traffic = gathers * (n - 1) / n * s.layers * s.layer_params * 2 if n > 1 else 0.0  # gathered in bf16
+    if offload:  # host-to-device copies of every layer, each time it is gathered
+        traffic += gathers * s.layers * s.layer_params * b / n
     bandwidth = INTRA_NODE if n <= GPUS_PER_NODE else INTER_NODE
     gather = traffic / bandwidth
     fits = "yes" if total <= 80 else "no"
@@ -130,14 +149,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU and step (default: 4 x 1024)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length")
+    parser.add_argument("--objective", default=LearnOptions().objective, choices=OBJECTIVES,
+                        help="what the step trains toward (default: the library's, %(default)s)")
     args = parser.parse_args()
 
     m = SHAPES[MEASURED["shape"]]
-    check = sum(memory(m, 1, MEASURED["tokens"], MEASURED["seq"], MEASURED["endpoint_bytes"], False).values()) / GB
+    check = sum(memory(m, 1, MEASURED["tokens"], MEASURED["seq"], MEASURED["endpoint_bytes"], False, MEASURED["objective"]).values()) / GB
     print(f"Calibration: {MEASURED['shape']}, {MEASURED['tokens']} tokens, fp32 endpoints, one H100: "
           f"{throughput() / 1e12:.0f} TFLOP/s achieved ({MEASURED['gpu_seconds'] * 1e3:.0f} ms of GPU work); "
           f"memory model {check:.2f} GB against {MEASURED['peak_gb']} GB measured ({check / MEASURED['peak_gb'] - 1:+.0%}).\n")
-    print(f"{args.tokens} tokens per GPU and step (sequences of {args.seq}); dual matching, layer checkpointing, bf16 autocast.\n")
+    print(f"{args.tokens} tokens per GPU and step (sequences of {args.seq}); dual matching, objective {args.objective}, "
+          "layer checkpointing, bf16 autocast.\n")
     print("| pair | GPUs | endpoints | endpoint layers (GB) | embeddings, heads (GB) | step working set (GB) | total per GPU (GB) | fits 80 GB | step (s): build + tokens | gathers per GPU and step |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for key in ("llama-1b", "llama-7b", "llama-70b"):
@@ -146,7 +168,7 @@ def main() -> None:
             for b, offload in ((4, False), (4, True), (2, False), (2, True)):
                 if offload and n == 1:
                     continue  # offload needs the FSDP2 shards of a launch of 2 or more processes
-                print(row(s, n, args.tokens, args.seq, b, offload))
+                print(row(s, n, args.tokens, args.seq, b, offload, args.objective))
 
 
 if __name__ == "__main__":

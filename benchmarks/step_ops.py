@@ -11,6 +11,10 @@ apart.
 
     python benchmarks/step_ops.py
     python benchmarks/step_ops.py --layers 24 --heads 16 --width 256   # Pythia-1.4B's structure
+    python benchmarks/step_ops.py --objective labels                    # as docs/benchmarks.md §6.2 measured
+
+The learned steps train toward the library's default objective unless ``--objective`` says
+otherwise: ``ensemble`` adds a gradient-free forward of each endpoint to every step.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import transformers as tf
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_lmc import DualMatcher, LearnedMatcher
+from hf_lmc.options import OBJECTIVES, LearnOptions
 
 # Operators that only re-describe memory (or allocate it uninitialised): no kernel launch.
 VIEWS = frozenset(
@@ -50,6 +55,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12, help="layers (default: 12, Pythia-160M)")
     parser.add_argument("--heads", type=int, default=12, help="attention heads (default: 12, Pythia-160M)")
     parser.add_argument("--width", type=int, default=192, help="hidden size (default: 192; counts do not depend on it)")
+    parser.add_argument("--objective", default=LearnOptions().objective, choices=OBJECTIVES,
+                        help="what the learned steps train toward (default: the library's, %(default)s; docs/benchmarks.md §6 before 2026-11-28: labels)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = tf.GPTNeoXConfig(
@@ -61,9 +68,9 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (2, 32))
     steps = {
         "base model fwd+bwd": lambda: a(input_ids=ids, labels=ids, use_cache=False).loss.backward(),
-        "dual (layer checkpointing)": (lambda m: lambda: m({"input_ids": ids}).backward())(DualMatcher(a, b, init="identity")),
-        "one-sided (layer checkpointing)": (lambda m: lambda: m({"input_ids": ids}).backward())(LearnedMatcher(a, b, init="identity")),
-        'one-sided, `frame="both"`': (lambda m: lambda: m({"input_ids": ids}).backward())(LearnedMatcher(a, b, init="identity", frame="both")),
+        "dual (layer checkpointing)": (lambda m: lambda: m({"input_ids": ids}).backward())(DualMatcher(a, b, init="identity", objective=args.objective)),
+        "one-sided (layer checkpointing)": (lambda m: lambda: m({"input_ids": ids}).backward())(LearnedMatcher(a, b, init="identity", objective=args.objective)),
+        'one-sided, `frame="both"`': (lambda m: lambda: m({"input_ids": ids}).backward())(LearnedMatcher(a, b, init="identity", frame="both", objective=args.objective)),
     }
     rows = {}
     for label, step in steps.items():
@@ -76,7 +83,7 @@ def main() -> None:
             step()
         rows[label] = (count.kernels, count.views, (time.perf_counter() - start) / 10)
     base_kernels, _, base_time = rows["base model fwd+bwd"]
-    print(f"\nGPT-NeoX, {args.layers} layers, {args.heads} heads, width {args.width}, batch 2 x 32 tokens, one CPU thread, torch {torch.__version__}\n")
+    print(f"\nGPT-NeoX, {args.layers} layers, {args.heads} heads, width {args.width}, batch 2 x 32 tokens, objective {args.objective}, one CPU thread, torch {torch.__version__}\n")
     print("| step | kernels (non-view ops) | × base | views | time (ms) | × base |")
     print("|---|---|---|---|---|---|")
     for label, (kernels, views, seconds) in rows.items():
