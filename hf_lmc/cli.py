@@ -358,7 +358,7 @@ def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, g
         evaluation.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
     fitting = parser.add_argument_group("fitting data (--method activation, learned, dual)")
     fitting.add_argument("--data", default=None, metavar="DATA", help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT, "
-                         "or 'sampled': text sampled from the language models themselves (--data-max-batches batches, default 8192 sequences)")
+                         "or 'sampled': text sampled from the language models themselves (--max-batches batches of --batch-size, default 8192 sequences)")
     FIT_SOURCE.add_to(fitting)
     BATCHES.add_to(parser.add_argument_group("batching (both data sets)"))
     learn = parser.add_argument_group(

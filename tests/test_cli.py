@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from hf_lmc.cli import main
+from hf_lmc.cli import build_parser, main
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
@@ -16,6 +18,35 @@ from tests.models import build_model
 def test_help_lists_commands_and_examples():
     out = subprocess.run([sys.executable, "-m", "hf_lmc.cli", "--help"], capture_output=True, text=True, check=True).stdout
     assert "check" in out and "symmetries" in out and "examples:" in out
+
+
+def _commands(parser: argparse.ArgumentParser, name: str = "hf-lmc"):
+    """``(name, parser)`` for the program and every command and sub-command under it."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, sub in action.choices.items():
+                yield from _commands(sub, f"{name} {command}")
+
+
+def test_every_flag_that_help_names_exists():
+    """A flag named in a command's help is one of that command's options, and every example
+    line runs its command with that command's flags: help that names a flag no parser has sends
+    users to an error."""
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+    parsers = dict(_commands(build_parser()))
+    options = {name: {s for action in p._actions for s in action.option_strings} for name, p in parsers.items()}
+    for name, parser in parsers.items():
+        epilog = parser.epilog or ""
+        body = parser.format_help().replace(epilog, "") if epilog else parser.format_help()
+        assert set(flag.findall(body)) <= options[name], (name, set(flag.findall(body)) - options[name])
+        for line in epilog.splitlines():
+            words = line.split("#")[0].split()
+            if words[:1] != ["hf-lmc"]:
+                continue
+            command = max((n for n in parsers if words[: len(n.split())] == n.split()), key=len)
+            named = set(flag.findall(" ".join(words)))
+            assert named <= options[command], (line, named - options[command])
 
 
 def test_check_on_builtin_tiny_models_passes(capsys):
