@@ -38,7 +38,7 @@ def test_every_flag_that_help_names_exists():
     options = {name: {s for action in p._actions for s in action.option_strings} for name, p in parsers.items()}
     for name, parser in parsers.items():
         epilog = parser.epilog or ""
-        body = parser.format_help().replace(epilog, "") if epilog else parser.format_help()
+        body = parser.format_help().replace(epilog, "")  # the shared examples are checked line by line below
         assert set(flag.findall(body)) <= options[name], (name, set(flag.findall(body)) - options[name])
         for line in epilog.splitlines():
             words = line.split("#")[0].split()
