@@ -15,9 +15,14 @@ Memory per GPU (bytes; ``b`` is the endpoints' dtype size, ``N`` the processes):
 * transforms and Adam: ``2 (d^2 + L (K hd^2 + F)) x 16`` (dual: two transforms; residual map,
   per-KV-head OV maps, MLP scales; float32 parameter, gradient and two moments);
 * activations (Korthikanti et al. 2022, full recomputation): ``L T d x 2`` at the layer
-  boundaries, one layer recomputed ``T d (34 + 5 a s / d)``, and the logits ``T V x 10``;
-  with the ensemble objective (the default) also the target, the endpoints' mixed distribution,
-  held in float32 through the step, and its product with the log-probabilities: ``T V x 8``.
+  boundaries, one layer recomputed ``T d (34 + 5 a s / d)``, and the loss. The loss takes the
+  head a slice of ``r = min(T, 2^28 / 4V)`` positions at a time (``hf_lmc.matching.head_loss``):
+  ``r V x 12`` (ensemble: the slice's logits, the target and one endpoint's, or the
+  log-normaliser's temporary, in float32) or ``r V x 8`` (labels), plus the gradients it
+  computes in its forward, ``T d x 4`` and ``V d x 4``, and for the ensemble objective the
+  endpoints' last hidden states, ``2 T d x 4``. Before the slices (the code the calibration
+  step ran) the loss held the whole logits: ``T V x 10``, and ``T V x 8`` more for the
+  ensemble's target and its product with the log-probabilities, beside the same gradients.
 
 Time per step and GPU: FLOPs over the throughput the 1.4B measurement implies. Per layer and
 step: building the interpolated weights applies each endpoint's maps, ``2 (d + hd) P`` per
@@ -48,6 +53,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from hf_lmc.matching.head_loss import SLICE_BYTES
 from hf_lmc.options import OBJECTIVES, LearnOptions
 
 GB = 1e9
@@ -90,14 +96,26 @@ SHAPES = {
 }
 
 
-def memory(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str) -> dict[str, float]:
+def loss_bytes(s: Shape, tokens: int, objective: str, sliced: bool = True) -> float:
+    """What the loss holds at its peak: one slice of the head's logits and its targets, and the
+    gradients with respect to the hidden states and the head; or, ``sliced=False``, the whole
+    logits as the loss held them before ``hf_lmc.matching.head_loss`` (the calibration step)."""
+    ensemble = objective == "ensemble"
+    gradients = (tokens * s.d + s.vocab * s.d) * 4  # with respect to the hidden states and the head, float32
+    if not sliced:
+        return tokens * s.vocab * (10 + (8 if ensemble else 0)) + gradients
+    rows = min(tokens, max(1, SLICE_BYTES // (4 * s.vocab)))
+    return rows * s.vocab * (12 if ensemble else 8) + gradients + (2 * tokens * s.d * 4 if ensemble else 0)
+
+
+def memory(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str, sliced: bool = True) -> dict[str, float]:
     """Bytes per GPU, by term."""
     p = s.layer_params
     sharded = n > 1
     layers = 0 if offload else 2 * s.layers * p * b / (n if sharded else 1)
     transforms = 2 * (s.d**2 + s.layers * (s.kv_heads * s.head_dim**2 + s.ffn)) * 16
-    logits = tokens * s.vocab * (10 + (8 if objective == "ensemble" else 0))
-    activations = s.layers * tokens * s.d * 2 + tokens * s.d * (34 + 5 * s.heads * seq / s.d) + logits
+    loss = loss_bytes(s, tokens, objective, sliced)
+    activations = s.layers * tokens * s.d * 2 + tokens * s.d * (34 + 5 * s.heads * seq / s.d) + loss
     return {
         "endpoint layers": layers,
         "embeddings, heads": 4 * s.vocab * s.d * b,
@@ -154,7 +172,8 @@ def main() -> None:
     args = parser.parse_args()
 
     m = SHAPES[MEASURED["shape"]]
-    check = sum(memory(m, 1, MEASURED["tokens"], MEASURED["seq"], MEASURED["endpoint_bytes"], False, MEASURED["objective"]).values()) / GB
+    check = sum(memory(m, 1, MEASURED["tokens"], MEASURED["seq"], MEASURED["endpoint_bytes"], False, MEASURED["objective"],
+                       sliced=False).values()) / GB
     print(f"Calibration: {MEASURED['shape']}, {MEASURED['tokens']} tokens, fp32 endpoints, one H100: "
           f"{throughput() / 1e12:.0f} TFLOP/s achieved ({MEASURED['gpu_seconds'] * 1e3:.0f} ms of GPU work); "
           f"memory model {check:.2f} GB against {MEASURED['peak_gb']} GB measured ({check / MEASURED['peak_gb'] - 1:+.0%}).\n")

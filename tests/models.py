@@ -144,6 +144,12 @@ def logits(model, inputs) -> torch.Tensor:
         return model(**inputs).logits
 
 
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A causal LM's next-token loss from its logits, in their precision (the HF classes' ``.loss``
+    is computed in float32 whatever the model's dtype, too coarse to hold float64 paths to)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
 def char_tokenizer_folder(folder, vocab_size):
     """A tiny character-level fast tokenizer saved like a real one."""
     from tokenizers import Tokenizer, models, pre_tokenizers

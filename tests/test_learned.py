@@ -11,7 +11,7 @@ import hf_lmc
 from hf_lmc.matching.learned import WORST_GRID, DualMatcher, LearnedMatcher
 from hf_lmc.matching.params import PermutationParam
 from hf_lmc.verify import tiny_configs
-from tests.models import build_model, logits, relative_error, sample_inputs
+from tests.models import build_model, causal_lm_loss, logits, relative_error, sample_inputs
 
 
 def _train(matcher, batch, steps: int, lr: float = 1e-2) -> None:
@@ -244,7 +244,7 @@ def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
             moved = matcher._path()[1]
             assert all(e.ordered if s.startswith("attn.") else e.map.ordered for s, e in moved.maps.items() if s != "residual")
             a, b = (hf_lmc.canonicalize(m, dtype=torch.float64) for m in (model_a, model_b))
-            want = Interpolant(a, b)(start, 0.3, **batch, labels=batch["input_ids"]).loss
+            want = causal_lm_loss(Interpolant(a, b)(start, 0.3, **batch).logits, batch["input_ids"])
             assert abs(matcher(batch, alpha=0.3).item() - want.item()) < 1e-12 * want.item()
 
 
@@ -395,7 +395,7 @@ def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_fol
         optimizer.zero_grad()
     alphas = [i / 10 for i in range(11)]
     with torch.no_grad():
-        losses = [sum(matcher.merge(alpha)(**b, labels=b["input_ids"]).loss.item() for b in batches) / 2 for alpha in alphas]
+        losses = [sum(causal_lm_loss(matcher.merge(alpha)(**b).logits, b["input_ids"]).item() for b in batches) / 2 for alpha in alphas]
     excess = [loss - ((1 - alpha) * losses[0] + alpha * losses[-1]) for alpha, loss in zip(alphas, losses)]
     expected = alphas[max(range(1, 10), key=excess.__getitem__)]
     matcher.worst_alpha.fill_(0.9 if expected < 0.7 else 0.1)  # so locating has to move it
@@ -756,7 +756,7 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
     # worst-point grid, whatever the training objective (the default, ensemble, here)
     transform_a, transform_b = budgeted._path()
     with torch.no_grad():
-        grid = [sum(budgeted.interpolant(transform_b, alpha, transform_a, **b, labels=b["input_ids"]).loss.item() for b in holdout) / 2
+        grid = [sum(causal_lm_loss(budgeted.interpolant(transform_b, alpha, transform_a, **b).logits, b["input_ids"]).item() for b in holdout) / 2
                 for alpha in WORST_GRID]
     assert abs(budgeted.stopping.estimate - max(0.0, loss_barrier(list(WORST_GRID), grid))) < 1e-9
     assert ("reached" in budgeted.stopping.describe()) == budgeted.stopping.reached

@@ -99,7 +99,9 @@ class Interpolant(nn.Module):
 
     ``interpolant(T_B, alpha, T_A, **batch)`` runs the two-model path;
     ``interpolant.at(transforms, weights, **batch)`` any point of the simplex;
-    ``interpolant.endpoint(k, **batch)`` endpoint ``k`` alone.
+    ``interpolant.endpoint(k, **batch)`` endpoint ``k`` alone; ``features_at`` and
+    ``endpoint_features`` the same points' last hidden states and head, for a loss that applies
+    the head itself (:mod:`hf_lmc.matching.head_loss`).
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class Interpolant(nn.Module):
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
         self.template = skeleton(self.a.adapter.model_class, self.config).eval()
+        self._head_key = _vocabulary_head_key(self.template) if not a.adapter.takes_images else None
         for module in self.template.modules():  # no weights of its own: every call supplies them
             for name in module._parameters:
                 module._parameters[name] = None
@@ -195,11 +198,33 @@ class Interpolant(nn.Module):
     def endpoint(self, k: int, **batch):
         """Endpoint ``k``'s own output, unmoved: built from its tensors alone (no zero-weight
         copies of the others), so it is exactly the stock model it was made from."""
+        return self._evaluate(self._endpoint_point(k), batch)
+
+    @property
+    def has_vocabulary_head(self) -> bool:
+        """Whether the model ends in a bias-free vocabulary head (the causal LMs), which
+        :meth:`features_at` and :meth:`endpoint_features` return instead of applying."""
+        return self._head_key is not None
+
+    def features_at(self, transforms, weights, **batch) -> tuple[Tensor, Tensor]:
+        """``(hidden, head)`` of the point :meth:`at` evaluates: its last hidden states (after
+        the final norm, ``B x S x d``) and its output embedding (``V x d``), whose product is
+        :meth:`at`'s logits. The path's losses take that product a slice of positions at a time
+        (:mod:`hf_lmc.matching.head_loss`) rather than hold the ``B S x V`` logits."""
+        if len(transforms) != len(self.models) or len(weights) != len(self.models):
+            raise ValueError(f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each")
+        return self._evaluate(_Point(tuple(transforms), tuple(weights)), batch, features=True)
+
+    def endpoint_features(self, k: int, **batch) -> tuple[Tensor, Tensor]:
+        """``(hidden, head)`` of endpoint ``k`` alone, as :meth:`features_at` returns them."""
+        return self._evaluate(self._endpoint_point(k), batch, features=True)
+
+    def _endpoint_point(self, k: int) -> _Point:
         if not 0 <= k < len(self.models):
             raise ValueError(f"the interpolant has {len(self.models)} endpoints; there is no endpoint {k}")
-        return self._evaluate(_Point((None,), (1.0,), (k,)), batch)
+        return _Point((None,), (1.0,), (k,))
 
-    def _evaluate(self, point: _Point, batch: dict):
+    def _evaluate(self, point: _Point, batch: dict, features: bool = False):
         if hasattr(self.config, "use_cache"):
             batch.setdefault("use_cache", False)  # a KV cache would be filled twice by checkpoint recomputation
         for transform in point.transforms:
@@ -209,6 +234,22 @@ class Interpolant(nn.Module):
         try:
             # Embeddings, final norm and head here; every layer builds its own weights when called.
             state = self._group("embed", point) | self._group("head", point)
-            return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
+            if not features:
+                return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
+            if self._head_key is None:
+                raise ValueError(f"{type(self.template).__name__} ends in no vocabulary head: evaluate it whole")
+            prefix = self.template.base_model_prefix + "."
+            body = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+            hidden = functional_call(self.template.base_model, body, args=(), kwargs=batch, tie_weights=False, strict=False)
+            return hidden.last_hidden_state, state[self._head_key]
         finally:
             self._point = _Point()
+
+
+def _vocabulary_head_key(model: nn.Module) -> str | None:
+    """The state-dict key of ``model``'s output embedding when it is a bias-free linear map of
+    the base model's last hidden states (GPT-2, GPT-NeoX, LLaMA); ``None`` otherwise."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    return next(f"{name}.weight" for name, module in model.named_modules() if module is head)

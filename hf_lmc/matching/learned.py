@@ -29,6 +29,7 @@ from ..grids import alpha_grid, excess_over_line
 from ..options import FOCI, OBJECTIVES
 from ..symmetry import Transform
 from .endpoints import EndpointSharding, sharding_of
+from .head_loss import mixture_loss, next_token_loss
 from .interpolant import Interpolant
 from .trainable import TrainableTransform
 from .training import train
@@ -83,20 +84,43 @@ class TrainedPath(nn.Module):
         so a point that matches it has no barrier; and unlike one-hot labels it says, at every
         position, what the two models predict together. (On a classifier whose endpoints are
         near one-hot the two objectives coincide.)
+
+        A causal LM's head is applied a slice of positions at a time under either objective
+        (:mod:`~hf_lmc.matching.head_loss`), so no step holds its tokens x vocabulary logits.
         """
         batch = self._perturbed(batch)
         if self.objective == "labels":
-            return self.interpolant.at(transforms, weights, **_labelled(batch)).loss
+            return self._labels_loss(batch, transforms, weights)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        mask = inputs.get("attention_mask")
+        if self.interpolant.has_vocabulary_head:
+            with torch.no_grad():
+                endpoints = [self.interpolant.endpoint_features(k, **inputs) for k in range(len(weights))]
+            hidden, head = self.interpolant.features_at(transforms, weights, **inputs)
+            return mixture_loss(hidden, head, endpoints, weights, mask)
         with torch.no_grad():
             target = sum(w * _wide(self.interpolant.endpoint(k, **inputs).logits).softmax(-1) for k, w in enumerate(weights))
         log_probs = _wide(self.interpolant.at(transforms, weights, **inputs).logits).log_softmax(-1)
         per_position = -(target * log_probs).sum(-1)
-        mask = inputs.get("attention_mask")
         if mask is None or per_position.dim() != mask.dim():
             return per_position.mean()
         mask = mask.to(per_position.dtype)
         return (per_position * mask).sum() / mask.sum()
+
+    def _labels_loss(self, batch: dict[str, Tensor], transforms=None, weights=None, endpoint: int | None = None) -> Tensor:
+        """The labels' cross-entropy at the point ``(transforms, weights)``, or of ``endpoint``
+        alone, as the stock class computes it; a causal LM's a slice of positions at a time
+        (:func:`~hf_lmc.matching.head_loss.next_token_loss`)."""
+        inputs = _labelled(batch)
+        if not self.interpolant.has_vocabulary_head:
+            output = self.interpolant.endpoint(endpoint, **inputs) if endpoint is not None else self.interpolant.at(transforms, weights, **inputs)
+            return output.loss
+        labels = inputs.pop("labels")
+        if endpoint is not None:
+            hidden, head = self.interpolant.endpoint_features(endpoint, **inputs)
+        else:
+            hidden, head = self.interpolant.features_at(transforms, weights, **inputs)
+        return next_token_loss(hidden, head, labels)
 
     #: The package's training loop as a method: ``path.fit(batches, steps=...)`` is
     #: :func:`hf_lmc.matching.training.train` ``(path, batches, steps=...)``, with the same
@@ -327,9 +351,9 @@ class PairPath(TrainedPath):
         losses = torch.zeros(len(WORST_GRID), dtype=torch.float64)
         count = 0
         for batch in batches:
-            inputs = _labelled(self._perturbed(batch))
-            ends = [self.interpolant.endpoint(k, **inputs).loss for k in (0, 1)]
-            inner = [self.interpolant.at(transforms, (1 - alpha, alpha), **inputs).loss for alpha in WORST_GRID[1:-1]]
+            inputs = self._perturbed(batch)
+            ends = [self._labels_loss(inputs, endpoint=k) for k in (0, 1)]
+            inner = [self._labels_loss(inputs, transforms, (1 - alpha, alpha)) for alpha in WORST_GRID[1:-1]]
             losses += torch.stack([ends[0], *inner, ends[1]]).double().cpu()
             count += 1
         if count == 0:

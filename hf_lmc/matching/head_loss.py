@@ -1,0 +1,154 @@
+"""The cross-entropy of a language model's head, taken over slices of positions (docs/design.md §5).
+
+A point of the path predicts ``softmax(h W^T)`` at every position, from its last hidden states
+``h`` (T x d, after the final norm) and its output embedding ``W`` (V x d). Computed whole, the
+T x V logits are held several times over (the logits, their log-softmax, its gradient, and for
+the ensemble objective each endpoint's logits and their mixture): at a vocabulary of 128256 and
+4096 tokens a step, most of a step's memory. Here the positions are taken in slices of at most
+:data:`SLICE_BYTES` of float32 logits. Each slice's gradient with respect to ``h`` and ``W`` is
+computed in the forward, where the slice's softmax is at hand (``dL/dz = (softmax(z) - t) m / n``),
+so no T x V tensor is ever alive and no slice is recomputed in backward.
+
+This is the fused linear cross-entropy of Liger Kernel and Apple's Cut Cross-Entropy. Both are
+Triton kernels for GPUs with one-hot labels; the path's losses must also run on CPUs, under
+autocast, and against a soft target (the endpoints' mixture), hence this version in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+#: The most bytes one slice's float32 logits take: the slice is ``SLICE_BYTES // (4 V)``
+#: positions (at least one), 512 at a vocabulary of 128256, all of them at a character vocabulary.
+SLICE_BYTES = 1 << 28
+
+#: ``target(start, stop, logits)``: the slice's targets, either distributions (``(stop - start) x V``,
+#: float) or class indices (``stop - start``, integer).
+Target = Callable[[int, int, Tensor], Tensor]
+
+
+def _wide_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def compute_dtype(hidden: Tensor, head: Tensor) -> torch.dtype:
+    """The dtype of the head's products: autocast's where autocast is on (what the stock head's
+    ``nn.Linear`` would use), otherwise the inputs'."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, head.dtype)
+
+
+class _SlicedCrossEntropy(torch.autograd.Function):
+    """``sum_i m_i CE(t_i, softmax(h_i W^T)) / sum_i m_i``, its gradients computed slice by slice in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, head: Tensor, row_weights: Tensor, target: Target, rows: int) -> Tensor:
+        compute = compute_dtype(hidden, head)
+        wide = _wide_dtype(compute)
+        wants_hidden, wants_head = ctx.needs_input_grad[:2]
+        grad_hidden = torch.zeros(hidden.shape, dtype=wide, device=hidden.device) if wants_hidden else None
+        grad_head = torch.zeros(head.shape, dtype=wide, device=head.device) if wants_head else None
+        total = torch.zeros((), dtype=wide, device=hidden.device)
+        count = row_weights.sum(dtype=wide)
+        with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit here
+            weight = head.to(compute)  # cast once, not once a slice
+            for start in range(0, hidden.shape[0], rows):
+                stop = min(start + rows, hidden.shape[0])
+                h, m = hidden[start:stop].to(compute), row_weights[start:stop].to(wide)
+                z = (h @ weight.T).to(wide)
+                t = target(start, stop, z)
+                log_norm = torch.logsumexp(z, dim=-1)
+                if t.is_floating_point():  # distributions: <t, z> row by row, without a product the size of z
+                    dot = (t.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+                else:  # class indices
+                    dot = z.gather(1, t[:, None]).view(-1)
+                total += (m * (log_norm - dot)).sum()
+                if wants_hidden or wants_head:
+                    g = z.sub_(log_norm[:, None]).exp_()  # softmax(z), in z's memory
+                    if t.is_floating_point():
+                        g.sub_(t)
+                    else:
+                        g.scatter_add_(1, t[:, None], torch.full_like(dot[:, None], -1))
+                    g = g.mul_((m / count)[:, None]).to(compute)
+                    if wants_hidden:
+                        grad_hidden[start:stop] = g @ weight
+                    if wants_head:
+                        grad_head += g.T @ h
+        ctx.save_for_backward(*(x for x in (grad_hidden, grad_head) if x is not None))
+        ctx.wants = (wants_hidden, wants_head)
+        ctx.dtypes = (hidden.dtype, head.dtype)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        saved = iter(ctx.saved_tensors)
+        grads = [(next(saved) * grad_output).to(dtype) if wants else None for wants, dtype in zip(ctx.wants, ctx.dtypes)]
+        return grads[0], grads[1], None, None, None
+
+
+def sliced_cross_entropy(hidden: Tensor, head: Tensor, target: Target, row_weights: Tensor, rows: int | None = None) -> Tensor:
+    """The mean cross-entropy, weighted by ``row_weights``, of ``softmax(hidden @ head.T)`` to
+    ``target``, never holding more than one slice of the logits.
+
+    Args:
+        hidden: ``N x d`` hidden states (one row per position).
+        head: ``V x d`` output embedding (no bias).
+        target: called as ``target(start, stop, logits)`` with the slice's float32 (or wider)
+            logits; returns the rows' targets without gradient: distributions
+            (``(stop - start) x V``) or class indices (``stop - start``).
+        row_weights: ``N`` weights of the rows (0 drops a row); the loss is divided by their sum.
+        rows: positions per slice (default: :data:`SLICE_BYTES` of float32 logits).
+    """
+    if hidden.dim() != 2 or head.dim() != 2 or hidden.shape[1] != head.shape[1]:
+        raise ValueError(f"hidden (N x d) and head (V x d) must share d; got {tuple(hidden.shape)} and {tuple(head.shape)}")
+    rows = rows or max(1, SLICE_BYTES // (4 * head.shape[0]))
+    return _SlicedCrossEntropy.apply(hidden, head, row_weights, target, rows)
+
+
+def next_token_loss(hidden: Tensor, head: Tensor, labels: Tensor, ignore_index: int = -100, rows: int | None = None) -> Tensor:
+    """A causal LM's loss as its HF class computes it (position i predicts ``labels[i + 1]``;
+    ``ignore_index`` labels and the last position count for nothing), from ``B x S x d`` hidden
+    states and the head, a slice of positions at a time."""
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    labels = labels[:, 1:].reshape(-1).to(hidden.device)
+    keep = labels != ignore_index
+    index = labels.clamp_min(0)  # an ignored row's index is never read: its weight is 0
+    return sliced_cross_entropy(hidden, head, lambda start, stop, _: index[start:stop], keep, rows)
+
+
+def mixture_loss(
+    hidden: Tensor,
+    head: Tensor,
+    endpoints: Sequence[tuple[Tensor, Tensor]],
+    weights: Sequence[float | Tensor],
+    mask: Tensor | None = None,
+    rows: int | None = None,
+) -> Tensor:
+    """The cross-entropy of the point's predictions to ``sum_k w_k softmax(h_k W_k^T)``, the
+    endpoints' predictions mixed at ``weights``, at every position (``mask`` weighs them, as an
+    attention mask does), a slice of positions at a time.
+
+    ``endpoints``: each endpoint's ``(hidden, head)``, the hidden states ``B x S x d`` as
+    ``hidden``'s; they carry no gradient.
+    """
+    d = hidden.shape[-1]
+    compute = compute_dtype(hidden, head)
+    flat = [(h.detach().reshape(-1, d), w.detach().to(compute)) for h, w in endpoints]
+    mix = [float(w) for w in weights]
+
+    def mixture(start: int, stop: int, logits: Tensor) -> Tensor:
+        target = None
+        for (h, w), share in zip(flat, mix):
+            p = (h[start:stop].to(compute) @ w.T).to(logits.dtype)
+            p = p.sub_(p.amax(-1, keepdim=True)).exp_()  # the softmax in place: one slice-sized buffer per endpoint
+            p = p.div_(p.sum(-1, keepdim=True))
+            target = p.mul_(share) if target is None else target.add_(p, alpha=share)
+        return target
+
+    row_weights = torch.ones(hidden.shape[:-1], dtype=torch.bool, device=hidden.device) if mask is None else mask
+    return sliced_cross_entropy(hidden.reshape(-1, d), head, mixture, row_weights.reshape(-1).to(hidden.device), rows)

@@ -1,0 +1,154 @@
+"""The path's losses take a causal LM's head a slice of positions at a time: the same loss and
+gradients as the whole logits, and no tensor of tokens x vocabulary on the way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_lmc.matching import head_loss
+from hf_lmc.matching.head_loss import mixture_loss, next_token_loss, sliced_cross_entropy
+from hf_lmc.matching.learned import DualMatcher, SimplexMatcher
+from hf_lmc.verify import tiny_configs
+from tests.models import build_model, sample_inputs
+
+LANGUAGE_MODELS = ["gpt2", "gpt_neox", "llama"]
+
+
+def _grads(loss: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return list(torch.autograd.grad(loss, tensors))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, None])
+def test_sliced_cross_entropy_is_the_whole_cross_entropy_and_its_gradients(rows):
+    """Soft targets, row weights with zeros, any slice size: value and both gradients as the
+    whole ``softmax(h W^T)`` computes them (float64)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    head = torch.randn(11, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    target = torch.randn(13, 11, dtype=torch.float64, generator=gen).softmax(-1)
+    weights = torch.tensor([1, 0, 1, 1, 2, 1, 0, 1, 1, 1, 1, 0, 1], dtype=torch.float64)
+
+    loss = sliced_cross_entropy(hidden, head, lambda start, stop, _: target[start:stop], weights, rows)
+    per_row = -(target * (hidden @ head.T).log_softmax(-1)).sum(-1)
+    expected = (weights * per_row).sum() / weights.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-13)
+    for got, want in zip(_grads(loss, hidden, head), _grads(expected, hidden, head)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    with torch.no_grad():  # no gradient asked: the same value
+        assert sliced_cross_entropy(hidden, head, lambda start, stop, _: target[start:stop], weights, rows).item() == pytest.approx(expected.item(), rel=1e-13)
+
+
+def test_next_token_loss_is_the_causal_lm_loss():
+    """Position i predicts label i + 1; ignored labels (-100) and the last position count for nothing."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 6, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    head = torch.randn(9, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 9, (2, 6), generator=gen)
+    labels[0, 3] = labels[1, 1] = -100
+    loss = next_token_loss(hidden, head, labels, rows=2)
+    logits = hidden @ head.T
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 9), labels[:, 1:].reshape(-1), ignore_index=-100)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-13)
+    for got, want in zip(_grads(loss, hidden, head), _grads(expected, hidden, head)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_mixture_loss_under_autocast_runs_the_products_in_autocast_dtype():
+    """Under bfloat16 autocast the head's products run in bfloat16 (as the stock head's would)
+    and the softmax in float32; the gradients come back in the inputs' dtypes."""
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(2, 5, 8, generator=gen, requires_grad=True)
+    head = torch.randn(16, 8, generator=gen, requires_grad=True)
+    ends = [(torch.randn(2, 5, 8, generator=gen), torch.randn(16, 8, generator=gen)) for _ in range(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = mixture_loss(hidden, head, ends, (0.4, 0.6), rows=3)
+    target = sum(w * (h.bfloat16() @ W.bfloat16().T).float().softmax(-1) for w, (h, W) in zip((0.4, 0.6), ends))
+    expected = -(target * (hidden.bfloat16() @ head.bfloat16().T).float().log_softmax(-1)).sum(-1).mean()
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    grad_hidden, grad_head = _grads(loss, hidden, head)
+    assert grad_hidden.dtype == grad_head.dtype == torch.float32
+    torch.testing.assert_close(grad_head, _grads(expected, head)[0], rtol=2e-2, atol=1e-3)
+
+
+def _dense_loss(matcher, batch, transforms, weights) -> torch.Tensor:
+    """The path's loss computed from the stock model's whole logits (float64)."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = matcher.interpolant.at(transforms, weights, **inputs).logits
+    if matcher.objective == "labels":
+        labels = batch.get("labels", batch["input_ids"])
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    with torch.no_grad():
+        target = sum(w * matcher.interpolant.endpoint(k, **inputs).logits.softmax(-1) for k, w in enumerate(weights))
+    return -(target * logits.log_softmax(-1)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("objective", ["labels", "ensemble"])
+@pytest.mark.parametrize("arch", LANGUAGE_MODELS)
+def test_path_loss_and_gradients_are_those_of_the_whole_logits(arch, objective, monkeypatch):
+    """Every causal LM family, both objectives, slices of 3 positions: the matcher's loss and the
+    gradients of every trained parameter are those of the stock model's whole logits."""
+    config = tiny_configs()[arch]
+    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 3 * config.vocab_size)
+    matcher = DualMatcher(build_model(config, seed=1), build_model(config, seed=2), objective=objective, dtype=torch.float64)
+    batch = dict(sample_inputs(config, dtype=torch.float64, batch=3))
+    weights = (0.6, 0.4)
+    parameters = [p for p in matcher.parameters() if p.requires_grad]
+
+    loss = matcher._point_loss(batch, matcher._path(), weights)
+    expected = _dense_loss(matcher, batch, matcher._path(), weights)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    got, want = _grads(loss, *parameters), _grads(expected, *parameters)
+    assert max((g - w).abs().max() / w.abs().max().clamp_min(1e-30) for g, w in zip(got, want)) < 1e-10
+    assert any(w.abs().max() > 0 for w in want)
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the most elements of any tensor an operator returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("objective", ["labels", "ensemble"])
+def test_a_step_never_holds_the_tokens_by_vocabulary_logits(objective, monkeypatch):
+    """A training step (forward and backward) and the worst-point search of a causal LM with a
+    vocabulary far wider than the model: no operator returns a tensor of tokens x vocabulary
+    elements (the whole logits are 20 times the next largest tensor here)."""
+    config = tiny_configs()["llama"]
+    config.vocab_size = 2048
+    models = [build_model(config, seed=s, dtype=torch.float32) for s in (1, 2)]
+    matcher = DualMatcher(*models, objective=objective, dtype=torch.float32)
+    batch = {"input_ids": torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))}
+    tokens_by_vocabulary = batch["input_ids"].numel() * config.vocab_size
+    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 8 * config.vocab_size)  # 8 positions a slice
+    with _LargestOutput() as watch:
+        matcher(batch, alpha=0.5).backward()
+        matcher.locate_worst([batch])
+    assert watch.largest < tokens_by_vocabulary / 4
+    with _LargestOutput() as whole:  # the stock model's forward does hold them: the watch can see them
+        models[0](**batch)
+    assert whole.largest >= tokens_by_vocabulary
+
+
+def test_simplex_loss_mixes_every_endpoint_a_slice_at_a_time(monkeypatch):
+    config = tiny_configs()["gpt2"]
+    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 5 * config.vocab_size)
+    models = [build_model(config, seed=s) for s in (1, 2, 3)]
+    matcher = SimplexMatcher(models, init="identity", objective="ensemble", dtype=torch.float64)
+    inputs = dict(sample_inputs(config, dtype=torch.float64, batch=3))
+    weights = (0.5, 0.3, 0.2)
+    with torch.no_grad():
+        transforms = [t() for t in matcher.learned]
+        expected = _dense_loss(matcher, inputs, transforms, weights)
+        assert matcher(inputs, weights=weights).item() == pytest.approx(expected.item(), rel=1e-12)
