@@ -16,7 +16,7 @@ Memory per GPU (bytes; ``b`` is the endpoints' dtype size, ``N`` the processes):
   per-KV-head OV maps, MLP scales; float32 parameter, gradient and two moments);
 * activations (Korthikanti et al. 2022, full recomputation): ``L T d x 2`` at the layer
   boundaries, one layer recomputed ``T d (34 + 5 a s / d)``, and the loss. The loss takes the
-  head a slice of ``r = min(T, 2^28 / 4V)`` positions at a time (``hf_lmc.matching.head_loss``):
+  head a slice of ``r = min(T, 2^27 / 4V)`` positions at a time (``hf_lmc.matching.head_loss``):
   ``r V x 12`` (ensemble: the slice's logits, the target and one endpoint's, or the
   log-normaliser's temporary, in float32) or ``r V x 8`` (labels), plus the gradients it
   computes in its forward, ``T d x 4`` and ``V d x 4``, and for the ensemble objective the

@@ -22,11 +22,15 @@ import torch
 from torch import Tensor
 
 #: The most bytes one slice's float32 logits take: the slice is ``SLICE_BYTES // (4 V)``
-#: positions (at least one), 512 at a vocabulary of 128256, all of them at a character vocabulary.
-SLICE_BYTES = 1 << 28
+#: positions (at least one), 261 at a vocabulary of 128256, all of them at a character vocabulary.
+#: The loss holds three such buffers at most. Smaller slices would save little more and make a
+#: GPU's product of a slice with the head (which reads the whole head each time) wait on memory
+#: bandwidth rather than arithmetic.
+SLICE_BYTES = 1 << 27
 
 #: ``target(start, stop, logits)``: the slice's targets, either distributions (``(stop - start) x V``,
-#: float) or class indices (``stop - start``, integer).
+#: float) or class indices (``stop - start``, integer). It must not keep ``logits``, whose memory
+#: the loss reuses.
 Target = Callable[[int, int, Tensor], Tensor]
 
 
@@ -41,6 +45,41 @@ def compute_dtype(hidden: Tensor, head: Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return torch.promote_types(hidden.dtype, head.dtype)
+
+
+def _slice(h: Tensor, weight: Tensor, target: Target, rows: slice, m: Tensor, count: Tensor, wide: torch.dtype,
+           grads: tuple[Tensor | None, Tensor | None]) -> Tensor:
+    """One slice: its share of the loss's numerator, its gradients written into ``grads`` (the
+    rows of ``dL/dh``, the sum ``dL/dW``). A function of its own so that the slice's buffers are
+    freed when it returns, before the next slice allocates."""
+    z = (h @ weight.T).to(wide)
+    t = target(rows.start, rows.stop, z)
+    if t.is_floating_point():  # distributions: <t, z> row by row, without a product the size of z
+        dot = (t.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+    else:  # class indices
+        dot = z.gather(1, t[:, None]).view(-1)
+    top = z.amax(-1, keepdim=True)
+    e = z.sub_(top).exp_()  # exp(z - max z), in z's memory: z is not needed again
+    sums = e.sum(-1, keepdim=True)
+    numerator = (m * (sums.log().add_(top).view(-1) - dot)).sum()  # log-normaliser minus <t, z>
+    grad_hidden, grad_head = grads
+    if grad_hidden is None and grad_head is None:
+        return numerator
+    g = e.div_(sums)  # softmax(z)
+    if t.is_floating_point():
+        g.sub_(t)
+    else:
+        g.scatter_add_(1, t[:, None], torch.full_like(dot[:, None], -1))
+    del t
+    g = g.mul_((m / count)[:, None]).to(weight.dtype)
+    if grad_hidden is not None:
+        grad_hidden.copy_(g @ weight)
+    if grad_head is not None:  # accumulated in place where the dtypes allow: no second V x d buffer
+        if g.dtype == grad_head.dtype:
+            grad_head.addmm_(g.T, h)
+        else:
+            grad_head += g.T @ h
+    return numerator
 
 
 class _SlicedCrossEntropy(torch.autograd.Function):
@@ -59,26 +98,9 @@ class _SlicedCrossEntropy(torch.autograd.Function):
             weight = head.to(compute)  # cast once, not once a slice
             for start in range(0, hidden.shape[0], rows):
                 stop = min(start + rows, hidden.shape[0])
-                h, m = hidden[start:stop].to(compute), row_weights[start:stop].to(wide)
-                z = (h @ weight.T).to(wide)
-                t = target(start, stop, z)
-                log_norm = torch.logsumexp(z, dim=-1)
-                if t.is_floating_point():  # distributions: <t, z> row by row, without a product the size of z
-                    dot = (t.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
-                else:  # class indices
-                    dot = z.gather(1, t[:, None]).view(-1)
-                total += (m * (log_norm - dot)).sum()
-                if wants_hidden or wants_head:
-                    g = z.sub_(log_norm[:, None]).exp_()  # softmax(z), in z's memory
-                    if t.is_floating_point():
-                        g.sub_(t)
-                    else:
-                        g.scatter_add_(1, t[:, None], torch.full_like(dot[:, None], -1))
-                    g = g.mul_((m / count)[:, None]).to(compute)
-                    if wants_hidden:
-                        grad_hidden[start:stop] = g @ weight
-                    if wants_head:
-                        grad_head += g.T @ h
+                grads = (grad_hidden[start:stop] if wants_hidden else None, grad_head)
+                total += _slice(hidden[start:stop].to(compute), weight, target, slice(start, stop),
+                                row_weights[start:stop].to(wide), count, wide, grads)
         ctx.save_for_backward(*(x for x in (grad_hidden, grad_head) if x is not None))
         ctx.wants = (wants_hidden, wants_head)
         ctx.dtypes = (hidden.dtype, head.dtype)

@@ -173,7 +173,10 @@ class Interpolant(nn.Module):
         for k, transform in zip(members, point.transforms):
             tensors = self.models[k].group(group)
             moved.append({n: transform.apply_tensor(n, t) for n, t in tensors.items()} if transform is not None else tensors)
-        merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
+        if len(moved) == 1 and isinstance(point.weights[0], float) and point.weights[0] == 1.0:
+            merged = moved[0]  # one endpoint as it is: its own tensors, not a copy (x * 1.0 is x)
+        else:
+            merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
 
     def state(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None) -> dict[str, Tensor]:
