@@ -14,9 +14,10 @@ less the resident memory before it (models, endpoints, transforms).
     python benchmarks/loss_memory.py                          # vocabularies 32000 and 128256
     python benchmarks/loss_memory.py --vocab 50304 --batch 8
 
-It uses the public API only, so the same script measures another checkout of hf_lmc
-(``PYTHONPATH=/path/to/checkout python benchmarks/loss_memory.py``): the before and after of
-docs/benchmarks.md §6.4.
+It uses the public API only, so the same script measures another checkout of hf_lmc, run from
+that checkout's folder (the step processes import from the working directory first):
+``cd /path/to/checkout && PYTHONPATH=. python /path/to/this/loss_memory.py``. The "loss sliced"
+column says which code ran. That is the before and after of docs/benchmarks.md §6.4.
 """
 
 from __future__ import annotations
