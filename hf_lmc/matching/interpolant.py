@@ -194,9 +194,7 @@ class Interpolant(nn.Module):
 
     def at(self, transforms, weights, **batch):
         """The stock model's output at ``sum_k weights[k] transforms[k](m_k)`` (``None``: m_k as it is)."""
-        if len(transforms) != len(self.models) or len(weights) != len(self.models):
-            raise ValueError(f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each")
-        return self._evaluate(_Point(tuple(transforms), tuple(weights)), batch)
+        return self._evaluate(self._point_at(transforms, weights), batch)
 
     def endpoint(self, k: int, **batch):
         """Endpoint ``k``'s own output, unmoved: built from its tensors alone (no zero-weight
@@ -214,13 +212,16 @@ class Interpolant(nn.Module):
         the final norm, ``B x S x d``) and its output embedding (``V x d``), whose product is
         :meth:`at`'s logits. The path's losses take that product a slice of positions at a time
         (:mod:`hf_lmc.matching.head_loss`) rather than hold the ``B S x V`` logits."""
-        if len(transforms) != len(self.models) or len(weights) != len(self.models):
-            raise ValueError(f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each")
-        return self._evaluate(_Point(tuple(transforms), tuple(weights)), batch, features=True)
+        return self._evaluate(self._point_at(transforms, weights), batch, features=True)
 
     def endpoint_features(self, k: int, **batch) -> tuple[Tensor, Tensor]:
         """``(hidden, head)`` of endpoint ``k`` alone, as :meth:`features_at` returns them."""
         return self._evaluate(self._endpoint_point(k), batch, features=True)
+
+    def _point_at(self, transforms, weights) -> _Point:
+        if len(transforms) != len(self.models) or len(weights) != len(self.models):
+            raise ValueError(f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each")
+        return _Point(tuple(transforms), tuple(weights))
 
     def _endpoint_point(self, k: int) -> _Point:
         if not 0 <= k < len(self.models):
