@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_lmc.matching import head_loss
 from hf_lmc.matching.head_loss import mixture_loss, next_token_loss, sliced_cross_entropy
 from hf_lmc.matching.learned import DualMatcher, SimplexMatcher
 from hf_lmc.verify import tiny_configs
-from tests.models import build_model, sample_inputs
+from tests.models import build_model, causal_lm_loss, sample_inputs
 
 LANGUAGE_MODELS = ["gpt2", "gpt_neox", "llama"]
 
@@ -50,7 +49,7 @@ def test_next_token_loss_is_the_causal_lm_loss():
     labels[0, 3] = labels[1, 1] = -100
     loss = next_token_loss(hidden, head, labels, rows=2)
     logits = hidden @ head.T
-    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 9), labels[:, 1:].reshape(-1), ignore_index=-100)
+    expected = causal_lm_loss(logits, labels)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-13)
     for got, want in zip(_grads(loss, hidden, head), _grads(expected, hidden, head)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
@@ -79,7 +78,7 @@ def _dense_loss(matcher, batch, transforms, weights) -> torch.Tensor:
     logits = matcher.interpolant.at(transforms, weights, **inputs).logits
     if matcher.objective == "labels":
         labels = batch.get("labels", batch["input_ids"])
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return causal_lm_loss(logits, labels)
     with torch.no_grad():
         target = sum(w * matcher.interpolant.endpoint(k, **inputs).logits.softmax(-1) for k, w in enumerate(weights))
     return -(target * logits.log_softmax(-1)).sum(-1).mean()

@@ -47,6 +47,14 @@ def compute_dtype(hidden: Tensor, head: Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, head.dtype)
 
 
+def _shifted_exp_(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(e, sums, top)``: ``e = exp(z - max z)`` row by row, in ``z``'s memory, its row sums and
+    the row maxima; ``softmax(z) = e / sums`` and ``logsumexp(z) = log(sums) + top``."""
+    top = z.amax(-1, keepdim=True)
+    e = z.sub_(top).exp_()
+    return e, e.sum(-1, keepdim=True), top
+
+
 def _slice(h: Tensor, weight: Tensor, target: Target, rows: slice, m: Tensor, count: Tensor, wide: torch.dtype,
            grads: tuple[Tensor | None, Tensor | None]) -> Tensor:
     """One slice: its share of the loss's numerator, its gradients written into ``grads`` (the
@@ -58,9 +66,7 @@ def _slice(h: Tensor, weight: Tensor, target: Target, rows: slice, m: Tensor, co
         dot = (t.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
     else:  # class indices
         dot = z.gather(1, t[:, None]).view(-1)
-    top = z.amax(-1, keepdim=True)
-    e = z.sub_(top).exp_()  # exp(z - max z), in z's memory: z is not needed again
-    sums = e.sum(-1, keepdim=True)
+    e, sums, top = _shifted_exp_(z)  # in z's memory: z is not needed again
     numerator = (m * (sums.log().add_(top).view(-1) - dot)).sum()  # log-normaliser minus <t, z>
     grad_hidden, grad_head = grads
     if grad_hidden is None and grad_head is None:
@@ -166,9 +172,8 @@ def mixture_loss(
     def mixture(start: int, stop: int, logits: Tensor) -> Tensor:
         target = None
         for (h, w), share in zip(flat, mix):
-            p = (h[start:stop].to(compute) @ w.T).to(logits.dtype)
-            p = p.sub_(p.amax(-1, keepdim=True)).exp_()  # the softmax in place: one slice-sized buffer per endpoint
-            p = p.div_(p.sum(-1, keepdim=True))
+            e, sums, _ = _shifted_exp_((h[start:stop].to(compute) @ w.T).to(logits.dtype))
+            p = e.div_(sums)  # the softmax in place: one slice-sized buffer per endpoint
             target = p.mul_(share) if target is None else target.add_(p, alpha=share)
         return target
 
