@@ -3,12 +3,13 @@
 A learned or dual step's loss applies the head of the point on the path (and, for the ensemble
 objective, each endpoint's head) to every position: whole, that is several tokens x vocabulary
 tensors, which at a 128k vocabulary outweigh everything else a small model's step holds. Since
-``hf_lmc.matching.head_loss`` the loss takes the head a slice of positions at a time. This
+``hf_lmc.head_loss`` the loss takes the head a slice of positions at a time. This
 builds two LLaMA-shaped models narrow enough that the vocabulary dominates (hidden 256, 2 layers,
 4 heads on 2 KV heads, MLP 688, float32, random weights), and measures, each in its own process,
 one :class:`hf_lmc.DualMatcher` step per objective (the second of two; forward and backward)
 on the command line's default fitting batch (32 sequences of 128 tokens), and, for reference,
-one forward and backward of the stock model with its own loss. Memory is the step's peak RSS
+one forward and backward of the stock model with its own loss, and the held-out evaluation of one
+batch (:func:`hf_lmc.evaluation.evaluate`, no gradient). Memory is the step's peak RSS
 less the resident memory before it (models, endpoints, transforms).
 
     python benchmarks/loss_memory.py                          # vocabularies 32000 and 128256
@@ -42,6 +43,9 @@ ids = torch.randint(0, vocab, (batch, seq))
 model_a = tf.LlamaForCausalLM(config).eval()
 if mode == "stock":
     step = lambda: model_a(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+elif mode == "evaluate":
+    import hf_lmc.evaluation as evaluation
+    step = lambda: evaluation.evaluate(model_a, [{"input_ids": ids}])
 else:
     model_b = tf.LlamaForCausalLM(config).eval()
     matcher = DualMatcher(model_a, model_b, init="identity", objective=mode)
@@ -60,8 +64,15 @@ for i in range(2):
     start = time.perf_counter()
     step()
     times.append(time.perf_counter() - start)
-print(json.dumps({"wall": times[-1], "growth": rss("VmHWM") - before, "sliced": "hf_lmc.matching.head_loss" in sys.modules}))
+if mode == "evaluate":
+    sliced = hasattr(evaluation, "next_token_loss")
+else:
+    sliced = "hf_lmc.head_loss" in sys.modules or "hf_lmc.matching.head_loss" in sys.modules
+print(json.dumps({"wall": times[-1], "growth": rss("VmHWM") - before, "sliced": sliced}))
 """
+
+
+LABELS = {"stock": "stock model fwd+bwd", "labels": "dual, labels", "ensemble": "dual, ensemble", "evaluate": "evaluate (no gradient)"}
 
 
 def run(mode: str, vocab: int, batch: int, seq: int) -> dict:
@@ -76,6 +87,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes (default: 32000 128256)")
     parser.add_argument("--batch", type=int, default=32, help="sequences per batch (default: 32, the command line's fitting batch)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: 128)")
+    parser.add_argument("--measure", nargs="+", choices=list(LABELS), default=list(LABELS), help="what to measure (default: all)")
     args = parser.parse_args()
     import torch
 
@@ -85,9 +97,9 @@ def main() -> None:
     print("| vocabulary | step | loss sliced | time (s) | peak growth (GB) | one T x V float32 (GB) |\n|---|---|---|---|---|---|")
     for vocab in args.vocab:
         whole = tokens * vocab * 4 / 1e9
-        for mode in ("stock", "labels", "ensemble"):
+        for mode in args.measure:
             row = run(mode, vocab, args.batch, args.seq)
-            label = "stock model fwd+bwd" if mode == "stock" else f"dual, {mode}"
+            label = LABELS[mode]
             sliced = "—" if mode == "stock" else ("yes" if row["sliced"] else "no")
             print(f"| {vocab} | {label} | {sliced} | {row['wall']:.1f} | {row['growth'] / 1e9:.2f} | {whole:.2f} |", flush=True)
 

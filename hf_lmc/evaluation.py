@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig, PreTrainedModel
 
-from .adapters import adapter_for
+from .adapters import ADAPTERS, adapter_for
 from .checkpoint import CheckpointError, load_pickled_tensors
 from .devices import computed_on_main
+from .head_loss import next_token_loss, vocabulary_head_key
 from .options import EVAL_OPTIONS, FIT_OPTIONS, EvalOptions, ParameterError
 from .progress import bar
 
@@ -380,19 +381,39 @@ class EvalResult:
     accuracy: float | None = None
 
 
+def _vocabulary_head(model: PreTrainedModel) -> torch.Tensor | None:
+    """The output embedding of a supported language model, whose logits are exactly that
+    bias-free map of its base model's last hidden states; ``None`` for ViT and other classes."""
+    adapter = ADAPTERS.get(getattr(model.config, "model_type", None))
+    if adapter is None or adapter.takes_images or vocabulary_head_key(model) is None:
+        return None
+    return model.get_output_embeddings().weight.detach()
+
+
 @torch.no_grad()
 def evaluate(model: PreTrainedModel, batches: Iterable[Batch]) -> EvalResult:
-    """Mean cross-entropy (token-weighted for LMs) and, for classifiers, accuracy."""
+    """Mean cross-entropy (token-weighted for LMs) and, for classifiers, accuracy.
+
+    A supported language model's loss is taken from its last hidden states and head a slice of
+    positions at a time (:func:`hf_lmc.head_loss.next_token_loss`), in its own dtype with the
+    softmax in float32 or wider, so the tokens x vocabulary logits are never held whole.
+    """
     model.eval()
     device = next(model.parameters()).device
+    head = _vocabulary_head(model)
     total, count, correct = 0.0, 0, 0
     for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         if "input_ids" in batch:
-            logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
-            targets = batch["input_ids"][:, 1:]
-            total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum").item()
-            count += targets.numel()
+            ids = batch["input_ids"]
+            targets = ids.numel() - ids.shape[0]  # every position but the last predicts the next token
+            if head is not None:
+                hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+                total += next_token_loss(hidden, head, ids).item() * targets
+            else:
+                logits = model(input_ids=ids).logits[:, :-1]
+                total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum").item()
+            count += targets
         else:
             logits = model(pixel_values=batch["pixel_values"].to(model.dtype)).logits
             total += F.cross_entropy(logits.float(), batch["labels"], reduction="sum").item()

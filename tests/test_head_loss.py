@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_lmc.matching import head_loss
-from hf_lmc.matching.head_loss import mixture_loss, next_token_loss, sliced_cross_entropy
+from hf_lmc import head_loss
+from hf_lmc.evaluation import evaluate
+from hf_lmc.head_loss import mixture_loss, next_token_loss, sliced_cross_entropy
 from hf_lmc.matching.learned import DualMatcher, SimplexMatcher
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, causal_lm_loss, sample_inputs
@@ -151,3 +152,29 @@ def test_simplex_loss_mixes_every_endpoint_a_slice_at_a_time(monkeypatch):
         transforms = [t() for t in matcher.learned]
         expected = _dense_loss(matcher, inputs, transforms, weights)
         assert matcher(inputs, weights=weights).item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("arch", LANGUAGE_MODELS)
+def test_evaluation_loss_is_the_stock_models_loss(arch, monkeypatch):
+    """``evaluate`` of a causal LM, its head taken 3 positions at a time: the token-weighted mean
+    of the stock model's own next-token loss over batches of two sizes (float64)."""
+    config = tiny_configs()[arch]
+    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 3 * config.vocab_size)
+    model = build_model(config)
+    gen = torch.Generator().manual_seed(3)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (n, 7), generator=gen)} for n in (3, 1)]
+    with torch.no_grad():
+        sums = [causal_lm_loss(model(**b).logits, b["input_ids"]) * b["input_ids"][:, 1:].numel() for b in batches]
+    expected = (sum(sums) / sum(b["input_ids"][:, 1:].numel() for b in batches)).item()
+    assert evaluate(model, batches).loss == pytest.approx(expected, rel=1e-12)
+
+
+def test_evaluation_never_holds_the_tokens_by_vocabulary_logits(monkeypatch):
+    config = tiny_configs()["llama"]
+    config.vocab_size = 2048
+    model = build_model(config, dtype=torch.float32)
+    batch = {"input_ids": torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))}
+    monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 8 * config.vocab_size)
+    with _LargestOutput() as watch:
+        evaluate(model, [batch])
+    assert watch.largest < batch["input_ids"].numel() * config.vocab_size / 4

@@ -31,6 +31,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton, weighted_sum
+from ..head_loss import vocabulary_head_key
 from ..spec import Group
 from ..symmetry import Transform
 from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
@@ -101,7 +102,7 @@ class Interpolant(nn.Module):
     ``interpolant.at(transforms, weights, **batch)`` any point of the simplex;
     ``interpolant.endpoint(k, **batch)`` endpoint ``k`` alone; ``features_at`` and
     ``endpoint_features`` the same points' last hidden states and head, for a loss that applies
-    the head itself (:mod:`hf_lmc.matching.head_loss`).
+    the head itself (:mod:`hf_lmc.head_loss`).
     """
 
     def __init__(
@@ -127,7 +128,7 @@ class Interpolant(nn.Module):
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
         self.template = skeleton(self.a.adapter.model_class, self.config).eval()
-        self._head_key = _vocabulary_head_key(self.template) if not a.adapter.takes_images else None
+        self._head_key = vocabulary_head_key(self.template) if not a.adapter.takes_images else None
         for module in self.template.modules():  # no weights of its own: every call supplies them
             for name in module._parameters:
                 module._parameters[name] = None
@@ -147,7 +148,7 @@ class Interpolant(nn.Module):
             store.apply(fn)
         return self
 
-    def train(self, mode: bool = True) -> "Interpolant":
+    def train(self, mode: bool = True) -> Interpolant:
         """The stock model always runs in eval mode (no dropout): the loss must be a function of
         the transforms alone, as it is for the merged model."""
         super().train(mode)
@@ -211,7 +212,7 @@ class Interpolant(nn.Module):
         """``(hidden, head)`` of the point :meth:`at` evaluates: its last hidden states (after
         the final norm, ``B x S x d``) and its output embedding (``V x d``), whose product is
         :meth:`at`'s logits. The path's losses take that product a slice of positions at a time
-        (:mod:`hf_lmc.matching.head_loss`) rather than hold the ``B S x V`` logits."""
+        (:mod:`hf_lmc.head_loss`) rather than hold the ``B S x V`` logits."""
         return self._evaluate(self._point_at(transforms, weights), batch, features=True)
 
     def endpoint_features(self, k: int, **batch) -> tuple[Tensor, Tensor]:
@@ -249,11 +250,3 @@ class Interpolant(nn.Module):
         finally:
             self._point = _Point()
 
-
-def _vocabulary_head_key(model: nn.Module) -> str | None:
-    """The state-dict key of ``model``'s output embedding when it is a bias-free linear map of
-    the base model's last hidden states (GPT-2, GPT-NeoX, LLaMA); ``None`` otherwise."""
-    head = model.get_output_embeddings()
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        return None
-    return next(f"{name}.weight" for name, module in model.named_modules() if module is head)

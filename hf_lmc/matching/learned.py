@@ -26,10 +26,10 @@ from transformers import PreTrainedModel
 from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simplex_weights, to_hf
 from ..devices import computed_on_main, launch_device
 from ..grids import alpha_grid, excess_over_line
+from ..head_loss import mixture_loss, next_token_loss
 from ..options import FOCI, OBJECTIVES
 from ..symmetry import Transform
 from .endpoints import EndpointSharding, sharding_of
-from .head_loss import mixture_loss, next_token_loss
 from .interpolant import Interpolant
 from .trainable import TrainableTransform
 from .training import train
@@ -86,7 +86,7 @@ class TrainedPath(nn.Module):
         near one-hot the two objectives coincide.)
 
         A causal LM's head is applied a slice of positions at a time under either objective
-        (:mod:`~hf_lmc.matching.head_loss`), so no step holds its tokens x vocabulary logits.
+        (:mod:`~hf_lmc.head_loss`), so no step holds its tokens x vocabulary logits.
         """
         batch = self._perturbed(batch)
         if self.objective == "labels":
@@ -110,7 +110,7 @@ class TrainedPath(nn.Module):
     def _labels_loss(self, batch: dict[str, Tensor], transforms=None, weights=None, endpoint: int | None = None) -> Tensor:
         """The labels' cross-entropy at the point ``(transforms, weights)``, or of ``endpoint``
         alone, as the stock class computes it; a causal LM's a slice of positions at a time
-        (:func:`~hf_lmc.matching.head_loss.next_token_loss`)."""
+        (:func:`~hf_lmc.head_loss.next_token_loss`)."""
         inputs = _labelled(batch)
         if not self.interpolant.has_vocabulary_head:
             output = self.interpolant.endpoint(endpoint, **inputs) if endpoint is not None else self.interpolant.at(transforms, weights, **inputs)

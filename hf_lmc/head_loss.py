@@ -9,6 +9,9 @@ the ensemble objective each endpoint's logits and their mixture): at a vocabular
 computed in the forward, where the slice's softmax is at hand (``dL/dz = (softmax(z) - t) m / n``),
 so no T x V tensor is ever alive and no slice is recomputed in backward.
 
+The path's losses (:mod:`hf_lmc.matching.learned`) and the held-out evaluation
+(:func:`hf_lmc.evaluation.evaluate`) both take it.
+
 This is the fused linear cross-entropy of Liger Kernel and Apple's Cut Cross-Entropy. Both are
 Triton kernels for GPUs with one-hot labels; the path's losses must also run on CPUs, under
 autocast, and against a soft target (the endpoints' mixture), hence this version in torch.
@@ -19,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 #: The most bytes one slice's float32 logits take: the slice is ``SLICE_BYTES // (4 V)``
 #: positions (at least one), 261 at a vocabulary of 128256, all of them at a character vocabulary.
@@ -179,3 +182,12 @@ def mixture_loss(
 
     row_weights = torch.ones(hidden.shape[:-1], dtype=torch.bool, device=hidden.device) if mask is None else mask
     return sliced_cross_entropy(hidden.reshape(-1, d), head, mixture, row_weights.reshape(-1).to(hidden.device), rows)
+
+
+def vocabulary_head_key(model: nn.Module) -> str | None:
+    """The state-dict key of ``model``'s output embedding when it is a bias-free linear map of
+    the base model's last hidden states (GPT-2, GPT-NeoX, LLaMA); ``None`` otherwise."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    return next(f"{name}.weight" for name, module in model.named_modules() if module is head)
