@@ -9,7 +9,8 @@ builds two LLaMA-shaped models narrow enough that the vocabulary dominates (hidd
 one :class:`hf_lmc.DualMatcher` step per objective (the second of two; forward and backward)
 on the command line's default fitting batch (32 sequences of 128 tokens), and, for reference,
 one forward and backward of the stock model with its own loss, and the held-out evaluation of one
-batch (:func:`hf_lmc.evaluation.evaluate`, no gradient). Memory is the step's peak RSS
+batch (:func:`hf_lmc.evaluation.evaluate`, no gradient) and activation matching on one calibration
+batch (whose forward runs the base model alone since 2026-11-29: "loss sliced" reads "yes"). Memory is the step's peak RSS
 less the resident memory before it (models, endpoints, transforms).
 
     python benchmarks/loss_memory.py                          # vocabularies 32000 and 128256
@@ -46,6 +47,12 @@ if mode == "stock":
 elif mode == "evaluate":
     import hf_lmc.evaluation as evaluation
     step = lambda: evaluation.evaluate(model_a, [{"input_ids": ids}])
+elif mode == "activation":
+    import inspect
+    import hf_lmc
+    from hf_lmc.matching import activation
+    pair = [hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(tf.LlamaForCausalLM(config).eval())]
+    step = lambda: hf_lmc.ActivationMatcher([{"input_ids": ids}], progress=False).match(*pair)
 else:
     model_b = tf.LlamaForCausalLM(config).eval()
     matcher = DualMatcher(model_a, model_b, init="identity", objective=mode)
@@ -66,13 +73,16 @@ for i in range(2):
     times.append(time.perf_counter() - start)
 if mode == "evaluate":
     sliced = hasattr(evaluation, "next_token_loss")
+elif mode == "activation":
+    sliced = "base_model(" in inspect.getsource(activation._record)
 else:
     sliced = "hf_lmc.head_loss" in sys.modules or "hf_lmc.matching.head_loss" in sys.modules
 print(json.dumps({"wall": times[-1], "growth": rss("VmHWM") - before, "sliced": sliced}))
 """
 
 
-LABELS = {"stock": "stock model fwd+bwd", "labels": "dual, labels", "ensemble": "dual, ensemble", "evaluate": "evaluate (no gradient)"}
+LABELS = {"stock": "stock model fwd+bwd", "labels": "dual, labels", "ensemble": "dual, ensemble", "evaluate": "evaluate (no gradient)",
+          "activation": "activation matching, one calibration batch"}
 
 
 def run(mode: str, vocab: int, batch: int, seq: int) -> dict:

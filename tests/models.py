@@ -12,6 +12,7 @@ import dataclasses
 import torch
 import transformers as tf
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_lmc.verify import float64_rmsnorm, relative_error, sample_inputs  # noqa: F401  (re-exported for tests)
 
@@ -202,3 +203,18 @@ def merged_error(folder, model) -> float:
     merged = MODEL_CLASSES[model.config.model_type].from_pretrained(folder).eval()
     inputs = sample_inputs(model.config)
     return relative_error(logits(merged, inputs), logits(model, inputs))
+
+
+class LargestOutput(TorchDispatchMode):
+    """Records the most elements of any tensor an operator returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

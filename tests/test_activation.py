@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 import hf_lmc
 from hf_lmc.verify import tiny_configs
-from tests.models import build_model, sample_inputs
+from tests.models import LargestOutput, build_model, sample_inputs
 
 
 def _calibration(config, batches: int = 4):
@@ -60,3 +60,15 @@ def test_empty_calibration_data_is_an_error():
     a = hf_lmc.canonicalize(build_model(config))
     with pytest.raises(ValueError, match="no calibration tokens"):
         hf_lmc.ActivationMatcher([], progress=False).match(a, a)
+
+
+def test_calibration_never_holds_the_tokens_by_vocabulary_logits():
+    """The calibration forward runs the base model: activation matching of a causal LM whose
+    vocabulary is far wider than the model returns no tensor of tokens x vocabulary elements."""
+    config = tiny_configs()["llama"]
+    config.vocab_size = 2048
+    a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
+    ids = torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))
+    with LargestOutput() as watch:
+        hf_lmc.ActivationMatcher(ids, progress=False).match(a, b)
+    assert watch.largest < ids.numel() * config.vocab_size / 4

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_lmc import head_loss
 from hf_lmc.evaluation import evaluate
 from hf_lmc.head_loss import mixture_loss, next_token_loss, sliced_cross_entropy
 from hf_lmc.matching.learned import DualMatcher, SimplexMatcher
 from hf_lmc.verify import tiny_configs
-from tests.models import build_model, causal_lm_loss, sample_inputs
+from tests.models import LargestOutput, build_model, causal_lm_loss, sample_inputs
 
 LANGUAGE_MODELS = ["gpt2", "gpt_neox", "llama"]
 
@@ -105,21 +104,6 @@ def test_path_loss_and_gradients_are_those_of_the_whole_logits(arch, objective, 
     assert any(w.abs().max() > 0 for w in want)
 
 
-class _LargestOutput(TorchDispatchMode):
-    """Records the most elements of any tensor an operator returns."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("objective", ["labels", "ensemble"])
 def test_a_step_never_holds_the_tokens_by_vocabulary_logits(objective, monkeypatch):
     """A training step (forward and backward) and the worst-point search of a causal LM with a
@@ -132,11 +116,11 @@ def test_a_step_never_holds_the_tokens_by_vocabulary_logits(objective, monkeypat
     batch = {"input_ids": torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))}
     tokens_by_vocabulary = batch["input_ids"].numel() * config.vocab_size
     monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 8 * config.vocab_size)  # 8 positions a slice
-    with _LargestOutput() as watch:
+    with LargestOutput() as watch:
         matcher(batch, alpha=0.5).backward()
         matcher.locate_worst([batch])
     assert watch.largest < tokens_by_vocabulary / 4
-    with _LargestOutput() as whole:  # the stock model's forward does hold them: the watch can see them
+    with LargestOutput() as whole:  # the stock model's forward does hold them: the watch can see them
         models[0](**batch)
     assert whole.largest >= tokens_by_vocabulary
 
@@ -175,6 +159,6 @@ def test_evaluation_never_holds_the_tokens_by_vocabulary_logits(monkeypatch):
     model = build_model(config, dtype=torch.float32)
     batch = {"input_ids": torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))}
     monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 8 * config.vocab_size)
-    with _LargestOutput() as watch:
+    with LargestOutput() as watch:
         evaluate(model, [batch])
     assert watch.largest < batch["input_ids"].numel() * config.vocab_size / 4

@@ -247,8 +247,8 @@ def _record(spec: ArchSpec, model, batch: Batch) -> dict:
         for i in range(spec.num_layers):
             module = model.get_submodule(template.format(i=i))
             handles.append(module.register_forward_hook(lambda _m, args, _out, kind=kind: hooked[kind].append(args[0])))
-    try:
-        out = model(**inputs, output_hidden_states=True)
+    try:  # the base model: its hidden states are the whole model's, without the tokens x vocabulary logits
+        out = model.base_model(**inputs, output_hidden_states=True)
     finally:
         for handle in handles:
             handle.remove()
