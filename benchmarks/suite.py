@@ -20,6 +20,7 @@ Three tiers, one command:
 
     python -m benchmarks.suite --tier cpu                       # train (or load) and measure
     python -m benchmarks.suite --tier cpu --methods vanilla weight --families llama
+    python -m benchmarks.suite --tier cpu --pairs suite-llama-b --methods dual --learn steps=4000
     python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
 
 Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache;
@@ -348,12 +349,23 @@ def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]
     return rows
 
 
-def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
-        progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions(),
+def tier_pairs(tier: str, families: Sequence[str] = FAMILIES, names: Sequence[str] | None = None) -> list[SuitePair]:
+    """The pairs of ``tier`` in ``families``, and only those called ``names`` when given (a name
+    the tier does not have is an error)."""
+    known = [pair.entry.name for pair in TIERS[tier]]
+    unknown = [name for name in names or () if name not in known]
+    if unknown:
+        raise ValueError(f"the {tier} tier has no pair {', '.join(unknown)}; it has {', '.join(known)}")
+    return [pair for pair in TIERS[tier] if pair.family in families and (names is None or pair.entry.name in names)]
+
+
+def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, names: Sequence[str] | None = None,
+        cache: Path | None = None, progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions(),
         fitting: Fitting = Fitting(), vocab_size: int | None = None) -> list[PairResult]:
-    """Measure every pair of ``tier`` (of ``families``); ``max_steps`` caps each member's training,
-    ``vocab_size`` gives the language pairs a BPE of that many tokens (:func:`with_vocabulary`)."""
-    pairs = [with_vocabulary(_capped(pair, max_steps), vocab_size) for pair in TIERS[tier] if pair.family in families]
+    """Measure every pair of ``tier`` (of ``families``; of ``names`` when given); ``max_steps`` caps
+    each member's training, ``vocab_size`` gives the language pairs a BPE of that many tokens
+    (:func:`with_vocabulary`)."""
+    pairs = [with_vocabulary(_capped(pair, max_steps), vocab_size) for pair in tier_pairs(tier, families, names)]
     return [measure_pair(pair, labels, cache=cache, progress=progress, learn=learn, fitting=fitting) for pair in pairs]
 
 
@@ -433,6 +445,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tier", choices=list(TIERS), default="cpu", help="which pairs (default: cpu)")
     parser.add_argument("--methods", nargs="+", choices=LABELS, default=None, help="rows to measure (default: all)")
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to measure (default: all)")
+    parser.add_argument("--pairs", nargs="+", default=None, metavar="NAME",
+                        help="only these pairs of the tier (e.g. suite-llama-b; default: every pair of --families)")
     parser.add_argument("--max-steps", type=int, default=None, help="cap each member's training steps (the paper tier on a CPU)")
     parser.add_argument("--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
     parser.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file")
@@ -465,6 +479,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="language pairs read the plays through a byte-level BPE of N tokens instead of characters (members trained and cached apart)",
     )
     args = parser.parse_args(argv)
+    if args.pairs is not None:
+        if args.triples:
+            parser.error("--pairs picks pairs; --triples measures the tier's triples")
+        try:
+            tier_pairs(args.tier, args.families, args.pairs)
+        except ValueError as err:
+            parser.error(str(err))
     learn = LearnOptions(**{k: yaml.safe_load(v) for k, v in (item.split("=", 1) for item in args.learn)})
     if args.triples:
         run_triples(args, learn)
@@ -476,16 +497,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         print("\n\n".join("\n".join(rows(results, labels)) for rows in (summary_rows, pair_rows, time_rows)))
         return
     if args.train_only:
-        for pair in TIERS[args.tier]:
-            if pair.family in args.families:
-                pair = with_vocabulary(_capped(pair, args.max_steps), args.vocab_size)  # the members a run measures
-                for seed in pair.seeds:
-                    folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
-                    print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
+        for pair in tier_pairs(args.tier, args.families, args.pairs):
+            pair = with_vocabulary(_capped(pair, args.max_steps), args.vocab_size)  # the members a run measures
+            for seed in pair.seeds:
+                folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
+                print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
         return
     start, fitting = time.perf_counter(), fitting_of(args)
     results = run(
-        args.tier, labels=args.methods, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
+        args.tier, labels=args.methods, families=args.families, names=args.pairs, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
         fitting=fitting, vocab_size=args.vocab_size,
     )
     changed = learn.model_dump(exclude_defaults=True)

@@ -129,3 +129,19 @@ def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(
     assert [pair for pair, _, _ in measured] == expected and len(expected) == 4
     assert all(learn.steps == 7 and fitting.sequences == 64 for _, learn, fitting in measured)
     assert "| learned | 4 |" in capsys.readouterr().out
+
+
+def test_pairs_picks_the_named_pairs_of_the_tier(monkeypatch, capsys):
+    """``--pairs`` measures the named pairs of the tier alone (in the tier's order); a name the
+    tier does not have is a usage error before anything trains."""
+    assert [p.entry.name for p in suite.tier_pairs("cpu", suite.FAMILIES, ["suite-llama-b", "suite-gpt2-a"])] == ["suite-gpt2-a", "suite-llama-b"]
+    assert suite.tier_pairs("cpu") == list(suite.TIERS["cpu"])
+    measured = []
+    monkeypatch.setattr(suite, "measure_pair", lambda pair, labels, **_: measured.append(pair.entry.name) or suite.PairResult(
+        pair.family, pair.entry.name, pair.varies, {label: 0.0 for label in labels}, {label: 0.0 for label in labels}, []))
+    suite.main(["--tier", "cpu", "--pairs", "suite-pythia-b", "--methods", "dual"])
+    assert measured == ["suite-pythia-b"]
+    with pytest.raises(SystemExit) as exit_info:
+        suite.main(["--tier", "cpu", "--pairs", "suite-llama-z", "--methods", "dual"])
+    assert exit_info.value.code == 2
+    assert measured == ["suite-pythia-b"]
