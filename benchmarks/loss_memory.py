@@ -8,10 +8,11 @@ builds two LLaMA-shaped models narrow enough that the vocabulary dominates (hidd
 4 heads on 2 KV heads, MLP 688, float32, random weights), and measures, each in its own process,
 one :class:`hf_lmc.DualMatcher` step per objective (the second of two; forward and backward)
 on the command line's default fitting batch (32 sequences of 128 tokens), and, for reference,
-one forward and backward of the stock model with its own loss, and the held-out evaluation of one
-batch (:func:`hf_lmc.evaluation.evaluate`, no gradient) and activation matching on one calibration
-batch (whose forward runs the base model alone since 2026-11-29: "loss sliced" reads "yes"). Memory is the step's peak RSS
-less the resident memory before it (models, endpoints, transforms).
+one forward and backward of the stock model with its own loss, the held-out evaluation of one
+batch (:func:`hf_lmc.evaluation.evaluate`, no gradient), and activation matching on one
+calibration batch (whose forward runs the base model alone since 2026-11-29: "loss sliced" reads
+"yes"). Memory is the step's peak RSS less the resident memory before it (models, endpoints,
+transforms).
 
     python benchmarks/loss_memory.py                          # vocabularies 32000 and 128256
     python benchmarks/loss_memory.py --vocab 50304 --batch 8

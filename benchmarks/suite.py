@@ -505,8 +505,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     start, fitting = time.perf_counter(), fitting_of(args)
     results = run(
-        args.tier, labels=args.methods, families=args.families, names=args.pairs, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
-        fitting=fitting, vocab_size=args.vocab_size,
+        args.tier, labels=args.methods, families=args.families, names=args.pairs, cache=args.cache, progress=args.progress,
+        max_steps=args.max_steps, learn=learn, fitting=fitting, vocab_size=args.vocab_size,
     )
     changed = learn.model_dump(exclude_defaults=True)
     print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")

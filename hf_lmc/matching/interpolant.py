@@ -249,4 +249,3 @@ class Interpolant(nn.Module):
             return hidden.last_hidden_state, state[self._head_key]
         finally:
             self._point = _Point()
-
