@@ -26,6 +26,8 @@ _PUBLIC = {
     "interpolate": "canonical",
     "to_hf": "canonical",
     "CheckpointError": "checkpoint",
+    "InheritanceError": "inherit",
+    "UnsafeFileError": "inherit",
     "ActivationMatcher": "matching",
     "DualMatcher": "matching",
     "EndpointSharding": "matching",
@@ -74,6 +76,7 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
     from .barriers import BarrierResult, barrier  # noqa: F401
     from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf  # noqa: F401
     from .checkpoint import CheckpointError  # noqa: F401
+    from .inherit import InheritanceError, UnsafeFileError  # noqa: F401
     from .matching import (  # noqa: F401
         ActivationMatcher,
         DualMatcher,

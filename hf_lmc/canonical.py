@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,11 +38,15 @@ class CanonicalModel:
             call, and returns a fresh dict each time (callers may empty it to free tensors
             early). With ``rows`` a slice, token-row tensors hold only those rows: the algebra
             of the embed and head groups is row by row, so export streams them in blocks.
+        source: the checkpoint a folder-backed model reads (``None`` otherwise; views and
+            combinations do not carry it): a merge asks it whether its files changed before
+            its output is put in place (:meth:`~hf_lmc.checkpoint.Checkpoint.verify_unchanged`).
     """
 
     spec: ArchSpec
     config: PretrainedConfig
     load_group: GroupLoader
+    source: Checkpoint | None = field(default=None, compare=False, repr=False)
 
     @property
     def adapter(self) -> Adapter:
@@ -206,11 +210,9 @@ def canonicalize(
         return from_state_dict(spec, config, tensors)
     if isinstance(model, (str, Path)):
         folder = Path(model)
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} is not a model folder (no config.json)")
-        config = read_config(folder)
+        config = read_config(folder)  # a folder that is not a model is told apart there
         adapter = adapter_for(config)
-        checkpoint = Checkpoint(folder, adapter)
+        checkpoint = Checkpoint(folder, adapter, config)  # every tensor present, shaped and float before any work
         spec = adapter.spec(config)
 
         def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:  # nothing cached: a model never sits in memory
@@ -218,7 +220,7 @@ def canonicalize(
             with torch.no_grad():
                 return _convert(adapter.canonical_group(_Widened(source, dtype, device), config, spec, group), dtype)
 
-        return CanonicalModel(spec, config, load)
+        return CanonicalModel(spec, config, load, checkpoint)
     raise TypeError(f"canonicalize() takes a transformers model or a checkpoint folder, not {type(model).__name__}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata, resources
@@ -11,7 +12,7 @@ from pathlib import Path
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .adapters import ADAPTERS
-from .hub import names_local_path
+from .hub import names_local_path, shown_reference
 from .methods import METHODS
 
 TEMPLATE = resources.files("hf_lmc") / "templates" / "merge.md"
@@ -23,11 +24,14 @@ logger = logging.getLogger(__name__)
 class ModelSource:
     """One merged model as its card names it: a Hub repo (``hub_id``, at ``revision``: the commit
     of the snapshot read, else the revision asked for) goes into the ``base_model`` metadata; a
-    local folder is only described in the body, by ``label``, since the Hub cannot resolve it."""
+    local folder is only described in the body, by ``label`` (its final component unless labelled),
+    since the Hub cannot resolve it; ``path``, the folder as given, is never shown: a note that
+    names it is rewritten to name the label."""
 
     label: str
     hub_id: str | None = None
     revision: str | None = None
+    path: str | None = None
 
     @classmethod
     def of(cls, reference: str | Path, revision: str | None = None, folder: str | Path | None = None, label: str | None = None) -> ModelSource:
@@ -35,7 +39,7 @@ class ModelSource:
         told apart by :func:`hf_lmc.hub.names_local_path`) and read from ``folder``."""
         text = str(reference)
         if names_local_path(text):
-            return cls(label or Path(text).name or text)
+            return cls(label or shown_reference(text), path=text)
         repo_id, _, pinned = text.partition("@")
         revision = revision or pinned or None
         if folder is not None and Path(folder).parent.name == "snapshots":  # the Hub cache names a snapshot by its commit
@@ -81,6 +85,7 @@ def merge_card(
     shown with the hf_lmc version so that it can be run again.
     """
     sources = [m if isinstance(m, ModelSource) else ModelSource.of(m) for m in base_models]
+    notes, made_with = [_without_paths(note, sources) for note in notes], _without_paths(made_with, sources)
     hub = [s.hub_id for s in sources if s.hub_id]
     name = f"Merge of {_listed([s.label for s in sources])}"
     data = ModelCardData(
@@ -122,6 +127,17 @@ def merge_card(
         version=_version(),
         made_with=made_with,
     )
+
+
+def _without_paths(text: str | None, sources: Sequence[ModelSource]) -> str | None:
+    """``text`` naming each local model by its label rather than by its path on this machine (a
+    bare folder name says nothing of the machine and is left as it is)."""
+    if text is None:
+        return None
+    paths = [s for s in sources if s.path and ("/" in s.path or os.sep in s.path)]
+    for source in sorted(paths, key=lambda s: len(s.path), reverse=True):
+        text = text.replace(source.path, source.label)
+    return text
 
 
 def _version() -> str:

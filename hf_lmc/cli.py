@@ -77,6 +77,7 @@ TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 #: run (argparse's own usage errors, a bad or conflicting value, an output that exists or covers
 #: an input), 1 when a run fails on what it reads or writes (models, data, disk, network).
 EXIT_USAGE, EXIT_FAILED = 2, 1
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # as a shell reports a process that Ctrl-C ended
 
 
 class OptionFlags:
@@ -271,8 +272,20 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _command_markdown(args: argparse.Namespace) -> str:
-    """The command line as typed, for the model card (``hf-lmc`` however it was started)."""
-    return f"```bash\n{shlex.join(['hf-lmc', *args.argv])}\n```"
+    """The command line as typed, for the model card (``hf-lmc`` however it was started), with
+    each local path reduced to its final component (models, data, output: the card is shared,
+    the machine's folders are not); flags and Hub ids stay as typed."""
+    from .hub import shown_reference
+
+    def shown(word: str) -> str:
+        if word.startswith("--"):  # a flag, or --flag=value
+            flag, equals, value = word.partition("=")
+            return f"{flag}={shown_reference(value)}" if equals else word
+        if word.startswith("-"):  # -q, or a short flag with its value attached: -o/path/to/out
+            return word[:2] + shown_reference(word[2:]) if len(word) > 2 else word
+        return shown_reference(word)
+
+    return f"```bash\n{shlex.join(['hf-lmc', *map(shown, args.argv)])}\n```"
 
 
 def cmd_barrier(args: argparse.Namespace) -> int:
@@ -288,13 +301,13 @@ def cmd_barrier(args: argparse.Namespace) -> int:
         fit_options=_fit_options(args), learn=LEARN.build(args), accelerate=ACCELERATE.build(args),
     )
     if len(models) == 2:
-        result = barrier(*models, args.eval_data, alphas=args.alphas or 11, revision_a=revisions[0], revision_b=revisions[1], **common)
+        result = barrier(*models, args.eval_data, alphas=11 if args.alphas is None else args.alphas, revision_a=revisions[0], revision_b=revisions[1], **common)
         if args.plot:
             plot(result, args.plot)
     else:
         if args.plot and len(models) != 3:
             raise UsageError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
-        result = barrier_over_simplex(models, args.eval_data, points=args.alphas or 5, revisions=revisions, **common)
+        result = barrier_over_simplex(models, args.eval_data, points=5 if args.alphas is None else args.alphas, revisions=revisions, **common)
         if args.plot:
             plot_simplex(result, args.plot)
     print(result.to_json() if args.json else result.table())
@@ -725,6 +738,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"hf-lmc: error: {err}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # what was half-written was removed on the way out (staging folders)
+        print("hf-lmc: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

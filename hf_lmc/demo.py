@@ -7,16 +7,14 @@ aligned path on held-out plays, and writes the merged model (card and plot inclu
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import zoo
-from .options import EvalOptions, OutputExistsError
+from .options import EvalOptions
+from .outputs import check_output_path, check_replaceable, mark
 from .pipeline import MergeResult, merge
-
-MARKER = "hf_lmc_demo.json"  # identifies a folder a previous demo wrote (so re-running may replace it)
 
 
 @dataclass(frozen=True)
@@ -39,8 +37,8 @@ def run_demo(
     """Run the demo and return what it measured. ``steps`` shortens training (quick runs)."""
     start = time.perf_counter()
     output = Path(output)
-    if output.exists() and not (output / MARKER).is_file():
-        raise OutputExistsError(f"{output} exists and was not written by hf-lmc demo; pass another {{}} to write elsewhere", "output")
+    check_output_path(output, "output")
+    check_replaceable(output, "output")  # re-running replaces a folder hf_lmc wrote, and no other
     entry = zoo.ZOO["gpt2"] if steps is None else zoo.ZOO["gpt2"].scaled(steps=steps, warmup=min(50, max(1, steps // 10)))
     a, b = zoo.pair(entry, cache=cache, progress=progress)
     result = merge(
@@ -48,5 +46,5 @@ def run_demo(
         eval_data=zoo.held_out(entry, size=eval_chars), eval_options=EvalOptions(batch_size=16),
         overwrite=True, progress=progress,
     )
-    (output / MARKER).write_text(json.dumps({"zoo": entry.name, "models": [str(a), str(b)]}, indent=2) + "\n")
+    mark(output, "demo")
     return DemoResult(result, a, b, (zoo.train_loss(a), zoo.train_loss(b)), time.perf_counter() - start)

@@ -58,6 +58,7 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
         raise DataError(f"{SAMPLED!r} names fitting data (--data) sampled from the models; evaluation needs held-out data of its own")
     if adapter_for(config).takes_images:
         batches = _image_batches(data, processor_folder, options)
+        _check_labels(batches, config.num_labels, data)
     else:
         batches = _text_batches(data, config, processor_folder, options)
     if not batches:
@@ -176,7 +177,34 @@ def _file_texts(files: list[Path]):
     import datasets
 
     paths = datasets.Dataset.from_dict({"path": [str(f) for f in files]}).to_iterable_dataset()
-    return paths.map(lambda row: {"text": Path(row["path"]).read_text(encoding="utf-8", errors="replace")}, remove_columns=["path"])
+    return paths.map(lambda row: {"text": read_text_file(Path(row["path"]))}, remove_columns=["path"])
+
+
+#: The control characters text files do not hold: C0 but tab, newlines and form feed, and DEL.
+#: Single bytes in UTF-8 (never part of a longer character), so they are counted on the bytes.
+_NOT_TEXT_CONTROLS = bytes(b for b in [*range(0x20), 0x7F] if b not in b"\t\n\r\f\v")
+#: More than this share of a file's characters being such controls means it is not text.
+_MOST_CONTROL = 0.1
+
+
+def read_text_file(path: Path) -> str:
+    """The text of a UTF-8 file, decoded strictly: a file with NUL bytes, bytes that are not
+    UTF-8, or mostly control characters (a binary file, or text in another encoding) is refused
+    as :class:`DataError` naming the file and the first bad byte, rather than evaluated as
+    replacement characters."""
+    data = path.read_bytes()
+    offset = data.find(0)
+    if offset < 0:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            offset = err.start
+    if offset >= 0:
+        raise DataError(f"{path} is not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset}); pass text files saved as UTF-8")
+    controls = len(data) - len(data.translate(None, _NOT_TEXT_CONTROLS))
+    if controls > _MOST_CONTROL * len(text):
+        raise DataError(f"{path} is not text: {controls} of its {len(text)} characters are control characters")
+    return text
 
 
 def _token_ids(rows, column: str, tokenizer, enough: int | None) -> list[int]:
@@ -333,6 +361,23 @@ def _sample_sequences(model: PreTrainedModel, count: int, seq_len: int, seed: in
 
 
 # -- images ------------------------------------------------------------------------------------
+
+
+def _check_labels(batches: list[Batch], num_labels: int, data) -> None:
+    """Labels that name one of the model's ``num_labels`` classes, as integers: data labelled for
+    another model (labels past the classifier's rows) is refused naming the data and the label,
+    rather than failing inside the loss or, for float labels, being read as class probabilities."""
+    for batch in batches:
+        labels = batch["labels"]
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            dtype = str(labels.dtype).removeprefix("torch.")
+            raise DataError(f"{describe_data(data)}: labels must be class indices (integers), got {dtype}")
+        if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < num_labels:
+            bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+            raise DataError(
+                f"{describe_data(data)}: label {bad} is not one of the model's {num_labels} classes (0..{num_labels - 1}); "
+                "evaluate on data labelled for this model"
+            )
 
 
 def _image_batches(data, processor_folder: Path | None, options: EvalOptions) -> list[Batch]:

@@ -3,7 +3,8 @@
 Tensors arrive group by group (one layer at a time) and stream into safetensors shards, so
 memory stays at about one layer. Everything goes into a
 temporary sibling folder that is renamed onto the destination only when complete: an
-interrupted or failed export leaves nothing half-written.
+interrupted or failed export leaves nothing half-written, and an old folder is replaced only
+when hf_lmc wrote it (the output protocol of :mod:`hf_lmc.outputs`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import math
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -27,24 +27,13 @@ from .adapters import adapter_for
 from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_config, hf_state_dict_groups
 from .checkpoint import SAFETENSORS_DTYPES
 from .devices import full_float32_products
+from .inherit import GENERATION_CONFIG, PROCESSOR_FILES, copy_model_file
 from .options import OutputExistsError, ParameterError, parse_size
+from .outputs import check_replaceable, discard, move_into_place, staging_folder
 from .progress import bar as progress_bar
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
-#: Tokenizer and processor files copied from model A into the merge.
-GENERATION_CONFIG = "generation_config.json"
-PROCESSOR_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "preprocessor_config.json",
-)
 
 class _ShardWriter:
     """Streams tensors into safetensors shards, starting a new shard when one would overflow.
@@ -123,6 +112,12 @@ class _ShardWriter:
             data_path.unlink()
         self.shards.append((path, list(self.entries)))
         self.entries, self.data, self.offset = {}, None, 0
+
+    def close(self) -> None:
+        """Close a shard left open by a failed export (its folder is discarded)."""
+        if self.data is not None:
+            self.data.close()
+            self.data = None
 
     def finish(self) -> None:
         """Give the shards their final transformers names and write the index."""
@@ -208,9 +203,11 @@ def write_checkpoint(
     max_bytes = parse_size(shard_size)
     if output.exists() and not overwrite:
         raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
+    if overwrite:  # before the work, and again before the swap (move_into_place)
+        check_replaceable(output, "output")
     staging = staging_folder(output)
+    writer = _ShardWriter(staging, max_bytes)
     try:
-        writer = _ShardWriter(staging, max_bytes)
 
         def prepare(key: str, tensor: Tensor) -> Tensor:
             tensor = tensor.detach()
@@ -236,47 +233,25 @@ def write_checkpoint(
         writer.finish()
         config = _with_dtype(config, dtype)
         config.save_pretrained(staging)
-        source_generation = Path(source_folder) / GENERATION_CONFIG if source_folder is not None else None
-        if source_generation is not None and source_generation.is_file():  # A's own: its eos ids and sampling settings
-            shutil.copy2(source_generation, staging / GENERATION_CONFIG)
-        elif adapter_for(config).model_class.can_generate():
+        # A's own generation config (its eos ids and sampling settings), tokenizer and processor
+        # files: regular files inside A's folder only (hf_lmc.inherit), never what a link points to.
+        copied = source_folder is not None and copy_model_file(
+            source_folder, GENERATION_CONFIG, staging / GENERATION_CONFIG
+        )
+        if not copied and adapter_for(config).model_class.can_generate():
             GenerationConfig.from_model_config(config).save_pretrained(staging)
-        if source_folder is not None:
-            for name in PROCESSOR_FILES:
-                if (Path(source_folder) / name).is_file():
-                    shutil.copy2(Path(source_folder) / name, staging / name)
+        for name in PROCESSOR_FILES if source_folder is not None else ():
+            copy_model_file(source_folder, name, staging / name)
         for name, path in (extra_files or {}).items():
             shutil.copy2(path, staging / name)
         if card is not None:
             card.save(staging / "README.md")
-        move_into_place(staging, output, overwrite=overwrite)
+        move_into_place(staging, output, kind="merge", overwrite=overwrite)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        writer.close()
+        discard(staging)
         raise
     return output
-
-
-def _as_umask_allows(folder: Path) -> None:
-    """Give a staging folder (``mkdtemp`` makes it private) the permissions a folder made by
-    ``save_pretrained`` or ``mkdir`` would have under the process's umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-
-
-def check_apart(output: str | Path, inputs: Iterable[str | Path]) -> None:
-    """Refuse an ``output`` folder that is, contains or lies inside one of the ``inputs`` folders
-    (paths resolved, links followed): replacing it would delete an input, writing into it would
-    change one. Names that are not local folders (Hub ids not yet downloaded) are skipped."""
-    out = Path(output).resolve()
-    for given in inputs:
-        folder = Path(given)
-        if not folder.exists():
-            continue
-        folder = folder.resolve()
-        if out == folder or folder.is_relative_to(out) or out.is_relative_to(folder):
-            where = "is" if out == folder else "contains" if folder.is_relative_to(out) else "lies inside"
-            raise ParameterError(f"{{}} {output} {where} the input {given}; write the merge to a folder of its own", "output")
 
 
 def check_writable(output: str | Path, needed_bytes: int = 0) -> None:
@@ -294,77 +269,6 @@ def check_writable(output: str | Path, needed_bytes: int = 0) -> None:
     free = shutil.disk_usage(here).free
     if needed_bytes > free:
         raise OSError(f"{output} needs about {needed_bytes / 1e9:.2f} GB but {here} has {free / 1e9:.2f} GB free; free some space or choose another output folder")
-
-
-def staging_folder(output: Path) -> Path:
-    """A fresh hidden sibling of ``output`` to write into before :func:`move_into_place`.
-
-    Its name carries this process's id (``.NAME.tmp-PID-xxxx``), so that a later run can tell the
-    folders of runs that died (SIGKILL, power loss) from those of runs still writing, and removes
-    the dead ones (:func:`clean_stale`)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(output)
-    return Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-{os.getpid()}-", dir=output.parent))
-
-
-def move_into_place(staging: Path, output: Path, *, overwrite: bool = True) -> None:
-    """Rename a finished ``staging`` folder onto ``output``.
-
-    Without ``overwrite`` the rename only succeeds while ``output`` does not exist: a concurrent
-    run that got there first keeps its folder, and this one fails with :class:`OutputExistsError`
-    (its staging folder is removed by the caller). With ``overwrite`` the old folder is set aside
-    (``.NAME.old-PID-xxxx``) and removed only once the new one is in place; if the second rename
-    fails the old folder goes back, and if the process dies between the two renames, the next run
-    puts it back (:func:`clean_stale`), so ``output`` is never lost. The folder gets the
-    permissions the umask gives a new folder (``mkdtemp`` made it private).
-    """
-    _as_umask_allows(staging)
-    if not overwrite or not output.exists():
-        try:
-            staging.rename(output)  # POSIX: fails on a non-empty existing folder
-        except OSError as err:
-            if output.exists():
-                raise OutputExistsError(f"{output} was written by another run meanwhile; pass {{}} to replace it", "overwrite") from err
-            raise
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-{os.getpid()}-", dir=output.parent))
-    output.rename(retired / output.name)
-    try:
-        staging.rename(output)
-    except BaseException:
-        (retired / output.name).rename(output)
-        retired.rmdir()
-        raise
-    shutil.rmtree(retired, ignore_errors=True)
-
-
-def clean_stale(output: Path) -> list[Path]:
-    """Tidy what runs that died left beside ``output``: their staging folders are removed, and an
-    old folder set aside by an interrupted ``--overwrite`` goes back to ``output`` when it is
-    missing. Folders of live processes are left alone. Returns the folders it removed or restored."""
-    tidied = []
-    for kind in ("old", "tmp"):  # an old folder first: it may be all that is left of the output
-        for folder in sorted(output.parent.glob(f".{output.name}.{kind}-*")):
-            pid = folder.name.removeprefix(f".{output.name}.{kind}-").split("-")[0]
-            if not folder.is_dir() or not pid.isdigit() or _alive(int(pid)):
-                continue
-            kept = folder / output.name
-            if kind == "old" and kept.is_dir() and not output.exists():
-                kept.rename(output)
-            shutil.rmtree(folder, ignore_errors=True)
-            tidied.append(folder)
-    return tidied
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process with this id runs (on this machine)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it runs, under another user
-        return True
-    return True
 
 
 def _with_dtype(config: PretrainedConfig, dtype: torch.dtype | None) -> PretrainedConfig:

@@ -14,6 +14,7 @@ from huggingface_hub.errors import (
 )
 
 from .options import UsageError
+from .outputs import MARKER
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,32 @@ def names_local_path(reference: str | Path) -> bool:
     ``org/name``, optionally ``@rev``)."""
     text = str(reference)
     return Path(text).exists() or text.startswith((".", "/", "~")) or text.count("/") > 1
+
+
+def shown_reference(reference: str | Path) -> str:
+    """How a shared file (a model card, its Reproduce section) names a model, data set or folder:
+    a local path by its final component, since the machine's folders are nobody else's business
+    and mean nothing elsewhere; a Hub id (``org/name[@rev]``) as given."""
+    text = str(reference)
+    try:
+        local = names_local_path(text)
+    except OSError:  # a name the OS cannot even look up (too long): not a Hub id either
+        local = True
+    return (Path(text).name or text) if local else text
+
+
+def shown_settings(value, free_text: frozenset[str] = frozenset({"name", "push_to_hub"})):
+    """``value`` (settings as JSON-like dicts, lists and strings) with every local path reduced by
+    :func:`shown_reference`; strings under a key in ``free_text`` (titles, dataset configuration
+    names, Hub targets) are left as written."""
+    if isinstance(value, dict):
+        return {
+            key: item if key in free_text and isinstance(item, str) else shown_settings(item, free_text)
+            for key, item in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [shown_settings(item, free_text) for item in value]
+    return shown_reference(value) if isinstance(value, str) else value
 
 
 def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Path:
@@ -74,7 +101,8 @@ def push_folder(
     commit_message: str = "Upload merge made with hf-lmc",
     api: HfApi | None = None,
 ) -> str:
-    """Create ``repo_id`` if needed and upload ``folder`` to it; returns the repo URL.
+    """Create ``repo_id`` if needed and upload ``folder`` to it (all but hf_lmc's marker file,
+    :data:`hf_lmc.outputs.MARKER`); returns the repo URL.
 
     A failed push (no network, no token, no rights) raises :class:`PushError` in one line that
     says the folder is kept and how to push it without merging again."""
@@ -82,12 +110,15 @@ def push_folder(
     logger.info("pushing %s to %s%s", folder, repo_id, " (private)" if private else "")
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model")
+        api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model",
+            ignore_patterns=[MARKER, f"{MARKER}.*"],  # hf_lmc's record of its own files, not part of the model
+        )
     except Exception as err:  # the Hub client raises HTTP, connection and auth errors of many types; the user needs one line
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PushError(
             f"{folder} is written, but pushing it to {repo_id} failed ({type(err).__name__}: {reason}); "
-            f"push it without merging again: hf upload {repo_id} {folder}" + (" --private" if private else "")
+            f"push it without merging again: hf upload {repo_id} {folder} --exclude {MARKER}" + (" --private" if private else "")
         ) from err
     return str(url)
 

@@ -65,6 +65,13 @@ class OutputExistsError(_NamesParameter, FileExistsError):
     :class:`UsageError` (an ``OSError`` cannot also be a ``ValueError``)."""
 
 
+def clipped(value, limit: int = 60) -> str:
+    """``value`` as an error message shows it: its repr, cut to ``limit`` characters, so that a
+    message never echoes unbounded input from a file or a flag."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class Options(BaseModel):
     """Frozen, and unknown keys are errors: a misspelt option must not silently fall back to its default."""
 
@@ -222,8 +229,9 @@ class AccelerateOptions(Options):
 
     checkpoint_dir: str | None = Field(
         None,
-        description="save the training state (transforms, optimiser, schedule, random state: accelerate's save_state) to this "
-        "folder every --checkpoint-every steps and at the end, so that a killed run can --resume",
+        description="save the training state (transforms, optimiser, schedule, random state: safetensors and JSON, written "
+        "atomically) to this folder every --checkpoint-every steps and at the end, so that a killed run can --resume; a new or "
+        "empty folder, or one a run saved to",
     )
     checkpoint_every: PositiveInt = Field(100, description="steps between saves of the training state to --checkpoint-dir")
     resume: bool = Field(
@@ -270,6 +278,11 @@ class OutputOptions(Options):
     push_to_hub: str | None = Field(None, description="Hub model repo to upload the merged folder to")
     private: bool = Field(False, description="create the Hub repo as private")
     overwrite: bool = Field(False, description="replace an existing output folder")
+    inherit_from_a: bool = Field(
+        False,
+        description="use the first model's tokenizer, image processor, label names and generation config where another model's "
+        "differ in a way that changes what its weights mean (refused otherwise); the card names what differed",
+    )
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -313,11 +326,24 @@ class MergeSpec(OutputOptions):
     made_with: str | None = Field(
         None, description="markdown for the card's Reproduce section: the command line or recipe that made the merge (default: these settings)"
     )
+    repo_hint: str | None = Field(
+        None, description="what the card's usage example loads the merge from (default: push_to_hub, else the output folder's name)"
+    )
 
     @field_validator("models", mode="before")
     @classmethod
     def _as_strings(cls, models):
         return tuple(str(m) for m in models)
+
+    @field_validator("alphas")
+    @classmethod
+    def _a_grid(cls, alphas):
+        """Checked here, before any work: a grid of fewer than two points (``--alphas 0``) has no line to measure above."""
+        if isinstance(alphas, int) and alphas < 2:
+            raise ValueError(f"the evaluation grid needs at least 2 points, got {alphas}")
+        if isinstance(alphas, tuple) and (len(alphas) < 2 or list(alphas) != sorted(alphas) or alphas[0] != 0 or alphas[-1] != 1):
+            raise ValueError("an explicit alpha grid runs from 0 to 1, increasing, with at least 2 points")
+        return alphas
 
     @field_validator("output", "device", mode="before")
     @classmethod

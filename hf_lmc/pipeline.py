@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -53,11 +54,13 @@ from .card import ModelSource, inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device, launched_processes, wait_for_others
 from .evaluation import describe_data, fitting_batches, is_sampled, load_batches, sampled_count
-from .export import check_apart, check_writable, write_checkpoint
-from .hub import push_folder, resolve_checkpoint
+from .export import check_writable, write_checkpoint
+from .hub import push_folder, resolve_checkpoint, shown_reference, shown_settings
+from .inherit import check_inherited, shown_names
 from .loading import load_model, revisions_per_model
 from .methods import METHODS, check_method
 from .options import LearnOptions, MergeSpec, OutputExistsError, ParameterError, UsageError
+from .outputs import check_apart, check_output_path, check_replaceable, clean_stale
 from .symmetry import Transform, resolve_kinds
 from .widths import check_mergeable, to_common_shape
 
@@ -148,10 +151,15 @@ def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
-def _average_groups(folders: Sequence[Path], config, weights: Sequence[float]) -> Iterator[dict[str, Tensor]]:
+def _open_checkpoints(folders: Sequence[Path], configs: Sequence) -> list[Checkpoint]:
+    """The models' checkpoints, each opened once and checked against its own config (every
+    tensor present, of its shape, stored as a float) before any work."""
+    return [Checkpoint(folder, adapter_for(config), config) for folder, config in zip(folders, configs)]
+
+
+def _average_groups(checkpoints: Sequence[Checkpoint], weights: Sequence[float]) -> Iterator[dict[str, Tensor]]:
     """HF tensors of the plain weighted average, one layer's worth at a time (keys grouped by layer)."""
-    adapter = adapter_for(config)
-    first, *rest = (Checkpoint(folder, adapter) for folder in folders)
+    first, *rest = checkpoints
     for other in rest:
         missing = set(first) ^ set(other)
         if missing:
@@ -166,6 +174,15 @@ def _average_groups(folders: Sequence[Path], config, weights: Sequence[float]) -
             ta = tensors[0]
             out[key] = _weighted_rows(tensors, weights) if ta.is_floating_point() else ta
         yield out
+
+
+def _verified_at_end(groups: Iterator, sources: Sequence[Checkpoint]) -> Iterator:
+    """``groups``, then a check that no input file changed while they were computed: it runs as
+    the export asks for a group past the last, before the output is put in place, so an input
+    replaced mid-merge fails the merge and leaves no output."""
+    yield from groups
+    for checkpoint in sources:
+        checkpoint.verify_unchanged()
 
 
 def _model_name(k: int, count: int) -> str:
@@ -290,6 +307,8 @@ class Inputs:
     width_notes: list[str]
     eval_batches: list | None
     fit_batches: list | None
+    #: What B's tokenizer, processor, labels or config differ in, harmlessly or accepted.
+    inherited_notes: tuple[str, ...] = ()
 
 
 def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
@@ -303,12 +322,11 @@ def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
     out_dtype = _dtype(spec.dtype)
     device = compute_device(spec.device)
     output = Path(spec.output)
-    if output.exists() and not spec.overwrite:
-        raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
-
-    check_apart(output, spec.models)  # before any download: local inputs are checked as given
+    read = [*spec.models, *_named_paths(spec.data, spec.eval_data)]  # before any download: local inputs as given
+    written = check_outputs(spec, read)
     folders = [resolve_checkpoint(m, r) for m, r in zip(spec.models, revisions)]
-    check_apart(output, folders)  # and as resolved (a Hub snapshot)
+    for path, what in written:  # and as resolved (a Hub snapshot)
+        check_apart(path, folders, what)
     configs = [read_config(f) for f in folders]
     for k, (model, folder, config) in enumerate(zip(spec.models, folders, configs)):
         logger.info("%s: %s (%s)%s", _model_name(k, count), model, config.model_type, "" if str(folder) == str(model) else f" from {folder}")
@@ -317,6 +335,8 @@ def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
         width_notes += check_mergeable(configs[0], configs[k], spec.models[0], spec.models[k])
     if width_notes and count > 2:
         raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
+    names = shown_names(spec.models, spec.labels)
+    inherited_notes = tuple(check_inherited(folders, configs, names, inherit_from_a=spec.inherit_from_a))
     check_writable(output, _written_bytes(folders, configs, out_dtype))
     eval_batches = load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
     needs_data = METHODS[spec.method].needs_data
@@ -326,17 +346,60 @@ def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
         fit_batches = fitting_batches(spec.data, configs[0], folders[0], spec.data_options, models=models, progress=progress)
     if eval_batches is not None:
         logger.info("evaluation data %s: %d batches", describe_data(spec.eval_data), len(eval_batches))
-    return Inputs(weights, kinds, device, out_dtype, folders, list(revisions), configs, width_notes, eval_batches, fit_batches)
+    return Inputs(
+        weights,
+        kinds,
+        device,
+        out_dtype,
+        folders,
+        list(revisions),
+        configs,
+        width_notes,
+        eval_batches,
+        fit_batches,
+        inherited_notes,
+    )
+
+
+def check_outputs(spec: MergeSpec, read: Sequence[str | Path]) -> list[tuple[Path, str]]:
+    """Check, before any work, every folder the merge writes (``output``, and the training state
+    under ``accelerate.checkpoint_dir``) against every path it ``read``s and against each other,
+    and that each is one the run may write or replace (docs/design.md §6). Returns them, each
+    with the parameter that names it."""
+    output = Path(spec.output)
+    check_output_path(output, "output")
+    clean_stale(output)  # a dead run's set-aside output is put back before it is judged
+    if os.path.lexists(output) and not spec.overwrite:
+        raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
+    check_apart(output, read, "output")
+    if spec.overwrite:
+        check_replaceable(output, "output")
+    written = [(output, "output")]
+    if spec.accelerate.checkpoint_dir is not None:
+        state = Path(spec.accelerate.checkpoint_dir)
+        check_output_path(state, "checkpoint_dir")
+        check_apart(state, read, "checkpoint_dir")
+        check_apart(state, [output], "checkpoint_dir", role="the output", missing=True)
+        check_replaceable(state, "checkpoint_dir", kinds=("training-state",))
+        written.append((state, "checkpoint_dir"))
+    return written
+
+
+def _named_paths(*data) -> list[str | Path]:
+    """Those of ``data`` that name a local file or folder (others are loaded data or Hub names)."""
+    return [d for d in data if isinstance(d, (str, Path)) and os.path.lexists(d)]
 
 
 def _settings_markdown(spec: MergeSpec) -> str:
     """The card's Reproduce text for a merge made from Python: its settings as JSON (data given
     as objects described by type)."""
-    settings = spec.model_dump(mode="json", exclude_defaults=True, exclude={"data", "eval_data", "made_with", "labels"})
+    card_only = {"data", "eval_data", "made_with", "labels", "repo_hint"}
+    settings = spec.model_dump(mode="json", exclude_defaults=True, exclude=card_only)
     for key in ("data", "eval_data"):
         if getattr(spec, key) is not None:
             settings[key] = str(getattr(spec, key)) if isinstance(getattr(spec, key), (str, Path)) else type(getattr(spec, key)).__name__
-    return f"with these settings (`hf_lmc.options.MergeSpec`):\n\n```json\n{json.dumps(settings, indent=2)}\n```"
+    shown = json.dumps(shown_settings(settings), indent=2)  # local paths by their final component: the card is shared
+    return f"with these settings (`hf_lmc.options.MergeSpec`; local paths shortened to their last part):\n\n```json\n{shown}\n```"
 
 
 #: Files whose bytes are a model's weights, in the order a loader prefers them.
@@ -345,7 +408,8 @@ _WEIGHT_FILES = ("*.safetensors", "*.bin")
 
 def _written_bytes(folders: Sequence[Path], configs: Sequence, out_dtype: torch.dtype | None) -> int:
     """About how many bytes the merge writes: the largest input's weight files, rescaled from
-    its stored dtype to the written one (a width merge writes the wider shape)."""
+    its stored dtype to the written one (a width merge writes the wider shape), and a tied
+    embedding once more (stored once, it is written twice when the export unties it)."""
     sizes = []
     for folder, config in zip(folders, configs):
         try:
@@ -354,7 +418,10 @@ def _written_bytes(folders: Sequence[Path], configs: Sequence, out_dtype: torch.
             stored = torch.float32
         written = out_dtype or stored
         files = next((found for pattern in _WEIGHT_FILES if (found := list(Path(folder).glob(pattern)))), [])
-        sizes.append(sum(f.stat().st_size for f in files if f.is_file()) * written.itemsize // stored.itemsize)
+        stored_bytes = sum(f.stat().st_size for f in files if f.is_file())
+        if getattr(config, "tie_word_embeddings", False):
+            stored_bytes += (getattr(config, "vocab_size", 0) or 0) * (getattr(config, "hidden_size", 0) or 0) * stored.itemsize
+        sizes.append(stored_bytes * written.itemsize // stored.itemsize)
     return max(sizes, default=0)
 
 
@@ -370,6 +437,7 @@ class Aligned:
     transforms: list[Transform] | None
     out_dtype: torch.dtype | None
     stopping: object | None = None  # a trained method's hf_lmc.matching.training.Stopping
+    sources: tuple[Checkpoint, ...] = ()  # the inputs' checkpoints, verified unchanged before the output is put in place
 
 
 def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
@@ -379,12 +447,14 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     config_a = inputs.configs[0]
     logger.info("aligning %d models: %s%s", len(inputs.folders), spec.method, "" if spec.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}")
     if spec.method == "average" and not inputs.width_notes:
-        groups = _average_groups(inputs.folders, config_a, inputs.weights)
-        return Aligned(config_a, groups, None, False, None, inputs.out_dtype)
+        checkpoints = _open_checkpoints(inputs.folders, inputs.configs)
+        groups = _average_groups(checkpoints, inputs.weights)
+        return Aligned(config_a, groups, None, False, None, inputs.out_dtype, sources=tuple(checkpoints))
     needs_data = METHODS[spec.method].needs_data
     # Weight matching reads every layer on the device from the start; the data methods'
     # matchers place their endpoints themselves (accelerate), from the CPU.
     canonical = [canonicalize(f, dtype=torch.float32, device=None if needs_data else inputs.device) for f in inputs.folders]
+    sources = tuple(c.source for c in canonical)
     if inputs.width_notes:  # models of two widths: exactly into one shape
         canonical = list(to_common_shape(*canonical, spec.models[0], spec.models[1]))
     batches = inputs.fit_batches
@@ -407,7 +477,7 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
     groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
     untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
-    return Aligned(config, groups, len(merged.spec.groups()), untied, transforms, out_dtype, stopping)
+    return Aligned(config, groups, len(merged.spec.groups()), untied, transforms, out_dtype, stopping, sources)
 
 
 @dataclass(frozen=True)
@@ -433,9 +503,9 @@ def measure(spec: MergeSpec, inputs: Inputs, aligned: Aligned, scratch: Path, *,
     )
     names = [Path(m).name for m in spec.models]
     if len(loaded) == 2:
-        result = barrier_of_loaded(*loaded, inputs.eval_batches, alphas=spec.alphas or 11, **options)
+        result = barrier_of_loaded(*loaded, inputs.eval_batches, alphas=11 if spec.alphas is None else spec.alphas, **options)
         return Measured(result, plot(result, scratch / "loss_along_path.png", title=f"{names[0]} ↔ {names[1]}"))
-    result = simplex_barrier_of_loaded(loaded, inputs.eval_batches, points=spec.alphas or 5, **options)
+    result = simplex_barrier_of_loaded(loaded, inputs.eval_batches, points=5 if spec.alphas is None else spec.alphas, **options)
     if len(loaded) == 3:
         return Measured(result, plot_simplex(result, scratch / "loss_over_simplex.png", names=names))
     return Measured(result)
@@ -451,7 +521,7 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
         base_models=[ModelSource.of(m, r, f, label) for m, r, f, label in zip(spec.models, inputs.revisions, inputs.folders, labels)],
         method=spec.method,
         symmetries=sorted(inputs.kinds) if spec.method != "average" else [],
-        notes=_training_notes(spec.method, spec.learn) + inputs.width_notes,
+        notes=_training_notes(spec.method, spec.learn) + inputs.width_notes + list(inputs.inherited_notes),
         training=_training_settings(spec, count, aligned.stopping),
         alpha_or_weights=inputs.weights[1] if count == 2 else list(inputs.weights),
         license=inherited_license(inputs.folders),
@@ -463,12 +533,12 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
         eval_split=spec.eval_options.split,
         made_with=spec.made_with or _settings_markdown(spec),
         plot_filename=measured.plot.name if measured.plot else None,
-        repo_hint=spec.push_to_hub or spec.output,
+        repo_hint=spec.repo_hint or spec.push_to_hub or shown_reference(spec.output),  # not the machine's path
     )
     extra = {measured.plot.name: measured.plot} if measured.plot else {}
     logger.info("writing %s (%s, shards of at most %s)", spec.output, str(aligned.out_dtype).removeprefix("torch."), spec.shard_size)
     return write_checkpoint(
-        aligned.groups, aligned.config, spec.output, shard_size=spec.shard_size, dtype=aligned.out_dtype,
+        _verified_at_end(aligned.groups, aligned.sources), aligned.config, spec.output, shard_size=spec.shard_size, dtype=aligned.out_dtype,
         source_folder=inputs.folders[0], card=card, extra_files=extra, overwrite=spec.overwrite, progress=progress,
         total_groups=aligned.total_groups,
     )

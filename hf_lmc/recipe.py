@@ -38,6 +38,7 @@ from pydantic import (
     model_validator,
 )
 
+from .hub import shown_reference
 from .methods import METHODS, NAMES
 from .options import (
     EVAL_OPTIONS,
@@ -50,8 +51,17 @@ from .options import (
     OutputOptions,
     UsageError,
     check_device,
+    clipped,
 )
+from .outputs import MARKER
 from .zoo import ZOO
+
+#: The summary files a recipe writes in ``output.dir`` (:mod:`hf_lmc.runner`), beside its run folders.
+SUMMARY = "summary"
+SUMMARY_FILES = tuple(f"{SUMMARY}.{suffix}" for suffix in ("md", "json", "csv"))
+#: Names a run folder cannot take: they are files of ``output.dir`` (compared in lower case, as
+#: a case-insensitive filesystem would).
+RESERVED_NAMES = frozenset(name.lower() for name in (*SUMMARY_FILES, MARKER))
 
 ZOO_PREFIX = "zoo:"
 _ZOO_MEMBER = re.compile(r"zoo:([A-Za-z0-9_]+)/seed(\d+)")
@@ -116,9 +126,10 @@ class ModelRef(_Section):
 
     @property
     def label(self) -> str:
-        """How the model is named in summaries and model cards."""
-        name = self.path + (f"@{self.revision}" if self.revision else "")
-        return f"{name}+{self.adapter}" if self.adapter else name
+        """How the model is named in summaries and model cards: local paths by their final
+        component (:func:`hf_lmc.hub.shown_reference`), Hub ids and zoo members as written."""
+        name = shown_reference(self.path) + (f"@{self.revision}" if self.revision else "")
+        return f"{name}+{shown_reference(self.adapter)}" if self.adapter else name
 
 
 class DataSpec(EvalOptions):
@@ -304,6 +315,9 @@ class Recipe(_Section):
             duplicate = next((n for n in names if names.count(n) > 1), None)
             if duplicate is not None:
                 raise ValueError(f"two entries are named {duplicate!r}; names label the summary and the output folders")
+            reserved = next((n for n in names if n.lower() in RESERVED_NAMES), None)
+            if reserved is not None:  # its folder would be the summary's file, found only after every merge
+                raise ValueError(f"an entry is named {reserved!r}, a file the recipe writes in output.dir; rename the entry")
         return sweep
 
     @field_validator("weights")
@@ -402,21 +416,98 @@ def load_recipe(source: str | Path | Mapping[str, Any], overrides: Mapping[str, 
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``"eval.alphas=3"`` -> ``("eval.alphas", 3)``: the value is read as YAML."""
+    """``"eval.alphas=3"`` -> ``("eval.alphas", 3)``: the value is read as YAML, within the
+    limits of a recipe file (:class:`_BoundedLoader`)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
-        raise RecipeError(f"--set takes KEY=VALUE (e.g. zoo.steps=50), got {text!r}")
+        raise RecipeError(f"--set takes KEY=VALUE (e.g. zoo.steps=50), got {clipped(text)}")
+    if len(value.encode()) > MAX_RECIPE_BYTES:
+        raise RecipeError(
+            f"--set {clipped(key.strip())}: the value is over {MAX_RECIPE_BYTES // 10**6} MB; a recipe value is short"
+        )
     try:
-        return key.strip(), yaml.safe_load(value)
+        return key.strip(), _bounded_load(value)
+    except _TooLarge as err:
+        raise RecipeError(f"--set {clipped(key.strip())}: {err}") from None
     except yaml.YAMLError as err:
-        raise RecipeError(f"--set {key}: cannot read {value!r} as YAML ({str(err).splitlines()[0]})") from None
+        raise RecipeError(
+            f"--set {clipped(key.strip())}: cannot read {clipped(value)} as YAML ({str(err).splitlines()[0]})"
+        ) from None
+
+
+#: Recipe limits, far above any real recipe and far below what costs time or memory to refuse:
+#: bytes of YAML, nesting depth, and nodes once aliases are expanded (a "billion laughs" file is
+#: a few hundred bytes of aliases that expand to 10^9 nodes when anything walks the result).
+MAX_RECIPE_BYTES = 1_000_000
+MAX_RECIPE_DEPTH = 32
+MAX_RECIPE_NODES = 100_000
+
+
+class _TooLarge(Exception):
+    """A recipe past one of the limits (the message says which)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses, while it composes the document (before anything is
+    built from it), nesting deeper than :data:`MAX_RECIPE_DEPTH` (refused before Python's
+    recursion limit could be reached), more than :data:`MAX_RECIPE_NODES` nodes counting each
+    alias as the whole node it repeats, and an alias inside the node it names (a cycle)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+        self._sizes: dict[int, int] = {}  # id(node) -> its node count with aliases expanded
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            anchored = self.anchors.get(self.peek_event().anchor)
+            if anchored is not None and id(anchored) not in self._sizes:
+                raise _TooLarge(f"alias *{self.peek_event().anchor} repeats a node that contains it (a cycle)")
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > MAX_RECIPE_DEPTH:
+            raise _TooLarge(f"nested deeper than {MAX_RECIPE_DEPTH} levels")
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [child for pair in node.value for child in pair]
+        else:
+            children = []
+        size = 1 + sum(self._sizes[id(child)] for child in children)
+        if size > MAX_RECIPE_NODES:
+            raise _TooLarge(f"over {MAX_RECIPE_NODES} values once its aliases are expanded")
+        self._sizes[id(node)] = size
+        return node
+
+
+def _bounded_load(text: str):
+    """One YAML document read with :class:`_BoundedLoader` (as ``yaml.safe_load`` reads it)."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def _read_yaml(path: Path) -> dict:
+    """A recipe file read as YAML, at most :data:`MAX_RECIPE_BYTES` of it, within the limits of
+    :class:`_BoundedLoader`; a :class:`RecipeError` naming the file otherwise."""
     if not path.is_file():
         raise FileNotFoundError(f"no such recipe: {path}")
+    with open(path, "rb") as file:
+        data = file.read(MAX_RECIPE_BYTES + 1)
+    if len(data) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{path}: over {MAX_RECIPE_BYTES // 10**6} MB; a recipe is a short file of settings")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = _bounded_load(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise RecipeError(f"{path}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
+    except _TooLarge as err:
+        raise RecipeError(f"{path}: refused: {err}") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         raise RecipeError(f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML: {err.problem}") from None

@@ -16,7 +16,7 @@ import dataclasses
 import io
 import json
 import logging
-import shutil
+import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,16 +28,25 @@ from peft import PeftModel
 
 from . import pipeline, zoo
 from .devices import computed_on_main, launched_count, launched_processes, wait_for_others
-from .evaluation import SAMPLED, DataError
-from .export import PROCESSOR_FILES, check_apart, move_into_place, staging_folder
-from .hub import push_folder, resolve_checkpoint
+from .evaluation import SAMPLED, DataError, read_text_file
+from .export import PROCESSOR_FILES
+from .hub import push_folder, resolve_checkpoint, shown_settings
+from .inherit import copy_model_file
 from .loading import load_model
 from .methods import METHODS
 from .options import EVAL_OPTIONS, FIT_OPTIONS, MergeSpec, OutputExistsError, ParameterError, UsageError
+from .outputs import (
+    check_apart,
+    check_output_path,
+    check_replaceable,
+    clean_stale,
+    discard,
+    mark,
+    move_into_place,
+    staging_folder,
+)
 from .progress import bar as progress_bar
-from .recipe import ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
-
-SUMMARY = "summary"  # summary.md, summary.json, summary.csv in output.dir
+from .recipe import SUMMARY, ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +137,7 @@ def run_recipe(
     processes = launched_processes()  # under torchrun / accelerate launch: one process writes (see pipeline.run)
     main = processes is None or processes.is_main_process
     final = Path(recipe.output.dir)
-    local = [p for _, refs in recipe.groups for ref in refs for p in (ref.path, ref.adapter) if p and not p.startswith(ZOO_PREFIX)]
-    try:
-        check_apart(final, local)
-    except ParameterError as err:
-        raise RecipeError(err.named("output.dir")) from None
-    if final.exists() and not recipe.output.overwrite:
-        raise OutputExistsError(f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite")
+    check_outputs(recipe, given)
     # Data problems surface before any model is trained, downloaded or aligned.
     needs_data = any(METHODS[m].needs_data for m in recipe.method)
     fit_data = load_data(recipe.data, "train") if recipe.data is not None and needs_data else None
@@ -156,7 +159,12 @@ def run_recipe(
                     with processes.main_process_first() if processes is not None else contextlib.nullcontext():
                         sources = [resolver(ref) for ref in refs]  # zoo members: trained once, then read from the cache
                     spec = merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data, folder).model_copy(
-                        update={"labels": tuple(s.label if s.relabel else None for s in sources), "made_with": made_with}
+                        update={
+                            "labels": tuple(s.label if s.relabel else None for s in sources), "made_with": made_with,
+                            # the card names the run's Hub repo, or its folder in output.dir, not the staging folder
+                            "repo_hint": (recipe.output.push_to_hub or "").format(group=group, method=method)
+                            or (Path(final.name) / folder).as_posix(),
+                        }
                     )
                     merged = pipeline.run(spec, progress=progress)
                 except (ValueError, OSError) as err:  # say which run of a sweep failed, keeping what kind of failure it was
@@ -172,12 +180,13 @@ def run_recipe(
             processes.wait_for_everyone()
             return dataclasses.replace(result, wrote=False)
         for run in runs:  # cards name the final folder (or Hub repo), not the staging one
-            _relabel_card(staging / run.folder, {str(staging / run.folder): targets[run.folder] or str(final / run.folder)})
+            shown = targets[run.folder] or (Path(final.name) / run.folder).as_posix()  # no path of this machine
+            _relabel_card(staging / run.folder, {str(staging / run.folder): shown})
         write_summary(result, staging)
-        move_into_place(staging, final, overwrite=recipe.output.overwrite)
+        move_into_place(staging, final, kind="recipe", overwrite=recipe.output.overwrite, what="output.dir")
     except BaseException:
         if main:
-            shutil.rmtree(staging, ignore_errors=True)
+            discard(staging)
         raise
     if recipe.output.push_to_hub:
         pushed = [
@@ -186,16 +195,53 @@ def run_recipe(
         ]
         result = dataclasses.replace(result, runs=pushed)
         write_summary(result, final)
+        mark(final, "recipe")
     wait_for_others(processes)
     return result
+
+
+def check_outputs(recipe: Recipe, given=None) -> None:
+    """Check, before any work, every folder the recipe writes (``output.dir`` and each run's
+    training state under ``accelerate.checkpoint_dir``) against every path it reads (models,
+    adapters, data and evaluation files, the recipe file ``given``) and against each other, and
+    that each is one the run may write or replace (docs/design.md §6)."""
+    final = Path(recipe.output.dir)
+    read = [p for _, refs in recipe.groups for ref in refs for p in (ref.path, ref.adapter) if p and not p.startswith(ZOO_PREFIX)]
+    for data in (recipe.data, recipe.eval.data if recipe.eval is not None else None):
+        if data is not None:
+            read += [*(data.files or []), *([data.dataset] if data.dataset else [])]
+    if isinstance(given, (str, Path)):
+        read.append(given)
+    try:
+        check_output_path(final, "output.dir")
+        clean_stale(final)  # a dead run's set-aside output is put back before it is judged
+        if os.path.lexists(final) and not recipe.output.overwrite:
+            raise OutputExistsError(f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite")
+        check_apart(final, read, "output.dir")
+        if recipe.output.overwrite:
+            check_replaceable(final, "output.dir")
+        state = recipe.accelerate.checkpoint_dir
+        if state is not None:
+            check_output_path(state, "accelerate.checkpoint_dir")
+            check_apart(state, read, "accelerate.checkpoint_dir")
+            check_apart(state, [final], "accelerate.checkpoint_dir", role="the output", missing=True)
+            for group, method, _ in recipe.runs():
+                check_replaceable(Path(state) / recipe.run_folder(group, method), "accelerate.checkpoint_dir", kinds=("training-state",))
+    except (ParameterError, OutputExistsError) as err:
+        if err.parameter == "output.overwrite":
+            raise
+        raise RecipeError(err.named(err.parameter)) from None
 
 
 def _recipe_markdown(recipe: Recipe, given) -> str:
     """The card's Reproduce text of a recipe's merges: the recipe as it ran (overrides applied,
     defaults left out), and the command that runs it."""
-    text = yaml.safe_dump(recipe.model_dump(mode="json", exclude_defaults=True), sort_keys=False)
+    text = yaml.safe_dump(shown_settings(recipe.model_dump(mode="json", exclude_defaults=True)), sort_keys=False)
     name = Path(given).name if isinstance(given, (str, Path)) else "recipe.yaml"
-    return f"the recipe `{name}`, as it ran (`--set` changes applied); save it and run `hf-lmc run {name}`:\n\n```yaml\n{text}```"
+    return (
+        f"the recipe `{name}`, as it ran (`--set` changes applied; local paths shortened to their last part); "
+        f"save it and run `hf-lmc run {name}`:\n\n```yaml\n{text}```"
+    )
 
 
 def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output: Path, fit_data, eval_data, folder: Path | None = None) -> MergeSpec:
@@ -216,6 +262,7 @@ def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output
         learn=recipe.learn, accelerate=accelerate, eval_data=eval_data,
         eval_options=recipe.eval.data.options(EVAL_OPTIONS) if recipe.eval else EVAL_OPTIONS,
         alphas=recipe.eval.alphas if recipe.eval else 11, dtype=out.dtype, shard_size=out.shard_size,
+        inherit_from_a=out.inherit_from_a,
     )
 
 
@@ -289,7 +336,7 @@ def _files(files: list[str], split: str):
         return str(paths[0])  # a .txt file, a folder of them, or a .pt tensor file
     if any(p.is_dir() or p.suffix.lower() != ".txt" for p in paths):
         raise DataError("several files must all be .txt files; list one folder or one .pt file on its own")
-    return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+    return [read_text_file(p) for p in paths]
 
 
 # -- models ----------------------------------------------------------------------------------
@@ -350,9 +397,8 @@ def fold_adapter(model: str | Path, adapter: str | Path, output: Path, *, revisi
     except Exception as err:  # peft and the Hub raise many types; the user needs one clear line
         raise ValueError(f"cannot apply PEFT adapter {adapter} to {model}: {_first_line(err)}") from err
     folded.save_pretrained(output)
-    for name in (*PROCESSOR_FILES, "README.md"):
-        if base.folder is not None and (base.folder / name).is_file():
-            shutil.copy2(base.folder / name, output / name)
+    for name in (*PROCESSOR_FILES, "README.md") if base.folder is not None else ():
+        copy_model_file(base.folder, name, output / name)  # regular files inside the base's folder only
     return output
 
 

@@ -54,6 +54,7 @@ from transformers import PretrainedConfig
 
 from .adapters import adapter_for, setting_differences
 from .canonical import CanonicalModel, drain
+from .options import clipped
 from .spec import ArchSpec, Group, spec_differences
 from .symmetry import axes_of
 
@@ -100,7 +101,10 @@ def check_mergeable(config_a: PretrainedConfig, config_b: PretrainedConfig, a: s
         raise ValueError(f"{a} is a {config_a.model_type} model but {b} is a {config_b.model_type} model; merge needs one architecture")
     differ = setting_differences(config_a, config_b)
     if differ:
-        shown = ", ".join(f"{key} {getattr(config_a, key, None)!r} vs {getattr(config_b, key, None)!r}" for key in differ)
+        shown = ", ".join(
+            f"{key} {clipped(getattr(config_a, key, None))} vs {clipped(getattr(config_b, key, None))}"
+            for key in differ
+        )
         raise ValueError(f"{a} and {b} compute differently ({shown}); a merge under one config would not be what it says")
     spec_a, spec_b = spec_of(config_a), spec_of(config_b)
     common = common_spec(spec_a, spec_b, a, b)  # one line naming what no width embedding covers

@@ -43,7 +43,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
 from .adapters import adapter_for
-from .export import GENERATION_CONFIG, move_into_place, staging_folder
+from .export import GENERATION_CONFIG
+from .outputs import discard, move_into_place, staging_folder
 from .progress import bar as progress_bar
 
 logger = logging.getLogger(__name__)
@@ -431,9 +432,9 @@ def _refresh_lm_files(folder: Path, context: int, entry: ZooEntry) -> None:
     try:
         shutil.copytree(folder, staging, dirs_exist_ok=True)
         _write_lm_files(staging, context, entry)
-        move_into_place(staging, folder, overwrite=True)
+        move_into_place(staging, folder, kind="zoo", overwrite=True)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)
         raise
 
 
@@ -505,9 +506,9 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
         final = sum(losses[-50:]) / len(losses[-50:])
         summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, **record}
         (staging / "zoo.json").write_text(json.dumps(summary, indent=2))
-        move_into_place(staging, folder, overwrite=True)
+        move_into_place(staging, folder, kind="zoo", overwrite=True)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(staging)
         raise
     return folder
 

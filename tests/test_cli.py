@@ -79,6 +79,8 @@ def test_missing_folder_is_a_one_line_error(capsys):
     (["merge", "./a", "./b", "-o", "out", "--alpha", "0.5", "--weights", "0.5", "0.5"], 2),  # conflicting flags
     (["merge", "./a", "./b", "-o", "out", "--alpha", "1.5"], 2),  # a value out of range
     (["merge", "./a", "./b", "-o", "out", "--method", "dual"], 2),  # a data method without --data
+    (["merge", "./a", "./b", "-o", "out", "--eval-data", "x.txt", "--alphas", "0"], 2),  # a grid with no line, before any reading
+    (["merge", "./a", "./b", "-o", "out", "--eval-data", "x.txt", "--alphas", "1"], 2),
     (["merge", "./a", "./b", "-o", "out", "--device", "cuda:0"], 2) if not torch.cuda.is_available() else (["check", "--seed", "x"], 2),
     (["merge", "./no/such/a", "./no/such/b", "-o", "out"], 1),  # the run fails on what it reads
     (["barrier", "./no/such/a", "./no/such/b", "--eval-data", "plays.txt"], 1),
@@ -94,6 +96,19 @@ def test_exit_codes_are_2_for_usage_and_1_for_a_failed_run(argv, code, capsys, t
     assert got == code
     err = capsys.readouterr().err
     assert "Traceback" not in err and "error:" in err.strip().splitlines()[-1], err
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_the_shells_code(capsys, monkeypatch):
+    """Ctrl-C is a way a run ends, not a crash: one line and 130, as a shell reports it."""
+    import hf_lmc.pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_lmc.pipeline, "merge", interrupted)
+    assert main(["merge", "./a", "./b", "-o", "out"]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
 
 
 def test_generated_learning_flags_reach_the_options_model():

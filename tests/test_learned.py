@@ -599,7 +599,7 @@ def test_resuming_refuses_a_state_saved_from_another_start(tmp_path):
     folder = tmp_path / "ckpt"
     saved = DualMatcher(model_a, model_b, dtype=torch.float64)
     saved.fit(batches, steps=1, checkpoint_dir=folder, progress=False)
-    recorded = json.loads((folder / "hf_lmc_progress.json").read_text())["start"]
+    recorded = json.loads((folder / "hf_lmc_state.json").read_text())["start"]
     assert recorded == json.loads(json.dumps(training.start_fingerprint(DualMatcher(model_a, model_b, dtype=torch.float64))))
     with pytest.raises(UsageError, match="resume"):
         DualMatcher(model_a, model_c, dtype=torch.float64).fit(batches, steps=2, checkpoint_dir=folder, resume=True, progress=False)
@@ -645,6 +645,281 @@ def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
     assert float(resumed.worst_alpha) == float(straight.worst_alpha)  # the buffer the draws follow is saved too
     with pytest.raises(ValueError, match="warmup_steps"):
         fresh().fit(batches, steps=2, warmup_steps=3, progress=False)
+
+
+class _DrawingPath(torch.nn.Module):
+    """A stand-in path that trains in milliseconds and draws at random every step, as the real
+    paths do: the loss pulls ``x`` towards a random target, which a buffer keeps."""
+
+    label, seeks_worst = "drawing", False
+
+    def __init__(self, size: int = 3):
+        super().__init__()
+        self.x = torch.nn.Parameter(torch.zeros(size, dtype=torch.float64))
+        self.register_buffer("drawn", torch.zeros(size, dtype=torch.float64))
+
+    def forward(self, batch):
+        self.drawn = torch.rand(self.x.shape, dtype=torch.float64)
+        return ((self.x - self.drawn) ** 2).sum()
+
+
+def _train_drawing(folder=None, size: int = 3, steps: int = 3, **settings) -> _DrawingPath:
+    """A scheduled run of :class:`_DrawingPath` from one seed (resumed, it must end where this ends)."""
+    from hf_lmc.matching.training import train
+
+    torch.manual_seed(0)
+    path = _DrawingPath(size)
+    batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}]
+    train(
+        path,
+        batches,
+        steps=steps,
+        lr=0.1,
+        schedule="cosine",
+        warmup_steps=1,
+        checkpoint_dir=folder,
+        checkpoint_every=1,
+        progress=False,
+        **settings,
+    )
+    return path
+
+
+def _saved_state(folder):
+    """The tensors file of a checkpoint folder, which holds it, the manifest and the output protocol's marker alone."""
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no staging folder left beside it
+    assert sorted(p.name for p in folder.iterdir()) == [".hf-lmc.json", "hf_lmc_state.json", "state.safetensors"]
+    return folder / "state.safetensors"
+
+
+class _Payload:
+    """Pickled, it creates ``marker`` when unpickled: what a state file replaced by an attacker's runs."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "random_states_0.pkl",
+        "custom_checkpoint_0.pkl",
+        "custom_checkpoint_1.pkl",
+        "optimizer.bin",
+        "scheduler.bin",
+        "model.safetensors",
+        "pytorch_model.bin",
+        "scaler.pt",
+        "hf_lmc_progress.json",
+        "hf_lmc_state.json",
+        "tensors",
+        ".hf-lmc.json",
+    ],
+)
+def test_a_pickle_planted_in_the_training_state_never_runs(tmp_path, planted):
+    """A checkpoint folder's files are read as safetensors and JSON only: a pickle whose
+    ``__reduce__`` runs code, planted under any name the folder could hold (accelerate's own
+    included) or in place of the tensors file, is refused in one line naming it; it never runs."""
+    marker = tmp_path / "ran"
+    call, arguments = _Payload(marker).__reduce__()
+    call(*arguments).close()  # the payload is live: unpickled, it would leave the marker
+    assert marker.exists()
+    marker.unlink()
+    folder = tmp_path / "ckpt"
+    _train_drawing(folder)
+    target = _saved_state(folder) if planted == "tensors" else folder / planted
+    torch.save(_Payload(marker), target)
+    with pytest.raises((ValueError, OSError)) as refused:
+        _train_drawing(folder, resume=True)
+    message = str(refused.value)
+    assert "\n" not in message and target.name in message, message
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["torn tensors", "missing tensors", "missing manifest", "edited step", "edited rate", "not json", "other shapes"],
+)
+def test_a_training_state_that_does_not_validate_is_refused_in_one_line_before_anything_is_loaded(tmp_path, damage):
+    """Every file's size and sha256, the manifest's record against its tensors file, and every
+    tensor's name, shape and dtype against the live modules are checked before anything is
+    copied in: a torn, edited or foreign state is refused in one line naming the file, and the
+    path and the random state are as they were."""
+    import json
+
+    from hf_lmc.matching.state import TrainingStateError
+    from hf_lmc.matching.training import train
+
+    folder = tmp_path / "ckpt"
+    _train_drawing(folder)
+    tensors, manifest = _saved_state(folder), folder / "hf_lmc_state.json"
+    record = json.loads(manifest.read_text())
+    named = manifest
+    if damage == "torn tensors":
+        tensors.write_bytes(tensors.read_bytes()[: tensors.stat().st_size // 2])
+        named = tensors
+    elif damage == "missing tensors":
+        tensors.unlink()
+        named = tensors
+    elif damage in ("edited step", "edited rate"):
+        if damage == "edited step":
+            record["step"] = 1
+        else:
+            record["optimizer_groups"][0]["lr"] = 0.5  # the schedule ends at 0
+        manifest.write_text(json.dumps(record))
+    elif damage == "missing manifest":
+        manifest.unlink()
+    elif damage == "not json":
+        manifest.write_text("{not json")
+    size = 4 if damage == "other shapes" else 3  # saved for a path of 3 elements, resumed with 4
+    named = tensors if damage == "other shapes" else named
+
+    torch.manual_seed(0)
+    path, random_state = _DrawingPath(size), torch.get_rng_state()
+    batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}]
+    with pytest.raises(TrainingStateError) as refused:
+        train(
+            path,
+            batches,
+            steps=3,
+            lr=0.1,
+            schedule="cosine",
+            warmup_steps=1,
+            checkpoint_dir=folder,
+            resume=True,
+            progress=False,
+        )
+    message = str(refused.value)
+    assert "\n" not in message and named.name in message, message
+    assert torch.equal(path.x, torch.zeros(size, dtype=torch.float64)) and torch.equal(
+        path.drawn, torch.zeros(size, dtype=torch.float64)
+    )
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["one exchange", "two renames"])
+def test_a_run_killed_at_any_point_of_a_save_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, exchange):
+    """A save is atomic: killed at any of its filesystem steps (of the first save or a later one;
+    the folders swapped in one exchange or, where the system has none, by two renames), the
+    folder holds the previous complete state or the new one, and the resumed run ends exactly
+    where an uninterrupted run does, with one state and no staging folder left."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from hf_lmc import outputs
+    from hf_lmc.matching import state
+
+    class Killed(Exception):
+        pass
+
+    steps_taken = []
+    filesystem_steps = [
+        (state, "save_file"),
+        (Path, "write_text"),
+        (os, "fsync"),
+        (os, "replace"),
+        (os, "rename"),
+        (shutil, "rmtree"),
+        (tempfile, "mkdtemp"),
+        (outputs, "_rename2"),
+    ]
+
+    def killed_run(folder, kill_at) -> bool:
+        steps_taken.clear()
+        with monkeypatch.context() as patches:
+            for owner, name in filesystem_steps:
+                original = getattr(owner, name)
+
+                def step(*args, _original=original, _name=name, **kwargs):
+                    steps_taken.append(_name)
+                    if len(steps_taken) == kill_at:
+                        raise Killed(_name)
+                    return _original(*args, **kwargs)
+
+                patches.setattr(owner, name, step)
+            try:
+                _train_drawing(folder, steps=2)
+            except Killed:
+                return True
+        return False
+
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: None
+    )  # still a step that can be killed; what it makes durable, no test sees
+    if not exchange:
+        monkeypatch.setattr(outputs, "_exchange", lambda staging, output: False)
+    reference = _train_drawing(steps=2)
+    assert not killed_run(tmp_path / "counted" / "ckpt", 0)
+    total = len(steps_taken)  # the filesystem steps of two saves, the first and a later one
+    assert total >= 2 * 5 and steps_taken.count("save_file") == 2
+    for kill_at in range(1, total + 1):
+        folder = tmp_path / f"killed at {kill_at}" / "ckpt"
+        assert killed_run(folder, kill_at)
+        resumed = _train_drawing(folder, steps=2, resume=True)
+        assert torch.equal(resumed.x, reference.x) and torch.equal(resumed.drawn, reference.drawn), (
+            kill_at,
+            steps_taken[-1],
+        )
+        _saved_state(folder)
+
+
+def test_the_training_state_keeps_fp16s_loss_scale(tmp_path):
+    """Under fp16 accelerate scales the loss by a factor it adapts as it goes: a resumed run goes
+    on from the saved factor, and one whose precision differs from the saved run's is refused."""
+    from accelerate import Accelerator
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from hf_lmc.matching.state import TrainingState
+    from hf_lmc.matching.training import _BestPath
+    from hf_lmc.options import UsageError
+
+    def state(scale):
+        accelerator, path = Accelerator(), _DrawingPath()
+        accelerator.scaler = (
+            torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+        )  # as fp16 on a GPU has one
+        optimizer = torch.optim.Adam(path.parameters())
+        return TrainingState(path, optimizer, LambdaLR(optimizer, lambda step: 1.0), _BestPath([path.x]), accelerator)
+
+    folder = tmp_path / "ckpt"
+    state(1024.0).save(folder, 1, {})
+    resumed = state(65536.0)
+    assert resumed.load(folder, 1, lambda start: None) == 1
+    assert resumed.accelerator.scaler.get_scale() == 1024.0
+    with pytest.raises(UsageError, match="fp16"):
+        state(None).load(folder, 1, lambda start: None)
+
+
+def test_a_checkpoint_folder_that_is_not_hf_lmcs_is_refused_and_left_as_it_was(tmp_path):
+    """The checkpoint folder is hf_lmc's own: one that holds anything else (a model's folder, a
+    user's files, a state of the older pickled format) is refused before the first step, in one
+    line naming the parameter, and nothing in it changes; a missing folder resumes as a fresh run."""
+    from hf_lmc.options import OutputExistsError, ParameterError
+
+    model = tmp_path / "model"
+    build_model(tiny_configs()["gpt2"], seed=1).save_pretrained(model)
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "hf_lmc_progress.json").write_text('{"step": 2}')
+    (older / "random_states_0.pkl").write_bytes(b"\x80\x04N.")
+    for folder in (model, older):
+        before, steps = {p.name: p.read_bytes() for p in folder.iterdir()}, []
+        for resume in (False, True):
+            with pytest.raises((ParameterError, OutputExistsError)) as refused:
+                _train_drawing(folder, resume=resume, callback=lambda step, path, seen=steps: seen.append(step))
+            assert refused.value.parameter == "checkpoint_dir" and "{}" in refused.value.template
+            message = refused.value.named("--checkpoint-dir")
+            assert "\n" not in message and message.startswith("--checkpoint-dir") and str(folder) in message
+        assert ("older hf_lmc" in message) == (folder == older)
+        assert steps == [] and {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    fresh = _train_drawing(tmp_path / "new" / "ckpt", resume=True)
+    assert torch.equal(fresh.x, _train_drawing().x)
+    _saved_state(tmp_path / "new" / "ckpt")
 
 
 @pytest.mark.slow
@@ -693,7 +968,7 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     compared |= {f"{family}: two, sharded": (f"{family}: one", 1e-7, 1e-9) for family in ("gpt_neox", "llama", "vit")}
     for name, (reference, rtol, atol) in compared.items():
         assert rtol > 1e-7 or info[name]["located"] == info[reference]["located"], name  # one worst point for all (float64)
-        single, other = torch.load(tmp_path / reference), torch.load(tmp_path / name)
+        single, other = (torch.load(tmp_path / n, weights_only=True) for n in (reference, name))
         assert single["params"].keys() == other["params"].keys() and single["params"]
         for key in single["params"]:  # float64; Adam's normalisation lifts all-reduce rounding to ~1e-10
             torch.testing.assert_close(other["params"][key], single["params"][key], rtol=rtol, atol=atol, msg=f"{name}: {key}")

@@ -166,8 +166,12 @@ def test_bad_inputs(tmp_path, capsys):
     capsys.readouterr()
     assert main(["merge", str(llama), str(llama), "-o", out]) == 2
     assert "--overwrite" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").read_text() == "mine"
-    assert main(["merge", str(llama), str(llama), "-o", out, "--overwrite"]) == 0
-    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").is_file()
+    assert main(["merge", str(llama), str(llama), "-o", out, "--overwrite"]) == 2  # not a folder hf_lmc wrote
+    assert "keep.txt" in capsys.readouterr().err and (tmp_path / "out" / "keep.txt").read_text() == "mine"
+    (tmp_path / "out" / "keep.txt").unlink()
+    assert main(["merge", str(llama), str(llama), "-o", out, "--overwrite"]) == 0  # an empty folder
+    assert main(["merge", str(llama), str(llama), "-o", out, "--overwrite"]) == 0  # one hf_lmc wrote
+    assert (tmp_path / "out" / "config.json").is_file()
 
 
 def test_barrier_cli_prints_json(tmp_path, capsys):

@@ -5,7 +5,13 @@ Ctrl-C does; an interrupted ``--overwrite`` never loses the old folder."""
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import errno
+import io
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +24,11 @@ import yaml
 
 import hf_lmc
 import hf_lmc.export as export
+from hf_lmc import outputs
 from hf_lmc.cli import main
-from hf_lmc.export import clean_stale, move_into_place, save_canonical, staging_folder
+from hf_lmc.export import save_canonical, write_checkpoint
 from hf_lmc.options import OutputExistsError
+from hf_lmc.outputs import MARKER, _try_lock, check_apart, check_replaceable, clean_stale, discard, mark, staging_folder
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, char_tokenizer_folder
 
@@ -42,7 +50,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def _debris(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
+    return sorted(p.name for p in parent.iterdir() if any(f".{kind}-" in p.name for kind in ("tmp", "old", "new")))
 
 
 def test_an_output_that_is_contains_or_lies_inside_an_input_is_refused_and_the_inputs_stay(tmp_path, capsys, monkeypatch):
@@ -89,35 +97,394 @@ def test_of_two_writers_to_one_output_without_overwrite_the_second_fails_and_the
     assert [p.name for p in out.iterdir()] == ["other.txt"] and not _debris(tmp_path)
 
 
-def test_an_interrupted_overwrite_gets_its_old_folder_back(tmp_path, monkeypatch):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("the previous merge")
-    staging = staging_folder(out)
-    real_rename = Path.rename
-
-    def failing_second_rename(self, target):
-        if self == staging:
-            raise OSError("disk gone")
-        return real_rename(self, target)
-
-    monkeypatch.setattr(Path, "rename", failing_second_rename)
-    with pytest.raises(OSError, match="disk gone"):
-        move_into_place(staging, out, overwrite=True)
-    assert (out / "old.txt").read_text() == "the previous merge" and _debris(tmp_path) == [staging.name]
-
-
 def test_the_next_run_removes_dead_runs_debris_and_restores_a_set_aside_output(tmp_path):
-    dead = _dead_pid()
     out = tmp_path / "out"
-    (tmp_path / f".out.tmp-{dead}-abc").mkdir()  # a staging folder of a killed run
-    (tmp_path / f".out.old-{dead}-def" / "out").mkdir(parents=True)  # killed between the two renames of --overwrite
-    (tmp_path / f".out.old-{dead}-def" / "out" / "model.txt").write_text("the previous merge")
-    live = tmp_path / f".out.tmp-{os.getpid()}-ghi"  # a run still writing
-    live.mkdir()
+    (tmp_path / ".out.tmp-12-abcdefgh").mkdir()  # a staging folder of a killed run
+    (tmp_path / ".out.old-12-defghijk" / "out").mkdir(parents=True)  # killed between the two renames of --overwrite
+    (tmp_path / ".out.old-12-defghijk" / "out" / "model.txt").write_text("the previous merge")
+    live = staging_folder(out)  # a run still writing: it holds the lock
     clean_stale(out)
     assert (out / "model.txt").read_text() == "the previous merge"
     assert _debris(tmp_path) == [live.name]
+    discard(live)
+
+
+def test_a_live_runs_debris_is_kept_whatever_its_pid_looks_like(tmp_path):
+    """Liveness is the run's lock on its folder, not its PID: a PID from another PID namespace
+    may look dead here (or belong to another process), and a dead run's PID may be reused."""
+    out = tmp_path / "out"
+    held = []
+    for name in (".out.tmp-999999999-abcdefgh", ".out.old-999999999-bcdefghi"):  # no such PID here
+        (tmp_path / name / "out").mkdir(parents=True)
+        held.append(_try_lock(tmp_path / name))  # this process stands in for the live run
+    (tmp_path / f".out.tmp-{os.getpid()}-cdefghij").mkdir()  # a live PID (ours), but no run holds it
+    clean_stale(out)
+    assert _debris(tmp_path) == [".out.old-999999999-bcdefghi", ".out.tmp-999999999-abcdefgh"] and not out.exists()
+    for fd in held:  # the run ends (as a killed run's locks go with it)
+        os.close(fd)
+    clean_stale(out)
+    assert not _debris(tmp_path) and out.is_dir()  # the set-aside folder went back: the output was missing
+
+
+@pytest.mark.parametrize("name", ["m[1]", "a*b", "q?", "x]"])
+def test_debris_of_an_output_named_with_glob_characters_is_found_by_exact_name(tmp_path, name):
+    """Debris is matched by its exact prefix, never by a pattern built from the user's name: the
+    set-aside folder of ``m[1]`` goes back, and ``m1``'s (which the glob ``m[1]`` matched) stays."""
+    out = tmp_path / name
+    (tmp_path / f".{name}.old-12-abcdefgh" / name).mkdir(parents=True)
+    (tmp_path / f".{name}.old-12-abcdefgh" / name / "model.txt").write_text("the previous merge")
+    (tmp_path / f".{name}.tmp-12-bcdefghi").mkdir()
+    other = tmp_path / ".m1.old-12-cdefghij" / "m1"  # another output's set-aside folder (m1 is missing)
+    other.mkdir(parents=True)
+    clean_stale(out)
+    assert (out / "model.txt").read_text() == "the previous merge"
+    assert _debris(tmp_path) == [".m1.old-12-cdefghij"]
+    clean_stale(tmp_path / "m1")
+    assert (tmp_path / "m1").is_dir() and not _debris(tmp_path)
+
+
+def _no_alignment(monkeypatch) -> None:
+    from hf_lmc import pipeline
+
+    monkeypatch.setattr(
+        pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the outputs were checked")
+    )
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("hf-lmc: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_overwrite_replaces_only_a_folder_hf_lmc_wrote_and_names_what_else_is_in_it(tmp_path, capsys, monkeypatch):
+    a, b = _pair(tmp_path)
+    out = tmp_path / "out"
+    (out / ".git").mkdir(parents=True)
+    (out / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (out / "notes.md").write_text("the user's notes")
+    theirs = _snapshot(out)
+    merge = ["merge", str(a), str(b), "-o", str(out), "--device", "cpu", "--quiet"]
+    capsys.readouterr()
+    with monkeypatch.context() as patched:
+        _no_alignment(patched)
+        assert main([*merge, "--overwrite"]) == 2
+        err = _one_error_line(capsys)
+        assert err.startswith("hf-lmc: error: --output") and str(out) in err and ".git" in err and "notes.md" in err, (
+            err
+        )
+    assert _snapshot(out) == theirs
+    shutil.rmtree(out)
+    assert main(merge) == 0
+    assert "config.json" in json.loads((out / MARKER).read_text())["files"]
+    (out / "mine.txt").write_text("added by the user")  # a marked folder with a file hf_lmc did not write
+    capsys.readouterr()
+    with monkeypatch.context() as patched:
+        _no_alignment(patched)
+        assert main([*merge, "--overwrite"]) == 2
+        assert "mine.txt" in _one_error_line(capsys)
+        (out / "eval.txt").write_text("abc abc\n" * 40)  # evaluation data inside the output: an input
+        mark(out, "merge")  # even listed as hf_lmc's
+        assert main([*merge, "--overwrite", "--eval-data", str(out / "eval.txt")]) == 2
+        assert "contains the input" in _one_error_line(capsys)
+    assert (out / "mine.txt").read_text() == "added by the user" and (out / "eval.txt").is_file()
+    (out / "mine.txt").unlink()
+    (out / "eval.txt").unlink()
+    assert main([*merge, "--overwrite"]) == 0 and not _debris(tmp_path)
+
+
+def test_an_input_under_another_path_is_refused_by_its_device_and_inode(tmp_path, monkeypatch):
+    """A hard link, or a bind mount (stood in for by a link that path resolution does not see
+    through, as it cannot see through a mount), is the same file or folder under another path."""
+    from hf_lmc.options import ParameterError
+
+    model, data = tmp_path / "model", tmp_path / "eval.txt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data.write_text("abc\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(data, out / "eval.txt")  # the evaluation data, hard-linked into the output
+    with pytest.raises(ParameterError, match="contains the input"):
+        check_apart(out, [data])
+    alias = tmp_path / "mounted"
+    alias.symlink_to(model, target_is_directory=True)
+    monkeypatch.setattr(
+        Path, "resolve", lambda self, strict=False: Path(os.path.abspath(self))
+    )  # sees no link: a mount
+    for output, where in ((alias, "is"), (alias / "merged", "lies inside"), (tmp_path / "elsewhere", None)):
+        if where is None:
+            check_apart(output, [model, data])
+            continue
+        with pytest.raises(ParameterError, match=where) as refused:
+            check_apart(output, [model])
+        assert str(model) in str(refused.value) and str(output) in str(refused.value)
+    os.rename(model, tmp_path / "away")  # the input inside the output, under a name resolution cannot see
+    (tmp_path / "wrapper").mkdir()
+    (tmp_path / "wrapper" / "inner").symlink_to(tmp_path / "away", target_is_directory=True)
+    with pytest.raises(ParameterError, match="contains"):
+        check_apart(tmp_path / "wrapper", [tmp_path / "away"])
+
+
+def test_what_can_be_checked_before_the_work_is_checked_before_it(tmp_path, capsys, monkeypatch):
+    a, b = _pair(tmp_path)
+    _no_alignment(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "thesis.tex").write_text("years of work")
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    mark(merged, "merge")
+    merge = ["merge", str(a), str(b), "--device", "cpu", "--quiet"]
+    capsys.readouterr()
+    for extra, flag, named in (
+        (["-o", "."], "--output", "working folder"),
+        (["-o", str(tmp_path)], "--output", "working folder"),
+        (["-o", "a-file", "--overwrite"], "--output", "a-file"),
+        (["-o", "out", "--checkpoint-dir", "out"], "--checkpoint-dir", "out"),
+        (["-o", "out", "--checkpoint-dir", "out/state"], "--checkpoint-dir", "out"),
+        (["-o", "out", "--checkpoint-dir", str(b)], "--checkpoint-dir", str(b)),
+        (["-o", "out", "--checkpoint-dir", str(theirs)], "--checkpoint-dir", "thesis.tex"),
+        (["-o", "out", "--checkpoint-dir", str(merged)], "--checkpoint-dir", "merge"),
+    ):
+        assert main([*merge, *extra]) == 2, extra
+        err = _one_error_line(capsys)
+        assert err.startswith(f"hf-lmc: error: {flag}") and named in err, (extra, err)
+    assert (theirs / "thesis.tex").read_text() == "years of work" and not (tmp_path / "out").exists()
+
+
+def test_a_recipe_checks_its_run_folders_and_everything_it_reads_before_any_work(tmp_path, capsys, monkeypatch):
+    a, b = _pair(tmp_path)
+    _no_alignment(monkeypatch)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        yaml.safe_dump({"sweep": [{"name": "summary.md", "models": [str(a), str(b)]}], "output": {"dir": "x"}})
+    )
+    capsys.readouterr()
+    assert main(["recipe", "check", str(recipe)]) == 2  # its folder would be the summary's file
+    assert "summary.md" in _one_error_line(capsys)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "eval.txt").write_text("abc abc\n" * 40)
+    inside = out / "r.yaml"
+    for data in (
+        {"files": [str(out / "eval.txt")]},
+        None,
+    ):  # the evaluation data, then the recipe itself, inside output.dir
+        body = {"models": [str(a), str(b)], "output": {"dir": str(out), "overwrite": True}}
+        if data is not None:
+            body["eval"] = {"data": data}
+        inside.write_text(yaml.safe_dump(body))
+        mark(out, "recipe")  # even listed as hf_lmc's
+        assert main(["run", str(inside)]) == 2
+        assert "output.dir" in _one_error_line(capsys)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "eval.txt", "r.yaml"])
+
+
+def test_the_demo_replaces_only_a_folder_hf_lmc_wrote(tmp_path, monkeypatch):
+    from hf_lmc import demo
+
+    monkeypatch.setattr(demo.zoo, "pair", lambda *args, **kwargs: pytest.fail("trained before the output was checked"))
+    theirs = tmp_path / "hf-lmc-demo"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="notes.txt"):
+        demo.run_demo(theirs, progress=False)
+    legacy = tmp_path / "legacy"  # what an older demo wrote: its own record, no marker
+    legacy.mkdir()
+    for name in ("hf_lmc_demo.json", "config.json", "model.safetensors", "README.md", "loss_along_path.png"):
+        (legacy / name).write_text("{}")
+    check_replaceable(legacy, "output")
+    (legacy / "notes.txt").write_text("added by the user")
+    with pytest.raises(OutputExistsError, match="notes.txt"):
+        check_replaceable(legacy, "output")
+
+
+def test_a_refusal_names_a_folder_whose_name_holds_braces_or_is_very_long(tmp_path):
+    """The message is a template whose ``{}`` the front end fills with its flag: a user's name
+    must not be read as one, nor fill the line."""
+    from hf_lmc.options import ParameterError
+
+    folder = tmp_path / "run{0}"
+    folder.mkdir()
+    (folder / ("n" * 200 + "{x}")).write_text("mine")
+    with pytest.raises(OutputExistsError) as refused:
+        check_replaceable(folder, "output")
+    assert str(folder) in refused.value.named("--output") and "{x}" in str(refused.value) and len(str(refused.value)) < 500
+    with pytest.raises(ParameterError) as refused:
+        check_apart(folder / "sub", [folder])
+    assert refused.value.named("--output").startswith(f"--output {folder}")
+
+
+def test_the_marker_is_not_pushed(tmp_path):
+    from hf_lmc import hub
+
+    class RecordingApi:
+        def create_repo(self, repo_id, **kwargs):
+            return f"https://huggingface.co/{repo_id}"
+
+        def upload_folder(self, **kwargs):
+            self.kwargs = kwargs
+
+    api = RecordingApi()
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    mark(folder, "merge")
+    hub.push_folder(folder, "me/m", api=api)
+    assert MARKER in api.kwargs["ignore_patterns"]
+
+
+def test_the_free_space_check_counts_a_tied_embedding_twice(tmp_path):
+    """A tied embedding is stored once but may be written twice (untied by the export)."""
+    from transformers import AutoConfig
+
+    from hf_lmc import pipeline
+
+    folder = tmp_path / "m"
+    build_model(tiny_configs()["gpt2"], dtype=torch.float32).save_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder)
+    assert config.tie_word_embeddings
+    stored = (folder / "model.safetensors").stat().st_size
+    embedding = config.vocab_size * config.hidden_size * 4
+    assert pipeline._written_bytes([folder], [config], None) >= stored + embedding
+
+
+class _Injected(Exception):
+    """What a stand-in raises at the step under test."""
+
+
+class _Faults:
+    """Stand-ins for every file-system step of a write and swap (each rename, mkdir, rmdir,
+    unlink, chmod, rmtree, file opened for writing, ``renameat2``), counting them and failing the
+    ``at``-th one as ``mode`` says: an exception, Ctrl-C, a full disk before the step; SIGINT or
+    SIGKILL (in a forked child) right after it."""
+
+    STEPS = (
+        (os, "rename"),
+        (os, "replace"),
+        (os, "mkdir"),
+        (os, "rmdir"),
+        (os, "unlink"),
+        (os, "chmod"),
+        (shutil, "rmtree"),
+        (outputs, "_rename2"),
+        (builtins, "open"),
+        (io, "open"),
+    )
+
+    def __init__(self, monkeypatch):
+        self.count, self.at, self.mode = 0, None, None
+        for owner, name in self.STEPS:
+            monkeypatch.setattr(owner, name, self._stand_in(getattr(owner, name), name == "open"))
+
+    def _stand_in(self, real, opens):
+        def step(*args, **kwargs):
+            mode = kwargs.get("mode", args[1] if len(args) > 1 else "r")
+            if opens and not any(c in str(mode) for c in "wax+"):  # reading changes nothing
+                return real(*args, **kwargs)
+            self.count += 1
+            if self.count == self.at and self.mode in ("error", "interrupt", "full"):
+                raise {
+                    "error": _Injected("injected"),
+                    "interrupt": KeyboardInterrupt(),
+                    "full": OSError(errno.ENOSPC, "No space left on device"),
+                }[self.mode]
+            result = real(*args, **kwargs)
+            if self.count == self.at and self.mode == "signal":
+                signal.raise_signal(signal.SIGINT)
+            if self.count == self.at and self.mode == "kill":
+                os._exit(137)
+            return result
+
+        return step
+
+    def arm(self, at, mode):
+        self.count, self.at, self.mode = 0, at, mode
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["new", "exchange", "two-renames"])
+def test_a_fault_at_any_step_of_the_write_and_swap_leaves_a_whole_output_and_the_inputs_as_they_were(
+    tmp_path, monkeypatch, scenario
+):
+    """Fault injection over every step of ``write_checkpoint`` and ``move_into_place``: after
+    each fault (and the next run's tidying), the output is the whole old folder or the whole new
+    one, no input changed, and no debris is left. ``new``: a first write; ``exchange`` and
+    ``two-renames``: ``--overwrite`` of a folder a merge wrote, swapped atomically or (where
+    ``renameat2`` is missing) by two renames."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_embd=4, n_layer=1, n_head=1, vocab_size=6, n_positions=8)
+    source = char_tokenizer_folder(tmp_path / "source", 6)
+    plot = tmp_path / "plot.png"
+    plot.write_bytes(b"not really a png")
+    inputs = {"source": _snapshot(source), "plot": plot.read_bytes()}
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out"
+
+    def write(value: float, target: Path = out) -> None:
+        groups = [
+            {"transformer.wte.weight": torch.full((6, 4), value)},
+            {"transformer.h.0.ln_1.weight": torch.full((4,), value)},
+        ]
+        write_checkpoint(
+            groups,
+            config,
+            target,
+            shard_size=64,
+            source_folder=source,
+            extra_files={"plot.png": plot},
+            overwrite=scenario != "new",
+            progress=False,
+        )
+
+    write(1.0, tmp_path / "old")
+    write(2.0, tmp_path / "new")
+    old, new = _snapshot(tmp_path / "old"), _snapshot(tmp_path / "new")
+    if scenario == "two-renames":
+        monkeypatch.setattr(outputs, "_renameat2", None)
+
+    def reset():
+        shutil.rmtree(out, ignore_errors=True)
+        if scenario != "new":
+            shutil.copytree(tmp_path / "old", out)
+
+    faults = _Faults(monkeypatch)
+    reset()
+    faults.arm(None, None)
+    write(2.0)
+    steps = faults.count
+    assert steps > 20  # the walk covers the whole write
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for mode in ("error", "interrupt", "full", "signal", "kill"):
+            for at in range(1, steps + 1):
+                reset()
+                faults.arm(at, mode)
+                if mode == "kill":
+                    child = os.fork()
+                    if child == 0:  # the run, killed right after step ``at``
+                        try:
+                            write(2.0)
+                        finally:
+                            os._exit(0)
+                    os.waitpid(child, 0)
+                else:
+                    with contextlib.suppress(_Injected, KeyboardInterrupt, OSError):
+                        write(2.0)
+                faults.arm(None, None)
+                where = f"{mode} at step {at} of {steps}"
+                clean_stale(out)  # what the next run does first
+                whole = _snapshot(out) if out.exists() else None
+                assert whole in ((old, new) if scenario != "new" else (None, new)), where
+                assert {"source": _snapshot(source), "plot": plot.read_bytes()} == inputs, where
+                assert not _debris(work), (where, _debris(work))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.slow
@@ -235,7 +602,8 @@ def test_the_merge_keeps_a_generation_config_and_gets_the_umask_permissions(tmp_
     from transformers import GenerationConfig
 
     a, b = _pair(tmp_path)
-    GenerationConfig(eos_token_id=[0, 3], do_sample=True, top_p=0.9, max_new_tokens=7).save_pretrained(a)
+    for folder in (a, b):  # one generation config: one that differs in its eos ids is refused (tests/test_inherited.py)
+        GenerationConfig(eos_token_id=[0, 3], do_sample=True, top_p=0.9, max_new_tokens=7).save_pretrained(folder)
     out = tmp_path / "out"
     hf_lmc.merge(a, b, out, device="cpu", progress=False)
     kept = GenerationConfig.from_pretrained(out)
@@ -445,7 +813,9 @@ def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version
     metrics = {m["name"]: m["value"] for m in results["metrics"]}
     assert set(metrics) == {"loss barrier, average (nats)", "loss barrier, weight (nats)"} and all(isinstance(v, float) for v in metrics.values())
     assert f"`hf-lmc` {hf_lmc.__version__}" in card.text
-    assert "hf-lmc " + " ".join(argv) in card.text  # the exact command (no argument here needs quoting)
+    # the command as typed, local paths by their final component (the Hub id as given)
+    assert "hf-lmc merge m0 org/model-b@v1 -o out --device cpu --eval-data eval.txt --seq-len 8 --alphas 3 --quiet" in card.text
+    assert str(tmp_path) not in card.text
 
 
 def test_a_python_merge_records_its_settings_and_a_license_conflict_is_a_warning(tmp_path, caplog):

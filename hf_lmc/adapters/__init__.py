@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Literal
 
+from pydantic import ValidationError
 from transformers import AutoConfig, PretrainedConfig
 
-from .base import Adapter, UnsupportedModelError
+from ..options import clipped
+from .base import Adapter, ConfigError, ConfigSchema, UnsupportedModelError
 from .gpt2 import GPT2Adapter
 from .gpt_neox import GPTNeoXAdapter
 from .llama import LlamaAdapter
@@ -36,49 +40,85 @@ def adapter_for(config: PretrainedConfig) -> Adapter:
     return adapter
 
 
-#: Config keys that do not change what a model computes at inference: names and versions, token
-#: ids and label names, dropout (training only), caching and output switches, heads other classes
-#: use (GPT-2's sequence summary, ViT's pooler and masked-image stride), and numerics-only switches.
-NOT_FUNCTIONAL = frozenset({
-    "_name_or_path", "architectures", "transformers_version", "dtype", "torch_dtype", "model_type",
-    "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "id2label", "label2id",
-    "problem_type", "tokenizer_class", "task_specific_params", "finetuning_task", "initializer_range",
-    "use_cache", "output_attentions", "output_hidden_states", "return_dict", "chunk_size_feed_forward",
-    "is_decoder", "is_encoder_decoder", "add_cross_attention", "tie_word_embeddings",
-    "attn_pdrop", "embd_pdrop", "resid_pdrop", "attention_dropout", "hidden_dropout", "classifier_dropout",
-    "attention_probs_dropout_prob", "hidden_dropout_prob", "summary_activation", "summary_first_dropout",
-    "summary_proj_to_labels", "summary_type", "summary_use_proj", "pooler_act", "pooler_output_size", "encoder_stride",
-    "pretraining_tp", "reorder_and_upcast_attn",
-})
+#: Config keys every family shares that name what the merge inherits from A rather than how it
+#: computes: token ids and label maps, checked with the tokenizer and processor files
+#: (:func:`hf_lmc.inherit.check_inherited`), which may accept A's.
+INHERITED_KEYS = frozenset(
+    {"bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id", "id2label", "label2id"}
+)
+#: Keys that record who wrote a config, not what it says: never noted.
+_BOOKKEEPING = frozenset({"transformers_version"})
+
+ConfigKeyKind = Literal["function", "shape", "inherited", "informational"]
+
+
+def config_key_kind(adapter: Adapter, key: str) -> ConfigKeyKind:
+    """What a config key of ``adapter``'s family is, from the adapter's tables: ``function`` (it
+    changes what the model computes: :attr:`Adapter.function_keys`), ``shape`` (it sets tensor
+    shapes: :attr:`Adapter.shape_keys` and the width keys), ``inherited`` (:data:`INHERITED_KEYS`),
+    else ``informational``: no adapter and no stock class reads it to compute (a free-text note,
+    a legacy field, dropout, caching switches), and an unknown key is informational too."""
+    if key in adapter.function_keys:
+        return "function"
+    if key in adapter.shape_keys or key in adapter.width_keys.values():
+        return "shape"
+    if key in INHERITED_KEYS:
+        return "inherited"
+    return "informational"
 
 
 def setting_differences(config_a: PretrainedConfig, config_b: PretrainedConfig) -> list[str]:
-    """The config keys on which two models of one family differ in what they compute without
-    differing in tensor shapes: an activation, attention scaling, residual layout, rope or norm
-    setting. A merge written under A's config would compute something else for B's part, so such
-    pairs are refused. Keys whose B value changes A's shapes are widths (:mod:`hf_lmc.widths`
-    embeds them or refuses them); keys in :data:`NOT_FUNCTIONAL` are left out;
-    ``tie_word_embeddings`` is decided by the export."""
+    """The function and shape keys (:func:`config_key_kind`) on which two models of one family
+    differ without the architecture spec showing it: an activation, attention scaling, residual
+    layout, rope setting, a position table's length or a bias that one has and the other lacks.
+    A merge written under A's config would compute something else for B's part, so such pairs are
+    refused. A key whose B value changes A's spec is left to the spec comparison (widths are
+    embedded, :mod:`hf_lmc.widths`; other spec fields refused there); a width key that changes
+    nothing (``n_inner`` unset vs ``4 * n_embd``) is no difference; every other key is
+    :func:`informational_differences` or inherited."""
     a, b = config_a.to_dict(), config_b.to_dict()
     adapter = adapter_for(config_a)
     shapes = adapter.spec(config_a)
     differ = []
     for key in sorted(set(a) | set(b)):
-        if key in NOT_FUNCTIONAL or key.startswith("_") or a.get(key) == b.get(key):
+        kind = config_key_kind(adapter, key)
+        if kind not in ("function", "shape") or a.get(key) == b.get(key):
             continue
         try:
-            changes_shapes = adapter.spec(type(config_a).from_dict({**a, key: b.get(key)})) != shapes
+            changes_spec = adapter.spec(type(config_a).from_dict({**a, key: b.get(key)})) != shapes
         except (ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
-            changes_shapes = True  # no valid config of A's shapes takes B's value: a width
-        if not changes_shapes:
+            changes_spec = True  # no valid config of A's spec takes B's value: the spec comparison says what differs
+        if not changes_spec and key not in adapter.width_keys.values():
             differ.append(key)
     return differ
+
+
+def informational_differences(config_a: PretrainedConfig, config_b: PretrainedConfig) -> list[str]:
+    """The informational keys (:func:`config_key_kind`) whose values differ: the merge keeps A's
+    and its card says so. Private (``_name_or_path``) and bookkeeping keys are left out."""
+    a, b = config_a.to_dict(), config_b.to_dict()
+    adapter = adapter_for(config_a)
+    return [
+        key
+        for key in sorted(set(a) | set(b))
+        if not key.startswith("_")
+        and key not in _BOOKKEEPING
+        and config_key_kind(adapter, key) == "informational"
+        and a.get(key) != b.get(key)
+    ]
 
 
 def read_config(folder: str | Path) -> PretrainedConfig:
     """The config of a model folder, read without running any code the folder ships: a config
     that needs its own code (``auto_map``) is refused in one line, and transformers never asks
-    on stdin whether to run it."""
+    on stdin whether to run it.
+
+    ``config.json`` is first read as JSON and checked against the family's
+    :attr:`~hf_lmc.adapters.base.Adapter.config_schema`, so a folder that is not a model, a file
+    that is not JSON, or a key of the wrong type (``"n_layer": "12"``) is refused in one line
+    naming the file and the key, before transformers builds a config from it.
+    """
+    check_config_file(Path(folder))
     try:
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except ValueError as err:
@@ -90,4 +130,75 @@ def read_config(folder: str | Path) -> PretrainedConfig:
         ) from None
 
 
-__all__ = ["ADAPTERS", "NOT_FUNCTIONAL", "Adapter", "UnsupportedModelError", "adapter_for", "read_config", "setting_differences", "supported_classes"]
+#: Files that say what a folder without ``config.json`` holds, if not a model.
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf")
+
+
+def _not_a_model_folder(folder: Path) -> str:
+    """Why ``folder``, which has no ``config.json``, cannot be merged, and what to pass instead."""
+    if not folder.is_dir():
+        return f"{folder} is not a folder; pass a model folder (config.json and weights) or a Hub id"
+    if (folder / "adapter_config.json").is_file():
+        return (
+            f"{folder} is a PEFT adapter (adapter_config.json, no config.json), not a model: merge its base model "
+            "with the adapter folded in (a recipe's adapter: key, or peft's merge_and_unload)"
+        )
+    weights = next((f.name for pattern in _WEIGHT_PATTERNS for f in sorted(folder.glob(pattern))), None)
+    if weights is not None:
+        return f"{folder} holds weights ({clipped(weights)}) but no config.json; put the config.json of the model they belong to beside them"
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return f"{folder} is empty; pass a model folder (config.json and weights) or a Hub id"
+    shown = ", ".join(clipped(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{folder} has no config.json, so it is not a Hugging Face model folder (it holds {shown})"
+
+
+#: What a pydantic error type means for a config key, as "must be ...".
+_EXPECTED = {
+    "int_type": "an integer",
+    "greater_than_equal": "an integer >= 1",
+    "float_type": "a number",
+    "finite_number": "a finite number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "dict_type": "a JSON object",
+}
+
+
+def check_config_file(folder: Path) -> dict:
+    """``folder/config.json`` read as a JSON object and checked against its family's schema (model
+    families hf_lmc does not merge are checked for ``model_type`` alone); :class:`ConfigError`,
+    one line naming the file and the key, otherwise."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(_not_a_model_folder(folder))
+    try:
+        raw = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as err:
+        where = f" (line {err.lineno} column {err.colno})" if isinstance(err, json.JSONDecodeError) else ""
+        raise ConfigError(f"{path} is not valid JSON{where}; restore it from the model's source") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror or err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object of config keys, got a JSON {type(raw).__name__}")
+    if "quantization_config" in raw:
+        raise ConfigError(
+            f"{path}: quantization_config: the model is quantised and hf_lmc merges float weights (F16, BF16, F32, F64); "
+            "dequantise it first"
+        )
+    adapter = ADAPTERS.get(raw.get("model_type")) if isinstance(raw.get("model_type"), str) else None
+    try:
+        (adapter.config_schema if adapter else ConfigSchema).model_validate(raw)
+    except ValidationError as err:
+        error = err.errors()[0]
+        key = ".".join(map(str, error["loc"]))
+        if error["type"] == "missing":
+            raise ConfigError(
+                f"{path} has no {key} key; hf_lmc merges model types {', '.join(sorted(ADAPTERS))}"
+            ) from None
+        expected = _EXPECTED.get(error["type"], error["msg"].removeprefix("Input should be ").lower())
+        raise ConfigError(f"{path}: {key} must be {expected}, got {clipped(error['input'])}") from None
+    return raw
+
+
+__all__ = ["ADAPTERS", "INHERITED_KEYS", "Adapter", "ConfigError", "UnsupportedModelError", "adapter_for", "check_config_file", "config_key_kind", "informational_differences", "read_config", "setting_differences", "supported_classes"]

@@ -12,12 +12,34 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping
+from typing import Annotated, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 from transformers import PretrainedConfig, PreTrainedModel
 
 from ..spec import ArchSpec, Group
+
+#: A layer, head or width count, a vocabulary or an image size: an integer of at least 1.
+Count = Annotated[int, Field(ge=1)]
+
+
+class ConfigSchema(BaseModel):
+    """The types of the ``config.json`` keys an adapter reads, checked before transformers builds
+    the config (which takes ``"n_layer": "12"`` as it is, to fail deep inside a merge). Strict:
+    ``"12"`` is not an integer and ``1`` is not ``true``; keys left out take transformers'
+    defaults; other keys are allowed unchecked."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model_type: str
+    tie_word_embeddings: bool = None
+
+
+class ConfigError(ValueError):
+    """A model folder's ``config.json`` is missing, not JSON, or holds a key of the wrong type."""
+
 
 class Adapter:
     """Base class: subclasses fill in the class attributes and the four conversion methods."""
@@ -48,6 +70,15 @@ class Adapter:
     #: ``ArchSpec`` width field -> the config key that sets it (models of two widths are merged
     #: at a common shape, :mod:`hf_lmc.widths`); widths the config derives need no entry.
     width_keys: dict[str, str] = {}
+    #: Config keys that change what the model computes without setting a shape: activation,
+    #: norm eps, attention scaling, rope, residual layout (read by ``spec``, the conversions or
+    #: the stock class's forward). Two models must agree on them (``setting_differences``).
+    function_keys: frozenset[str] = frozenset()
+    #: Config keys that set tensor shapes or which tensors exist, besides ``width_keys``' (which
+    #: may differ): vocabulary, layers, position table, optional biases. They must agree.
+    shape_keys: frozenset[str] = frozenset({"vocab_size"})
+    #: The ``config.json`` keys this adapter (its ``spec`` and conversions) reads, typed.
+    config_schema: ClassVar[type[ConfigSchema]] = ConfigSchema
 
     @property
     def takes_images(self) -> bool:

@@ -5,19 +5,57 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from pydantic import FiniteFloat
 from torch import Tensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ..spec import ArchSpec, Group
-from .base import Adapter, UnsupportedModelError, centre, fold_norm, identity_norm, layernorm_head_export
+from .base import (
+    Adapter,
+    ConfigSchema,
+    Count,
+    UnsupportedModelError,
+    centre,
+    fold_norm,
+    identity_norm,
+    layernorm_head_export,
+)
+
+
+class GPT2ConfigSchema(ConfigSchema):
+    """The GPT-2 ``config.json`` keys the adapter and ``GPT2LMHeadModel`` read."""
+
+    n_embd: Count = None
+    n_head: Count = None
+    n_layer: Count = None
+    n_inner: Count | None = None
+    n_positions: Count = None
+    vocab_size: Count = None
+    layer_norm_epsilon: FiniteFloat = None
+    activation_function: str = None
+    scale_attn_weights: bool = None
+    scale_attn_by_inverse_layer_idx: bool = None
+    reorder_and_upcast_attn: bool = None
+    add_cross_attention: bool = None
 
 
 class GPT2Adapter(Adapter):
     model_types = ("gpt2",)
     model_class = GPT2LMHeadModel
+    config_schema = GPT2ConfigSchema
     heads_input = "transformer.h.{i}.attn.c_proj"
     mlp_input = "transformer.h.{i}.mlp.c_proj"
     width_keys = {"hidden_size": "n_embd", "intermediate_size": "n_inner", "num_heads": "n_head"}
+    function_keys = frozenset(
+        {
+            "activation_function",
+            "layer_norm_epsilon",
+            "scale_attn_weights",
+            "scale_attn_by_inverse_layer_idx",
+            "add_cross_attention",
+        }
+    )
+    shape_keys = frozenset({"vocab_size", "n_layer", "n_positions"})
     # Hub checkpoints saved from ``GPT2Model`` (e.g. ``gpt2`` itself) carry no ``transformer.`` prefix.
     legacy_renames = ((r"^(?!transformer\.|lm_head\.)", "transformer."),)
     vocab_keys = ("transformer.wte.weight", "lm_head.weight")

@@ -9,19 +9,65 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from pydantic import FiniteFloat
 from torch import Tensor
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from ..spec import ArchSpec, Group
-from .base import Adapter, UnsupportedModelError, centre, fold_norm, identity_norm, layernorm_head_export
+from .base import (
+    Adapter,
+    ConfigSchema,
+    Count,
+    UnsupportedModelError,
+    centre,
+    fold_norm,
+    identity_norm,
+    layernorm_head_export,
+)
+
+
+class GPTNeoXConfigSchema(ConfigSchema):
+    """The GPT-NeoX ``config.json`` keys the adapter and ``GPTNeoXForCausalLM`` read."""
+
+    hidden_size: Count = None
+    num_attention_heads: Count = None
+    num_hidden_layers: Count = None
+    intermediate_size: Count = None
+    max_position_embeddings: Count = None
+    vocab_size: Count = None
+    layer_norm_eps: FiniteFloat = None
+    rotary_pct: FiniteFloat = None
+    rotary_emb_base: FiniteFloat = None
+    rope_parameters: dict | None = None
+    hidden_act: str = None
+    use_parallel_residual: bool = None
+    attention_bias: bool = None
 
 
 class GPTNeoXAdapter(Adapter):
     model_types = ("gpt_neox",)
     model_class = GPTNeoXForCausalLM
+    config_schema = GPTNeoXConfigSchema
     heads_input = "gpt_neox.layers.{i}.attention.dense"
     mlp_input = "gpt_neox.layers.{i}.mlp.dense_4h_to_h"
     width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}
+    # Parallel and sequential residuals are one canonical form but two functions; max_position_embeddings
+    # sets the scaled rope variants' frequencies; the rest are rope settings under their old names too.
+    function_keys = frozenset(
+        {
+            "hidden_act",
+            "layer_norm_eps",
+            "use_parallel_residual",
+            "max_position_embeddings",
+            "rope_parameters",
+            "rope_scaling",
+            "rope_theta",
+            "rotary_pct",
+            "rotary_emb_base",
+            "partial_rotary_factor",
+        }
+    )
+    shape_keys = frozenset({"vocab_size", "num_hidden_layers", "attention_bias"})
     legacy_renames = ((r"^embed_out\.", "lm_head."),)
     vocab_keys = ("gpt_neox.embed_in.weight", "lm_head.weight")
     ignored_keys = (r"\.attention\.(masked_)?bias$", r"\.rotary_emb\.inv_freq$")

@@ -9,25 +9,60 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from pydantic import FiniteFloat
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ..spec import ArchSpec, Group
-from .base import Adapter, UnsupportedModelError, fold_norm, require_zero
+from .base import Adapter, ConfigSchema, Count, UnsupportedModelError, fold_norm, require_zero
 
 _ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 _MLP = {"up": "up_proj", "gate": "gate_proj", "down": "down_proj"}
 
 
+class LlamaConfigSchema(ConfigSchema):
+    """The LLaMA ``config.json`` keys the adapter and ``LlamaForCausalLM`` read."""
+
+    hidden_size: Count = None
+    num_attention_heads: Count = None
+    num_key_value_heads: Count | None = None
+    head_dim: Count | None = None
+    num_hidden_layers: Count = None
+    intermediate_size: Count = None
+    max_position_embeddings: Count = None
+    vocab_size: Count = None
+    rms_norm_eps: FiniteFloat = None
+    rope_theta: FiniteFloat = None
+    rope_parameters: dict | None = None
+    rope_scaling: dict | None = None
+    hidden_act: str = None
+    attention_bias: bool = None
+    mlp_bias: bool = None
+    pretraining_tp: Count | None = None
+
+
 class LlamaAdapter(Adapter):
     model_types = ("llama",)
     model_class = LlamaForCausalLM
+    config_schema = LlamaConfigSchema
     heads_input = "model.layers.{i}.self_attn.o_proj"
     mlp_input = "model.layers.{i}.mlp.down_proj"
     width_keys = {
         "hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
         "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",  # explicit: hidden_size / heads may change it
     }
+    function_keys = frozenset(
+        {
+            "hidden_act",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "rope_parameters",
+            "rope_scaling",
+            "rope_theta",
+            "partial_rotary_factor",
+        }
+    )
+    shape_keys = frozenset({"vocab_size", "num_hidden_layers", "attention_bias", "mlp_bias"})
     ignored_keys = (r"\.rotary_emb\.inv_freq$",)
     vocab_keys = ("model.embed_tokens.weight", "lm_head.weight")
 

@@ -8,23 +8,45 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pydantic import FiniteFloat
 from torch import Tensor
 from transformers import ViTConfig, ViTForImageClassification
 
 from ..spec import ArchSpec, Group
-from .base import Adapter, UnsupportedModelError, centre, fold_norm, identity_norm
+from .base import Adapter, ConfigSchema, Count, UnsupportedModelError, centre, fold_norm, identity_norm
 
 _ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+
+
+class ViTConfigSchema(ConfigSchema):
+    """The ViT ``config.json`` keys the adapter and ``ViTForImageClassification`` read."""
+
+    hidden_size: Count = None
+    num_attention_heads: Count = None
+    num_hidden_layers: Count = None
+    intermediate_size: Count = None
+    image_size: Count = None
+    patch_size: Count = None
+    num_channels: Count = None
+    encoder_stride: Count = None
+    num_labels: int = None  # 0 (no classifier) is refused by validate_config, saying so
+    id2label: dict[str, str] | None = None
+    layer_norm_eps: FiniteFloat = None
+    hidden_act: str = None
+    qkv_bias: bool = None
 
 
 class ViTAdapter(Adapter):
     model_types = ("vit",)
     model_class = ViTForImageClassification
+    config_schema = ViTConfigSchema
     input_name = "pixel_values"
     auto_class = "AutoModelForImageClassification"
     heads_input = "vit.layers.{i}.attention.o_proj"
     mlp_input = "vit.layers.{i}.mlp.fc2"
     width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}
+    function_keys = frozenset({"hidden_act", "layer_norm_eps"})
+    shape_keys = frozenset({"num_hidden_layers", "image_size", "patch_size", "num_channels", "qkv_bias"})
     # transformers 4.x names (``encoder.layer.N.attention.attention.query`` ...). Order matters:
     # ``attention.output.dense`` must be renamed before the MLP's ``output.dense``.
     legacy_renames = (

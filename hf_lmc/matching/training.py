@@ -17,7 +17,6 @@ import collections
 import contextlib
 import hashlib
 import itertools
-import json
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -35,10 +34,10 @@ from ..progress import bar as progress_bar
 from ..symmetry import Transform
 from .endpoints import EndpointSharding
 from .params import OrthogonalParam
+from .state import TrainingState, check_folder
 from .trainable import TrainableTransform
 from .universe import UniverseMatcher
 
-_PROGRESS = "hf_lmc_progress.json"  # the step a checkpoint folder was saved at
 logger = logging.getLogger(__name__)
 _DEFAULTS = LearnOptions()  # a path trained with no settings trains as `hf-lmc merge` does with no flags
 
@@ -88,9 +87,11 @@ def train(
     §0). ``residual_lr`` sets the residual (orthogonal) maps' learning rate apart from the rest
     (default ``lr``): one step of it turns every layer's stream at once. Without ``accelerator``, one is made from ``gradient_accumulation_steps`` and
     ``mixed_precision``.
-    With ``checkpoint_dir``, ``accelerator.save_state`` runs every ``checkpoint_every``
-    steps (and at the end); ``resume=True`` continues from the last saved step, replaying
-    the data order. ``callback(step, path)`` runs after every batch (e.g. to evaluate the
+    With ``checkpoint_dir`` (a new or empty folder, or one holding a state this function saved),
+    the training state is saved there every ``checkpoint_every`` steps (at the next optimizer
+    step) and at the end, as tensors and JSON, atomically (:mod:`hf_lmc.matching.state`);
+    ``resume=True`` continues from the last saved step, replaying the data order, after the
+    saved state is verified. ``callback(step, path)`` runs after every batch (e.g. to evaluate the
     barrier during training). Returns the loss of every step.
 
     With ``holdout`` batches (a slice of the data never trained on) and a path that locates its
@@ -123,19 +124,19 @@ def train(
         schedule = "constant_with_warmup"  # transformers' "constant" ignores warmup
     scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup_steps, num_training_steps=updates)
     model, optimizer = accelerator.prepare(path, optimizer)
-    # Stepped here rather than prepared: accelerate's wrapper advances a prepared scheduler
-    # once per process, which would run the schedule faster with more processes.
-    accelerator.register_for_checkpointing(scheduler)
+    # The scheduler is stepped here rather than prepared: accelerate's wrapper advances a prepared
+    # scheduler once per process, which would run the schedule faster with more processes.
     best = _BestPath([p for p in path.parameters() if p.requires_grad])
-    accelerator.register_for_checkpointing(best)  # a resumed run still knows the best path seen before it
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
     start, origin = 0, start_fingerprint(path) if folder is not None else None
-    if resume and folder is not None and (folder / _PROGRESS).is_file():
-        saved = json.loads((folder / _PROGRESS).read_text())
-        _check_same_start(saved.get("start"), origin, folder)
-        accelerator.load_state(str(folder))
-        start = saved["step"]
-        logger.info("%s: resuming from step %d of %s", path.label, start, folder)
+    if folder is not None:  # a resumed run still knows the best path seen before it
+        state = TrainingState(path, getattr(optimizer, "optimizer", optimizer), scheduler, best, accelerator)
+        check_folder(folder)  # before any step: a folder that is not hf_lmc's state is never written into
+        if resume:
+            start = state.load(folder, steps, lambda saved: _check_same_start(saved, origin, folder))
+        if start:
+            logger.info("%s: resuming from step %d of %s", path.label, start, folder)
+    saved_at = start
     stream = _passes(batches)
     recent = collections.deque(maxlen=2)  # where the worst point is located
     for _ in range(start):  # replay the data order up to where the saved run stopped
@@ -173,10 +174,12 @@ def train(
         if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
             bar.set_postfix(loss=f"{losses[-1].item():.4f}")
         last = step + 1 == steps or stopping.reached
-        if folder is not None and (last or (checkpoint_every and (step + 1) % checkpoint_every == 0)):
-            accelerator.save_state(str(folder))
-            if accelerator.is_main_process:
-                (folder / _PROGRESS).write_text(json.dumps({"step": step + 1, "start": origin}))
+        # Saved at an optimizer step (a state mid-accumulation would lose the gradients summed so far,
+        # which differ between processes): the first after each checkpoint_every steps, and the last.
+        due = bool(checkpoint_every) and (step + 1) // checkpoint_every > saved_at // checkpoint_every
+        if folder is not None and (last or (due and accelerator.sync_gradients)):
+            state.save(folder, step + 1, origin)
+            saved_at = step + 1
         if last:
             break
     if watch and stopping.steps != start + len(losses):  # the estimate reported is the final path's
@@ -239,7 +242,7 @@ class _BestPath:
     path far worse than its start. Short of that the last path is returned: the estimate, on a
     few batches, wanders, and the suite's barriers are those of the last path. The estimate is
     the same on every process (its losses are all-reduced), so every process keeps the same
-    step. Kept in CPU memory; registered for ``accelerator.save_state``, so a resumed run keeps it too."""
+    step. Kept in CPU memory; part of the saved training state, so a resumed run keeps it too."""
 
     def __init__(self, parameters: list[nn.Parameter]):
         self.parameters = parameters
