@@ -8,7 +8,6 @@ time, and transforms / interpolations compose lazily on top without copying the 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from .adapters import Adapter, UnsupportedModelError, adapter_for, read_config
 from .checkpoint import Checkpoint, CheckpointError, all_finite
-from .options import ParameterError
+from .preflight import simplex_weights  # noqa: F401  (a check that needs no torch; the matchers import it from here)
 from .spec import ArchSpec, Group, group_of
 
 #: ``(group, rows)`` -> the group's canonical tensors; ``rows`` (a slice or None for all)
@@ -107,21 +106,6 @@ def weighted_sum(tensors: Sequence[Tensor], weights: Sequence[float | Tensor]) -
     for t, w in zip(tensors[1:], weights[1:]):
         total = total + t.to(first.dtype) * w
     return total
-
-
-def simplex_weights(weights: Sequence[float] | None, count: int, parameter: str = "weights") -> tuple[float, ...]:
-    """``weights`` checked to be a point of the simplex (``count`` entries, >= 0, sum 1);
-    ``None`` gives uniform weights."""
-    if weights is None:
-        return (1.0 / count,) * count
-    weights = tuple(float(w) for w in weights)
-    if len(weights) != count:
-        raise ParameterError(f"{{}} needs one weight per model: got {len(weights)} for {count} models", parameter)
-    if not all(w >= 0 and math.isfinite(w) for w in weights):
-        raise ParameterError(f"{{}} must be >= 0, got {' '.join(f'{w:g}' for w in weights)}", parameter)
-    if abs(sum(weights) - 1) > 1e-6:
-        raise ParameterError(f"{{}} must sum to 1, got {' '.join(f'{w:g}' for w in weights)} (sum {sum(weights):g})", parameter)
-    return weights
 
 
 def combine(models: Sequence[CanonicalModel], weights: Sequence[float]) -> CanonicalModel:

@@ -10,6 +10,8 @@ from importlib import metadata, resources
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 
 from .adapters import ADAPTERS
 from .hub import names_local_path, shown_reference
@@ -54,6 +56,30 @@ class ModelSource:
         return f"[`{self.hub_id}`](https://huggingface.co/{self.hub_id}){at}"
 
 
+@dataclass(frozen=True)
+class DataSource:
+    """The evaluation data as the card's ``model-index`` names it: a Hub dataset by its id
+    (``hub_id``, with its ``config`` and ``split``); anything else (a local file or folder, data
+    passed as objects) as ``local`` data called ``name``, since the Hub cannot resolve it."""
+
+    name: str
+    hub_id: str | None = None
+    config: str | None = None
+    split: str | None = None
+
+    @classmethod
+    def of(cls, reference: str | Path, split: str | None = None, config: str | None = None) -> DataSource:
+        """Data given as ``reference``: a Hub dataset id where it is one (a valid repo id that
+        names no path and no file, by its suffix), else local, by its last part."""
+        text = str(reference)
+        try:
+            validate_repo_id(text)
+            hub = not (names_local_path(text) or Path(text).suffix)
+        except HFValidationError:  # not a Hub id at all: a path or a description
+            hub = False
+        return cls(text, text, config, split) if hub else cls(shown_reference(text))
+
+
 def merge_card(
     *,
     base_models: Sequence[str | ModelSource],
@@ -65,13 +91,14 @@ def merge_card(
     tied_embeddings_dropped: bool = False,
     barrier_table: str | None = None,
     barriers: Mapping[str, float] | None = None,
-    eval_data: str | None = None,
+    eval_data: DataSource | str | None = None,
     eval_split: str | None = None,
     plot_filename: str | None = None,
     notes: Sequence[str] = (),
     training: list[tuple[str, str]] | None = None,
     repo_hint: str | None = None,
     made_with: str | None = None,
+    canonical: bool | None = None,
 ) -> ModelCard:
     """A card with Hub metadata (``base_model`` (Hub repos only), ``base_model_relation:
     merge``, tags, license, and the barrier as ``model-index`` results).
@@ -79,23 +106,29 @@ def merge_card(
     ``base_models``: one :class:`ModelSource` per model (a string is read by
     :meth:`ModelSource.of`). ``alpha_or_weights``: B's weight for two models, or (more than two)
     a list of one weight per base model, shown model by model. ``barriers``: the barrier of each
-    method on ``eval_data`` (split ``eval_split``), written as ``model-index`` metrics with
-    ``barrier_table`` shown in the body. ``training``: (setting, value) rows of how trained
+    method measured on ``eval_data`` (a :class:`DataSource`; a string is read by
+    :meth:`DataSource.of`, with split ``eval_split``), shown in the body as ``barrier_table``;
+    ``model-index`` holds ``method``'s alone, the barrier of the path this merge lies on: the
+    plain average's is the baseline it is measured against, not a result of this model (unless
+    it is the plain average). ``training``: (setting, value) rows of how trained
     transforms were learned. ``made_with``: the command line or recipe that made the merge,
-    shown with the hf_lmc version so that it can be run again.
+    shown with the hf_lmc version so that it can be run again. ``canonical``: whether the models
+    were rewritten into canonical forms before they were combined (default: every method but the
+    plain ``average``, which combines the stored weights as they are).
     """
     sources = [m if isinstance(m, ModelSource) else ModelSource.of(m) for m in base_models]
     notes, made_with = [_without_paths(note, sources) for note in notes], _without_paths(made_with, sources)
     hub = [s.hub_id for s in sources if s.hub_id]
+    data = eval_data if isinstance(eval_data, DataSource) or eval_data is None else DataSource.of(eval_data, eval_split)
     name = f"Merge of {_listed([s.label for s in sources])}"
-    data = ModelCardData(
+    metadata = ModelCardData(
         base_model=hub or None,
         base_model_relation="merge" if hub else None,
         library_name="transformers",
         license=license,
         tags=["merge", "hf-lmc", "linear-mode-connectivity", model_type],
         model_name=name if barriers else None,
-        eval_results=_barrier_results(barriers, model_type, eval_data, eval_split) if barriers else None,
+        eval_results=_barrier_results(barriers, method, model_type, data) if barriers and method in barriers else None,
     )
     notes = list(notes)
     if tied_embeddings_dropped:
@@ -108,11 +141,12 @@ def merge_card(
     many = isinstance(alpha_or_weights, (list, tuple)) and len(sources) > 2
     weights = list(alpha_or_weights) if many else None
     return ModelCard.from_template(
-        data,
+        metadata,
         template_path=str(TEMPLATE),
         model_name=name,
         base_models_text=_listed([s.describe() for s in sources]),
         method=method,
+        canonical=method != "average" if canonical is None else canonical,
         how_aligned=METHODS[method].many_card if weights else METHODS[method].pair_card,
         alpha=alpha_or_weights,
         weights=[(f"`{s.label}`", f"{w:.4g}") for s, w in zip(sources, weights)] if weights else None,
@@ -149,18 +183,24 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _barrier_results(barriers: Mapping[str, float], model_type: str, eval_data: str | None, split: str | None) -> list[EvalResult]:
-    """The barrier of each method as ``model-index`` results: one metric per method, on the
-    evaluation data (a Hub dataset by its id; local data as ``local``)."""
+def _barrier_results(
+    barriers: Mapping[str, float], method: str, model_type: str, data: DataSource | None
+) -> list[EvalResult]:
+    """``method``'s barrier as the ``model-index`` result, on the evaluation data (a Hub dataset by
+    its id; other data as ``local``)."""
     task = "image-classification" if ADAPTERS[model_type].takes_images else "text-generation"
-    data = eval_data or "evaluation data"
-    hub = not (names_local_path(data) or Path(data).suffix)  # a file name's suffix marks local data too
+    data = data or DataSource("evaluation data passed as objects")
     return [
         EvalResult(
-            task_type=task, dataset_type=data if hub else "local", dataset_name=data if hub else Path(data).name, dataset_split=split if hub else None,
-            metric_type="loss_barrier", metric_name=f"loss barrier, {method} (nats)", metric_value=round(float(value), 6),
+            task_type=task,
+            dataset_type=data.hub_id or "local",
+            dataset_name=data.name,
+            dataset_config=data.config,
+            dataset_split=data.split,
+            metric_type="loss_barrier",
+            metric_name=f"loss barrier, {method} (nats)",
+            metric_value=round(float(barriers[method]), 6),
         )
-        for method, value in barriers.items()
     ]
 
 

@@ -7,7 +7,9 @@ errors that name a parameter are shown with its flag.
 Each command imports the modules it runs inside its own function, on purpose: they load torch
 and transformers, which building the parser must not (``hf-lmc --help`` stays fast;
 ``tests/test_layers.py`` checks ``sys.modules``). Those are the only imports of the package's own
-modules inside functions.
+modules inside functions. Before them each command runs every check that needs no model (the
+flags, :mod:`hf_lmc.preflight`), so a request that cannot run is refused at once
+(``tests/test_cli.py`` checks ``sys.modules`` at the refusal).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import argparse
 import contextlib
 import logging
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -27,7 +28,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from . import __version__
-from .methods import METHODS, NAMES
+from .grids import alpha_grid
+from .methods import METHODS, NAMES, check_method
 from .options import (
     EVAL_OPTIONS,
     FIT_OPTIONS,
@@ -39,37 +41,45 @@ from .options import (
     OutputOptions,
     ParameterError,
     UsageError,
+    check_orders,
 )
+from .preflight import check_spec, merge_spec, pair_weights
 
+#: Every example, one command line each: ``hf-lmc --help`` shows them all, and each command's
+#: ``--help`` the lines of that command (:func:`_examples`).
 EXAMPLES = """\
 examples:
   hf-lmc demo                                                         # train a pair, merge, barrier table
   hf-lmc merge org/model-a org/model-b --output ./merged              # weight matching, alpha 0.5
+  hf-lmc merge ./a ./b --output ./merged --dry-run                    # check everything, estimate size and time, write nothing
   hf-lmc merge ./a ./b --output ./merged --eval-data plays.txt --push-to-hub user/merged
   hf-lmc merge ./a ./b --output ./avg --method average                # vanilla baseline
   hf-lmc merge ./a ./b --output ./act --method activation --data train.txt      # align on activations
   hf-lmc merge ./a ./b --output ./dual --method dual --data train.txt --steps 200   # both learn
   hf-lmc merge ./a ./b --output ./learned --method learned --data sampled   # learn on text the models sample
   hf-lmc merge ./a ./b ./c --output ./abc --weights 0.5 0.25 0.25     # universe matching of 3 models
+  hf-lmc merge ./a ./b -o ./merged --eval-data Salesforce/wikitext --eval-data-name wikitext-2-raw-v1
   hf-lmc barrier ./a ./b --eval-data plays.txt --plot path.png        # vanilla vs aligned path
   hf-lmc barrier ./a ./b --eval-data test.txt --method learned --data train.txt
-  hf-lmc merge ./a ./b -o ./merged --eval-data Salesforce/wikitext --eval-data-name wikitext-2-raw-v1
   hf-lmc barrier ./a ./b ./c --eval-data plays.txt --plot simplex.png # 3+ models: worst point of the simplex
   hf-lmc explain ./a ./b --eval-data plays.txt --plot why.png          # which tensors carry the barrier
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
+  hf-lmc check                                                        # the same on tiny built-in models
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
   hf-lmc run recipes/zoo-offline.yaml                                 # a whole run (or sweep) from a YAML recipe
-  hf-lmc recipe schema                                                # the recipe JSON schema
-"""
-
-RECIPE_EXAMPLES = """\
-examples:
-  hf-lmc run recipes/zoo-offline.yaml                                 # offline: zoo pairs, weight + activation
   hf-lmc run recipes/pythia-scaling-weight.yaml                       # Pythia 14m..410m, seed1 vs seed2
   hf-lmc run recipes/zoo-offline.yaml --set zoo.steps=50 --set output.dir=quick --overwrite
-  hf-lmc recipe check recipes/pythia-scaling-dual.yaml                # validate and list the runs
+  hf-lmc recipe check recipes/*.yaml                                  # validate recipes and list their runs
   hf-lmc recipe schema > recipe.schema.json                           # for editors (yaml-language-server)
 """
+
+
+def _examples(command: str) -> str:
+    """The lines of :data:`EXAMPLES` that run ``command`` (``"merge"``, ``"recipe check"``)."""
+    words = command.split()
+    lines = [line for line in EXAMPLES.splitlines()[1:] if line.split("#")[0].split()[1 : len(words) + 1] == words]
+    return "examples:\n" + "\n".join(lines) + "\n"
+
 
 TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
 
@@ -89,10 +99,20 @@ class OptionFlags:
 
     ``defaults`` may also map what the flags apply to onto its defaults (the batching flags of
     ``--data`` and ``--eval-data``): the help then shows each, and :meth:`given` is the way to
-    read the flags."""
+    read the flags. ``metavars`` names a field's value where the last word of its name does not
+    (``--push-to-hub REPO_ID``)."""
 
-    def __init__(self, model, *, only: tuple[str, ...] | None = None, flags: dict[str, str] | None = None, defaults=None, prefix: str = ""):
-        self.model, self.prefix = model, prefix
+    def __init__(
+        self,
+        model,
+        *,
+        only: tuple[str, ...] | None = None,
+        flags: dict[str, str] | None = None,
+        defaults=None,
+        prefix: str = "",
+        metavars: dict[str, str] | None = None,
+    ):
+        self.model, self.prefix, self.metavars = model, prefix, metavars or {}
         self.fields = {name: field for name, field in model.model_fields.items() if only is None or name in only}
         self.flags = {name: (flags or {}).get(name, _flag(name)) for name in self.fields}
         self.defaults = defaults if defaults is not None else model()
@@ -110,7 +130,8 @@ class OptionFlags:
             elif kind is tuple:
                 group.add_argument(self.flags[name], type=float, nargs=2, metavar=("LOW", "HIGH"), **options)
             else:
-                metavar = None if choices else ("N" if kind is int else name.split("_")[-1].upper())
+                named = self.metavars.get(name) or ("N" if kind is int else name.split("_")[-1].upper())
+                metavar = None if choices else named
                 group.add_argument(self.flags[name], type=kind, choices=choices, metavar=metavar, **options)
 
     def _shown_default(self, name: str) -> str:
@@ -198,7 +219,7 @@ FIT_SOURCE = OptionFlags(
     EvalOptions, only=("split", "name"), flags={"split": "--data-split", "name": "--data-name"}, defaults=FIT_OPTIONS, prefix="fit_"
 )
 EVAL_SOURCE = OptionFlags(EvalOptions, only=("split", "name"), flags={"split": "--eval-data-split", "name": "--eval-data-name"}, prefix="eval_")
-OUTPUT = OptionFlags(OutputOptions)
+OUTPUT = OptionFlags(OutputOptions, metavars={"push_to_hub": "REPO_ID"})
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -239,26 +260,17 @@ def _fit_options(args: argparse.Namespace):
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from .pipeline import merge, merge_models
+    spec = merge_spec(args.models, args.output, **_merge_settings(args))
+    check_spec(spec)  # every refusal that needs no model, before torch and transformers load
+    spec = spec.model_copy(update={"made_with": _command_markdown(args)})  # imports huggingface_hub: after the checks
+    if args.dry_run:
+        from .pipeline import plan
 
-    models = args.models
-    if len(models) < 2:
-        raise UsageError(f"merge needs at least 2 models, got {len(models)}")
-    if args.alpha is not None and args.weights is not None:
-        raise UsageError("pass either --alpha (two models) or --weights (one per model), not both")
-    if args.alpha is not None and len(models) != 2:
-        raise UsageError(f"--alpha is the weight of MODEL_B when merging two models; for {len(models)} pass --weights w1 ... w{len(models)}")
-    revisions = _revisions(args, len(models))
-    settings = dict(
-        method=args.method, symmetries=args.symmetries, device=args.device, data=args.data, data_options=_fit_options(args),
-        learn=LEARN.build(args), accelerate=ACCELERATE.build(args), eval_data=args.eval_data, eval_options=_eval_options(args),
-        alphas=args.alphas, made_with=_command_markdown(args), **OUTPUT.build(args).model_dump(),
-    )
-    if args.weights is None and len(models) == 2:  # merge checks alpha
-        alpha = 0.5 if args.alpha is None else args.alpha
-        result = merge(*models, args.output, alpha=alpha, revision_a=revisions[0], revision_b=revisions[1], **settings)
-    else:
-        result = merge_models(models, args.output, weights=args.weights, revisions=revisions, **settings)
+        print(plan(spec).table())
+        return 0
+    from .pipeline import run
+
+    result = run(spec)
     if not result.wrote:  # one of several launched processes: the main one reports
         return 0
     if result.stopping is not None:
@@ -271,42 +283,69 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge_settings(args: argparse.Namespace) -> dict:
+    """The :class:`~hf_lmc.options.MergeSpec` fields of ``hf-lmc merge``'s flags but the models
+    and the output, with the checks of how the flags combine (torch-free)."""
+    count = len(args.models)
+    if count < 2:
+        raise UsageError(f"merge needs at least 2 models, got {count}")
+    if args.alpha is not None and args.weights is not None:
+        raise UsageError("pass either --alpha (two models) or --weights (one per model), not both")
+    if args.alpha is not None and count != 2:
+        raise UsageError(
+            f"--alpha is the weight of MODEL_B when merging two models; for {count} pass --weights w1 ... w{count}"
+        )
+    weights = args.weights
+    if weights is None and count == 2:
+        weights = pair_weights(0.5 if args.alpha is None else args.alpha)
+    return {
+        "weights": weights,
+        "revisions": _revisions(args, count),
+        "method": args.method,
+        "symmetries": args.symmetries,
+        "device": args.device,
+        "data": args.data,
+        "data_options": _fit_options(args),
+        "learn": LEARN.build(args),
+        "accelerate": ACCELERATE.build(args),
+        "eval_data": args.eval_data,
+        "eval_options": _eval_options(args),
+        "alphas": args.alphas,
+        **OUTPUT.build(args).model_dump(),
+    }
+
+
 def _command_markdown(args: argparse.Namespace) -> str:
     """The command line as typed, for the model card (``hf-lmc`` however it was started), with
     each local path reduced to its final component (models, data, output: the card is shared,
     the machine's folders are not); flags and Hub ids stay as typed."""
-    from .hub import shown_reference
+    from .hub import command_markdown
 
-    def shown(word: str) -> str:
-        if word.startswith("--"):  # a flag, or --flag=value
-            flag, equals, value = word.partition("=")
-            return f"{flag}={shown_reference(value)}" if equals else word
-        if word.startswith("-"):  # -q, or a short flag with its value attached: -o/path/to/out
-            return word[:2] + shown_reference(word[2:]) if len(word) > 2 else word
-        return shown_reference(word)
-
-    return f"```bash\n{shlex.join(['hf-lmc', *map(shown, args.argv)])}\n```"
+    return command_markdown(["hf-lmc", *args.argv])
 
 
 def cmd_barrier(args: argparse.Namespace) -> int:
-    from .barriers import barrier, barrier_over_simplex, plot, plot_simplex
-
     models = args.models
     if len(models) < 2:
         raise UsageError(f"barrier needs at least 2 models, got {len(models)}")
+    if args.plot and len(models) > 3:
+        raise UsageError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
     revisions = _revisions(args, len(models))
+    check_method(args.method, args.data, len(models), data_parameter="fit_data")
+    if args.alphas is not None:
+        alpha_grid(args.alphas)
     methods = ("average",) if args.method == "average" else ("average", args.method)
     common = dict(
         methods=methods, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.data,
         fit_options=_fit_options(args), learn=LEARN.build(args), accelerate=ACCELERATE.build(args),
     )
+    from .barriers import barrier, barrier_over_simplex, plot, plot_simplex
+
     if len(models) == 2:
         result = barrier(*models, args.eval_data, alphas=11 if args.alphas is None else args.alphas, revision_a=revisions[0], revision_b=revisions[1], **common)
         if args.plot:
             plot(result, args.plot)
     else:
-        if args.plot and len(models) != 3:
-            raise UsageError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
         result = barrier_over_simplex(models, args.eval_data, points=5 if args.alphas is None else args.alphas, revisions=revisions, **common)
         if args.plot:
             plot_simplex(result, args.plot)
@@ -315,20 +354,20 @@ def cmd_barrier(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    check_orders(args.orders)
+    revisions = _revisions(args, 2)
+    check_method(args.method, args.data, 2, data_parameter="fit_data")
     from .explain import explain, kinds_table, plot_explanation
     from .loading import load_model
 
-    if len(args.models) != 2:
-        raise UsageError(f"explain compares two models, got {len(args.models)}")
-    revisions = _revisions(args, 2)
     a, b = (load_model(m, r).model for m, r in zip(args.models, revisions))
     result = explain(
         a, b, args.eval_data, method=args.method, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.data,
-        fit_options=_fit_options(args), learn=LEARN.build(args),
+        fit_options=_fit_options(args), learn=LEARN.build(args), orders=args.orders,
     )
     if args.plot:
         plot_explanation(result, args.plot, title=f"{Path(args.models[0]).name} ↔ {Path(args.models[1]).name}")
-    print(result.to_json() if args.json else f"{result.table()}\n\nknock-out effects summed per kind:\n\n{kinds_table(result)}")
+    print(result.to_json() if args.json else f"{result.table()}\n\nparts summed per kind:\n\n{kinds_table(result)}")
     return 0
 
 
@@ -343,16 +382,56 @@ def _revisions(args: argparse.Namespace, count: int) -> list[str | None]:
     return [None if r == "-" else r for r in args.revisions]
 
 
+def _small_blocks_from_the_heap() -> None:
+    """Have glibc serve blocks below 32 MiB from its heap again (the bounds its own adaptive
+    threshold grows to), undoing :func:`_return_freed_memory_promptly` for the demo: its tiny
+    models allocate thousands of temporaries of a few MiB, and served by ``mmap`` each one is
+    fresh pages the kernel must fault in and zero, which took longer than the arithmetic. A
+    no-op where glibc is not the allocator."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD: twice it, as the adaptive threshold keeps it
+    except (OSError, AttributeError):
+        pass
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    from .outputs import check_output_path, check_replaceable
+    from .progress import silenced
+
+    check_output_path(args.output, "output")  # refused before torch loads; run_demo checks again
+    check_replaceable(args.output, "output", kinds=("demo",))  # as run_demo: its own earlier output only
+    if not silenced():  # what the next seconds (or minutes) are spent on, before the imports take the first of them
+        print(f"hf-lmc demo: {_demo_plan(args)}", file=sys.stderr)
+    _small_blocks_from_the_heap()
     from .demo import run_demo
 
-    result = run_demo(args.output, steps=args.steps, eval_chars=args.eval_chars, cache=args.cache_dir)
+    result = run_demo(args.output, steps=args.steps, eval_chars=args.eval_chars, cache=args.cache_dir, train=args.train)
     a, b = result.train_loss
-    print(f"GPT-2 pair trained from seeds 0 and 1 (final training loss {a:.3f} / {b:.3f} nats per character)")
+    origin = "shipped with hf_lmc; --train trains it here" if result.shipped else "trained here"
+    print(f"GPT-2 pair trained from seeds 0 and 1 ({origin}; final training loss {a:.3f} / {b:.3f} nats per character)")
     print(f"  {result.model_a}\n  {result.model_b}")
     print(f"\nheld-out loss along the path (two unseen plays):\n\n{result.merge.barrier.table()}\n")
     print(f"merged model, card and plot written to {result.merge.output} ({result.seconds:.0f} s)")
     return 0
+
+
+#: Rough seconds one training step of the demo's GPT-2 takes on one CPU core, and the demo's
+#: merge and loss along the path with the imports (benchmarks/demo_time.py measures both).
+_DEMO_STEP_SECONDS, _DEMO_MERGE_SECONDS = 0.25, 20
+
+
+def _demo_plan(args: argparse.Namespace) -> str:
+    """One line on what ``hf-lmc demo`` is about to do and roughly how long it takes."""
+    merging = f"with weight matching and measuring the loss along the path (about {_DEMO_MERGE_SECONDS} s in all)"
+    if not args.train and args.steps is None:
+        return f"merging the GPT-2 pair shipped with hf_lmc {merging}"
+    steps = 600 if args.steps is None else args.steps  # the zoo's gpt2 entry (hf_lmc.zoo is not imported yet)
+    minutes = max(1, round(steps * _DEMO_STEP_SECONDS / 60))
+    return f"training two GPT-2 models of {steps} steps unless cached (about {minutes} min each; a bar shows each), then merging them {merging}"
 
 
 def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, grid: bool = True) -> None:
@@ -384,9 +463,15 @@ def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, g
     ACCELERATE.add_to(parser.add_argument_group("training loop (accelerate)"))
 
 
-def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False) -> None:
-    """Two or more models, their revisions and the method; ``weights``: --alpha / --weights (merge)."""
-    parser.add_argument("models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)")
+def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False, pair: bool = False) -> None:
+    """Two or more models (``pair``: exactly two, refused by argparse otherwise), their revisions
+    and the method; ``weights``: --alpha / --weights (merge)."""
+    if pair:
+        parser.add_argument("models", nargs=2, metavar="MODEL", help="two local folders or Hub ids (MODEL_A MODEL_B)")
+    else:
+        parser.add_argument(
+            "models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)"
+        )
     group = parser.add_argument_group("models")
     group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
     group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
@@ -450,13 +535,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Align the models (weight matching by default) and write (1-alpha)*A + alpha*aligned(B) "
         "as an ordinary HF folder: sharded safetensors, config, tokenizer files, model card. With three or "
         "more models: sum_k w_k*aligned(model k), every model aligned to one shared reference (universe matching).",
-        epilog=EXAMPLES,
+        epilog=_examples("merge"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_options(merge, weights=True)
     out = merge.add_argument_group("output and hub")
     out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
     OUTPUT.add_to(out)
+    out.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything the merge checks (models' configs and tensor headers, data, output) and print the plan with "
+        "estimates of size on disk, peak memory and time; read no weight, write nothing",
+    )
     _add_data_options(merge, eval_required=False)
     _add_messages(merge)
     merge.set_defaults(run=cmd_merge)
@@ -467,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate held-out loss along (1-alpha)*A + alpha*B for vanilla averaging and for the "
         "aligned path, and report the barrier: the largest excess over the line between the endpoints. With 3+ "
         "models, the same over a grid of the simplex: the largest L(sum_k w_k theta_k) - sum_k w_k L(theta_k).",
-        epilog=EXAMPLES,
+        epilog=_examples("barrier"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_options(bar)
@@ -480,17 +571,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     why = commands.add_parser(
         "explain",
-        help="where the barrier comes from: the midpoint's excess attributed to embeddings, per-layer QK, OV, MLP and head",
-        description="Interpolate one group of tensors at a time (embeddings; per layer the attention's QK and OV pairs and the\n"
-        "MLP; the head), with the others held at model A (alone) or at the path's midpoint (knock-out), on the vanilla path\n"
-        "and on the path --method aligns, and print how much of the midpoint's loss each group carries.",
-        epilog=EXAMPLES,
+        help="where the barrier comes from: the midpoint's excess split into parts for the embeddings, per-layer QK, OV, MLP and head",
+        description="Move the groups of tensors (embeddings; per layer the attention's QK and OV pairs and the MLP; the head)\n"
+        "one at a time from each end of the path to its midpoint, on the vanilla path and on the path --method aligns, and\n"
+        "print each group's part of the midpoint's excess (nats; positive = adds to the barrier). The parts add up to the\n"
+        "excess; they are averaged over --orders orders of moving the groups, and their range over the orders is shown.",
+        epilog=_examples("explain"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model_options(why)
+    _add_model_options(why, pair=True)
     _add_data_options(why, eval_required=True, grid=False)
     report = why.add_argument_group("report")
-    report.add_argument("--plot", default=None, metavar="FILE.png", help="save a bar chart of the knock-out effects")
+    report.add_argument(
+        "--orders",
+        type=int,
+        default=2,
+        metavar="N",
+        help="orders of moving the groups to average over: 2 is input to output and back, more add random orders "
+        "in reversed pairs; each costs two evaluations per group and path (default: 2)",
+    )
+    report.add_argument("--plot", default=None, metavar="FILE.png", help="save a signed bar chart of the parts and total excess")
     report.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _add_messages(why)
     why.set_defaults(run=cmd_explain)
@@ -500,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prove on your own model that canonical form, symmetries and export are exact",
         description="Canonicalise each model, apply a random symmetry, export to its stock HF class, "
         "save and reload it, and compare logits with the original.",
-        epilog=EXAMPLES,
+        epilog=_examples("check"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     check.add_argument("models", nargs="*", metavar="MODEL", help="local folders or Hub ids (default: tiny built-in models)")
@@ -512,20 +612,33 @@ def build_parser() -> argparse.ArgumentParser:
     numerics.add_argument("--seed", type=int, default=0, help="seed of the random symmetry and inputs (default: 0)")
     group = check.add_argument_group("symmetry")
     group.add_argument("--symmetries", choices=SYMMETRIES, default="full", help="group to sample from (default: full)")
+    _add_messages(check)
     check.set_defaults(run=cmd_check)
 
     demo = commands.add_parser(
         "demo",
-        help="offline end-to-end run: train a GPT-2 pair on Shakespeare, merge, print the barrier table",
-        description="Train (or load from the cache) two small GPT-2 models on the shipped Shakespeare plays\n"
-        "from different seeds, merge them with weight matching, print the barrier of vanilla vs aligned\n"
-        "interpolation on held-out plays, and write the merged model with its card and plot. Offline.",
-        epilog=EXAMPLES,
+        help="offline end-to-end run: merge a GPT-2 pair trained on Shakespeare, print the barrier table",
+        description="Take two small GPT-2 models trained on the shipped Shakespeare plays from different seeds\n"
+        "(the pair the package ships, or trained here with --train), merge them with weight matching, print\n"
+        "the barrier of vanilla vs aligned interpolation on held-out plays, and write the merged model with\n"
+        "its card and plot. Offline; about 20 s on 2 CPU cores with the shipped pair.",
+        epilog=_examples("demo"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--output", "-o", default="hf-lmc-demo", metavar="DIR", help="where to write the merge (default: ./hf-lmc-demo)")
+    demo.add_argument(
+        "--train",
+        action="store_true",
+        help="train the pair here from its seeds (minutes) instead of unpacking the pair the package ships, trained the same way",
+    )
     quick = demo.add_argument_group("quick runs")
-    quick.add_argument("--steps", type=int, default=None, metavar="N", help="training steps per model (default: the zoo's 600)")
+    quick.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="training steps per model (default: the zoo's 600; trains the pair here)",
+    )
     quick.add_argument("--eval-chars", type=int, default=16384, metavar="N", help="held-out characters to evaluate (default: 16384)")
     quick.add_argument("--cache-dir", type=Path, default=None, metavar="DIR", help="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
     _add_messages(demo)
@@ -534,11 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
     sym = commands.add_parser(
         "symmetries",
         help="print a model's canonical tensors and the symmetry space of each axis",
-        epilog=EXAMPLES,
+        epilog=_examples("symmetries"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sym.add_argument("model", metavar="MODEL", help="local folder or Hub id")
     sym.add_argument("--all-layers", action="store_true", help="list every layer, not only layer 0")
+    _add_messages(sym)
     sym.set_defaults(run=cmd_symmetries)
     _add_recipe_commands(commands)
     return parser
@@ -568,19 +682,28 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_recipe_check(args: argparse.Namespace) -> int:
-    from .recipe import load_recipe
+    """Validate each recipe on its own and list its runs; every invalid one is reported (as the
+    one-line error it would stop ``hf-lmc run`` with) and the exit code is the worst of them."""
+    from .recipe import check_outputs, load_recipe
 
-    recipe = load_recipe(args.recipe, _overrides(args))
-    runs = recipe.runs()
-    print(f"{args.recipe}: valid; {len(runs)} run(s) into {recipe.output.dir}")
-    launch = recipe.launch.command(str(args.recipe))
-    if launch:
-        print(f"  runs as {recipe.launch.processes} processes: {launch}")
-    push = recipe.output.push_to_hub
-    for group, method, models in runs:
-        target = f" -> {push.format(group=group, method=method)}" if push else ""
-        print(f"  {recipe.run_folder(group, method)}: {method} of {', '.join(m.label for m in models)}{target}")
-    return 0
+    overrides, worst = _overrides(args), 0
+    for path in args.recipes:
+        try:
+            recipe = load_recipe(path, overrides)
+            check_outputs(recipe, path, tidy=False)  # the folders it writes against those it reads, changing nothing
+            runs = recipe.runs()
+        except (ValueError, OSError) as err:
+            worst = max(worst, _report(err))
+            continue
+        print(f"{path}: valid; {len(runs)} run(s) into {recipe.output.dir}")
+        launch = recipe.launch.command(str(path))
+        if launch:
+            print(f"  runs as {recipe.launch.processes} processes: {launch}")
+        push = recipe.output.push_to_hub
+        for group, method, models in runs:
+            target = f" -> {push.format(group=group, method=method)}" if push else ""
+            print(f"  {recipe.run_folder(group, method)}: {method} of {', '.join(m.label for m in models)}{target}")
+    return worst
 
 
 def cmd_recipe_schema(args: argparse.Namespace) -> int:
@@ -594,21 +717,32 @@ def cmd_recipe_schema(args: argparse.Namespace) -> int:
 
 def _add_recipe_commands(commands) -> None:
     """``hf-lmc run RECIPE`` and ``hf-lmc recipe {check,schema}``."""
-    formatting = {"epilog": RECIPE_EXAMPLES, "formatter_class": argparse.RawDescriptionHelpFormatter}
+    raw = argparse.RawDescriptionHelpFormatter
     run = commands.add_parser(
         "run",
         help="run a YAML recipe: merges, barriers and a summary table (one pair or a sweep)",
         description="Validate RECIPE.yaml, then merge every group of models with every method it lists, and write\n"
         "the merged models and summary.md/.json/.csv (barrier per group and method) into its output folder.\n"
         "recipes/README.md describes the keys; `hf-lmc recipe schema` prints them all.",
-        **formatting,
+        epilog=_examples("run"),
+        formatter_class=raw,
     )
-    recipe = commands.add_parser("recipe", help="check a recipe or print the recipe schema", **formatting)
+    recipe = commands.add_parser(
+        "recipe", help="check recipes or print the recipe schema", epilog=_examples("recipe"), formatter_class=raw
+    )
     actions = recipe.add_subparsers(dest="action", metavar="ACTION", required=True)
-    check = actions.add_parser("check", help="validate a recipe and list the runs it makes", **formatting)
-    schema = actions.add_parser("schema", help="print the JSON schema of recipes", **formatting)
+    check = actions.add_parser(
+        "check",
+        help="validate recipes and list the runs each makes",
+        epilog=_examples("recipe check"),
+        formatter_class=raw,
+    )
+    schema = actions.add_parser(
+        "schema", help="print the JSON schema of recipes", epilog=_examples("recipe schema"), formatter_class=raw
+    )
+    run.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe file")
+    check.add_argument("recipes", nargs="+", metavar="RECIPE.yaml", help="the recipe files, each validated on its own")
     for parser in (run, check):
-        parser.add_argument("recipe", metavar="RECIPE.yaml", help="the recipe file")
         changes = parser.add_argument_group("changes to the recipe")
         changes.add_argument(
             "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -654,13 +788,23 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _DefaultLossNotice(logging.Filter):
+    """Drops transformers' ``loss_type=None ... Using the default loss: ForCausalLMLoss`` warning:
+    a class whose name maps to no loss type (``GPT2LMHeadModel``) gets the causal-LM loss, the
+    right one for every language model hf_lmc trains or evaluates, so there is nothing to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("`loss_type=None`")
+
+
 @contextlib.contextmanager
 def _messages(args: argparse.Namespace):
     """How much a command says, for the length of the command: hf_lmc's module loggers print
     warnings (``-v``: what each stage does; ``-vv``: details, and transformers' info messages)
     as ``hf-lmc: ...`` lines on stderr; ``--quiet`` turns every progress bar off, hf_lmc's,
-    transformers' and huggingface_hub's. Everything is put back afterwards, so that ``main``
-    can be called from Python."""
+    transformers' and huggingface_hub's. transformers' notice that a GPT-2 gets the default loss
+    (:class:`_DefaultLossNotice`) shows only under ``-vv``. Everything is put back afterwards, so
+    that ``main`` can be called from Python."""
     verbose, quiet = getattr(args, "verbose", 0), getattr(args, "quiet", False)
     log = logging.getLogger("hf_lmc")
     handler = _StderrHandler()
@@ -670,6 +814,9 @@ def _messages(args: argparse.Namespace):
         environment["TRANSFORMERS_VERBOSITY"] = "info"
     saved = log.level, log.propagate, {key: os.environ.get(key) for key in environment}
     log.addHandler(handler)
+    notice, loss_notice = logging.getLogger("transformers.modeling_utils"), _DefaultLossNotice()  # where it is logged
+    if verbose < 2:
+        notice.addFilter(loss_notice)
     log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
     log.propagate = False
     os.environ.update(environment)  # read when a library is imported or a bar is made
@@ -678,6 +825,7 @@ def _messages(args: argparse.Namespace):
         yield
     finally:
         log.removeHandler(handler)
+        notice.removeFilter(loss_notice)
         log.setLevel(saved[0])
         log.propagate = saved[1]
         for key, value in saved[2].items():
@@ -721,6 +869,17 @@ def _library_messages(*, quiet: bool, verbose: bool, verbosity: int | None = Non
     return before
 
 
+def _report(err: ValueError | OSError) -> int:
+    """Print ``err`` as one ``hf-lmc: error:`` line, a parameter the library names shown as its
+    flag, and return its exit code: :data:`EXIT_USAGE` for a usage error, else :data:`EXIT_FAILED`."""
+    if isinstance(err, (UsageError, OutputExistsError)):
+        named = err.named(_flag(err.parameter)) if isinstance(err, (ParameterError, OutputExistsError)) else err
+        print(f"hf-lmc: error: {named}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"hf-lmc: error: {err}", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -731,13 +890,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _messages(args):
             return args.run(args)
-    except (UsageError, OutputExistsError) as err:  # the library names its parameter; here it is a flag
-        named = err.named(_flag(err.parameter)) if isinstance(err, (ParameterError, OutputExistsError)) else err
-        print(f"hf-lmc: error: {named}", file=sys.stderr)
-        return EXIT_USAGE
     except (ValueError, OSError) as err:
-        print(f"hf-lmc: error: {err}", file=sys.stderr)
-        return EXIT_FAILED
+        return _report(err)
     except KeyboardInterrupt:  # what was half-written was removed on the way out (staging folders)
         print("hf-lmc: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

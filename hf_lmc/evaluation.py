@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ast
 import math
+import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
         raise DataError(f"{SAMPLED!r} names fitting data (--data) sampled from the models; evaluation needs held-out data of its own")
     if adapter_for(config).takes_images:
         batches = _image_batches(data, processor_folder, options)
+        _check_images(batches, config, data)
         _check_labels(batches, config.num_labels, data)
     else:
         batches = _text_batches(data, config, processor_folder, options)
@@ -156,7 +159,12 @@ def _text_rows(data, split: str, name: str | None):
         path = Path(data)
         if path.is_file():
             return _file_texts([path]), "text"
+        if path.exists() and not path.is_dir():  # a device, a FIFO, a socket: nothing to read to its end
+            raise DataError(f"{path} is not a regular file; pass a text file, a folder of them or a dataset")
         if path.is_dir() and (files := sorted(path.glob("*.txt"))):
+            odd = next((f for f in files if not f.is_file()), None)
+            if odd is not None:
+                raise DataError(f"{odd} is not a regular file; a folder of texts holds .txt files only")
             return _file_texts(files), "text"
         data = _load_dataset(data, split, name)
     elif isinstance(data, Sequence) and all(isinstance(t, str) for t in data):
@@ -191,8 +199,16 @@ def read_text_file(path: Path) -> str:
     """The text of a UTF-8 file, decoded strictly: a file with NUL bytes, bytes that are not
     UTF-8, or mostly control characters (a binary file, or text in another encoding) is refused
     as :class:`DataError` naming the file and the first bad byte, rather than evaluated as
-    replacement characters."""
-    data = path.read_bytes()
+    replacement characters. Only a regular file is read (opened without blocking and checked
+    by its handle), so a FIFO or a device swapped in for it is refused, never read forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise DataError(f"{path} is not a regular file; pass text files")
+        data = file.read()
     offset = data.find(0)
     if offset < 0:
         try:
@@ -380,16 +396,46 @@ def _check_labels(batches: list[Batch], num_labels: int, data) -> None:
             )
 
 
+def _check_images(batches: list[Batch], config: PretrainedConfig, data) -> None:
+    """Image batches the model takes: ``pixel_values`` tensors of ``[images, channels, height,
+    width]`` as ``config.json`` sets them (ViT does not resize), at least one image, and one label
+    per image; anything else is refused naming the data and the shapes, before any alignment,
+    rather than failing inside the model's forward."""
+    size = config.image_size if isinstance(config.image_size, (list, tuple)) else (config.image_size,) * 2
+    expected = (config.num_channels, *size)
+    for batch in batches:
+        pixels, labels = batch.get("pixel_values"), batch.get("labels")
+        if not isinstance(pixels, torch.Tensor) or not isinstance(labels, torch.Tensor):
+            found = f"{type(pixels).__name__} and {type(labels).__name__}"
+            raise DataError(f"{describe_data(data)}: pixel_values and labels must be tensors, got {found}")
+        if pixels.dim() != 4 or tuple(pixels.shape[1:]) != expected:
+            raise DataError(
+                f"{describe_data(data)}: pixel_values has shape {list(pixels.shape)}, but the model takes images of "
+                f"[N, {', '.join(map(str, expected))}] (num_channels, image_size); prepare them with model A's image processor"
+            )
+        if pixels.shape[0] == 0:
+            raise DataError(f"{describe_data(data)}: holds no images")
+        if tuple(labels.shape) != (pixels.shape[0],):
+            raise DataError(
+                f"{describe_data(data)}: labels has shape {list(labels.shape)} for {pixels.shape[0]} images; give one class index per image"
+            )
+
+
 def _image_batches(data, processor_folder: Path | None, options: EvalOptions) -> list[Batch]:
     if isinstance(data, (str, Path)) and str(data).endswith(".pt"):
         if not Path(data).exists():
             raise DataError(f"no such file or folder: {data}")
+        source = data
         try:
             data = load_pickled_tensors(Path(data), mmap=False)
         except CheckpointError as err:
             raise DataError(str(err)) from None
         except (OSError, RuntimeError, EOFError) as err:
             raise DataError(f"cannot read {data} as a .pt file of image tensors ({type(err).__name__}: {str(err).strip()[:200]})") from None
+        if not isinstance(data, dict):
+            raise DataError(
+                f"{describe_data(source)} holds a {type(data).__name__}; a .pt file of images holds a dict of 'pixel_values' and 'labels'"
+            )
     if isinstance(data, dict):
         if "pixel_values" not in data or "labels" not in data:
             raise DataError("image tensors must be a dict with 'pixel_values' and 'labels'")

@@ -27,7 +27,7 @@ from .adapters import adapter_for
 from .canonical import CanonicalModel, RowBlocks, block_rows, drain, export_config, hf_state_dict_groups
 from .checkpoint import SAFETENSORS_DTYPES
 from .devices import full_float32_products
-from .inherit import GENERATION_CONFIG, PROCESSOR_FILES, copy_model_file
+from .inherit import GENERATION_CONFIG, PROCESSOR_FILES, TOKENIZER_COPIED, copy_model_file
 from .options import OutputExistsError, ParameterError, parse_size
 from .outputs import check_replaceable, discard, move_into_place, staging_folder
 from .progress import bar as progress_bar
@@ -53,6 +53,7 @@ class _ShardWriter:
         self.folder, self.max_bytes = folder, max_bytes
         self.shards: list[tuple[Path, list[str]]] = []
         self.total = 0
+        self.total_parameters = 0  # elements of every tensor written, as transformers' index records them
         self.entries: dict[str, dict] = {}
         self.data = None
         self.offset = 0
@@ -80,6 +81,7 @@ class _ShardWriter:
             self.data.seek(self._reserved())
         self.entries[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [self.offset, self.offset + size]}
         self.total += size
+        self.total_parameters += math.prod(shape)
 
     def _write(self, tensor: Tensor) -> None:
         if tensor.numel():
@@ -130,7 +132,8 @@ class _ShardWriter:
             name = f"model-{i:05d}-of-{len(self.shards):05d}.safetensors"
             path.rename(self.folder / name)
             weight_map |= dict.fromkeys(keys, name)
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        metadata = {"total_parameters": self.total_parameters, "total_size": self.total}
+        index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
         (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -188,6 +191,7 @@ def write_checkpoint(
     shard_size: str | int = "5GB",
     dtype: torch.dtype | None = None,
     source_folder: str | Path | None = None,
+    tokenizer_folder: str | Path | None = None,
     card: ModelCard | None = None,
     extra_files: Mapping[str, Path] | None = None,
     overwrite: bool = False,
@@ -198,6 +202,8 @@ def write_checkpoint(
 
     ``groups`` are consumed: a ``dict`` group is emptied as its tensors are written. Lazy groups
     (transforms, sums) are computed as they are read, with float32 products at full precision.
+    ``source_folder``'s generation config, tokenizer and processor files are copied beside the
+    weights, the tokenizer's from ``tokenizer_folder`` instead where it is given.
     """
     output = Path(output_dir)
     max_bytes = parse_size(shard_size)
@@ -240,8 +246,11 @@ def write_checkpoint(
         )
         if not copied and adapter_for(config).model_class.can_generate():
             GenerationConfig.from_model_config(config).save_pretrained(staging)
+        _drop_context_max_length(staging / GENERATION_CONFIG, config)
         for name in PROCESSOR_FILES if source_folder is not None else ():
-            copy_model_file(source_folder, name, staging / name)
+            tokenizer = tokenizer_folder is not None and name in TOKENIZER_COPIED  # the tokenizer's files from its own folder
+            from_folder = tokenizer_folder if tokenizer else source_folder
+            copy_model_file(from_folder, name, staging / name)
         for name, path in (extra_files or {}).items():
             shutil.copy2(path, staging / name)
         if card is not None:
@@ -269,6 +278,30 @@ def check_writable(output: str | Path, needed_bytes: int = 0) -> None:
     free = shutil.disk_usage(here).free
     if needed_bytes > free:
         raise OSError(f"{output} needs about {needed_bytes / 1e9:.2f} GB but {here} has {free / 1e9:.2f} GB free; free some space or choose another output folder")
+
+
+def _drop_context_max_length(path: Path, config: PretrainedConfig) -> None:
+    """Replace a ``max_length`` that only restates the model's context (its position embeddings)
+    in the generation config at ``path`` by ``max_new_tokens`` of half the context; every other
+    value stays as written.
+
+    A ``max_length`` in the file counts as the user's own, so every call that passes
+    ``max_new_tokens`` (as the text-generation pipeline's callers do) warns that both were set.
+    Dropped alone, a bare pipeline call would take the pipeline's own default number of new
+    tokens, which can run past a small model's context; ``max_new_tokens`` keeps a bare call of
+    a prompt up to half the context in bounds, and a caller's own ``max_new_tokens`` replaces it
+    without a warning. A ``max_length`` other than the context is a choice of A's author and is
+    kept. The file is edited as JSON, not re-saved through ``GenerationConfig``, so A's values
+    stay as written.
+    """
+    context = getattr(config, "max_position_embeddings", None)
+    if context is None or not path.is_file():
+        return
+    settings = json.loads(path.read_text())
+    if settings.get("max_length") == context:
+        del settings["max_length"]
+        settings.setdefault("max_new_tokens", max(1, context // 2))
+        path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
 def _with_dtype(config: PretrainedConfig, dtype: torch.dtype | None) -> PretrainedConfig:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from huggingface_hub import HfApi, snapshot_download
@@ -61,9 +63,31 @@ def shown_settings(value, free_text: frozenset[str] = frozenset({"name", "push_t
     return shown_reference(value) if isinstance(value, str) else value
 
 
-def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Path:
+def shown_command(words: Sequence[str]) -> str:
+    """A command line as a model card's Reproduce section shows it, quoted for a shell: each
+    local path reduced by :func:`shown_reference` (a bare word, ``--flag=PATH`` or ``-oPATH``);
+    flags and Hub ids stay as typed."""
+
+    def shown(word: str) -> str:
+        if word.startswith("--"):  # a flag, or --flag=value
+            flag, equals, value = word.partition("=")
+            return f"{flag}={shown_reference(value)}" if equals else word
+        if word.startswith("-"):  # -q, or a short flag with its value attached: -o/path/to/out
+            return word[:2] + shown_reference(word[2:]) if len(word) > 2 else word
+        return shown_reference(word)
+
+    return shlex.join(map(shown, words))
+
+
+def command_markdown(words: Sequence[str]) -> str:
+    """The Reproduce text of a merge made by the command line ``words``: one sentence, then the command."""
+    return f"It was made by this command (local paths reduced to their last part):\n\n```bash\n{shown_command(words)}\n```"
+
+
+def resolve_checkpoint(reference: str | Path, revision: str | None = None, *, weights: bool = True) -> Path:
     """A local folder for ``reference``: the folder itself, or a Hub snapshot of that repo id
-    (``org/model`` at ``revision``, or ``org/model@rev``)."""
+    (``org/model`` at ``revision``, or ``org/model@rev``); with ``weights`` false the snapshot
+    holds the config, tokenizer and card alone (what a dry run reads)."""
     path = Path(reference)
     if path.exists():
         if not path.is_dir():
@@ -77,6 +101,8 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None) -> Pa
             raise UsageError(f"{reference} names revision {pinned!r} but {revision!r} was also given; give one")
         revision = pinned
     try:
+        if not weights:
+            return Path(_download(repo_id, revision, CHECKPOINT_PATTERNS))
         folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + SAFETENSORS_PATTERNS))
         if not any(folder.glob("*.safetensors")):  # an older repo: its PyTorch pickles instead
             folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + BIN_PATTERNS))

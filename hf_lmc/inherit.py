@@ -1,11 +1,13 @@
 """What a merge inherits from model A besides its weights, copied safely and checked against B.
 
-The merged checkpoint carries A's tokenizer, image processor, label names and generation
-config: the merge means "B's weights read through A's files", which holds only where B's files
-say the same. :func:`check_inherited` compares them before any alignment work and refuses, by
-name, a difference that changes what the merged weights mean (another token for an id, another
-image normalisation, permuted labels, another end-of-text id), unless ``inherit_from_a`` accepts
-A's; a harmless difference (a free-text config field, a sampling default) proceeds with a note.
+The merged checkpoint carries A's tokenizer (or the model's that ``tokenizer_from`` names),
+image processor, label names and generation config: the merge means "B's weights read through
+A's files", which holds only where B's files say the same. :func:`check_inherited` compares them
+before any alignment work and refuses, by name, a difference that changes what the merged weights
+mean (another token for an id, another image normalisation, permuted labels, another end-of-text
+id), unless the user accepts it: ``tokenizer_from`` by naming the tokenizer to carry,
+``inherit_from_a`` A's files; a harmless difference (a free-text config field, a sampling
+default) proceeds with a note.
 
 :func:`copy_model_file` is the one way a file of a model folder reaches an output: only a
 regular file inside the folder is copied (a link out of it is refused by name), so nothing the
@@ -46,6 +48,8 @@ PROCESSOR_FILES = (
     "chat_template.jinja",
     "preprocessor_config.json",
 )
+#: Those of :data:`PROCESSOR_FILES` that make up the tokenizer, copied from the model ``tokenizer_from`` names.
+TOKENIZER_COPIED = tuple(name for name in PROCESSOR_FILES if name != "preprocessor_config.json")
 #: The tokenizer files a model folder may hold; two ``tokenizer.json`` are compared without loading a tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -213,35 +217,87 @@ class _Differences:
 
 
 def check_inherited(
-    folders: Sequence[Path], configs: Sequence[PretrainedConfig], names: Sequence[str], *, inherit_from_a: bool = False
+    folders: Sequence[Path],
+    configs: Sequence[PretrainedConfig],
+    names: Sequence[str],
+    *,
+    inherit_from_a: bool = False,
+    tokenizer_from: int | None = None,
 ) -> list[str]:
-    """Compare what the merge inherits from the first model (tokenizer, image processor, label
-    maps, generation config, informational config fields) with every other model's, and return
-    the model card's notes.
+    """Compare what the merge inherits (tokenizer, image processor, label maps, generation
+    config, informational config fields) with every other model's, and return the model card's
+    notes.
+
+    The tokenizer is the first model's unless ``tokenizer_from`` (an index) names another; every
+    other model's tokenizer is compared with the one carried. Naming it is the user's choice to
+    accept a tokenizer that differs: choosing a tokenizer changes no weight, so the card then says
+    which ids mix tokens of other text. Everything else is the first model's.
 
     A difference that changes what the merged weights mean raises :class:`InheritanceError` in one
-    line naming the file, the field and both values (truncated), unless ``inherit_from_a``: then
-    A's is used and the card says what differed. Harmless differences are noted and logged.
+    line naming the file, the field and both values (truncated), and the option that accepts it
+    (``tokenizer_from`` for the tokenizer, ``inherit_from_a`` for the rest, which also accepts
+    the first model's tokenizer); accepted, the card says what differed. Harmless differences are
+    noted and logged.
     """
+    carried = 0 if tokenizer_from is None else tokenizer_from
     check_model_files(folders[0])  # a link out of A's folder fails here, not after the alignment
-    notes = []
+    if carried:
+        if not any((Path(folders[carried]) / n).is_file() for n in TOKENIZER_FILES):
+            raise InheritanceError(
+                f"{{}} names {names[carried]}, which has no tokenizer files; name a model that has one",
+                "tokenizer_from",
+            )
+        check_model_files(folders[carried], TOKENIZER_COPIED)
+        largest, rows = _largest_id(Path(folders[carried])), getattr(configs[0], "vocab_size", None)
+        if largest is not None and rows is not None and largest >= rows:
+            raise InheritanceError(
+                f"{{}} names {names[carried]}, whose tokenizer has ids up to {largest}, but the merged model embeds "
+                f"{rows} tokens (vocab_size); name a tokenizer whose ids it embeds",
+                "tokenizer_from",
+            )
+    notes = [f"The tokenizer is {names[carried]}'s (tokenizer_from)."] if carried else []
+    for k in (k for k in range(len(folders)) if k != carried):
+        found = _Differences(names[carried], names[k])
+        _check_tokenizer(Path(folders[carried]), Path(folders[k]), configs[carried], configs[k], found)
+        if found.refused and tokenizer_from is None and not inherit_from_a:
+            choices = "a or b" if len(folders) == 2 else f"a number from 1 to {len(folders)}"
+            raise InheritanceError(
+                f"{found.b} differs from {found.a} in {found.refused[0]}{_more(found.refused)}: the merge would read "
+                f"{found.b}'s weights through {found.a}'s tokenizer; merge models that share one, or set {{}} to the model "
+                f"whose tokenizer the merge should carry ({choices})",
+                "tokenizer_from",
+            )
+        accepted = "as tokenizer_from chose" if tokenizer_from is not None else "inherit_from_a was set"
+        meaning = (
+            f"choosing a tokenizer changes no weight, so the merged rows of an id that means other text in "
+            f"{found.b}'s tokenizer mix two tokens"
+        )
+        notes += _notes(found, accepted, meaning)
     for k in range(1, len(folders)):
-        a, b = names[0], names[k]
-        found = _Differences(a, b)
+        found = _Differences(names[0], names[k])
         for check in _CHECKS:
             check(Path(folders[0]), Path(folders[k]), configs[0], configs[k], found)
         if found.refused and not inherit_from_a:
             raise InheritanceError(
-                f"{b} differs from {a} in {found.refused[0]}{_more(found.refused)}: the merge would read {b}'s weights "
-                f"through {a}'s files; merge models that share them, or pass {{}} to use {a}'s",
+                f"{found.b} differs from {found.a} in {found.refused[0]}{_more(found.refused)}: the merge would read "
+                f"{found.b}'s weights through {found.a}'s files; merge models that share them, or pass {{}} to use {found.a}'s",
                 "inherit_from_a",
             )
-        for what in found.refused:
-            notes.append(f"{b} differs from {a} in {what}; {a}'s is used (inherit_from_a was set).")
-            logger.warning("%s differs from %s in %s; %s's is used (inherit_from_a)", b, a, what, a)
-        for what in found.noted:
-            notes.append(f"{b} differs from {a} in {what}, which does not change what the weights mean; {a}'s is kept.")
-            logger.info("%s differs from %s in %s (harmless; %s's kept)", b, a, what, a)
+        notes += _notes(found, "inherit_from_a was set")
+    return notes
+
+
+def _notes(found: _Differences, accepted: str, meaning: str | None = None) -> list[str]:
+    """The card's notes (and the log's lines) on what ``found.b`` differs from ``found.a`` in:
+    refused differences that were ``accepted`` (what they mean for the weights, where said), and
+    harmless ones."""
+    a, b, notes = found.a, found.b, []
+    for what in found.refused:
+        notes.append(f"{b} differs from {a} in {what}; {a}'s is used ({accepted}{f': {meaning}' if meaning else ''}).")
+        logger.warning("%s differs from %s in %s; %s's is used (%s)", b, a, what, a, accepted)
+    for what in found.noted:
+        notes.append(f"{b} differs from {a} in {what}, which does not change what the weights mean; {a}'s is kept.")
+        logger.info("%s differs from %s in %s (harmless; %s's kept)", b, a, what, a)
     return notes
 
 
@@ -315,14 +371,38 @@ def _check_image_processor(folder_a: Path, folder_b: Path, config_a, config_b, f
     if a is None or b is None:
         found.one_sided(name, in_a=a is not None)
         return
+    in_effect_a, in_effect_b = _processor_settings(folder_a, a), _processor_settings(folder_b, b)
     for key in IMAGE_SETTINGS:
-        if key in a and key in b and a[key] != b[key]:
-            found.refused.append(f"{name}'s {key} ({clipped(a[key])} vs {clipped(b[key])})")
-    other = sorted(
-        k for k in set(a) | set(b) if a.get(k) != b.get(k) and not (k in IMAGE_SETTINGS and k in a and k in b)
-    )
+        if in_effect_a.get(key) != in_effect_b.get(key):
+            found.refused.append(f"{name}'s {key} ({clipped(in_effect_a.get(key))} vs {clipped(in_effect_b.get(key))})")
+    other = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and k not in IMAGE_SETTINGS)
     if other:
         found.noted.append(f"{name}'s {', '.join(other[:4])}{'...' if len(other) > 4 else ''}")
+
+
+def _processor_settings(folder: Path, written: dict) -> dict:
+    """The settings an image processor runs with: what its file sets, and its class's defaults for
+    what the file leaves out (a mean only one file writes is still two means), in one spelling
+    (``size: 8`` and ``{height: 8, width: 8}`` alike), read from the processor transformers loads
+    (no remote code). Where it cannot be loaded, the file as written."""
+    from transformers import AutoImageProcessor
+
+    try:
+        processor = AutoImageProcessor.from_pretrained(folder, trust_remote_code=False)
+        return json.loads(json.dumps(processor.to_dict(), default=_json_value))
+    except Exception as err:  # noqa: BLE001 (transformers raises many types for a processor it cannot build)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        logger.info("cannot load the image processor of %s (%s); comparing its file as written", folder, _short(reason))
+        return written
+
+
+def _json_value(value):
+    """A processor setting JSON cannot write as it is (an enum such as ``Resampling``, a size record), as JSON can."""
+    if hasattr(value, "value"):
+        return value.value
+    if hasattr(value, "__dict__"):
+        return {k: v for k, v in vars(value).items() if v is not None}
+    return str(value)
 
 
 def _check_tokenizer(folder_a: Path, folder_b: Path, config_a, config_b, found: _Differences) -> None:
@@ -332,6 +412,10 @@ def _check_tokenizer(folder_a: Path, folder_b: Path, config_a, config_b, found: 
     has_a, has_b = (any((f / n).is_file() for n in TOKENIZER_FILES) for f in (folder_a, folder_b))
     if not (has_a or has_b):
         return
+    templates_a, templates_b = _chat_templates(folder_a), _chat_templates(folder_b)
+    if templates_a != templates_b:  # how prompts are laid out, not what an id means: the card says whose is kept
+        where = sorted(k for k in set(templates_a) | set(templates_b) if templates_a.get(k) != templates_b.get(k))
+        found.noted.append(f"the chat template ({', '.join(where)})")
     if has_a != has_b:
         found.one_sided("tokenizer files", in_a=has_a)
         return
@@ -356,6 +440,29 @@ def _check_tokenizer(folder_a: Path, folder_b: Path, config_a, config_b, found: 
     )
     if pipeline:
         found.noted.append(f"the tokenizer's {', '.join(pipeline)} settings")
+
+
+def _chat_templates(folder: Path) -> dict[str, object]:
+    """A folder's chat templates by where they are written: ``tokenizer_config.json``'s
+    ``chat_template`` (one, or a list of named ones) and ``chat_template.jinja``."""
+    found = {}
+    config = _json(folder / "tokenizer_config.json") or {}
+    if config.get("chat_template") is not None:
+        found["tokenizer_config.json's chat_template"] = config["chat_template"]
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        found["chat_template.jinja"] = jinja.read_bytes()
+    return found
+
+
+def _largest_id(folder: Path) -> int | None:
+    """The largest token id ``folder``'s tokenizer produces (vocabulary and added tokens), or
+    ``None`` where it cannot be read."""
+    tables = _tokenizer_json(folder) if (folder / "tokenizer.json").is_file() else _loaded_tokenizer(folder)
+    if tables is None:
+        return None
+    ids = [i for i in tables["added tokens"] if isinstance(i, int)]
+    return max([len(tables["vocabulary"]) - 1, *ids])
 
 
 def _first_difference(a, b) -> str | None:
@@ -455,7 +562,8 @@ def _json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-_CHECKS: tuple[Callable[..., None], ...] = (_check_tokenizer, _check_image_processor, _check_config, _check_generation)
+#: What every other model is compared with the first model in (the tokenizer is compared with the one carried).
+_CHECKS: tuple[Callable[..., None], ...] = (_check_image_processor, _check_config, _check_generation)
 
 
 def shown_names(models: Sequence[str], labels: Sequence[str | None] | None = None) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from transformers import PreTrainedModel
 from .adapters import adapter_for, read_config
 from .checkpoint import Checkpoint
 from .hub import resolve_checkpoint
-from .options import ParameterError
+from .preflight import revisions_per_model  # noqa: F401  (a check that needs no torch; imported from here too)
 
 
 @dataclass(frozen=True)
@@ -35,11 +34,3 @@ def load_model(reference, revision: str | None = None) -> LoadedModel:
     model = adapter.model_class.from_pretrained(folder)
     return LoadedModel(model.eval(), folder)
 
-
-def revisions_per_model(revisions: Sequence[str | None] | None, count: int) -> list[str | None]:
-    """One Hub revision per model (``None``: the default branch); fails on a list of the wrong length."""
-    if revisions is None:
-        return [None] * count
-    if len(revisions) != count:
-        raise ParameterError(f"{{}} needs one entry per model (None for the default): got {len(revisions)} for {count} models", "revisions")
-    return list(revisions)

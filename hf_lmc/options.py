@@ -42,18 +42,26 @@ class UsageError(ValueError):
     argparse does for its own usage errors, and 1 when a run fails on what it reads or writes."""
 
 
+#: What :meth:`_NamesParameter.named` replaces in a template: the ``{}`` that names the parameter,
+#: and ``{{`` / ``}}`` (literal braces, as ``str.format`` writes them).
+_PLACEHOLDER = re.compile(r"\{\}|\{\{|\}\}")
+
+
 class _NamesParameter:
     """An error about one parameter, worded with a ``{}`` where the parameter is named, so that
     each front end names it its own way: the Python API by its keyword (``str(err)``), the command
-    line by its flag and recipes by their key (:meth:`named`)."""
+    line by its flag and recipes by their key (:meth:`named`).
+
+    Only ``{}`` is filled (and ``{{`` / ``}}`` read as braces); any other brace is text, so a value
+    quoted from a file (a dict such as ``{'height': 8}``) never breaks the message."""
 
     def __init__(self, template: str, parameter: str):
         self.template, self.parameter = template, parameter
-        super().__init__(template.format(parameter))
+        super().__init__(self.named(parameter))
 
     def named(self, name: str) -> str:
         """The message with the parameter called ``name``."""
-        return self.template.format(name)
+        return _PLACEHOLDER.sub(lambda found: name if found.group() == "{}" else found.group()[0], self.template)
 
 
 class ParameterError(_NamesParameter, UsageError):
@@ -110,6 +118,14 @@ def check_device(device: str | None) -> str | None:
     if device is not None and not _DEVICE.fullmatch(str(device)):
         raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
     return device
+
+
+def check_orders(orders: int) -> int:
+    """How many orders of the groups ``explain`` averages its parts over: a whole number, at least 1."""
+    if isinstance(orders, bool) or not isinstance(orders, int) or orders < 1:
+        message = f"{{}} is how many orders of the groups to average: at least 1, got {clipped(orders, 20)}"
+        raise ParameterError(message, "orders")
+    return orders
 
 
 def default_warmup(steps: int) -> int:
@@ -270,6 +286,10 @@ EVAL_OPTIONS = EvalOptions()
 FIT_OPTIONS = EvalOptions(split="train", batch_size=32)
 
 
+#: How ``tokenizer_from`` names the two models of a pair, as messages call them.
+_MODEL_LETTERS = {"a": 0, "b": 1}
+
+
 class OutputOptions(Options):
     """How the merged checkpoint is written and published."""
 
@@ -283,6 +303,29 @@ class OutputOptions(Options):
         description="use the first model's tokenizer, image processor, label names and generation config where another model's "
         "differ in a way that changes what its weights mean (refused otherwise); the card names what differed",
     )
+    tokenizer_from: str | int | None = Field(
+        None,
+        description="the model whose tokenizer files the merge carries: a or b, or the model's number (1, 2, ...); naming it "
+        "accepts its tokenizer where another model's differs, as the card then records (default: the first model's, and a "
+        "tokenizer that differs is refused)",
+    )
+
+    @property
+    def tokenizer_model(self) -> int:
+        """The index of the model whose tokenizer the merge carries (0 unless ``tokenizer_from`` names another)."""
+        named = self.tokenizer_from
+        return 0 if named is None else _MODEL_LETTERS[named] if isinstance(named, str) else named - 1
+
+    @field_validator("tokenizer_from", mode="before")
+    @classmethod
+    def _model_name(cls, value):
+        """``A``, ``b`` or ``"2"`` as typed on a command line: a letter in lower case, a number as a number."""
+        if isinstance(value, str):
+            value = value.strip().lower()
+            value = int(value) if value.isdigit() else value
+        if value is None or value in _MODEL_LETTERS or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"name a model: a, b or its number (1, 2, ...), got {clipped(value)}")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -328,6 +371,11 @@ class MergeSpec(OutputOptions):
     )
     repo_hint: str | None = Field(
         None, description="what the card's usage example loads the merge from (default: push_to_hub, else the output folder's name)"
+    )
+    eval_data_name: str | None = Field(
+        None,
+        description="how the card's model-index names the evaluation data when it is passed loaded: a Hub dataset id is named "
+        "as one, any other name as local data (default: eval_data itself when it is a path or id, else local data by its type)",
     )
 
     @field_validator("models", mode="before")

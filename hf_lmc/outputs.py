@@ -128,7 +128,8 @@ def check_replaceable(folder: str | Path, what: str, *, kinds: Collection[str] |
         raise OutputExistsError(
             f"{{}} {_given(folder)} holds a {found} hf-lmc wrote, not a {wanted} folder; name another one", what
         )
-    foreign = _foreign_entries(folder, record, legacy=kinds is None)
+    legacy = kinds is None or bool({"demo", "zoo"} & set(kinds))  # the kinds whose folders an older hf_lmc marked its own way
+    foreign = _foreign_entries(folder, record, legacy=legacy)
     if not foreign:
         return
     listed = ", ".join(_given(name, 80) for name in foreign[:_SHOWN]) + (
@@ -294,6 +295,16 @@ def check_output_path(output: str | Path, what: str = "output") -> None:
         )
     if os.path.lexists(path) and not path.is_dir():
         raise ParameterError(f"{{}} {_given(output)} is a file; name a folder to write", what)
+    if len(os.fsencode(absolute.name)) > _LONGEST_NAME:  # its hidden siblings (".NAME.tmp-PID-xxxxxxxx") must fit too
+        raise ParameterError(
+            f"{{}} {_given(absolute.name, 60)}: the folder name is over {_LONGEST_NAME} bytes; name a shorter folder",
+            what,
+        )
+
+
+#: The longest output folder name: its debris folders add ``.``, ``.tmp-``, a PID and eight
+#: random characters, and a file system's names stop at 255 bytes.
+_LONGEST_NAME = 200
 
 
 # -- staging, swap and debris ----------------------------------------------------------------

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import os
 import re
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -28,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
 from torch import Tensor
 
 from .adapters import adapter_for, read_config
@@ -47,20 +44,21 @@ from .canonical import (
     combine,
     export_config,
     hf_state_dict_groups,
-    simplex_weights,
     weighted_sum,
 )
-from .card import ModelSource, inherited_license, merge_card
+from .card import DataSource, ModelSource, inherited_license, merge_card
 from .checkpoint import Checkpoint
 from .devices import compute_device, launched_processes, wait_for_others
 from .evaluation import describe_data, fitting_batches, is_sampled, load_batches, sampled_count
 from .export import check_writable, write_checkpoint
+from .grids import simplex_grid
 from .hub import push_folder, resolve_checkpoint, shown_reference, shown_settings
 from .inherit import check_inherited, shown_names
 from .loading import load_model, revisions_per_model
-from .methods import METHODS, check_method
-from .options import LearnOptions, MergeSpec, OutputExistsError, ParameterError, UsageError
-from .outputs import check_apart, check_output_path, check_replaceable, clean_stale
+from .methods import METHODS
+from .options import LearnOptions, MergeSpec
+from .outputs import check_apart
+from .preflight import check_spec, merge_spec, pair_weights, simplex_weights
 from .symmetry import Transform, resolve_kinds
 from .widths import check_mergeable, to_common_shape
 
@@ -116,8 +114,9 @@ def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple
     elif data_options.max_batches:
         shape += f", at most {data_options.max_batches} of them"
     schedule = learn.schedule + (f", {learn.warmup_steps} warmup steps" if learn.warmup_steps else "")
+    named = describe_data(shown_reference(data) if isinstance(data, (str, Path)) else data)  # no path of this machine
     rows = [
-        ("data", f"{describe_data(data)} ({shape})" if is_sampled(data) else f"{describe_data(data)} (split `{data_options.split}`, {shape})"),
+        ("data", f"{named} ({shape})" if is_sampled(data) else f"{named} (split `{data_options.split}`, {shape})"),
         ("steps", f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)"),
         ("optimiser", f"Adam, lr {learn.lr:g}" + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "") + f", schedule `{schedule}`"),
         ("parameterisation", f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`"),
@@ -230,12 +229,18 @@ def merge(
             ``symmetries``, ``device``, ``data`` and ``data_options`` (fitting data),
             ``learn`` and ``accelerate`` (learned and dual matching), ``eval_data``,
             ``eval_options`` and ``alphas`` (the barrier in the card), and the output settings
-            ``dtype``, ``shard_size``, ``push_to_hub``, ``private``, ``overwrite``.
+            ``dtype``, ``shard_size``, ``push_to_hub``, ``private``, ``overwrite``, and what the
+            merge carries besides its weights: ``tokenizer_from`` (whose tokenizer) and
+            ``inherit_from_a`` (A's files where B's differ).
     """
-    if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
-        raise ParameterError(f"{{}} must lie in [0, 1], got {alpha}", "alpha")
     return merge_models(
-        [model_a, model_b], output, weights=(1 - alpha, alpha), revisions=(revision_a, revision_b), progress=progress, api=api, **settings
+        [model_a, model_b],
+        output,
+        weights=pair_weights(alpha),
+        revisions=(revision_a, revision_b),
+        progress=progress,
+        api=api,
+        **settings,
     )
 
 
@@ -251,14 +256,7 @@ def merge_models(models: Sequence[str | Path], output: str | Path, *, progress: 
     through here are exactly :func:`merge` with ``alpha = weights[1]``. With ``eval_data`` the
     card gets the barrier table (for more than two models: over the simplex grid, its worst point).
     """
-    models = list(models)
-    if len(models) < 2:
-        raise ParameterError(f"merge needs at least 2 models in {{}}, got {len(models)}", "models")
-    try:
-        spec = MergeSpec(models=models, output=output, **settings)
-    except ValidationError as err:  # one line, each refused setting by its keyword
-        raise UsageError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())) from None
-    return run(spec, progress=progress, api=api)
+    return run(merge_spec(list(models), output, **settings), progress=progress, api=api)
 
 
 def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
@@ -315,28 +313,14 @@ def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
     """Check the settings, find every model's folder and config, and load the evaluation data:
     every problem a user can fix surfaces here, before any long alignment work."""
     count = len(spec.models)
-    check_method(spec.method, spec.data, count=count)
+    written = check_spec(spec)  # what the command line checked before importing this module
     weights = simplex_weights(spec.weights, count)
     revisions = revisions_per_model(spec.revisions, count)
     kinds = resolve_kinds(spec.symmetries)
     out_dtype = _dtype(spec.dtype)
     device = compute_device(spec.device)
     output = Path(spec.output)
-    read = [*spec.models, *_named_paths(spec.data, spec.eval_data)]  # before any download: local inputs as given
-    written = check_outputs(spec, read)
-    folders = [resolve_checkpoint(m, r) for m, r in zip(spec.models, revisions)]
-    for path, what in written:  # and as resolved (a Hub snapshot)
-        check_apart(path, folders, what)
-    configs = [read_config(f) for f in folders]
-    for k, (model, folder, config) in enumerate(zip(spec.models, folders, configs)):
-        logger.info("%s: %s (%s)%s", _model_name(k, count), model, config.model_type, "" if str(folder) == str(model) else f" from {folder}")
-    width_notes = []
-    for k in range(1, count):
-        width_notes += check_mergeable(configs[0], configs[k], spec.models[0], spec.models[k])
-    if width_notes and count > 2:
-        raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
-    names = shown_names(spec.models, spec.labels)
-    inherited_notes = tuple(check_inherited(folders, configs, names, inherit_from_a=spec.inherit_from_a))
+    folders, configs, width_notes, inherited_notes = _read_models(spec, revisions, written)
     check_writable(output, _written_bytes(folders, configs, out_dtype))
     eval_batches = load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
     needs_data = METHODS[spec.method].needs_data
@@ -361,45 +345,248 @@ def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
     )
 
 
-def check_outputs(spec: MergeSpec, read: Sequence[str | Path]) -> list[tuple[Path, str]]:
-    """Check, before any work, every folder the merge writes (``output``, and the training state
-    under ``accelerate.checkpoint_dir``) against every path it ``read``s and against each other,
-    and that each is one the run may write or replace (docs/design.md §6). Returns them, each
-    with the parameter that names it."""
-    output = Path(spec.output)
-    check_output_path(output, "output")
-    clean_stale(output)  # a dead run's set-aside output is put back before it is judged
-    if os.path.lexists(output) and not spec.overwrite:
-        raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
-    check_apart(output, read, "output")
-    if spec.overwrite:
-        check_replaceable(output, "output")
-    written = [(output, "output")]
-    if spec.accelerate.checkpoint_dir is not None:
-        state = Path(spec.accelerate.checkpoint_dir)
-        check_output_path(state, "checkpoint_dir")
-        check_apart(state, read, "checkpoint_dir")
-        check_apart(state, [output], "checkpoint_dir", role="the output", missing=True)
-        check_replaceable(state, "checkpoint_dir", kinds=("training-state",))
-        written.append((state, "checkpoint_dir"))
-    return written
+def _read_models(
+    spec: MergeSpec, revisions: Sequence[str | None], written: Sequence[tuple[Path, str]], *, weights: bool = True
+) -> tuple[list[Path], list, list[str], tuple[str, ...]]:
+    """Every model's folder (a Hub model downloaded, with its weights unless ``weights`` is
+    false) and config, checked apart from the ``written`` folders, mergeable with the first, and
+    with what the merge inherits from the first checked: ``(folders, configs, width notes,
+    inherited notes)``."""
+    count = len(spec.models)
+    folders = [resolve_checkpoint(m, r, weights=weights) for m, r in zip(spec.models, revisions)]
+    for path, what in written:  # and as resolved (a Hub snapshot)
+        check_apart(path, folders, what)
+    configs = [read_config(f) for f in folders]
+    for k, (model, folder, config) in enumerate(zip(spec.models, folders, configs)):
+        logger.info("%s: %s (%s)%s", _model_name(k, count), model, config.model_type, "" if str(folder) == str(model) else f" from {folder}")
+    width_notes = []
+    for k in range(1, count):
+        width_notes += check_mergeable(configs[0], configs[k], spec.models[0], spec.models[k])
+    if width_notes and count > 2:
+        raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
+    names = shown_names(spec.models, spec.labels)
+    tokenizer_from = None if spec.tokenizer_from is None else spec.tokenizer_model
+    inherited_notes = tuple(
+        check_inherited(folders, configs, names, inherit_from_a=spec.inherit_from_a, tokenizer_from=tokenizer_from)
+    )
+    return folders, configs, width_notes, inherited_notes
 
 
-def _named_paths(*data) -> list[str | Path]:
-    """Those of ``data`` that name a local file or folder (others are loaded data or Hub names)."""
-    return [d for d in data if isinstance(d, (str, Path)) and os.path.lexists(d)]
+#: What the dry run's estimates scale from (docs/benchmarks.md, on 2 CPU cores): the plain
+#: average and weight matching of a Pythia-1B-shaped pair took 17 s and 98 s (§5.1), a forward
+#: and backward pass of Pythia-160M on 4 × 512 tokens 14.1 s (§6.1: about 1.4e11 FLOP/s, a
+#: forward being a third of that) and a learned or dual step 2.65 such passes (§6.1); a streamed
+#: merge peaked at 0.6 (average) to 0.9 (weight) of one checkpoint above 0.42 GB of runtime
+#: (§5.1), and a trained one at twice both models' float32 weights plus a batch's activations (§6.1).
+_SECONDS_PER_BILLION = {"average": 17.0, "weight": 100.0}
+_FLOPS = 1.4e11
+_STEP_PASSES = 2.65
+_RUNTIME_BYTES = 0.42e9
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`run` would do with a spec, as :func:`plan` found it: the models, the data's
+    batches and rough estimates of the output's size, the peak memory and the time."""
+
+    spec: MergeSpec
+    weights: tuple[float, ...]
+    models: list[tuple[str, str, int, str]]  # per model: as given, model type, parameters, stored dtype
+    notes: list[str]
+    eval_batches: tuple[int, int] | None  # batches and tokens in all
+    fit_batches: tuple[int, int] | None
+    written_bytes: int
+    peak_bytes: int
+    seconds: float
+
+    def table(self) -> str:
+        """The plan as the command line prints it."""
+        spec, count = self.spec, len(self.models)
+        lines = ["dry run: configs, tokenizers, tensor headers and data read; no weight read, nothing written"]
+        for k, (name, model_type, parameters, dtype) in enumerate(self.models):
+            lines.append(
+                f"  {_model_name(k, count)}: {name} ({model_type}, {_counted(parameters)} parameters, {dtype})"
+            )
+        how = f"alpha {self.weights[1]:g}" if count == 2 else "weights " + " ".join(f"{w:g}" for w in self.weights)
+        lines.append(
+            f"  method: {spec.method}"
+            + ("" if spec.method == "average" else f" (symmetries {spec.symmetries})")
+            + f", {how}"
+        )
+        for what, data, batches in (
+            ("fitting data", spec.data, self.fit_batches),
+            ("evaluation data", spec.eval_data, self.eval_batches),
+        ):
+            if batches is not None:
+                sampled = " to be sampled" if is_sampled(data) else ""
+                shown = f"{batches[0]} batches, {_counted(batches[1])} tokens{sampled}"
+                lines.append(f"  {what}: {describe_data(data)} ({shown})")
+            elif data is not None:
+                lines.append(f"  {what}: {describe_data(data)} (not read: method {spec.method} fits on no data)")
+        output = Path(spec.output)
+        lines.append(
+            f"  output: {output} ({'replaced' if output.exists() else 'new'})"
+            + (f", pushed to {spec.push_to_hub}" if spec.push_to_hub else "")
+        )
+        lines += [f"  note: {note}" for note in self.notes]
+        lines.append(
+            f"  estimates: ~{_gigabytes(self.written_bytes)} on disk, peak memory ~{_gigabytes(self.peak_bytes)}, "
+            f"~{_duration(self.seconds)} on 2 CPU cores (a GPU is faster)"
+        )
+        lines.append(
+            "  (size: the parameters in the written dtype; memory and time scaled from docs/benchmarks.md §5.1, §6.1)"
+        )
+        return "\n".join(lines)
+
+
+def plan(spec: MergeSpec) -> Plan:
+    """Check ``spec`` as :func:`resolve` does (settings, outputs, every model's config and
+    tensor headers, what the merge inherits, room on disk, the data) without reading any weight
+    or writing anything, and estimate what the merge costs (see :data:`_SECONDS_PER_BILLION`).
+    A Hub model's config and tokenizer are downloaded, not its weights; ``sampled`` fitting data
+    is not sampled."""
+    count = len(spec.models)
+    written = check_spec(spec)
+    weights = simplex_weights(spec.weights, count)
+    revisions = revisions_per_model(spec.revisions, count)
+    resolve_kinds(spec.symmetries)
+    out_dtype = _dtype(spec.dtype)
+    compute_device(spec.device)
+    folders, configs, width_notes, inherited_notes = _read_models(spec, revisions, written, weights=False)
+    models, stored_bytes, float_bytes, written_bytes = [], [], [], []
+    for name, folder, config in zip(spec.models, folders, configs):
+        adapter = adapter_for(config)
+        if any(next(Path(folder).glob(pattern), None) for pattern in _WEIGHT_FILES):  # headers alone: no tensor is read
+            Checkpoint(folder, adapter, config).close()
+        with torch.device("meta"):
+            parameters = sum(p.numel() for p in adapter.model_class(config).parameters())
+        stored = _stored_dtype(config)
+        tied = (
+            config.vocab_size * config.hidden_size if getattr(config, "tie_word_embeddings", False) else 0
+        )  # written twice
+        models.append((str(name), config.model_type, parameters, str(stored).removeprefix("torch.")))
+        stored_bytes.append(parameters * stored.itemsize)
+        float_bytes.append(parameters * 4)
+        written_bytes.append((parameters + tied) * (out_dtype or stored).itemsize)
+    check_writable(Path(spec.output), max(written_bytes))
+    entry = METHODS[spec.method]
+    eval_batches = fit_batches = None
+    if spec.eval_data is not None:
+        eval_batches = _batches_and_tokens(
+            load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options), configs[0]
+        )
+    if entry.needs_data and not is_sampled(spec.data):
+        fit_batches = _batches_and_tokens(
+            load_batches(spec.data, configs[0], folders[0], spec.data_options), configs[0]
+        )
+    elif entry.needs_data:  # as many sequences as would be sampled, each of the fitting sequence length
+        sequences = sampled_count(spec.data_options)
+        fit_batches = (
+            -(-sequences // spec.data_options.batch_size),
+            sequences * _sequence_tokens(configs[0], spec.data_options),
+        )
+    largest = max(model[2] for model in models)
+    seconds = _SECONDS_PER_BILLION["average" if spec.method == "average" else "weight"] * largest / 1e9 * (count - 1)
+    peak = max(stored_bytes)  # streamed layer by layer: under one checkpoint
+    if entry.needs_data:
+        batches, tokens = fit_batches
+        if entry.trained:
+            seconds += spec.learn.steps * _STEP_PASSES * 6 * largest * tokens / max(batches, 1) / _FLOPS
+        else:  # one calibration forward of every model over the fitting data
+            seconds += count * 2 * largest * tokens / _FLOPS
+        peak = max(peak, 2 * sum(float_bytes))
+    if eval_batches is not None:  # every model loaded, and the path's model in float32
+        grid = spec.alphas if spec.alphas is not None else (11 if count == 2 else 5)
+        points = len(grid) if isinstance(grid, tuple) else len(simplex_grid(count, grid))
+        seconds += (1 if spec.method == "average" else 2) * points * 2 * largest * eval_batches[1] / _FLOPS
+        peak = max(peak, sum(stored_bytes) + max(float_bytes))
+    return Plan(
+        spec,
+        weights,
+        models,
+        width_notes + list(inherited_notes),
+        eval_batches,
+        fit_batches,
+        max(written_bytes),
+        int(peak + _RUNTIME_BYTES),
+        seconds,
+    )
+
+
+def _stored_dtype(config) -> torch.dtype:
+    """The dtype a model's weights are stored in, as its config says (float32 when it does not)."""
+    try:
+        return _dtype(getattr(config, "dtype", None)) or torch.float32
+    except ValueError:
+        return torch.float32
+
+
+def _sequence_tokens(config, options) -> int:
+    """Tokens a model reads per sequence: an image's patches and class token, or the sequence
+    length (``min(128, the context)`` unless set)."""
+    if getattr(config, "image_size", None) and getattr(config, "patch_size", None):
+        return (config.image_size // config.patch_size) ** 2 + 1
+    context = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 128
+    return options.seq_len or min(128, context)
+
+
+def _batches_and_tokens(batches: list, config) -> tuple[int, int]:
+    """How many batches, and the tokens (image patches) in all of them."""
+    tokens = 0
+    for batch in batches:
+        if "input_ids" in batch:
+            tokens += batch["input_ids"].numel()
+        else:
+            tokens += len(batch["pixel_values"]) * _sequence_tokens(config, None)
+    return len(batches), tokens
+
+
+def _counted(number: int) -> str:
+    """``1234567`` as ``1.2M``: parameters and tokens as a person reads them."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if number >= scale:
+            return f"{number / scale:.1f}{unit}"
+    return str(number)
+
+
+def _gigabytes(size: float) -> str:
+    """A size in GB, MB or kB, as a person reads it."""
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB" if size >= 1e5 else f"{size / 1e3:.1f} kB"
+
+
+def _duration(seconds: float) -> str:
+    """A duration in seconds, minutes or hours (at least a second: the estimate is no finer)."""
+    if seconds < 90:
+        return f"{max(seconds, 1):.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def _settings_markdown(spec: MergeSpec) -> str:
     """The card's Reproduce text for a merge made from Python: its settings as JSON (data given
     as objects described by type)."""
-    card_only = {"data", "eval_data", "made_with", "labels", "repo_hint"}
+    card_only = {"data", "eval_data", "made_with", "labels", "repo_hint", "eval_data_name"}
     settings = spec.model_dump(mode="json", exclude_defaults=True, exclude=card_only)
     for key in ("data", "eval_data"):
         if getattr(spec, key) is not None:
-            settings[key] = str(getattr(spec, key)) if isinstance(getattr(spec, key), (str, Path)) else type(getattr(spec, key)).__name__
+            value = getattr(spec, key)
+            settings[key] = str(value) if isinstance(value, (str, Path)) else f"(passed as a {type(value).__name__})"
     shown = json.dumps(shown_settings(settings), indent=2)  # local paths by their final component: the card is shared
-    return f"with these settings (`hf_lmc.options.MergeSpec`; local paths shortened to their last part):\n\n```json\n{shown}\n```"
+    return (
+        "It was made from Python, by `hf_lmc.pipeline.run(hf_lmc.MergeSpec(**settings))` with these settings "
+        f"(defaults left out, local paths reduced to their last part, data passed as objects named by their type):"
+        f"\n\n```json\n{shown}\n```"
+    )
+
+
+def _eval_source(spec: MergeSpec) -> DataSource | None:
+    """How the card's ``model-index`` names the evaluation data: a Hub dataset id (as
+    ``load_batches`` reads one) with its configuration and split, anything else as local data."""
+    if spec.eval_data is None:
+        return None
+    reference = spec.eval_data_name or (spec.eval_data if isinstance(spec.eval_data, (str, Path)) else None)
+    if reference is None:
+        return DataSource(f"data passed as a {type(spec.eval_data).__name__}")
+    return DataSource.of(reference, spec.eval_options.split, spec.eval_options.name)
 
 
 #: Files whose bytes are a model's weights, in the order a loader prefers them.
@@ -529,16 +716,17 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
         tied_embeddings_dropped=aligned.untied,
         barrier_table=measured.result.table() if measured.result else None,
         barriers=barriers,
-        eval_data=str(spec.eval_data) if isinstance(spec.eval_data, (str, Path)) else None,
-        eval_split=spec.eval_options.split,
+        eval_data=_eval_source(spec),
         made_with=spec.made_with or _settings_markdown(spec),
+        canonical=aligned.transforms is not None,
         plot_filename=measured.plot.name if measured.plot else None,
         repo_hint=spec.repo_hint or spec.push_to_hub or shown_reference(spec.output),  # not the machine's path
     )
     extra = {measured.plot.name: measured.plot} if measured.plot else {}
-    logger.info("writing %s (%s, shards of at most %s)", spec.output, str(aligned.out_dtype).removeprefix("torch."), spec.shard_size)
+    written = str(aligned.out_dtype).removeprefix("torch.") if aligned.out_dtype else "in A's stored dtypes"  # as read
+    logger.info("writing %s (%s, shards of at most %s)", spec.output, written, spec.shard_size)
     return write_checkpoint(
         _verified_at_end(aligned.groups, aligned.sources), aligned.config, spec.output, shard_size=spec.shard_size, dtype=aligned.out_dtype,
-        source_folder=inputs.folders[0], card=card, extra_files=extra, overwrite=spec.overwrite, progress=progress,
+        source_folder=inputs.folders[0], tokenizer_folder=inputs.folders[spec.tokenizer_model], card=card, extra_files=extra, overwrite=spec.overwrite, progress=progress,
         total_groups=aligned.total_groups,
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 import typing
 from collections.abc import Mapping
@@ -48,12 +49,14 @@ from .options import (
     EvalOptions,
     LearnOptions,
     Options,
+    OutputExistsError,
     OutputOptions,
+    ParameterError,
     UsageError,
     check_device,
     clipped,
 )
-from .outputs import MARKER
+from .outputs import MARKER, check_apart, check_output_path, check_replaceable, clean_stale
 from .zoo import ZOO
 
 #: The summary files a recipe writes in ``output.dir`` (:mod:`hf_lmc.runner`), beside its run folders.
@@ -251,7 +254,11 @@ class ZooSpec(_Section):
 class SweepEntry(_Section):
     """One group of models of a sweep (e.g. one model size of a scaling run)."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="label in the summary and output subfolder, e.g. 160m")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        max_length=100,  # a folder name, with room for the hidden staging names beside it (255 bytes in all)
+        description="label in the summary and output subfolder, e.g. 160m",
+    )
     models: list[ModelRef] = Field(min_length=2, description="the models to merge: two, or more with weights")
 
 
@@ -312,9 +319,18 @@ class Recipe(_Section):
             raise ValueError("give models (one group of models) or sweep (a list of named groups), not " + ("both" if sweep else "neither"))
         if sweep is not None:
             names = [entry.name for entry in sweep]
-            duplicate = next((n for n in names if names.count(n) > 1), None)
+            folded = [n.casefold() for n in names]  # one folder on a case-insensitive disk, one Hub repo
+            duplicate = next((n for n, f in zip(names, folded) if folded.count(f) > 1), None)
             if duplicate is not None:
-                raise ValueError(f"two entries are named {duplicate!r}; names label the summary and the output folders")
+                others = [n for n, f in zip(names, folded) if f == duplicate.casefold() and n != duplicate]
+                also = (
+                    f" and {others[0]!r} (one folder where names ignore case, as on macOS, Windows and the Hub)"
+                    if others
+                    else ""
+                )
+                raise ValueError(
+                    f"two entries are named {duplicate!r}{also}; names label the summary and the output folders"
+                )
             reserved = next((n for n in names if n.lower() in RESERVED_NAMES), None)
             if reserved is not None:  # its folder would be the summary's file, found only after every merge
                 raise ValueError(f"an entry is named {reserved!r}, a file the recipe writes in output.dir; rename the entry")
@@ -496,6 +512,8 @@ def _bounded_load(text: str):
 def _read_yaml(path: Path) -> dict:
     """A recipe file read as YAML, at most :data:`MAX_RECIPE_BYTES` of it, within the limits of
     :class:`_BoundedLoader`; a :class:`RecipeError` naming the file otherwise."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, not a recipe; pass the recipe's YAML file")
     if not path.is_file():
         raise FileNotFoundError(f"no such recipe: {path}")
     with open(path, "rb") as file:
@@ -618,3 +636,39 @@ def _nested_section(annotation) -> type[BaseModel] | None:
         if found is not None:
             return found
     return None
+
+
+def check_outputs(recipe: Recipe, given=None, *, tidy: bool = True) -> None:
+    """Check, before any work, every folder the recipe writes (``output.dir`` and each run's
+    training state under ``accelerate.checkpoint_dir``) against every path it reads (models,
+    adapters, data and evaluation files, the recipe file ``given``) and against each other, and
+    that each is one the run may write or replace (docs/design.md §6). ``tidy=False`` (``hf-lmc
+    recipe check``) changes nothing on disk (no debris is tidied) and leaves out whether
+    ``output.dir`` exists yet without ``overwrite``, which is the state of a run, not of the recipe."""
+    final = Path(recipe.output.dir)
+    read = [p for _, refs in recipe.groups for ref in refs for p in (ref.path, ref.adapter) if p and not p.startswith(ZOO_PREFIX)]
+    for data in (recipe.data, recipe.eval.data if recipe.eval is not None else None):
+        if data is not None:
+            read += [*(data.files or []), *([data.dataset] if data.dataset else [])]
+    if isinstance(given, (str, Path)):
+        read.append(given)
+    try:
+        check_output_path(final, "output.dir")
+        if tidy:
+            clean_stale(final)  # a dead run's set-aside output is put back before it is judged
+        if tidy and os.path.lexists(final) and not recipe.output.overwrite:
+            raise OutputExistsError(f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite")
+        check_apart(final, read, "output.dir")
+        if recipe.output.overwrite:
+            check_replaceable(final, "output.dir")
+        state = recipe.accelerate.checkpoint_dir
+        if state is not None:
+            check_output_path(state, "accelerate.checkpoint_dir")
+            check_apart(state, read, "accelerate.checkpoint_dir")
+            check_apart(state, [final], "accelerate.checkpoint_dir", role="the output", missing=True)
+            for group, method, _ in recipe.runs():
+                check_replaceable(Path(state) / recipe.run_folder(group, method), "accelerate.checkpoint_dir", kinds=("training-state",))
+    except (ParameterError, OutputExistsError) as err:
+        if err.parameter == "output.overwrite":
+            raise
+        raise RecipeError(err.named(err.parameter)) from None

@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import logging
-import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,19 +33,15 @@ from .hub import push_folder, resolve_checkpoint, shown_settings
 from .inherit import copy_model_file
 from .loading import load_model
 from .methods import METHODS
-from .options import EVAL_OPTIONS, FIT_OPTIONS, MergeSpec, OutputExistsError, ParameterError, UsageError
+from .options import EVAL_OPTIONS, FIT_OPTIONS, MergeSpec, OutputExistsError, UsageError
 from .outputs import (
-    check_apart,
-    check_output_path,
-    check_replaceable,
-    clean_stale,
     discard,
     mark,
     move_into_place,
     staging_folder,
 )
 from .progress import bar as progress_bar
-from .recipe import SUMMARY, ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, load_recipe, parse_zoo_member
+from .recipe import SUMMARY, ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, check_outputs, load_recipe, parse_zoo_member
 
 logger = logging.getLogger(__name__)
 
@@ -200,47 +195,14 @@ def run_recipe(
     return result
 
 
-def check_outputs(recipe: Recipe, given=None) -> None:
-    """Check, before any work, every folder the recipe writes (``output.dir`` and each run's
-    training state under ``accelerate.checkpoint_dir``) against every path it reads (models,
-    adapters, data and evaluation files, the recipe file ``given``) and against each other, and
-    that each is one the run may write or replace (docs/design.md §6)."""
-    final = Path(recipe.output.dir)
-    read = [p for _, refs in recipe.groups for ref in refs for p in (ref.path, ref.adapter) if p and not p.startswith(ZOO_PREFIX)]
-    for data in (recipe.data, recipe.eval.data if recipe.eval is not None else None):
-        if data is not None:
-            read += [*(data.files or []), *([data.dataset] if data.dataset else [])]
-    if isinstance(given, (str, Path)):
-        read.append(given)
-    try:
-        check_output_path(final, "output.dir")
-        clean_stale(final)  # a dead run's set-aside output is put back before it is judged
-        if os.path.lexists(final) and not recipe.output.overwrite:
-            raise OutputExistsError(f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite")
-        check_apart(final, read, "output.dir")
-        if recipe.output.overwrite:
-            check_replaceable(final, "output.dir")
-        state = recipe.accelerate.checkpoint_dir
-        if state is not None:
-            check_output_path(state, "accelerate.checkpoint_dir")
-            check_apart(state, read, "accelerate.checkpoint_dir")
-            check_apart(state, [final], "accelerate.checkpoint_dir", role="the output", missing=True)
-            for group, method, _ in recipe.runs():
-                check_replaceable(Path(state) / recipe.run_folder(group, method), "accelerate.checkpoint_dir", kinds=("training-state",))
-    except (ParameterError, OutputExistsError) as err:
-        if err.parameter == "output.overwrite":
-            raise
-        raise RecipeError(err.named(err.parameter)) from None
-
-
 def _recipe_markdown(recipe: Recipe, given) -> str:
     """The card's Reproduce text of a recipe's merges: the recipe as it ran (overrides applied,
     defaults left out), and the command that runs it."""
     text = yaml.safe_dump(shown_settings(recipe.model_dump(mode="json", exclude_defaults=True)), sort_keys=False)
     name = Path(given).name if isinstance(given, (str, Path)) else "recipe.yaml"
     return (
-        f"the recipe `{name}`, as it ran (`--set` changes applied; local paths shortened to their last part); "
-        f"save it and run `hf-lmc run {name}`:\n\n```yaml\n{text}```"
+        f"It was made by the recipe `{name}`, shown as it ran (`--set` changes applied, defaults left out, local paths "
+        f"reduced to their last part); save it and run `hf-lmc run {name}`:\n\n```yaml\n{text}```"
     )
 
 
@@ -262,13 +224,26 @@ def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output
         learn=recipe.learn, accelerate=accelerate, eval_data=eval_data,
         eval_options=recipe.eval.data.options(EVAL_OPTIONS) if recipe.eval else EVAL_OPTIONS,
         alphas=recipe.eval.alphas if recipe.eval else 11, dtype=out.dtype, shard_size=out.shard_size,
-        inherit_from_a=out.inherit_from_a,
+        inherit_from_a=out.inherit_from_a, tokenizer_from=out.tokenizer_from,
+        eval_data_name=_data_name(recipe.eval.data) if recipe.eval else None,
     )
+
+
+def _data_name(spec: DataSpec) -> str:
+    """How a card's ``model-index`` names a recipe's data: a ``dataset`` as given (a Hub id is
+    named as one), files and zoo data as local data."""
+    if spec.dataset is not None:
+        return spec.dataset
+    if spec.files is not None:
+        return ", ".join(shown_settings(spec.files))
+    return f"zoo:{spec.zoo} (text shipped with hf_lmc)" if spec.zoo is not None else SAMPLED
 
 
 def write_summary(result: RecipeResult, folder: Path) -> None:
     """``summary.md`` (the barrier table), ``summary.json`` and ``summary.csv`` (one row per run),
-    each written to a temporary file and renamed, so a reader never sees half a file."""
+    each written to a temporary file and renamed, so a reader never sees half a file. The recipe
+    is recorded with local paths by their last part, like the cards: a summary shared or committed
+    does not carry the layout of this machine."""
     records = result.records()
     markdown = f"# {result.title}\n\nLoss barrier per group of models and method (lower is flatter).\n\n{result.table()}\n\n"
     markdown += "\n".join(f"- `{r['group']}` / `{r['method']}`: `{r['folder']}` ({', '.join(r['models'])})" for r in records) + "\n"
@@ -276,7 +251,7 @@ def write_summary(result: RecipeResult, folder: Path) -> None:
     writer = csv.DictWriter(table, fieldnames=list(records[0]) if records else ["group"])
     writer.writeheader()
     writer.writerows({**r, "models": " ".join(r["models"])} for r in records)
-    summary = {"title": result.title, "runs": records, "recipe": result.recipe}
+    summary = {"title": result.title, "runs": records, "recipe": shown_settings(result.recipe)}  # no path of this machine
     for suffix, text in (("md", markdown), ("json", json.dumps(summary, indent=2) + "\n"), ("csv", table.getvalue())):
         target = folder / f"{SUMMARY}.{suffix}"
         partial = target.with_name(f".{target.name}.tmp")

@@ -17,10 +17,13 @@ An entry with ``patience`` trains until its loss on a validation slice of the tr
 and keeps its best weights; without it, a member trains exactly ``steps`` steps.
 
 Trained checkpoints are cached on disk under a key of everything that determines them
-(config, training settings, data, seed), so a second run loads instead of training.
+(config, training settings, data, seed), so a second run loads instead of training. The
+package ships the weights of a few members (the ``hf-lmc demo`` pair) under ``hf_lmc/data/zoo``,
+as :func:`train` saved them; a member whose key has a shipped file is unpacked into the cache
+instead of trained, unless ``train(..., shipped=False)`` asks for training.
 
     from hf_lmc import zoo
-    a, b = zoo.pair("gpt2")                     # two folders, trained or cached
+    a, b = zoo.pair("gpt2")                     # two folders: cached, shipped (unpacked) or trained
     result = hf_lmc.barrier(a, b, zoo.held_out("gpt2"))
 """
 
@@ -42,6 +45,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
+from . import __version__
 from .adapters import adapter_for
 from .export import GENERATION_CONFIG
 from .outputs import discard, move_into_place, staging_folder
@@ -438,19 +442,136 @@ def _refresh_lm_files(folder: Path, context: int, entry: ZooEntry) -> None:
         raise
 
 
-def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progress: bool = True) -> Path:
-    """Train one zoo member (or load it from the cache) and return its checkpoint folder.
+# -- shipped members -----------------------------------------------------------------------------
 
-    ``seed`` sets both the initialisation and the data order. A cached language model whose
-    tokenizer or generation config an older version wrote gets current ones (its weights stay).
+#: Where in the package the shipped members lie: one ``<key>.safetensors.xz`` each (:func:`ship`).
+SHIPPED_FOLDER = "data/zoo"
+#: The suffix of a shipped member's file after its key.
+_SHIPPED_SUFFIX = ".safetensors.xz"
+
+
+def shipped_file(entry: ZooEntry | str, seed: int):
+    """The file the package ships for member ``seed`` of ``entry`` (an importlib resource), or
+    ``None`` when it ships none: files are named by the member's cache key, so a change to the
+    entry's settings, data or seed finds no file and trains."""
+    path = resources.files("hf_lmc").joinpath(f"{SHIPPED_FOLDER}/{_entry(entry).key(seed)}{_SHIPPED_SUFFIX}")
+    return path if path.is_file() else None
+
+
+def read_shipped(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of a shipped member's file: its weights, and its ``zoo.json``
+    record (under ``"zoo.json"``), cache key and the versions that trained it."""
+    from safetensors.torch import load
+
+    blob = lzma.decompress(path.read_bytes())
+    header = json.loads(blob[8 : 8 + int.from_bytes(blob[:8], "little")])  # the safetensors header
+    return load(blob), header.get("__metadata__", {})
+
+
+def ship(folder: Path, into: Path) -> Path:
+    """Pack the trained member in ``folder`` for the package: its weights as :func:`train` saved
+    them, with its ``zoo.json`` record, cache key and the versions that trained it as safetensors
+    metadata, compressed with lzma into ``into/<key>.safetensors.xz``.
+
+    The demo pair is regenerated with, for seeds 0 and 1,
+    ``zoo.ship(zoo.train("gpt2", seed, shipped=False), Path("hf_lmc/data/zoo"))``.
+    """
+    import transformers
+    from safetensors.torch import load_file, save
+
+    folder = Path(folder)
+    record = json.loads((folder / "zoo.json").read_text())
+    record.pop("shipped", None)
+    key = ZooEntry(**record["entry"]).key(record["seed"])
+    metadata = {
+        "format": "pt",
+        "zoo.json": json.dumps(record),
+        "key": key,
+        "hf_lmc": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    path = Path(into) / f"{key}{_SHIPPED_SUFFIX}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(lzma.compress(save(load_file(folder / "model.safetensors"), metadata), preset=9))
+    return path
+
+
+def was_shipped(folder: Path) -> bool:
+    """Whether a cached member was unpacked from a shipped file rather than trained here."""
+    try:
+        return "shipped" in json.loads((folder / "zoo.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def _unpack(path, entry: ZooEntry, seed: int, folder: Path) -> None:
+    """Write the shipped member in ``path`` into ``folder`` as :func:`train` writes a trained one
+    (the same model class saves the same weights, tokenizer and generation config), its
+    ``zoo.json`` saying which file and hf_lmc version it came from."""
+    tensors, metadata = read_shipped(path)
+    record = json.loads(metadata.get("zoo.json", "{}"))
+    if metadata.get("key") != entry.key(seed) or record.get("seed") != seed:
+        raise ValueError(
+            f"the shipped zoo member {path.name} does not hold {entry.key(seed)}; reinstall hf_lmc or pass --train"
+        )
+    config = build_config(entry)
+    model = adapter_for(config).model_class(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    state = model.state_dict()
+    loaded = {state[name].data_ptr() for name in tensors}
+    untied = [name for name in missing if state[name].data_ptr() not in loaded]  # a tied head is saved once
+    if unexpected or untied:
+        refused = (unexpected or untied)[0]
+        raise ValueError(
+            f"the shipped zoo member {path.name} does not fit {entry.name}'s config ({refused}); reinstall hf_lmc or pass --train"
+        )
+    record["shipped"] = {"file": path.name, "hf_lmc": metadata.get("hf_lmc")}
+    _save_member(model.eval(), config, entry, folder, record)
+
+
+def _save_member(model, config, entry: ZooEntry, folder: Path, record: dict) -> None:
+    """Write a member (weights, config, an LM's tokenizer and generation config, ``zoo.json``)
+    into a staging folder and move it into place as ``folder``."""
+    staging = staging_folder(folder)
+    try:
+        model.save_pretrained(staging)
+        if entry.model_type != "vit":
+            _write_lm_files(staging, config.max_position_embeddings, entry)
+        (staging / "zoo.json").write_text(json.dumps(record, indent=2))
+        move_into_place(staging, folder, kind="zoo", overwrite=True)
+    except BaseException:
+        discard(staging)
+        raise
+
+
+# -- a member: cached, shipped or trained ----------------------------------------------------------
+
+
+def train(
+    entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progress: bool = True, shipped: bool = True
+) -> Path:
+    """Train one zoo member (or load it from the cache, or unpack the one the package ships) and
+    return its checkpoint folder.
+
+    ``seed`` sets both the initialisation and the data order. With ``shipped`` (the default), a
+    member the package ships (:func:`shipped_file`) is unpacked into the cache instead of
+    trained; ``shipped=False`` trains it here, replacing an unpacked copy in the cache. A cached
+    language model whose tokenizer or generation config an older version wrote gets current
+    ones (its weights stay).
     """
     entry = _entry(entry)
     folder = (cache or cache_dir()) / entry.key(seed)
-    if (folder / "config.json").is_file() and (folder / "zoo.json").is_file():
+    if (folder / "config.json").is_file() and (folder / "zoo.json").is_file() and (shipped or not was_shipped(folder)):
         if entry.model_type != "vit":
             context = build_config(entry).max_position_embeddings
             if not _lm_files_current(folder, context, entry):
                 _refresh_lm_files(folder, context, entry)
+        return folder
+    packed = shipped_file(entry, seed) if shipped else None
+    if packed is not None:
+        logger.info("unpacking zoo member %s (seed %d), shipped with hf_lmc, into %s", entry.key(seed), seed, folder)
+        _unpack(packed, entry, seed, folder)
         return folder
     logger.info("training zoo member %s (seed %d) into %s", entry.key(seed), seed, folder)
     config = build_config(entry)
@@ -497,19 +618,9 @@ def train(entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progre
         stopped = "plateau" if waited >= entry.patience else "budget"
         record = {"steps": len(losses), "best_step": best_step, "validation_loss": best, "stopped": stopped}
         logger.info("%s (seed %d): best validation loss %.4f at step %d of %d (%s)", entry.name, seed, best, best_step, len(losses), stopped)
-    model.eval()
-    staging = staging_folder(folder)
-    try:
-        model.save_pretrained(staging)
-        if entry.model_type != "vit":
-            _write_lm_files(staging, config.max_position_embeddings, entry)
-        final = sum(losses[-50:]) / len(losses[-50:])
-        summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, **record}
-        (staging / "zoo.json").write_text(json.dumps(summary, indent=2))
-        move_into_place(staging, folder, kind="zoo", overwrite=True)
-    except BaseException:
-        discard(staging)
-        raise
+    final = sum(losses[-50:]) / len(losses[-50:])
+    summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, **record}
+    _save_member(model.eval(), config, entry, folder, summary)
     return folder
 
 

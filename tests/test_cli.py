@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ import torch
 from hf_lmc.cli import build_parser, main
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_lists_commands_and_examples():
@@ -105,7 +110,7 @@ def test_ctrl_c_ends_a_command_with_one_line_and_the_shells_code(capsys, monkeyp
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_lmc.pipeline, "merge", interrupted)
+    monkeypatch.setattr(hf_lmc.pipeline, "run", interrupted)
     assert main(["merge", "./a", "./b", "-o", "out"]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1, err
@@ -237,3 +242,246 @@ def test_a_misspelt_data_file_is_one_line_without_trying_the_hub(tmp_path, capsy
     assert main(["barrier", str(folder), str(folder), "--eval-data", str(tmp_path / "eval.tx"), "--quiet"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "eval.tx" in err, err
+
+
+# -- refusals before the heavy imports, the dry run, docs that match the parser ----------------------
+
+#: Runs ``main(argv)`` and then prints, last, which heavy modules the process had loaded.
+_HEAVY_AT_EXIT = """
+import json, sys
+from hf_lmc.cli import main
+try:
+    code = main(json.loads(sys.argv[1]))
+except SystemExit as exit:  # argparse's own usage errors
+    code = exit.code
+print(sorted(m for m in ('torch', 'transformers', 'huggingface_hub') if m in sys.modules))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["merge", "./a", "./b", "-o", "existing"],  # an output that exists, without --overwrite
+        ["merge", "./a", "./b", "-o", "."],  # the working folder
+        ["merge", "./a", "./b", "-o", "a/inside"],  # an output inside an input
+        ["merge", "./a", "./b", "./c", "-o", "new", "--weights", "0.5", "0.6", "0.1"],  # weights off the simplex
+        ["merge", "./a", "./b", "-o", "new", "--alpha", "1.5"],
+        ["merge", "./a", "./b", "-o", "new", "--method", "dual"],  # a data method without --data
+        ["merge", "./a", "./b", "-o", "new", "--revisions", "main"],  # one revision for two models
+        ["barrier", "./a", "./b", "--eval-data", "x.txt", "--method", "learned"],
+        ["barrier", "./a", "./b", "--eval-data", "x.txt", "--alphas", "1"],
+        ["barrier", "./a", "./b", "./c", "./d", "--eval-data", "x.txt", "--plot", "p.png"],
+        ["explain", "./a", "./b", "./c", "--eval-data", "x.txt"],  # explain compares two models, as its help says
+        ["explain", "./a", "./b", "--eval-data", "x.txt", "--method", "dual"],
+        ["explain", "./a", "./b", "--eval-data", "x.txt", "--orders", "0"],
+    ],
+)
+def test_usage_errors_come_before_torch_is_imported(argv, tmp_path):
+    """Every refusal that needs no model (flags, weights, the method against the data, the output
+    folder against the inputs) exits 2 before torch, transformers or huggingface_hub are imported."""
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "a").mkdir()
+    run = subprocess.run(
+        [sys.executable, "-c", _HEAVY_AT_EXIT, json.dumps(argv)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert run.returncode == 2, run.stderr
+    assert run.stdout.splitlines()[-1] == "[]", run.stdout
+    assert "Traceback" not in run.stderr and run.stderr.strip().splitlines()[-1].startswith("hf-lmc: error:"), run.stderr
+
+
+def _tiny_pair(tmp_path, arch_b="gpt2"):
+    """Two tiny language-model folders with a tokenizer, and a text file to evaluate on."""
+    from tests.models import char_tokenizer_folder
+
+    folders = []
+    for k, arch in enumerate(("gpt2", arch_b)):
+        config = tiny_configs()[arch]
+        folder = tmp_path / f"m{k}"
+        build_model(config, seed=k, dtype=torch.float32).save_pretrained(folder)
+        char_tokenizer_folder(folder, config.vocab_size)
+        folders.append(str(folder))
+    (tmp_path / "text.txt").write_text("to be or not to be, that is the question. " * 40)
+    return folders, str(tmp_path / "text.txt")
+
+
+def test_dry_run_checks_prints_the_plan_and_reads_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """``merge --dry-run`` exits 0 with the models, the data's batches and the estimates, reads no
+    weight (no tensor is read, no model loaded) and leaves every folder as it was."""
+    import hf_lmc.checkpoint
+    import hf_lmc.pipeline
+
+    (a, b), text = _tiny_pair(tmp_path)
+    monkeypatch.setattr(hf_lmc.checkpoint.Checkpoint, "__getitem__", lambda *args: pytest.fail("a weight was read"))
+    monkeypatch.setattr(hf_lmc.pipeline, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert (
+        main(
+            [
+                "merge",
+                a,
+                b,
+                "-o",
+                str(tmp_path / "out"),
+                "--method",
+                "dual",
+                "--data",
+                text,
+                "--eval-data",
+                text,
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "m0" in out and "m1" in out and "estimates" in out and "batches" in out and "on disk" in out, out
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_dry_run_refuses_as_the_merge_does(tmp_path, capsys):
+    """A pair the merge refuses (two architectures) is refused by the dry run, with the exit code
+    and the one line of the merge."""
+    (a, b), _ = _tiny_pair(tmp_path, arch_b="gpt_neox")
+    capsys.readouterr()  # saving the models shows progress bars
+    assert main(["merge", a, b, "-o", str(tmp_path / "out"), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hf-lmc: error:") and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipe_check_takes_several_files(tmp_path, capsys):
+    """Each recipe is validated on its own: the valid ones list their runs, each invalid one is one
+    error line naming its file, and the exit code is the worst (2: an invalid recipe)."""
+    import yaml
+
+    good = [tmp_path / f"good{k}.yaml" for k in range(2)]
+    for k, path in enumerate(good):
+        path.write_text(yaml.safe_dump({"models": ["./a", "./b"], "output": {"dir": f"out{k}"}}))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [a, {path: b, revison: x}]\noutput: {dir: o}\n")
+    assert main(["recipe", "check", str(good[0]), str(bad), str(good[1])]) == 2
+    captured = capsys.readouterr()
+    assert all(f"{path}: valid" in captured.out for path in good), captured.out
+    errors = captured.err.strip().splitlines()
+    assert len(errors) == 1 and "bad.yaml" in errors[0], captured.err
+    assert main(["recipe", "check", *map(str, good)]) == 0
+
+
+def test_recipe_check_refuses_an_output_that_is_an_input_and_changes_nothing(tmp_path, capsys):
+    """``recipe check`` holds the folders a recipe writes to the paths it reads, as ``run`` does
+    before any work, without tidying anything on disk."""
+    import yaml
+
+    model = tmp_path / "a"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    debris = tmp_path / ".a.tmp-1-x"  # what check must not touch, even if it were a dead run's
+    debris.mkdir()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"models": [str(model), "./b"], "output": {"dir": str(model), "overwrite": True}}))
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["recipe", "check", str(recipe)]) == 2
+    assert "output.dir" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def _documented_flags(document: str) -> tuple[str, dict[str, str]]:
+    """docs/cli.md's text before the first command's section (it applies to every command), and
+    each command's section by its name (``merge``, ``recipe``)."""
+    intro, _, rest = document.partition("\n## `hf-lmc ")
+    sections = {}
+    for section in ("## `hf-lmc " + rest).split("\n## ")[0:]:
+        name = re.match(r"#* ?`hf-lmc (\w+)`", section.strip())
+        if name:
+            sections[name.group(1)] = section
+    return intro, sections
+
+
+def test_docs_cli_names_every_flag_of_every_command_and_no_other():
+    """docs/cli.md names every long flag of every command in the command's section (a flag that
+    barrier or explain shares with merge may be described once, in merge's; -q/-v, shared by all,
+    in the opening), every flag it names exists, and a flag's value is named as --help names it
+    (``--push-to-hub REPO_ID``)."""
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+    intro, sections = _documented_flags((ROOT / "docs" / "cli.md").read_text(encoding="utf-8"))
+    parsers = dict(_commands(build_parser()))
+    everywhere = set()
+    for name, parser in parsers.items():
+        words = name.split()[1:]
+        flags = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+        everywhere |= flags
+        flags -= {"--help", "--version"}
+        if not words:
+            continue
+        described = set(flag.findall(intro + sections.get(words[0], "")))
+        if words[0] in ("barrier", "explain"):
+            described |= set(flag.findall(sections["merge"]))
+        assert flags <= described, (name, sorted(flags - described))
+    document = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    quoted = re.findall(r"`([^`\n]*)`", document)
+    code = [line for line in document.splitlines() if line.startswith("hf-lmc ")]
+    named = {f for text in quoted + code if "hf-lmc" in text or text.startswith("-") for f in flag.findall(text)}
+    assert named <= everywhere, sorted(named - everywhere)
+    metavars = {
+        s: action.metavar
+        for p in parsers.values()
+        for action in p._actions
+        for s in action.option_strings
+        if isinstance(action.metavar, str)
+    }
+    for option, value in re.findall(r"`(--[a-z][a-z0-9-]*) ([A-Z][\w.]*)", document):
+        if option in metavars:
+            assert metavars[option] == value, (option, value, metavars[option])
+
+
+def test_each_command_shows_its_own_examples():
+    """A command's --help shows examples of that command alone; ``hf-lmc --help`` shows them all,
+    and every command has at least one."""
+    parsers = dict(_commands(build_parser()))
+    top = parsers.pop("hf-lmc")
+    for name, parser in parsers.items():
+        lines = [line.split("#")[0].split() for line in (parser.epilog or "").splitlines()[1:]]
+        assert lines and all(words[: len(name.split())] == name.split() for words in lines), (name, parser.epilog)
+        assert all(line in top.epilog for line in parser.epilog.splitlines()[1:]), name
+
+
+@pytest.mark.slow
+def test_verbose_names_the_dtype_written_and_quiet_hides_the_default_loss_notice(tmp_path):
+    """``-v``'s writing line names what is written (never ``None`` for A's dtype kept), and
+    transformers' ``loss_type=None`` notice (a GPT-2 given labels) is not shown: the default loss
+    is the right one."""
+    (a, b), _ = _tiny_pair(tmp_path)
+    run = subprocess.run(
+        [sys.executable, "-m", "hf_lmc", "merge", a, b, "-o", str(tmp_path / "out"), "--method", "average", "-v", "-q"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    writing = next(line for line in run.stderr.splitlines() if line.startswith("hf-lmc: writing"))
+    assert "None" not in writing, writing
+    from hf_lmc.cli import _messages
+
+    script = (
+        "import argparse, torch; from hf_lmc.cli import _messages; from hf_lmc.verify import tiny_configs; "
+        "from transformers import GPT2LMHeadModel; model = GPT2LMHeadModel(tiny_configs()['gpt2']); "
+        "ids = torch.zeros(1, 4, dtype=torch.long)\n"
+        "with _messages(argparse.Namespace(quiet=True, verbose=0)): model(input_ids=ids, labels=ids)"
+    )
+    assert _messages  # the filter under test
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert run.returncode == 0 and "loss_type" not in run.stderr, run.stderr

@@ -70,6 +70,7 @@ def test_saved_folder_reloads_with_the_exported_function(arch, symmetry, tmp_pat
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {key: file for key, (file, _) in stored.items()}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in stored.values())
+    assert index["metadata"]["total_parameters"] == reloaded.num_parameters()  # what save_pretrained records
     assert (out / "generation_config.json").is_file() == (arch != "vit")
 
 
@@ -136,6 +137,45 @@ def test_processor_files_and_card_are_written(tmp_path):
     assert all((out / name).read_bytes() == (source / name).read_bytes() for name in present)
     assert not (out / "notes.txt").exists()
     assert ModelCard.load(out / "README.md").data.to_dict()["license"] == "mit"
+
+
+@pytest.mark.parametrize("max_length", ["context", 100])
+def test_the_generation_config_restates_no_context_and_keeps_the_rest(tmp_path, max_length):
+    """A's ``max_length`` equal to the context (as the zoo writes it) becomes ``max_new_tokens`` of
+    half the context, so a stock pipeline call with ``max_new_tokens`` logs no "both were set"
+    warning and a bare call stays in bounds; any other ``max_length`` and every other value of
+    A's are kept."""
+    import logging
+    import warnings
+
+    from transformers import GenerationConfig, pipeline
+
+    config = tiny_configs()["llama"]
+    length = config.max_position_embeddings if max_length == "context" else max_length
+    source = char_tokenizer_folder(tmp_path / "src", config.vocab_size)
+    GenerationConfig(eos_token_id=[0, 3], do_sample=True, top_k=5, max_length=length).save_pretrained(source)
+    out = save_canonical(_canonical("llama"), tmp_path / "out", source_folder=source, progress=False)
+    written = json.loads((out / "generation_config.json").read_text())
+    assert (written["eos_token_id"], written["do_sample"], written["top_k"]) == ([0, 3], True, 5)
+    assert written.get("max_length") == (None if max_length == "context" else max_length)
+    if max_length != "context":
+        return
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    messages, handler = [], Collect(logging.WARNING)
+    logging.getLogger("transformers").addHandler(handler)  # transformers' loggers do not propagate to root
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipeline("text-generation", model=str(out))("abc", max_new_tokens=8)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not messages and not caught, (messages, [str(w.message) for w in caught])
+    assert written["max_new_tokens"] == config.max_position_embeddings // 2  # a bare call stays inside the context
+    pipeline("text-generation", model=str(out))("abc")
 
 
 def test_shard_sizes_parse():

@@ -95,15 +95,20 @@ def test_no_card_names_a_path_of_this_machine_on_any_route(tmp_path):
     data = ["--eval-data", str(text), "--alphas", "3", "--seq-len", "8", "--max-batches", "1"]
     assert main(["merge", str(a), str(b), "-o", str(tmp_path / "cli"), "-q", *data]) == 0
     merge(a, b, tmp_path / "python", eval_data=str(text), alphas=3, progress=False)
+    learned = ["--method", "learned", "--data", str(text), "--steps", "1", "--batch-size", "2"]  # the training table
+    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "learned"), "-q", *data[2:], *learned]) == 0
     recipe = {
         "models": [str(a), str(b)],
         "output": {"dir": str(tmp_path / "recipe")},
         "eval": {"data": {"files": [str(text)], "seq_len": 8, "max_batches": 1}, "alphas": [0, 0.5, 1]},
     }
     run_recipe(recipe, progress=False)
+    summary = (tmp_path / "recipe" / "summary.json").read_text()  # the recipe as run, beside the merges
+    assert not [place for place in here if place in summary] and '"eval.txt"' in summary
     for card in (
         tmp_path / "cli" / "README.md",
         tmp_path / "python" / "README.md",
+        tmp_path / "learned" / "README.md",
         tmp_path / "recipe" / "weight" / "README.md",
     ):
         body = card.read_text()
@@ -122,7 +127,7 @@ def test_tokenizers_of_one_size_and_other_strings_are_refused_unless_a_is_accept
     (b / "tokenizer.json").write_text(json.dumps(tokenizer))
     out = str(tmp_path / "out")
     rc, error = _one_line_error(["merge", str(a), str(b), "-o", out, "-q"], capsys)
-    assert rc == 2 and "tokenizer.json's vocabulary" in error and "'a' vs 'x'" in error and "--inherit-from-a" in error
+    assert rc == 2 and "tokenizer.json's vocabulary" in error and "'a' vs 'x'" in error and "--tokenizer-from" in error
     assert not (tmp_path / "out").exists()
     assert main(["merge", str(a), str(b), "-o", out, "-q", "--inherit-from-a"]) == 0
     card = (tmp_path / "out" / "README.md").read_text()
@@ -191,6 +196,50 @@ def test_an_image_processor_that_changes_the_pixels_is_refused_a_harmless_field_
     _edit_json(b / "preprocessor_config.json", image_mean=[0.485, 0.456, 0.406])
     with pytest.raises(InheritanceError, match=r"preprocessor_config.json's image_mean \(\[0.5, 0.5, 0.5\] vs \[0.485"):
         _check(a, b)
+
+
+_VIT_PROCESSOR = {
+    "image_processor_type": "ViTImageProcessor",
+    "do_resize": True,
+    "size": {"height": 8, "width": 8},
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+@pytest.mark.parametrize(
+    ("a_changes", "b_changes", "refused"),
+    [
+        ({}, {"size": {"height": 16, "width": 16}}, "size"),  # a dict value in a one-line message
+        ({}, {"image_mean": [0.1, 0.1, 0.1]}, "image_mean"),  # A's file leaves it to the class default
+        ({}, {"do_center_crop": True, "crop_size": {"height": 6, "width": 6}}, "crop_size"),  # only B crops
+        ({"size": {"height": 8, "width": 8}}, {"size": 8}, None),  # one size, two spellings
+    ],
+)
+def test_image_processors_are_compared_as_they_run_defaults_included(tmp_path, a_changes, b_changes, refused):
+    a, b = _pair(tmp_path, "vit")
+    _edit_json(a / "preprocessor_config.json", **_VIT_PROCESSOR | a_changes)
+    _edit_json(b / "preprocessor_config.json", **_VIT_PROCESSOR | b_changes)
+    if refused is None:
+        assert not [note for note in _check(a, b) if "size" in note]
+        return
+    with pytest.raises(InheritanceError, match=f"preprocessor_config.json's {refused} ") as info:
+        _check(a, b)
+    assert "\n" not in str(info.value) and "inherit_from_a" in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "chat_template.jinja", "only b"])
+def test_a_chat_template_that_differs_is_named_in_the_card(tmp_path, where):
+    a, b = _pair(tmp_path)
+    if where == "tokenizer_config.json":
+        _edit_json(a / where, chat_template="{{ a }}")
+        _edit_json(b / where, chat_template="{{ b }}")
+    else:
+        if where != "only b":
+            (a / "chat_template.jinja").write_text("{{ a }}")
+        (b / "chat_template.jinja").write_text("{{ b }}")
+    (note,) = [note for note in _check(a, b) if "chat template" in note]
+    assert "a's is kept" in note
+    assert not [note for note in _check(a, a) if "chat template" in note]
 
 
 def test_an_end_of_text_id_is_refused_sampling_defaults_noted(tmp_path):

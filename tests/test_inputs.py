@@ -1,10 +1,11 @@
 """Inputs are validated before use, and read once: each class of bad input is refused in one line
 naming the file and the key, before any long work and without writing an output (issue 55).
 
-Classes: a config key of the wrong type; a folder that is not a model (empty, weights alone, a
-PEFT adapter); a weight index that is not a map of file names; tensors missing, mis-shaped or
-not float; recipe YAML past its limits; evaluation data that is not text, or labelled for
-another model; an input replaced or rewritten while a merge reads it.
+Classes: a config key of the wrong type, or a config its transformers class refuses; a folder
+that is not a model (empty, weights alone, a PEFT adapter); a weight index that is not a map of
+file names; tensors missing, mis-shaped or not float; recipe YAML past its limits; evaluation
+data that is not text or not a regular file, labelled for another model, or images of another
+shape; an input replaced or rewritten while a merge reads it.
 """
 
 from __future__ import annotations
@@ -64,7 +65,21 @@ def test_a_config_key_of_the_wrong_type_is_refused_naming_the_file_and_the_key(a
     _refused(capsys, str(b / "config.json"), key, argv=["merge", str(a), str(b)], out=tmp_path / "out")
 
 
-@pytest.mark.parametrize("kind", ["empty", "weights only", "peft adapter", "not JSON"])
+@pytest.mark.parametrize(
+    ("arch", "changes", "key"),
+    [
+        ("gpt_neox", {"num_attention_heads": 3}, "divisible"),  # the config class's own check: 16 hidden, 3 heads
+        ("gpt2", {"dtype": "int77", "torch_dtype": "int77"}, "int77"),  # a dtype torch does not have
+    ],
+)
+def test_a_config_its_transformers_class_refuses_is_one_line_naming_the_file(arch, changes, key, tmp_path, capsys):
+    a, b = _saved(tmp_path / "a", arch), _saved(tmp_path / "b", arch, seed=1)
+    config = json.loads((b / "config.json").read_text())
+    (b / "config.json").write_text(json.dumps(config | changes))
+    _refused(capsys, str(b / "config.json"), key, argv=["merge", str(a), str(b)], out=tmp_path / "out")
+
+
+@pytest.mark.parametrize("kind", ["empty", "weights only", "peft adapter", "not JSON", "config a folder"])
 def test_a_folder_that_is_not_a_model_is_told_apart_in_one_line(kind, tmp_path, capsys):
     a, b = _saved(tmp_path / "a"), tmp_path / "b"
     b.mkdir()
@@ -76,11 +91,15 @@ def test_a_folder_that_is_not_a_model_is_told_apart_in_one_line(kind, tmp_path, 
     elif kind == "not JSON":
         shutil.copy(a / "model.safetensors", b)
         (b / "config.json").write_bytes(os.urandom(64))
+    elif kind == "config a folder":  # or a device, a FIFO, a dangling link: there is no file to read
+        shutil.copy(a / "model.safetensors", b)
+        (b / "config.json").mkdir()
     named = {
         "empty": str(b),
         "weights only": "config.json",
         "peft adapter": "adapter",
         "not JSON": str(b / "config.json"),
+        "config a folder": str(b / "config.json"),
     }
     _refused(capsys, str(b), named[kind], argv=["merge", str(a), str(b)], out=tmp_path / "out")
 
@@ -155,6 +174,31 @@ def test_evaluation_data_that_is_not_utf8_text_is_refused_naming_the_file(data, 
     )
 
 
+@pytest.mark.parametrize("kind", ["a FIFO", "a folder with a link to a device", "a folder with a folder named .txt"])
+def test_evaluation_data_that_is_not_a_regular_file_is_refused_naming_it_unread(kind, tmp_path, capsys):
+    a, b = (_saved(tmp_path / name, seed=seed) for seed, name in enumerate("ab"))
+    char_tokenizer_folder(a, TINY["gpt2"].vocab_size)
+    data = tmp_path / "texts"
+    if kind == "a FIFO":  # read, it would block for ever
+        data = tmp_path / "eval.txt"
+        os.mkfifo(data)
+        odd = data
+    else:
+        data.mkdir()
+        (data / "a.txt").write_text("abc abc. " * 40)
+        odd = data / "b.txt"
+        if kind == "a folder with a folder named .txt":
+            odd.mkdir()
+        else:
+            os.symlink(os.devnull, odd)  # a device: /dev/zero would be read until memory runs out
+    _refused(
+        capsys,
+        str(odd),
+        argv=["merge", str(a), str(b), "--eval-data", str(data), "--seq-len", "4"],
+        out=tmp_path / "out",
+    )
+
+
 def test_image_labels_outside_the_models_classes_are_refused_naming_the_data_and_the_label(tmp_path, capsys):
     a, b = _saved(tmp_path / "a", "vit"), _saved(tmp_path / "b", "vit", seed=1)
     config = TINY["vit"]
@@ -170,6 +214,29 @@ def test_image_labels_outside_the_models_classes_are_refused_naming_the_data_and
         str(config.num_labels),
         argv=["merge", str(a), str(b), "--eval-data", str(data)],
         out=tmp_path / "out",
+    )
+
+
+_IMAGE = (TINY["vit"].num_channels, TINY["vit"].image_size, TINY["vit"].image_size)
+
+
+@pytest.mark.parametrize(
+    ("data", "named"),
+    [
+        ({"pixel_values": torch.randn(4, _IMAGE[0], 16, 16), "labels": torch.zeros(4, dtype=torch.long)}, "16"),
+        ({"pixel_values": torch.randn(4, 1, *_IMAGE[1:]), "labels": torch.zeros(4, dtype=torch.long)}, "[4, 1"),
+        ({"pixel_values": torch.randn(4, *_IMAGE[1:]), "labels": torch.zeros(4, dtype=torch.long)}, "[4, 8, 8]"),
+        ({"pixel_values": torch.randn(4, *_IMAGE), "labels": torch.zeros(3, dtype=torch.long)}, "labels"),
+        ({"pixel_values": torch.randn(0, *_IMAGE), "labels": torch.zeros(0, dtype=torch.long)}, "no images"),
+        ([torch.randn(4, *_IMAGE)], "list"),
+    ],
+)
+def test_image_data_the_model_cannot_take_is_refused_naming_the_data(data, named, tmp_path, capsys):
+    a, b = _saved(tmp_path / "a", "vit"), _saved(tmp_path / "b", "vit", seed=1)
+    images = tmp_path / "images.pt"
+    torch.save(data, images)
+    _refused(
+        capsys, str(images), named, argv=["merge", str(a), str(b), "--eval-data", str(images)], out=tmp_path / "out"
     )
 
 

@@ -232,3 +232,12 @@ def test_plain_average_sums_large_tensors_in_row_blocks_exactly():
         expected = weighted_sum([t.float() for t in tensors], weights).half()
         assert torch.equal(_weighted_rows(tensors, weights, block=5), expected)  # blocks of one row
         assert torch.equal(_weighted_rows(tensors, weights), expected)
+
+
+@pytest.mark.parametrize("settings", [{"alpha": "half"}, {"alpha": True}, {"alpha": None}])
+def test_an_alpha_that_is_not_a_number_is_named_not_a_traceback(settings):
+    """Checked before any model is read: the models here do not exist."""
+    from hf_lmc.options import ParameterError
+
+    with pytest.raises(ParameterError, match="alpha"):
+        merge("./no/such/a", "./no/such/b", "out", progress=False, **settings)

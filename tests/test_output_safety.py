@@ -242,6 +242,7 @@ def test_what_can_be_checked_before_the_work_is_checked_before_it(tmp_path, caps
     for extra, flag, named in (
         (["-o", "."], "--output", "working folder"),
         (["-o", str(tmp_path)], "--output", "working folder"),
+        (["-o", "x" * 240], "--output", "xxx…xxx"),  # its hidden staging siblings could not be named
         (["-o", "a-file", "--overwrite"], "--output", "a-file"),
         (["-o", "out", "--checkpoint-dir", "out"], "--checkpoint-dir", "out"),
         (["-o", "out", "--checkpoint-dir", "out/state"], "--checkpoint-dir", "out"),
@@ -265,6 +266,11 @@ def test_a_recipe_checks_its_run_folders_and_everything_it_reads_before_any_work
     capsys.readouterr()
     assert main(["recipe", "check", str(recipe)]) == 2  # its folder would be the summary's file
     assert "summary.md" in _one_error_line(capsys)
+    for names, named in ((["Big", "big"], "'big'"), (["x" * 101, "y"], "sweep[0].name")):  # one folder; too long a name
+        sweep = [{"name": name, "models": [str(a), str(b)]} for name in names]
+        recipe.write_text(yaml.safe_dump({"sweep": sweep, "output": {"dir": "x"}}))
+        assert main(["recipe", "check", str(recipe)]) == 2
+        assert named in _one_error_line(capsys)
     out = tmp_path / "out"
     out.mkdir()
     (out / "eval.txt").write_text("abc abc\n" * 40)
@@ -296,10 +302,17 @@ def test_the_demo_replaces_only_a_folder_hf_lmc_wrote(tmp_path, monkeypatch):
     legacy.mkdir()
     for name in ("hf_lmc_demo.json", "config.json", "model.safetensors", "README.md", "loss_along_path.png"):
         (legacy / name).write_text("{}")
-    check_replaceable(legacy, "output")
+    check_replaceable(legacy, "output", kinds=demo.DEMO_KINDS)
     (legacy / "notes.txt").write_text("added by the user")
     with pytest.raises(OutputExistsError, match="notes.txt"):
         check_replaceable(legacy, "output")
+    merged = tmp_path / "merged"  # a merge of the user's, written by hf_lmc: the demo has no --overwrite to ask for
+    merged.mkdir()
+    (merged / "config.json").write_text("{}")
+    mark(merged, "merge")
+    with pytest.raises(OutputExistsError, match="merge"):
+        demo.run_demo(merged, progress=False)
+    assert (merged / "config.json").read_text() == "{}"
 
 
 def test_a_refusal_names_a_folder_whose_name_holds_braces_or_is_very_long(tmp_path):
@@ -316,6 +329,8 @@ def test_a_refusal_names_a_folder_whose_name_holds_braces_or_is_very_long(tmp_pa
     with pytest.raises(ParameterError) as refused:
         check_apart(folder / "sub", [folder])
     assert refused.value.named("--output").startswith(f"--output {folder}")
+    quoted = ParameterError("{} differs ({'height': 8} vs {0})", "size")  # a value quoted from a file, braces and all
+    assert quoted.named("--size") == "--size differs ({'height': 8} vs {0})" and str(quoted).startswith("size differs")
 
 
 def test_the_marker_is_not_pushed(tmp_path):
@@ -811,7 +826,8 @@ def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version
     results = data["model-index"][0]["results"][0]
     assert results["dataset"] == {"name": "eval.txt", "type": "local"}
     metrics = {m["name"]: m["value"] for m in results["metrics"]}
-    assert set(metrics) == {"loss barrier, average (nats)", "loss barrier, weight (nats)"} and all(isinstance(v, float) for v in metrics.values())
+    # this model's own barrier; the plain average's is the baseline, in the body (tests/test_cards.py)
+    assert set(metrics) == {"loss barrier, weight (nats)"} and all(isinstance(v, float) for v in metrics.values())
     assert f"`hf-lmc` {hf_lmc.__version__}" in card.text
     # the command as typed, local paths by their final component (the Hub id as given)
     assert "hf-lmc merge m0 org/model-b@v1 -o out --device cpu --eval-data eval.txt --seq-len 8 --alphas 3 --quiet" in card.text

@@ -219,3 +219,100 @@ def test_a_bpe_entry_reads_the_plays_through_its_own_vocabulary(tmp_path):
     zoo.bpe_tokenizer(320).save_pretrained(member)
     with pytest.raises(RuntimeError, match="another BPE"):
         zoo.train(entry, 0, cache=tmp_path, progress=False)
+
+
+# -- the pair the package ships --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_shipped_demo_pair_is_the_zoo_entry_trained_from_its_seeds(seed):
+    """Each shipped file is named by, and records, the member train() makes: the gpt2 entry as it
+    is now (its steps and settings), the seed, the hf_lmc version; its tensors are that model's."""
+    entry = zoo.ZOO["gpt2"]
+    path = zoo.shipped_file(entry, seed)
+    assert path is not None and path.name.startswith(entry.key(seed))
+    tensors, metadata = zoo.read_shipped(path)
+    record = json.loads(metadata["zoo.json"])
+    assert metadata["key"] == entry.key(seed) and metadata["hf_lmc"]
+    assert record["entry"] == dataclasses.asdict(entry) and record["entry"]["steps"] == 600 and record["seed"] == seed
+    assert math.isfinite(record["train_loss"]) and "shipped" not in record
+    model = zoo.adapter_for(zoo.build_config(entry)).model_class(zoo.build_config(entry))
+    state = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    assert {name: tuple(value.shape) for name, value in tensors.items()}.items() <= state.items()
+    assert set(state) - set(tensors) == {"lm_head.weight"}  # tied to the input embedding, saved once
+    assert all(value.dtype == torch.float32 for value in tensors.values())  # as trained, not rounded
+    assert zoo.shipped_file(entry.scaled(steps=599), seed) is None  # other settings: trained, not shipped
+
+
+@pytest.fixture(scope="module")
+def packed(member, tmp_path_factory):
+    """The tiny member packed as the package ships its members."""
+    return zoo.ship(member, tmp_path_factory.mktemp("shipped"))
+
+
+def test_a_shipped_member_unpacks_as_training_wrote_it_and_train_false_retrains_it(
+    member, packed, tmp_path, monkeypatch
+):
+    """Unpacked into an empty cache, a shipped member's folder is file for file the trained one
+    (zoo.json adds where it came from), without a training step; shipped=False trains it here."""
+    monkeypatch.setattr(
+        zoo, "shipped_file", lambda entry, seed: packed if zoo._entry(entry).key(seed) == member.name else None
+    )
+    real_adamw = torch.optim.AdamW
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a shipped member must not be trained")
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_training)
+    unpacked = zoo.train(TINY_GPT2, 0, cache=tmp_path / "cache", progress=False)
+    assert unpacked.name == member.name and zoo.was_shipped(unpacked) and not zoo.was_shipped(member)
+    files = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+    for name in files:
+        assert (unpacked / name).read_bytes() == (member / name).read_bytes(), name
+    record = json.loads((unpacked / "zoo.json").read_text())
+    assert record.pop("shipped")["file"] == packed.name and record == json.loads((member / "zoo.json").read_text())
+    monkeypatch.setattr(torch.optim, "AdamW", real_adamw)
+    assert zoo.train(TINY_GPT2, 0, cache=tmp_path / "cache", progress=False, shipped=False) == unpacked
+    assert not zoo.was_shipped(unpacked)  # trained here, in place of the unpacked copy
+
+
+def test_a_shipped_file_that_holds_another_member_is_refused_in_one_line(packed, tmp_path, monkeypatch):
+    monkeypatch.setattr(zoo, "shipped_file", lambda entry, seed: packed)
+    with pytest.raises(ValueError, match=packed.name) as refused:
+        zoo.train(TINY_GPT2, 1, cache=tmp_path / "cache", progress=False)  # seed 1 asked, seed 0 shipped
+    assert "\n" not in str(refused.value) and "--train" in str(refused.value)
+    assert not (tmp_path / "cache").exists()  # nothing written
+
+
+@pytest.mark.slow
+def test_demo_merges_the_shipped_pair_without_training_and_says_so(tmp_path, capsys, monkeypatch):
+    """No training step; the plan of the run is one line on stderr before the imports, and
+    --quiet silences it with the bars; torch's thread count is given back."""
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the demo must not train the shipped pair")
+
+    monkeypatch.setattr(torch.optim, "AdamW", no_training)
+    threads = torch.get_num_threads()
+    args = ["demo", "--output", str(tmp_path / "demo"), "--eval-chars", "2048", "--cache-dir", str(tmp_path / "zoo")]
+    assert main(args) == 0
+    printed = capsys.readouterr()
+    assert "shipped with hf_lmc" in printed.out and "| weight |" in printed.out
+    assert printed.err.startswith("hf-lmc demo: ") and "shipped" in printed.err.splitlines()[0]
+    assert all(zoo.was_shipped(folder) for folder in (tmp_path / "zoo").iterdir())
+    assert torch.get_num_threads() == threads
+    assert main([*args, "--quiet"]) == 0
+    assert "hf-lmc demo:" not in capsys.readouterr().err
+
+
+def test_demo_train_trains_the_pair_instead_of_unpacking_it(tmp_path, capsys, monkeypatch):
+    asked = {}
+
+    def pair(entry, **options):
+        asked.update(options)
+        raise OSError("stop here")
+
+    monkeypatch.setattr(zoo, "pair", pair)
+    args = ["demo", "--train", "--output", str(tmp_path / "demo"), "--cache-dir", str(tmp_path / "zoo"), "-q"]
+    assert main(args) == 1
+    assert asked["shipped"] is False and "stop here" in capsys.readouterr().err

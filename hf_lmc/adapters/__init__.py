@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -123,11 +124,26 @@ def read_config(folder: str | Path) -> PretrainedConfig:
         return AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except ValueError as err:
         if "trust_remote_code" not in str(err) and "auto_map" not in str(err):
-            raise
+            raise ConfigError(
+                f"{Path(folder) / 'config.json'}: {_why_refused(err)}; fix the file or restore it from the model's source"
+            ) from None
         raise UnsupportedModelError(
             f"{folder} needs custom code (its config names an auto_map), which hf_lmc never runs; "
             f"hf_lmc supports {supported_classes()}"
         ) from None
+    except Exception as err:  # noqa: BLE001 (a config class's own checks raise what they like: AttributeError, the Hub's dataclass errors)
+        raise ConfigError(
+            f"{Path(folder) / 'config.json'}: {_why_refused(err)}; fix the file or restore it from the model's source"
+        ) from None
+
+
+def _why_refused(err: BaseException) -> str:
+    """What transformers said when it refused to build a config, as one short clause: the first
+    line of the error, or of its cause where it wraps one (the Hub's dataclass checks do)."""
+    cause = err.__cause__ or err
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    text = lines[0] if lines else type(cause).__name__
+    return f"transformers cannot build a config from it ({text if len(text) <= 160 else text[:157] + '...'})"
 
 
 #: Files that say what a folder without ``config.json`` holds, if not a model.
@@ -138,6 +154,8 @@ def _not_a_model_folder(folder: Path) -> str:
     """Why ``folder``, which has no ``config.json``, cannot be merged, and what to pass instead."""
     if not folder.is_dir():
         return f"{folder} is not a folder; pass a model folder (config.json and weights) or a Hub id"
+    if os.path.lexists(folder / "config.json"):  # a folder, a device, a FIFO or a dangling link of that name
+        return f"{folder / 'config.json'} is not a regular file; put the model's config.json file there"
     if (folder / "adapter_config.json").is_file():
         return (
             f"{folder} is a PEFT adapter (adapter_config.json, no config.json), not a model: merge its base model "

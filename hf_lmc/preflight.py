@@ -1,0 +1,125 @@
+"""The checks of a merge that need no model, in a module that imports neither torch nor
+transformers.
+
+The command line runs them before it imports the pipeline (which loads torch and transformers,
+seconds on a loaded machine), so that a request that cannot run as written (an output folder
+that exists, an output that is an input, weights off the simplex, a data method without data)
+is refused at once; :func:`hf_lmc.pipeline.resolve` runs the same checks, so the Python API
+refuses alike.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .methods import check_method
+from .options import MergeSpec, OutputExistsError, ParameterError, UsageError, check_device, clipped
+from .outputs import check_apart, check_output_path, check_replaceable, clean_stale
+
+
+def merge_spec(models: Sequence, output, **settings) -> MergeSpec:
+    """The :class:`MergeSpec` of ``models`` and ``settings``; a refused setting is a
+    :class:`UsageError` in one line naming each refused setting by its keyword."""
+    if len(models) < 2:
+        raise ParameterError(f"merge needs at least 2 models in {{}}, got {len(models)}", "models")
+    try:
+        return MergeSpec(models=models, output=output, **settings)
+    except ValidationError as err:
+        raise UsageError(
+            "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
+        ) from None
+
+
+def pair_weights(alpha: float) -> tuple[float, float]:
+    """The weights ``(1 - alpha, alpha)`` of two models, ``alpha`` checked to be a number in [0, 1]."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise ParameterError(f"{{}} must be a number in [0, 1], got {type(alpha).__name__}", "alpha")
+    if not 0.0 <= alpha <= 1.0 or math.isnan(alpha):
+        raise ParameterError(f"{{}} must lie in [0, 1], got {alpha}", "alpha")
+    return 1 - alpha, alpha
+
+
+def simplex_weights(weights: Sequence[float] | None, count: int, parameter: str = "weights") -> tuple[float, ...]:
+    """``weights`` checked to be a point of the simplex (``count`` entries, >= 0, sum 1);
+    ``None`` gives uniform weights."""
+    if weights is None:
+        return (1.0 / count,) * count
+    if isinstance(weights, (str, bytes)) or not all(isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
+        raise ParameterError(f"{{}} must be one number per model, got {clipped(weights)}", parameter)
+    weights = tuple(float(w) for w in weights)
+    if len(weights) != count:
+        raise ParameterError(f"{{}} needs one weight per model: got {len(weights)} for {count} models", parameter)
+    if not all(w >= 0 and math.isfinite(w) for w in weights):
+        raise ParameterError(f"{{}} must be >= 0, got {' '.join(f'{w:g}' for w in weights)}", parameter)
+    if abs(sum(weights) - 1) > 1e-6:
+        raise ParameterError(
+            f"{{}} must sum to 1, got {' '.join(f'{w:g}' for w in weights)} (sum {sum(weights):g})", parameter
+        )
+    return weights
+
+
+def revisions_per_model(revisions: Sequence[str | None] | None, count: int) -> list[str | None]:
+    """One Hub revision per model (``None``: the default branch); fails on a list of the wrong length."""
+    if revisions is None:
+        return [None] * count
+    if len(revisions) != count:
+        raise ParameterError(
+            f"{{}} needs one entry per model (None for the default): got {len(revisions)} for {count} models",
+            "revisions",
+        )
+    return list(revisions)
+
+
+def check_spec(spec: MergeSpec) -> list[tuple[Path, str]]:
+    """Every check of ``spec`` that reads no model: the method against the number of models and
+    the data, the weights, the revisions, the device's name, and every folder the merge writes
+    (:func:`check_outputs`). Returns those folders, each with the parameter that names it."""
+    count = len(spec.models)
+    check_method(spec.method, spec.data, count=count)
+    if spec.tokenizer_model >= count:
+        raise ParameterError(
+            f"{{}} names model {spec.tokenizer_from}, but the merge has {count} models", "tokenizer_from"
+        )
+    simplex_weights(spec.weights, count)
+    revisions_per_model(spec.revisions, count)
+    try:
+        check_device(spec.device)
+    except ValueError as err:
+        raise ParameterError(f"{{}}: {err}", "device") from None
+    return check_outputs(spec, [*spec.models, *named_paths(spec.data, spec.eval_data)])
+
+
+def check_outputs(spec: MergeSpec, read: Sequence[str | Path]) -> list[tuple[Path, str]]:
+    """Check, before any work, every folder the merge writes (``output``, and the training state
+    under ``accelerate.checkpoint_dir``) against every path it ``read``s and against each other,
+    and that each is one the run may write or replace (docs/design.md §6). Returns them, each
+    with the parameter that names it. A dead run's set-aside output is put back first
+    (:func:`hf_lmc.outputs.clean_stale`): it is the user's folder, and judged as such."""
+    output = Path(spec.output)
+    check_output_path(output, "output")
+    clean_stale(output)
+    if os.path.lexists(output) and not spec.overwrite:
+        raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
+    check_apart(output, read, "output")
+    if spec.overwrite:
+        check_replaceable(output, "output")
+    written = [(output, "output")]
+    if spec.accelerate.checkpoint_dir is not None:
+        state = Path(spec.accelerate.checkpoint_dir)
+        check_output_path(state, "checkpoint_dir")
+        check_apart(state, read, "checkpoint_dir")
+        check_apart(state, [output], "checkpoint_dir", role="the output", missing=True)
+        check_replaceable(state, "checkpoint_dir", kinds=("training-state",))
+        written.append((state, "checkpoint_dir"))
+    return written
+
+
+def named_paths(*data) -> list[str | Path]:
+    """Those of ``data`` that name a local file or folder (others are loaded data or Hub names)."""
+    return [d for d in data if isinstance(d, (str, Path)) and os.path.lexists(d)]

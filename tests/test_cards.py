@@ -1,0 +1,136 @@
+"""Model cards tell the truth, on every route that writes one: the evaluation data is named as
+what it is (a Hub dataset by its id, anything else as local), ``model-index`` holds the merged
+model's own barrier (the plain average's is the baseline it is measured against), the
+Reproduce section gives the command (or recipe, or settings) that made it with user paths
+reduced to their last part, and the title names the models as a person named them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard
+
+from hf_lmc.card import DataSource, merge_card
+from hf_lmc.cli import main
+from hf_lmc.demo import run_demo
+from hf_lmc.options import EvalOptions, MergeSpec
+from hf_lmc.pipeline import _eval_source, merge
+from hf_lmc.recipe import load_recipe
+from hf_lmc.runner import _Source, merge_spec, run_recipe
+from tests.test_inherited import _pair
+
+TEXT = "abc cab bca. " * 40
+#: Each kind of card: (method, how model-index names the data, words of the Reproduce section, title).
+KINDS = {
+    "cli": ("weight", "eval.txt", "hf-lmc merge a b -o cli", "Merge of a and b"),
+    "python": ("weight", "data passed as a list", "hf_lmc.MergeSpec(**settings)", "Merge of a and b"),
+    "average": ("average", "eval.txt", "hf-lmc merge a b -o average -q --method average", "Merge of a and b"),
+    "recipe": ("weight", "eval.txt", "hf-lmc run recipe.yaml", "Merge of a and b"),
+    "demo": (
+        "weight",
+        "zoo:shakespeare",
+        "hf-lmc demo --output demo --steps 1",
+        "Merge of zoo:gpt2/seed0 and zoo:gpt2/seed1",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> Path:
+    """One folder per kind of card, each written by its own route from one tiny pair (the demo from its zoo pair)."""
+    root = tmp_path_factory.mktemp("cards")
+    a, b = _pair(root)
+    text = root / "eval.txt"
+    text.write_text(TEXT)
+    data = ["--eval-data", str(text), "--alphas", "3", "--seq-len", "8", "--max-batches", "1"]
+    assert main(["merge", str(a), str(b), "-o", str(root / "cli"), "-q", *data]) == 0
+    assert main(["merge", str(a), str(b), "-o", str(root / "average"), "-q", "--method", "average", *data]) == 0
+    merge(
+        a,
+        b,
+        root / "python",
+        eval_data=[TEXT],
+        eval_options=EvalOptions(seq_len=8, max_batches=1),
+        alphas=3,
+        progress=False,
+    )
+    recipe = {
+        "models": [str(a), str(b)],
+        "output": {"dir": str(root / "recipe")},
+        "eval": {"data": {"files": [str(text)], "seq_len": 8, "max_batches": 1}, "alphas": [0, 0.5, 1]},
+    }
+    run_recipe(recipe, progress=False)
+    run_demo(root / "demo", steps=1, eval_chars=2048, cache=root / "zoo", progress=False)
+    return root
+
+
+def _folder(made: Path, kind: str) -> Path:
+    return made / "recipe" / "weight" if kind == "recipe" else made / kind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_of_card_loads_and_says_what_is_so(made, kind):
+    method, data_name, command, title = KINDS[kind]
+    card = ModelCard.load(_folder(made, kind) / "README.md")
+    index = card.data.to_dict()["model-index"][0]
+    assert index["name"] == title and f"\n# {title}\n" in card.content
+    (result,) = index["results"]
+    assert result["dataset"]["type"] == "local" and data_name in result["dataset"]["name"]  # never a made-up Hub id
+    # the merged model's own barrier alone: the plain average's is the baseline, in the body
+    assert [m["name"] for m in result["metrics"]] == [f"loss barrier, {method} (nats)"]
+    body, reproduce = card.text.split("## Reproduce")
+    assert re.search(r"^\| average \|", body, re.MULTILINE)
+    assert "baseline" in body
+    if method == "average":
+        assert "plain average" in body.split("## Merge")[0] and "canonical form" not in body
+    else:
+        assert "canonical form" in body
+    assert re.search(r"Made with `hf-lmc` \S+\.\n\nIt was made ", reproduce)  # whole sentences
+    assert command in reproduce
+    assert str(made) not in card.content and str(made.resolve()) not in card.content  # no path of this machine
+
+
+def test_evaluation_data_is_named_as_a_hub_dataset_only_where_it_is_one():
+    def named(eval_data, **options) -> DataSource:
+        return _eval_source(MergeSpec(models=["a", "b"], output="out", eval_data=eval_data, **options))
+
+    assert named("plays.txt") == DataSource("plays.txt")
+    assert named("/home/someone/data/plays") == DataSource("plays")  # a path: local, by its last part
+    assert named(["some text"]) == DataSource("data passed as a list")
+    assert named(["some text"], eval_data_name="zoo:shakespeare (held out)") == DataSource("zoo:shakespeare (held out)")
+    hub = named(["text"], eval_data_name="Salesforce/wikitext", eval_options=EvalOptions(name="wikitext-2-raw-v1"))
+    assert hub == DataSource("Salesforce/wikitext", "Salesforce/wikitext", "wikitext-2-raw-v1", "test")
+
+    recipe = load_recipe(
+        {
+            "models": ["a", "b"],
+            "output": {"dir": "out"},
+            "eval": {"data": {"dataset": "Salesforce/wikitext", "name": "wikitext-2-raw-v1"}},
+        }
+    )
+    sources = [_Source(name, None, name, False) for name in ("a", "b")]
+    spec = merge_spec(recipe, "weight", sources, Path("out/weight"), None, ["loaded text"])
+    assert _eval_source(spec) == hub  # a recipe's Hub dataset, loaded once, is still named by its id
+
+    card = merge_card(
+        base_models=["a", "b"],
+        method="dual",
+        symmetries=["mlp"],
+        alpha_or_weights=0.5,
+        license=None,
+        model_type="gpt2",
+        barriers={"average": 0.5, "dual": 0.01},
+        barrier_table="| method | barrier |",
+        eval_data=hub,
+    )
+    (result,) = card.data.to_dict()["model-index"][0]["results"]
+    assert result["dataset"] == {
+        "name": "Salesforce/wikitext",
+        "type": "Salesforce/wikitext",
+        "config": "wikitext-2-raw-v1",
+        "split": "test",
+    }
+    assert [(m["name"], m["value"]) for m in result["metrics"]] == [("loss barrier, dual (nats)", 0.01)]
