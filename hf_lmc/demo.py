@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from . import zoo
 from .hub import command_markdown
 from .linalg import single_threaded

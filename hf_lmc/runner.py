@@ -41,7 +41,17 @@ from .outputs import (
     staging_folder,
 )
 from .progress import bar as progress_bar
-from .recipe import SUMMARY, ZOO_PREFIX, DataSpec, ModelRef, Recipe, RecipeError, check_outputs, load_recipe, parse_zoo_member
+from .recipe import (
+    SUMMARY,
+    ZOO_PREFIX,
+    DataSpec,
+    ModelRef,
+    Recipe,
+    RecipeError,
+    check_outputs,
+    load_recipe,
+    parse_zoo_member,
+)
 
 logger = logging.getLogger(__name__)
 
