@@ -668,9 +668,14 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .recipe import check_outputs, load_recipe
+
+    overrides = _overrides(args)
+    check_outputs(load_recipe(args.recipe, overrides), args.recipe)  # the recipe and its folders, before torch loads
+
     from .runner import SUMMARY, run_recipe
 
-    result = run_recipe(args.recipe, overrides=_overrides(args))
+    result = run_recipe(args.recipe, overrides=overrides)
     if not result.wrote:  # one of several launched processes: the main one reports
         return 0
     print(result.table())

@@ -80,6 +80,13 @@ def clipped(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: The :func:`transformers.get_scheduler` names the training loop can run: those that need only
+#: the warmup and total steps (the rest need a metric to step on or arguments of their own, and
+#: would fail once training had started). Listed here, not read from transformers, so that a
+#: schedule is checked before torch is imported; tests/test_cli.py holds it to transformers.
+SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
+
+
 class Options(BaseModel):
     """Frozen, and unknown keys are errors: a misspelt option must not silently fall back to its default."""
 
@@ -147,7 +154,7 @@ class LearnOptions(Options):
     residual_lr: float | None = Field(
         None, gt=0, description="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: lr)"
     )
-    schedule: str = Field("cosine", description="learning-rate schedule: a transformers scheduler name (cosine, constant, linear, ...)")
+    schedule: str = Field("cosine", description="learning-rate schedule: a transformers scheduler name that needs only the warmup and total steps (cosine, constant, linear, ...)")
     warmup: int | None = Field(None, ge=0, description="linear warmup steps of the schedule (default: a twentieth of the steps)")
     permutations: Literal["fixed", "ste", "sinkhorn"] = Field(
         "fixed",
@@ -198,11 +205,8 @@ class LearnOptions(Options):
     @field_validator("schedule")
     @classmethod
     def _scheduler_name(cls, value: str) -> str:
-        from transformers import SchedulerType  # deferred on purpose: this module stays free of transformers and torch
-
-        names = [s.value for s in SchedulerType]
-        if value not in names:
-            raise ValueError(f"unknown schedule {value!r}; choose from {', '.join(names)}")
+        if value not in SCHEDULES:
+            raise ValueError(f"unknown schedule {clipped(value)}; choose from {', '.join(SCHEDULES)}")
         return value
 
     @field_validator("lambda_range")

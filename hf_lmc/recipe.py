@@ -57,7 +57,7 @@ from .options import (
     clipped,
 )
 from .outputs import MARKER, check_apart, check_output_path, check_replaceable, clean_stale
-from .zoo import ZOO
+from .zoo_entries import ZOO
 
 #: The summary files a recipe writes in ``output.dir`` (:mod:`hf_lmc.runner`), beside its run folders.
 SUMMARY = "summary"

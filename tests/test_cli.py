@@ -268,6 +268,7 @@ sys.exit(code)
         ["merge", "./a", "./b", "./c", "-o", "new", "--weights", "0.5", "0.6", "0.1"],  # weights off the simplex
         ["merge", "./a", "./b", "-o", "new", "--alpha", "1.5"],
         ["merge", "./a", "./b", "-o", "new", "--method", "dual"],  # a data method without --data
+        ["merge", "./a", "./b", "-o", "new", "--method", "learned", "--data", "x.txt", "--schedule", "reduce_lr_on_plateau"],
         ["merge", "./a", "./b", "-o", "new", "--revisions", "main"],  # one revision for two models
         ["barrier", "./a", "./b", "--eval-data", "x.txt", "--method", "learned"],
         ["barrier", "./a", "./b", "--eval-data", "x.txt", "--alphas", "1"],
@@ -293,6 +294,42 @@ def test_usage_errors_come_before_torch_is_imported(argv, tmp_path):
     assert run.returncode == 2, run.stderr
     assert run.stdout.splitlines()[-1] == "[]", run.stdout
     assert "Traceback" not in run.stderr and run.stderr.strip().splitlines()[-1].startswith("hf-lmc: error:"), run.stderr
+
+
+@pytest.mark.parametrize("output", ["existing", "a"])  # an output that exists without --overwrite; an input
+def test_a_recipe_is_refused_before_torch_is_imported(output, tmp_path):
+    """``hf-lmc run`` reads the recipe and checks the folders it writes before the runner (torch,
+    peft) loads; the Hub client may load, it is what names a model."""
+    (tmp_path / "existing").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "r.yaml").write_text(f"models: [./a, ./b]\noutput: {{dir: {output}, overwrite: {str(output == 'a').lower()}}}\n")
+    run = subprocess.run(
+        [sys.executable, "-c", _HEAVY_AT_EXIT, json.dumps(["run", "r.yaml"])],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=False,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "torch" not in run.stdout.splitlines()[-1] and "transformers" not in run.stdout.splitlines()[-1], run.stdout
+    assert run.stderr.strip().splitlines()[-1].startswith("hf-lmc: error:") and "Traceback" not in run.stderr, run.stderr
+
+
+def test_every_schedule_the_options_accept_is_one_transformers_runs():
+    """The names are listed without transformers (checked before torch loads); each is one of
+    transformers' and steps with the warmup and total steps alone, as the training loop calls it."""
+    from transformers import SchedulerType, get_scheduler
+
+    from hf_lmc.options import SCHEDULES
+
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    for name in SCHEDULES:
+        assert name in {s.value for s in SchedulerType}, name
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=2, num_training_steps=10)
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
 
 
 def _tiny_pair(tmp_path, arch_b="gpt2"):

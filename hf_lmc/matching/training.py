@@ -80,7 +80,7 @@ def train(
     ``DataLoader``) is iterated anew on every pass, so a shuffling loader reshuffles and no
     batch is held past its step; a one-shot iterator's batches are kept and replayed. Under
     several processes give each its own shard (``accelerator.prepare(loader)`` does).
-    ``schedule`` is any :func:`transformers.get_scheduler` name (``"constant"``,
+    ``schedule`` is a :func:`transformers.get_scheduler` name of :data:`~hf_lmc.options.SCHEDULES` (``"constant"``,
     ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first ``warmup_steps`` of
     them (default: a twentieth) warming up linearly. The defaults are
     :class:`~hf_lmc.options.LearnOptions`' (chosen on the benchmark suite, docs/benchmarks.md
