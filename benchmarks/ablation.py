@@ -44,7 +44,9 @@ def main() -> None:
     for name in args.pairs:
         folder_a, folder_b = zoo.pair(name, progress=False)
         a, b = load_model(folder_a), load_model(folder_b)
-        batches = load_batches(zoo.held_out(name, size=args.chars), a.model.config, a.folder, EvalOptions(batch_size=16))
+        batches = load_batches(
+            zoo.held_out(name, size=args.chars), a.model.config, a.folder, EvalOptions(batch_size=16)
+        )
         middle = (evaluate(a.model, batches).loss + evaluate(b.model, batches).loss) / 2
         ca, cb = canonicalize(a.model), canonicalize(b.model)
         for label, (options, kinds) in VARIANTS.items():

@@ -39,11 +39,19 @@ METHODS = (
 )
 
 
-HEADER = ["| pair | method | loss A / B | loss at α=0.5 | barrier | ratio to average | acc. at α=0.5 |", "|---|---|---|---|---|---|---|"]
+HEADER = [
+    "| pair | method | loss A / B | loss at α=0.5 | barrier | ratio to average | acc. at α=0.5 |",
+    "|---|---|---|---|---|---|---|",
+]
 
 
 def measure(
-    name: str, progress: bool, methods: list[str], learn: LearnOptions, pair: tuple[Path, Path] | None = None, seed: int = 0
+    name: str,
+    progress: bool,
+    methods: list[str],
+    learn: LearnOptions,
+    pair: tuple[Path, Path] | None = None,
+    seed: int = 0,
 ) -> BarrierResult:
     """Every row of ``methods`` on zoo ``name``'s pair (or on ``pair``, two folders of that family)."""
     a, b = pair or zoo.pair(name, progress=progress)
@@ -57,9 +65,20 @@ def measure(
         start = time.perf_counter()
         torch.manual_seed(seed)
         result = hf_lmc.barrier(
-            a, b, data, methods=(method,), symmetries=symmetries, eval_options=options, fit_data=fit, learn=learn, progress=False
+            a,
+            b,
+            data,
+            methods=(method,),
+            symmetries=symmetries,
+            eval_options=options,
+            fit_data=fit,
+            learn=learn,
+            progress=False,
         )
-        print(f"{name} {label}: barrier {result.barriers[method]:.3f} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        print(
+            f"{name} {label}: barrier {result.barriers[method]:.3f} ({time.perf_counter() - start:.0f} s)",
+            file=sys.stderr,
+        )
         if combined is None:
             combined = BarrierResult(result.alphas)
         combined.losses[label] = result.losses[method]
@@ -73,25 +92,57 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # the zoo table: one pair per family (two widths: benchmarks/widths.py; doubled width: learned_curve.py)
     default = [name for name in zoo.ZOO if name not in {*zoo.NARROW.values(), *zoo.WIDE.values()}]
-    parser.add_argument("--pairs", nargs="+", default=default, choices=list(zoo.ZOO), help=f"zoo pairs to measure (default: {' '.join(default)})")
-    parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where the PNGs go (default: benchmarks/plots)")
-    parser.add_argument("--methods", nargs="+", default=[m[0] for m in METHODS], choices=[m[0] for m in METHODS], help="rows to measure (default: all)")
-    parser.add_argument("--steps", type=int, default=200, help="learned / dual training steps, also the number of calibration batches (default: 200)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
-    parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="learned / dual: how the unit and head permutations train (default: fixed)")
     parser.add_argument(
-        "--objective", default="labels", choices=list(OBJECTIVES),
+        "--pairs",
+        nargs="+",
+        default=default,
+        choices=list(zoo.ZOO),
+        help=f"zoo pairs to measure (default: {' '.join(default)})",
+    )
+    parser.add_argument(
+        "--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where the PNGs go (default: benchmarks/plots)"
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=[m[0] for m in METHODS],
+        choices=[m[0] for m in METHODS],
+        help="rows to measure (default: all)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help="learned / dual training steps, also the number of calibration batches (default: 200)",
+    )
+    parser.add_argument("--lr", type=float, default=3e-3, help="learned / dual learning rate (default: 3e-3)")
+    parser.add_argument(
+        "--permutations",
+        default="fixed",
+        choices=PERMUTATIONS,
+        help="learned / dual: how the unit and head permutations train (default: fixed)",
+    )
+    parser.add_argument(
+        "--objective",
+        default="labels",
+        choices=list(OBJECTIVES),
         help="learned / dual: train toward the labels or the endpoints' mixed predictions (default: labels)",
     )
     parser.add_argument(
-        "--worst-fraction", type=float, default=LearnOptions().worst_fraction,
+        "--worst-fraction",
+        type=float,
+        default=LearnOptions().worst_fraction,
         help=f"learned / dual: share of lambda draws near the path's current worst point (default: {LearnOptions().worst_fraction})",
     )
     parser.add_argument(
-        "--input-noise", type=float, default=LearnOptions().input_noise,
+        "--input-noise",
+        type=float,
+        default=LearnOptions().input_noise,
         help=f"learned / dual, image pairs only: std of Gaussian noise on the training images (default: {LearnOptions().input_noise})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of each row's lambda draws and input noise (default: 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of each row's lambda draws and input noise (default: 0)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +150,11 @@ def main() -> None:
     rows = list(HEADER)
     for name in args.pairs:
         learn = LearnOptions(
-            steps=args.steps, lr=args.lr, permutations=args.permutations, objective=args.objective, worst_fraction=args.worst_fraction,
+            steps=args.steps,
+            lr=args.lr,
+            permutations=args.permutations,
+            objective=args.objective,
+            worst_fraction=args.worst_fraction,
             input_noise=args.input_noise if zoo.ZOO[name].model_type == "vit" else 0.0,
         )
         result = measure(name, not args.quiet, args.methods, learn, seed=args.seed)

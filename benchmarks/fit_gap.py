@@ -37,10 +37,21 @@ def main(names: list[str]) -> None:
         torch.manual_seed(0)
         start = time.perf_counter()
         path = DualMatcher(str(folders[0]), str(folders[1]))
-        path.fit(batches, steps=learn.steps, lr=learn.lr, schedule=learn.schedule, warmup_steps=learn.warmup_steps,
-                 holdout=holdout, target_barrier=learn.target_barrier, progress=False)
-        print(f"| {name} | {barrier_on(path, batches[:16]):.3f} | {barrier_on(path, holdout):.3f} | "
-              f"{barrier_on(path, evaluation):.3f} | {time.perf_counter() - start:.0f} |", flush=True)
+        path.fit(
+            batches,
+            steps=learn.steps,
+            lr=learn.lr,
+            schedule=learn.schedule,
+            warmup_steps=learn.warmup_steps,
+            holdout=holdout,
+            target_barrier=learn.target_barrier,
+            progress=False,
+        )
+        print(
+            f"| {name} | {barrier_on(path, batches[:16]):.3f} | {barrier_on(path, holdout):.3f} | "
+            f"{barrier_on(path, evaluation):.3f} | {time.perf_counter() - start:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

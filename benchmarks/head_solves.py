@@ -47,7 +47,9 @@ def main() -> None:
         for _ in range(args.repeats):
             solve_side_by_side(jobs)
         rows.append((threads, (time.perf_counter() - start) / args.repeats))
-    print(f"\nOne layer's per-head solves at Pythia-1B shape ({len(jobs)} solves), {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}\n")
+    print(
+        f"\nOne layer's per-head solves at Pythia-1B shape ({len(jobs)} solves), {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}\n"
+    )
     print("| threads | ms per layer | × one thread |")
     print("|---|---|---|")
     for threads, seconds in rows:

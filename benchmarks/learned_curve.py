@@ -50,43 +50,71 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="training steps (default: 1000)")
     parser.add_argument("--every", type=int, default=250, help="measure the barrier every N steps (default: 250)")
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default: 3e-3)")
-    parser.add_argument("--residual-lr", type=float, default=None, help="the residual maps' learning rate (default: --lr)")
+    parser.add_argument(
+        "--residual-lr", type=float, default=None, help="the residual maps' learning rate (default: --lr)"
+    )
     parser.add_argument("--schedule", default="constant", help="transformers scheduler name (default: constant)")
     parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps (default: 0)")
     parser.add_argument("--lambda-range", type=float, nargs=2, default=(0.4, 0.6), metavar=("LOW", "HIGH"))
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size (default: 16)")
-    parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="permutation parameterisation (default: fixed)")
     parser.add_argument(
-        "--init", default="weight", choices=["weight", "activation"],
+        "--permutations", default="fixed", choices=PERMUTATIONS, help="permutation parameterisation (default: fixed)"
+    )
+    parser.add_argument(
+        "--init",
+        default="weight",
+        choices=["weight", "activation"],
         help="starting transform of B: weight matching's, or activation matching's on 200 training batches of 16 (default: weight)",
     )
     parser.add_argument(
-        "--objective", default="labels", choices=list(OBJECTIVES),
+        "--objective",
+        default="labels",
+        choices=list(OBJECTIVES),
         help="train toward the batch's labels or the endpoints' predictions mixed at the same lambda (default: labels)",
     )
-    parser.add_argument("--orthogonal", default="cayley", choices=["cayley", "exp", "polar"], help="orthogonal parameterisation (default: cayley)")
     parser.add_argument(
-        "--frame", default="own", choices=["own", "target", "both"],
+        "--orthogonal",
+        default="cayley",
+        choices=["cayley", "exp", "polar"],
+        help="orthogonal parameterisation (default: cayley)",
+    )
+    parser.add_argument(
+        "--frame",
+        default="own",
+        choices=["own", "target", "both"],
         help="where the trained factor of each map sits: M_0 f(A) (steps in the model's own coordinates), f(A) M_0 (in A's) or f(L) M_0 f(A) (both, as dual's relative map; default: own)",
     )
     parser.add_argument(
-        "--train-barrier", action="store_true", help="also measure the barrier on 8 training-split batches (the generalisation gap)"
+        "--train-barrier",
+        action="store_true",
+        help="also measure the barrier on 8 training-split batches (the generalisation gap)",
     )
     parser.add_argument(
-        "--focus", choices=FOCI, default=LearnOptions.focus,
+        "--focus",
+        choices=FOCI,
+        default=LearnOptions.focus,
         help=f"where the --worst-fraction draws go: near the worst grid point, or near each in proportion to its excess over the line (default: {LearnOptions.focus})",
     )
     parser.add_argument(
-        "--worst-fraction", type=float, default=LearnOptions.worst_fraction,
+        "--worst-fraction",
+        type=float,
+        default=LearnOptions.worst_fraction,
         help=f"share of lambda draws near the path's current worst point, the rest uniform over --lambda-range (default: {LearnOptions.worst_fraction})",
     )
-    parser.add_argument("--locate-every", type=int, default=50, help="re-locate the worst point every N steps (default: 50)")
     parser.add_argument(
-        "--input-noise", type=float, default=LearnOptions.input_noise, metavar="SIGMA",
+        "--locate-every", type=int, default=50, help="re-locate the worst point every N steps (default: 50)"
+    )
+    parser.add_argument(
+        "--input-noise",
+        type=float,
+        default=LearnOptions.input_noise,
+        metavar="SIGMA",
         help=f"ViT pairs: std of Gaussian noise on the training images, drawn afresh every step (pixels span [-1, 1]; default: {LearnOptions.input_noise})",
     )
     parser.add_argument(
-        "--seed", type=int, default=0,
+        "--seed",
+        type=int,
+        default=0,
         help="seed of the batch order, lambda draws and input noise (default: 0, the runs of record)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -103,14 +131,25 @@ def main() -> None:
     grid = alpha_grid(11)
     init = "weight"
     if args.init == "activation":  # calibrated as the barrier table's activation row
-        init = ActivationMatcher(zoo.fit_batches(args.pair, 200), progress=False).match(canonicalize(a), canonicalize(b))
+        init = ActivationMatcher(zoo.fit_batches(args.pair, 200), progress=False).match(
+            canonicalize(a), canonicalize(b)
+        )
 
     curves: dict[str, dict[int, float]] = {}
     for method in args.methods:
         torch.manual_seed(args.seed)  # same lambda draws for both methods
         matcher = MATCHERS[method](
-            a, b, init=init, lambda_range=tuple(args.lambda_range), permutations=args.permutations, orthogonal=args.orthogonal, frame=args.frame,
-            objective=args.objective, worst_fraction=args.worst_fraction, focus=args.focus, input_noise=args.input_noise,
+            a,
+            b,
+            init=init,
+            lambda_range=tuple(args.lambda_range),
+            permutations=args.permutations,
+            orthogonal=args.orthogonal,
+            frame=args.frame,
+            objective=args.objective,
+            worst_fraction=args.worst_fraction,
+            focus=args.focus,
+            input_noise=args.input_noise,
         )
         curve = curves[method] = {0: held_out_barrier(matcher, eval_batches, grid)[0]}
         if train_batches:
@@ -124,14 +163,22 @@ def main() -> None:
                 where = grid[max(range(len(grid)), key=excess_over_line(grid, losses).__getitem__)]
                 print(
                     f"{method} step {step}: barrier {barrier:.4f} (worst at alpha {where:.1f}; located on training batches at {float(matcher.worst_alpha):.1f}), "
-                    f"{time.perf_counter() - start:.0f} s", file=sys.stderr,
+                    f"{time.perf_counter() - start:.0f} s",
+                    file=sys.stderr,
                 )
                 if train_batches:
                     curves[f"{method} (train)"][step] = held_out_barrier(matcher, train_batches, grid)[0]
 
         matcher.fit(
-            fit, steps=args.steps, lr=args.lr, residual_lr=args.residual_lr, schedule=args.schedule, warmup_steps=args.warmup,
-            locate_every=args.locate_every, progress=not args.quiet, callback=measure,
+            fit,
+            steps=args.steps,
+            lr=args.lr,
+            residual_lr=args.residual_lr,
+            schedule=args.schedule,
+            warmup_steps=args.warmup,
+            locate_every=args.locate_every,
+            progress=not args.quiet,
+            callback=measure,
         )
 
     steps = sorted({s for curve in curves.values() for s in curve})
@@ -145,7 +192,9 @@ def main() -> None:
     print("| steps | " + " | ".join(curves) + " |")
     print("|---|" + "---|" * len(curves))
     for step in steps:
-        print(f"| {step} | " + " | ".join(f"{curves[m][step]:.4f}" if step in curves[m] else "—" for m in curves) + " |")
+        print(
+            f"| {step} | " + " | ".join(f"{curves[m][step]:.4f}" if step in curves[m] else "—" for m in curves) + " |"
+        )
 
 
 if __name__ == "__main__":

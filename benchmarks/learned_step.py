@@ -126,15 +126,23 @@ LABELS = {
     "dual-no-checkpointing": "dual, no checkpointing",
     "dual-half": "dual, half the layers checkpointed",
     "learned-own": "one-sided (layer checkpointing)",
-    "learned-both": "one-sided, `frame=\"both\"` (layer checkpointing)",
+    "learned-both": 'one-sided, `frame="both"` (layer checkpointing)',
     "dual-offloaded": "dual, endpoint layers offloaded to CPU memory (FSDP2)",
     "ddp": "dual, 2 processes (per process)",
     "ddp-sharded": "dual, 2 processes, sharded endpoints (per process)",
 }
 
 
-def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutations: str, autocast: str, objective: str,
-            device: str = "cuda") -> dict[str, dict]:
+def on_cuda(
+    modes: tuple[str, ...],
+    shape: str,
+    batch: int,
+    seq: int,
+    permutations: str,
+    autocast: str,
+    objective: str,
+    device: str = "cuda",
+) -> dict[str, dict]:
     """Every mode in this process on the GPU: mean time of 5 synchronised steps, peak allocated memory.
 
     (``device="cpu"`` runs the same code without the allocator's statistics: a dry run.)"""
@@ -147,8 +155,15 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
     from hf_lmc import DualMatcher, EndpointSharding, LearnedMatcher
 
     hidden, layers, heads = SHAPES[shape]
-    config = tf.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
-                              vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
+    config = tf.GPTNeoXConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        vocab_size=50304,
+        rotary_pct=0.25,
+        max_position_embeddings=2048,
+    )
     torch.manual_seed(0)
     cuda = device == "cuda"
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
@@ -160,17 +175,27 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
     for mode in modes:
         if mode == "base":
             module = model_a.to(device)
-            run_step = lambda: module(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            run_step = lambda module=module: module(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             params = list(module.parameters())
         else:
-            cls, frame = (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
+            cls, frame = (
+                (LearnedMatcher, mode.removeprefix("learned-")) if mode.startswith("learned") else (DualMatcher, "own")
+            )
             sharding = EndpointSharding(offload=True) if mode == "dual-offloaded" else False
-            module = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=CHECKPOINTING.get(mode, True),
-                         shard_endpoints=sharding, objective=objective).to(device)
-            run_step = lambda: module({"input_ids": ids}).backward()
+            module = cls(
+                model_a,
+                model_b,
+                init="identity",
+                permutations=permutations,
+                frame=frame,
+                checkpoint_layers=CHECKPOINTING.get(mode, True),
+                shard_endpoints=sharding,
+                objective=objective,
+            ).to(device)
+            run_step = lambda module=module: module({"input_ids": ids}).backward()
             params = [p for p in module.parameters() if p.requires_grad]
 
-        def step():
+        def step(run_step=run_step, params=params):  # this mode's, bound now (the loop rebinds the names)
             with torch.autocast(device, dtype=dtype, enabled=dtype is not None):
                 run_step()
             for p in params:
@@ -196,12 +221,23 @@ def on_cuda(modes: tuple[str, ...], shape: str, batch: int, seq: int, permutatio
         if cuda:
             torch.cuda.synchronize()
         pipelined = (time.perf_counter() - start) / 5
-        rows[mode] = {"wall": sum(times) / len(times), "pipelined": pipelined, "peak": peak, "before": before, "weights": weights, "runtime": 0}
+        rows[mode] = {
+            "wall": sum(times) / len(times),
+            "pipelined": pipelined,
+            "peak": peak,
+            "before": before,
+            "weights": weights,
+            "runtime": 0,
+        }
         steps = " ".join(f"{t:.3g}" for t in times)
-        print(f"{mode}: {rows[mode]['wall']:.3g} s per step ({steps}), {pipelined:.3g} s back to back, peak {peak / 1e9:.2f} GB", file=sys.stderr, flush=True)
+        print(
+            f"{mode}: {rows[mode]['wall']:.3g} s per step ({steps}), {pipelined:.3g} s back to back, peak {peak / 1e9:.2f} GB",
+            file=sys.stderr,
+            flush=True,
+        )
         if mode == "base":
             model_a.cpu()
-        del module, run_step, params
+        del module, run_step, params, step
         gc.collect()  # a matcher is a reference cycle (its layers call back into it): freed only by the collector
         if cuda:
             torch.cuda.empty_cache()
@@ -219,11 +255,11 @@ def run(mode: str, batch: int, seq: int, permutations: str, objective: str) -> d
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", f.name]
         env = os.environ | {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
         try:
-            out = subprocess.run([*launch, *child_args], capture_output=True, text=True, env=env)
+            out = subprocess.run([*launch, *child_args], capture_output=True, text=True, env=env, check=False)
         finally:
             os.unlink(f.name)
     else:
-        out = subprocess.run([sys.executable, "-c", CHILD, *child_args], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", CHILD, *child_args], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -233,15 +269,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4, help="sequences per batch (default: 4)")
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (default: 512)")
-    parser.add_argument("--permutations", default="fixed", choices=["fixed", "ste", "sinkhorn"], help="how the dual step's MLP and head permutations train (default: fixed)")
-    parser.add_argument("--processes", type=int, default=1, choices=(1, 2), help="2: add the DDP rows, endpoints whole and sharded")
-    parser.add_argument("--one-sided", action="store_true", help="add one-sided steps (LearnedMatcher), own frame and frame='both'")
+    parser.add_argument(
+        "--permutations",
+        default="fixed",
+        choices=["fixed", "ste", "sinkhorn"],
+        help="how the dual step's MLP and head permutations train (default: fixed)",
+    )
+    parser.add_argument(
+        "--processes", type=int, default=1, choices=(1, 2), help="2: add the DDP rows, endpoints whole and sharded"
+    )
+    parser.add_argument(
+        "--one-sided", action="store_true", help="add one-sided steps (LearnedMatcher), own frame and frame='both'"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the steps run (default: cpu)")
     parser.add_argument("--shape", default="160m", choices=list(SHAPES), help="Pythia shape (default: 160m)")
-    parser.add_argument("--autocast", default="none", choices=["none", "bf16"], help="cuda: run the steps under bf16 autocast")
-    parser.add_argument("--objective", default=LearnOptions().objective, choices=OBJECTIVES,
-                        help="what the matching steps train toward (default: the library's, %(default)s; §6's tables before 2026-11-28: labels)")
-    parser.add_argument("--offload", action="store_true", help="cuda: add a dual step with the endpoint layers in CPU memory (FSDP2's CPU offload)")
+    parser.add_argument(
+        "--autocast", default="none", choices=["none", "bf16"], help="cuda: run the steps under bf16 autocast"
+    )
+    parser.add_argument(
+        "--objective",
+        default=LearnOptions().objective,
+        choices=OBJECTIVES,
+        help="what the matching steps train toward (default: the library's, %(default)s; §6's tables before 2026-11-28: labels)",
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="cuda: add a dual step with the endpoint layers in CPU memory (FSDP2's CPU offload)",
+    )
     args = parser.parse_args()
     if args.device == "cpu" and (args.shape != "160m" or args.autocast != "none"):
         parser.error("--shape and --autocast apply to --device cuda")
@@ -249,7 +304,9 @@ def main() -> None:
         parser.error("--offload applies to --device cuda")
     if args.device == "cuda" and args.processes != 1:
         parser.error("--processes 2 is the CPU (gloo) measurement")
-    modes = ("base", "dual", "dual-no-checkpointing", "dual-half") + (("learned-own", "learned-both") if args.one_sided else ())
+    modes = ("base", "dual", "dual-no-checkpointing", "dual-half") + (
+        ("learned-own", "learned-both") if args.one_sided else ()
+    )
     modes += ("ddp", "ddp-sharded") if args.processes == 2 else ()
     modes += ("dual-offloaded",) if args.offload else ()
     if args.device == "cuda":
@@ -270,9 +327,11 @@ def main() -> None:
     budget = 2 * (2 * weights) + activations
     for row in rows.values():
         row["memory"] = row["peak"] - row["runtime"]  # peak less the interpreter + libraries (CPU)
-    print(f"\nPythia-{args.shape} shape, float32 weights, permutations {args.permutations}, batch {args.batch} x {args.seq} tokens, {where}; "
-          f"one model's weights {weights / 1e9:.2f} GB, base activations {activations / 1e9:.2f} GB, "
-          f"memory budget (2 x both endpoints + activations) {budget / 1e9:.2f} GB\n")
+    print(
+        f"\nPythia-{args.shape} shape, float32 weights, permutations {args.permutations}, batch {args.batch} x {args.seq} tokens, {where}; "
+        f"one model's weights {weights / 1e9:.2f} GB, base activations {activations / 1e9:.2f} GB, "
+        f"memory budget (2 x both endpoints + activations) {budget / 1e9:.2f} GB\n"
+    )
     pipelined = "pipelined" in base  # on a device: also 5 steps back to back, one synchronisation at the end
     extra = " back to back (s) | × base |" if pipelined else ""
     print(f"| step | time (s) | × base |{extra} {memory_label} | memory less runtime (GB) | vs budget |")

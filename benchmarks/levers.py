@@ -70,8 +70,14 @@ def _loaded(pair: suite.SuitePair):
 
 def _barrier(loaded, evaluation, method: str, transform_b: Transform) -> float:
     result = barrier_of_loaded(
-        *loaded, evaluation, methods=(method,), alphas=11, symmetries="full", eval_options=EvalOptions(batch_size=16),
-        progress=False, transforms={method: (Transform(), transform_b)},
+        *loaded,
+        evaluation,
+        methods=(method,),
+        alphas=11,
+        symmetries="full",
+        eval_options=EvalOptions(batch_size=16),
+        progress=False,
+        transforms={method: (Transform(), transform_b)},
     )
     return result.barriers[method]
 
@@ -80,7 +86,9 @@ def _learned(a, b, fitting, learn: LearnOptions | None = None, init="weight") ->
     """B's transform from learned matching (at the defaults unless ``learn``), its training
     draws seeded as in every lever's learned row."""
     torch.manual_seed(0)
-    _, transform_b = TrainedMatcher(LearnedMatcher, fitting, learn=learn or LearnOptions(), progress=False, init=init).fit([a, b])
+    _, transform_b = TrainedMatcher(
+        LearnedMatcher, fitting, learn=learn or LearnOptions(), progress=False, init=init
+    ).fit([a, b])
     return transform_b
 
 
@@ -274,7 +282,9 @@ def repair(pair: suite.SuitePair) -> dict[str, float]:
     out = {}
     for method in ("weight", "learned"):
         torch.manual_seed(0)
-        t_a, t_b = align_many(method, canonical, batches=fitting if method != "weight" else None, learn=LearnOptions(), progress=False)
+        t_a, t_b = align_many(
+            method, canonical, batches=fitting if method != "weight" else None, learn=LearnOptions(), progress=False
+        )
         moved = [t.apply(c).materialize() if t.maps else c for t, c in zip((t_a, t_b), canonical)]
         ends = [to_hf(combine(moved, w)) for w in ((1.0, 0.0), (0.0, 1.0))]
         line = sum(evaluate(m, evaluation).loss for m in ends) / 2
@@ -296,6 +306,7 @@ def _unit_moments(model, batches) -> list[tuple[torch.Tensor, torch.Tensor]]:
             sums[index][0] += h.shape[0]
             sums[index][1] = sums[index][1] + h.sum(0)
             sums[index][2] = sums[index][2] + h.square().sum(0)
+
         return record
 
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
@@ -361,8 +372,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("lever", choices=list(MEASURES))
     parser.add_argument("--tier", choices=list(suite.TIERS), default="cpu")
     parser.add_argument("--families", nargs="+", choices=suite.FAMILIES, default=list(suite.FAMILIES))
-    parser.add_argument("--pairs", nargs="+", default=None, help="pairs by name instead (the tiers', or width-FAMILY-WIDTH)")
-    parser.add_argument("--vocab-size", type=int, default=None, metavar="N", help="language pairs read a BPE of N tokens (suite.with_vocabulary)")
+    parser.add_argument(
+        "--pairs", nargs="+", default=None, help="pairs by name instead (the tiers', or width-FAMILY-WIDTH)"
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="language pairs read a BPE of N tokens (suite.with_vocabulary)",
+    )
     parser.add_argument("--json", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     rows = []

@@ -82,12 +82,22 @@ print(json.dumps({"wall": times[-1], "growth": rss("VmHWM") - before, "sliced": 
 """
 
 
-LABELS = {"stock": "stock model fwd+bwd", "labels": "dual, labels", "ensemble": "dual, ensemble", "evaluate": "evaluate (no gradient)",
-          "activation": "activation matching, one calibration batch"}
+LABELS = {
+    "stock": "stock model fwd+bwd",
+    "labels": "dual, labels",
+    "ensemble": "dual, ensemble",
+    "evaluate": "evaluate (no gradient)",
+    "activation": "activation matching, one calibration batch",
+}
 
 
 def run(mode: str, vocab: int, batch: int, seq: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(vocab), str(batch), str(seq)], check=False, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(vocab), str(batch), str(seq)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -95,24 +105,37 @@ def run(mode: str, vocab: int, batch: int, seq: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes (default: 32000 128256)")
-    parser.add_argument("--batch", type=int, default=32, help="sequences per batch (default: 32, the command line's fitting batch)")
+    parser.add_argument(
+        "--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes (default: 32000 128256)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=32, help="sequences per batch (default: 32, the command line's fitting batch)"
+    )
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence (default: 128)")
-    parser.add_argument("--measure", nargs="+", choices=list(LABELS), default=list(LABELS), help="what to measure (default: all)")
+    parser.add_argument(
+        "--measure", nargs="+", choices=list(LABELS), default=list(LABELS), help="what to measure (default: all)"
+    )
     args = parser.parse_args()
     import torch
 
     tokens = args.batch * args.seq
-    print(f"\nLLaMA, hidden 256, 2 layers, float32; {args.batch} x {args.seq} = {tokens} tokens; "
-          f"{torch.get_num_threads()} thread(s) per step process\n")
-    print("| vocabulary | step | loss sliced | time (s) | peak growth (GB) | one T x V float32 (GB) |\n|---|---|---|---|---|---|")
+    print(
+        f"\nLLaMA, hidden 256, 2 layers, float32; {args.batch} x {args.seq} = {tokens} tokens; "
+        f"{torch.get_num_threads()} thread(s) per step process\n"
+    )
+    print(
+        "| vocabulary | step | loss sliced | time (s) | peak growth (GB) | one T x V float32 (GB) |\n|---|---|---|---|---|---|"
+    )
     for vocab in args.vocab:
         whole = tokens * vocab * 4 / 1e9
         for mode in args.measure:
             row = run(mode, vocab, args.batch, args.seq)
             label = LABELS[mode]
             sliced = "—" if mode == "stock" else ("yes" if row["sliced"] else "no")
-            print(f"| {vocab} | {label} | {sliced} | {row['wall']:.1f} | {row['growth'] / 1e9:.2f} | {whole:.2f} |", flush=True)
+            print(
+                f"| {vocab} | {label} | {sliced} | {row['wall']:.1f} | {row['growth'] / 1e9:.2f} | {whole:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

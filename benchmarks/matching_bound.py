@@ -60,7 +60,11 @@ def parts(config, sweeps: int) -> list[tuple[str, float, str]]:
         ("B's attention rotated, every sweep", sweeps * layers * gflop * attention_rows, "float32"),
         ("B's MLP rotated, every sweep", sweeps * layers * gflop * mlp_rows, "bfloat16"),
         ("MLP unit similarities, every sweep", sweeps * layers * 2e-9 * ffn * ffn * (mlp_rows // ffn) * d, "bfloat16"),
-        ("head similarities, every sweep", sweeps * layers * 2e-9 * d * (2 * (heads * head_dim) ** 2 + 2 * (kv * head_dim) ** 2), "bfloat16"),
+        (
+            "head similarities, every sweep",
+            sweeps * layers * 2e-9 * d * (2 * (heads * head_dim) ** 2 + 2 * (kv * head_dim) ** 2),
+            "bfloat16",
+        ),
         ("embedding and head statistics", gflop * vocab_rows, "float32"),
         ("B rotated at export", gflop * (layers * (attention_rows + mlp_rows) + vocab_rows), "float32"),
     ]
@@ -71,14 +75,21 @@ def main() -> None:
     parser.add_argument("--arch", choices=list(ARCHS), default="llama", help="the shape (default: llama)")
     parser.add_argument("--scale", type=float, default=1.0, help="as in merge_speed.py (default: 1)")
     parser.add_argument("--sweeps", type=int, default=2, help="weight-matching sweeps (default: 2)")
-    parser.add_argument("--average", type=float, default=None, help="a plain average's wall time here (s), to print the floor as a ratio")
+    parser.add_argument(
+        "--average",
+        type=float,
+        default=None,
+        help="a plain average's wall time here (s), to print the floor as a ratio",
+    )
     args = parser.parse_args()
 
     make_config, _, name = ARCHS[args.arch]
     config = make_config(args.scale)
     rates = {"float32": rate(torch.float32), "bfloat16": rate(torch.bfloat16)}
-    print(f"{name} shape, {args.sweeps} sweep(s), {torch.get_num_threads()} threads; "
-          f"measured matmul rates: float32 {rates['float32']:.0f}, bfloat16 {rates['bfloat16']:.0f} GFLOP/s\n")
+    print(
+        f"{name} shape, {args.sweeps} sweep(s), {torch.get_num_threads()} threads; "
+        f"measured matmul rates: float32 {rates['float32']:.0f}, bfloat16 {rates['bfloat16']:.0f} GFLOP/s\n"
+    )
     print("| part | GFLOP | dtype | seconds at the measured rate |")
     print("|---|---|---|---|")
     total = 0.0

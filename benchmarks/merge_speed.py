@@ -95,7 +95,10 @@ def llama_config(scale: float) -> tf.LlamaConfig:
     )
 
 
-ARCHS = {"pythia": (pythia_1b_config, tf.GPTNeoXForCausalLM, "Pythia-1B"), "llama": (llama_config, tf.LlamaForCausalLM, "LLaMA-1.1B")}
+ARCHS = {
+    "pythia": (pythia_1b_config, tf.GPTNeoXForCausalLM, "Pythia-1B"),
+    "llama": (llama_config, tf.LlamaForCausalLM, "LLaMA-1.1B"),
+}
 
 
 def _fresh(model_class, config, seed: int, folder: Path) -> None:
@@ -105,7 +108,9 @@ def _fresh(model_class, config, seed: int, folder: Path) -> None:
     model.half().save_pretrained(folder)
 
 
-def write_pair(folder: Path, config, noise: float, seed: int = 0, *, model_class=tf.GPTNeoXForCausalLM, kind: str = "symmetry") -> tuple[Path, Path]:
+def write_pair(
+    folder: Path, config, noise: float, seed: int = 0, *, model_class=tf.GPTNeoXForCausalLM, kind: str = "symmetry"
+) -> tuple[Path, Path]:
     """A = fresh init (saved float16); B = random symmetry of A + relative noise, streamed
     (``kind="symmetry"``), or a second fresh init from another seed (``kind="random"``)."""
     import hf_lmc
@@ -130,7 +135,7 @@ def write_pair(folder: Path, config, noise: float, seed: int = 0, *, model_class
 
 
 def measure(args: list[str], child: str = CHILD) -> dict:
-    out = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -139,7 +144,8 @@ def measure(args: list[str], child: str = CHILD) -> dict:
 def cpu_name() -> str:
     """The processor's model name, as /proc/cpuinfo gives it (AMX or AVX-512 change the products' speed)."""
     try:
-        line = next(line for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as cpuinfo:
+            line = next(line for line in cpuinfo if line.startswith("model name"))
     except (OSError, StopIteration):
         return "unknown processor"
     return line.split(":", 1)[1].strip()
@@ -151,14 +157,26 @@ def folder_bytes(folder: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0, help="scale hidden size, FFN and vocab (default: 1 = Pythia-1B)")
-    parser.add_argument("--noise", type=float, default=0.1, help="relative noise added to B (default: 0.1)")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
-    parser.add_argument("--pair", type=Path, default=None, help="keep the pair in DIR/a, DIR/b and reuse it on later runs")
-    parser.add_argument("--device", default=None, help="hf-lmc merge --device for weight matching (default: a GPU when torch sees one)")
-    parser.add_argument("--arch", choices=list(ARCHS), default="pythia", help="the shape: Pythia-1B or LLaMA-1.1B (default: pythia)")
     parser.add_argument(
-        "--kind", choices=("symmetry", "random"), default="symmetry",
+        "--scale", type=float, default=1.0, help="scale hidden size, FFN and vocab (default: 1 = Pythia-1B)"
+    )
+    parser.add_argument("--noise", type=float, default=0.1, help="relative noise added to B (default: 0.1)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--pair", type=Path, default=None, help="keep the pair in DIR/a, DIR/b and reuse it on later runs"
+    )
+    parser.add_argument(
+        "--device", default=None, help="hf-lmc merge --device for weight matching (default: a GPU when torch sees one)"
+    )
+    parser.add_argument(
+        "--arch", choices=list(ARCHS), default="pythia", help="the shape: Pythia-1B or LLaMA-1.1B (default: pythia)"
+    )
+    parser.add_argument(
+        "--kind",
+        choices=("symmetry", "random"),
+        default="symmetry",
         help="B as a random symmetry of A plus noise, or an independent random initialisation (default: symmetry)",
     )
     args = parser.parse_args()
@@ -175,22 +193,55 @@ def main() -> None:
             home.mkdir(parents=True, exist_ok=True)
             a, b = write_pair(home, config, args.noise, model_class=model_class, kind=args.kind)
         size = folder_bytes(a)
-        print(f"pair ready in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr)
+        print(
+            f"pair ready in {time.perf_counter() - start:.0f} s; one checkpoint = {size / 1e9:.2f} GB", file=sys.stderr
+        )
         rows = {}
         for method in ("average", "weight"):
             device_flag = ["--device", args.device] if args.device and method == "weight" else []
-            rows[method] = measure([json.dumps(["merge", str(a), str(b), "-o", str(tmp / method), "--method", method, "--shard-size", "1GB", *device_flag])])
+            rows[method] = measure(
+                [
+                    json.dumps(
+                        [
+                            "merge",
+                            str(a),
+                            str(b),
+                            "-o",
+                            str(tmp / method),
+                            "--method",
+                            method,
+                            "--shard-size",
+                            "1GB",
+                            *device_flag,
+                        ]
+                    )
+                ]
+            )
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         runtime = {"average": measure(["cpu"], RUNTIME)["rss_kb"], "weight": measure([device], RUNTIME)["rss_kb"]}
         base = rows["average"]["wall"]
         params = sum(p.numel() for p in model_class(config).parameters()) if args.scale < 0.5 else None
-        heads = f"{config.num_attention_heads} heads" + (f" / {config.num_key_value_heads} KV" if args.arch == "llama" else "")
+        heads = f"{config.num_attention_heads} heads" + (
+            f" / {config.num_key_value_heads} KV" if args.arch == "llama" else ""
+        )
         shape = f"hidden {config.hidden_size}, {config.num_hidden_layers} layers, {heads}, FFN {config.intermediate_size}, vocab {config.vocab_size}"
-        pair_kind = "B a random symmetry of A plus noise" if args.kind == "symmetry" else "A and B independent random initialisations"
+        pair_kind = (
+            "B a random symmetry of A plus noise"
+            if args.kind == "symmetry"
+            else "A and B independent random initialisations"
+        )
         cores = len(os.sched_getaffinity(0))
-        gpu = f", weight matching on {torch.cuda.get_device_name()}" if device.startswith("cuda") else ", weight matching on the CPU"
-        print(f"\n{arch_name}-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}; {pair_kind}), float16, {cores} CPU cores ({cpu_name()}){gpu}\n")
-        print("| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint | runtime RSS (GB) | RSS less runtime / one checkpoint | GPU peak (GB) |")
+        gpu = (
+            f", weight matching on {torch.cuda.get_device_name()}"
+            if device.startswith("cuda")
+            else ", weight matching on the CPU"
+        )
+        print(
+            f"\n{arch_name}-shaped pair ({shape}{f', {params / 1e6:.0f}M params' if params else ''}; {pair_kind}), float16, {cores} CPU cores ({cpu_name()}){gpu}\n"
+        )
+        print(
+            "| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint | runtime RSS (GB) | RSS less runtime / one checkpoint | GPU peak (GB) |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for method, row in rows.items():
             rss, own, gpu_bytes = row["rss_kb"] * 1024, runtime[method] * 1024, row.get("gpu_bytes")

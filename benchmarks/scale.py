@@ -57,8 +57,15 @@ from hf_lmc.head_loss import SLICE_BYTES
 from hf_lmc.options import OBJECTIVES, LearnOptions
 
 GB = 1e9
-MEASURED = {"shape": "pythia-1.4b", "tokens": 2048, "seq": 512, "gpu_seconds": 0.197, "peak_gb": 14.81, "endpoint_bytes": 4,
-            "objective": "labels"}
+MEASURED = {
+    "shape": "pythia-1.4b",
+    "tokens": 2048,
+    "seq": 512,
+    "gpu_seconds": 0.197,
+    "peak_gb": 14.81,
+    "endpoint_bytes": 4,
+    "objective": "labels",
+}
 INTRA_NODE, INTER_NODE = 300 * GB, 50 * GB  # assumed all-gather bandwidth per GPU (bytes/s)
 GPUS_PER_NODE = 8
 
@@ -108,7 +115,9 @@ def loss_bytes(s: Shape, tokens: int, objective: str, sliced: bool = True) -> fl
     return rows * s.vocab * (12 if ensemble else 8) + gradients + (2 * tokens * s.d * 4 if ensemble else 0)
 
 
-def memory(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str, sliced: bool = True) -> dict[str, float]:
+def memory(
+    s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str, sliced: bool = True
+) -> dict[str, float]:
     """Bytes per GPU, by term."""
     p = s.layer_params
     sharded = n > 1
@@ -150,7 +159,9 @@ def row(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objectiv
     build, compute = flops(s, tokens, objective)
     rate = throughput()
     step = (build + compute) / rate
-    gathers = 2 * (3 if objective == "ensemble" else 2)  # per endpoint: forward, recomputation (and the target's forward)
+    gathers = 2 * (
+        3 if objective == "ensemble" else 2
+    )  # per endpoint: forward, recomputation (and the target's forward)
     traffic = gathers * (n - 1) / n * s.layers * s.layer_params * 2 if n > 1 else 0.0  # gathered in bf16
     if offload:  # host-to-device copies of every layer, each time it is gathered
         traffic += gathers * s.layers * s.layer_params * b / n
@@ -158,28 +169,53 @@ def row(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objectiv
     gather = traffic / bandwidth
     fits = "yes" if total <= 80 else "no"
     dtype = "fp32" if b == 4 else "bf16"
-    return (f"| {s.name} | {n} | {dtype}{', offloaded' if offload else ''} | {terms['endpoint layers'] / GB:.1f} | "
-            f"{terms['embeddings, heads'] / GB:.1f} | {(terms['in flight'] + terms['transforms, Adam'] + terms['activations']) / GB:.1f} | "
-            f"**{total:.1f}** | {fits} | {build / rate:.2f} + {compute / rate:.2f} = {step:.2f} | {traffic / GB:.0f} GB, {gather:.2f} s |")
+    return (
+        f"| {s.name} | {n} | {dtype}{', offloaded' if offload else ''} | {terms['endpoint layers'] / GB:.1f} | "
+        f"{terms['embeddings, heads'] / GB:.1f} | {(terms['in flight'] + terms['transforms, Adam'] + terms['activations']) / GB:.1f} | "
+        f"**{total:.1f}** | {fits} | {build / rate:.2f} + {compute / rate:.2f} = {step:.2f} | {traffic / GB:.0f} GB, {gather:.2f} s |"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per GPU and step (default: 4 x 1024)")
     parser.add_argument("--seq", type=int, default=1024, help="sequence length")
-    parser.add_argument("--objective", default=LearnOptions().objective, choices=OBJECTIVES,
-                        help="what the step trains toward (default: the library's, %(default)s)")
+    parser.add_argument(
+        "--objective",
+        default=LearnOptions().objective,
+        choices=OBJECTIVES,
+        help="what the step trains toward (default: the library's, %(default)s)",
+    )
     args = parser.parse_args()
 
     m = SHAPES[MEASURED["shape"]]
-    check = sum(memory(m, 1, MEASURED["tokens"], MEASURED["seq"], MEASURED["endpoint_bytes"], False, MEASURED["objective"],
-                       sliced=False).values()) / GB
-    print(f"Calibration: {MEASURED['shape']}, {MEASURED['tokens']} tokens, fp32 endpoints, one H100: "
-          f"{throughput() / 1e12:.0f} TFLOP/s achieved ({MEASURED['gpu_seconds'] * 1e3:.0f} ms of GPU work); "
-          f"memory model {check:.2f} GB against {MEASURED['peak_gb']} GB measured ({check / MEASURED['peak_gb'] - 1:+.0%}).\n")
-    print(f"{args.tokens} tokens per GPU and step (sequences of {args.seq}); dual matching, objective {args.objective}, "
-          "layer checkpointing, bf16 autocast.\n")
-    print("| pair | GPUs | endpoints | endpoint layers (GB) | embeddings, heads (GB) | step working set (GB) | total per GPU (GB) | fits 80 GB | step (s): build + tokens | gathers per GPU and step |")
+    check = (
+        sum(
+            memory(
+                m,
+                1,
+                MEASURED["tokens"],
+                MEASURED["seq"],
+                MEASURED["endpoint_bytes"],
+                False,
+                MEASURED["objective"],
+                sliced=False,
+            ).values()
+        )
+        / GB
+    )
+    print(
+        f"Calibration: {MEASURED['shape']}, {MEASURED['tokens']} tokens, fp32 endpoints, one H100: "
+        f"{throughput() / 1e12:.0f} TFLOP/s achieved ({MEASURED['gpu_seconds'] * 1e3:.0f} ms of GPU work); "
+        f"memory model {check:.2f} GB against {MEASURED['peak_gb']} GB measured ({check / MEASURED['peak_gb'] - 1:+.0%}).\n"
+    )
+    print(
+        f"{args.tokens} tokens per GPU and step (sequences of {args.seq}); dual matching, objective {args.objective}, "
+        "layer checkpointing, bf16 autocast.\n"
+    )
+    print(
+        "| pair | GPUs | endpoints | endpoint layers (GB) | embeddings, heads (GB) | step working set (GB) | total per GPU (GB) | fits 80 GB | step (s): build + tokens | gathers per GPU and step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for key in ("llama-1b", "llama-7b", "llama-70b"):
         s = SHAPES[key]

@@ -82,8 +82,15 @@ def write_pair(folder: Path, shape: str) -> tuple[Path, Path, int]:
     import transformers as tf
 
     hidden, layers, heads = SHAPES[shape]
-    config = tf.GPTNeoXConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * hidden,
-                              vocab_size=50304, rotary_pct=0.25, max_position_embeddings=2048)
+    config = tf.GPTNeoXConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        vocab_size=50304,
+        rotary_pct=0.25,
+        max_position_embeddings=2048,
+    )
     paths = []
     for seed in (0, 1):
         path = folder / f"{shape}-{seed}"
@@ -96,7 +103,11 @@ def write_pair(folder: Path, shape: str) -> tuple[Path, Path, int]:
 
 
 def run(processes: int, mode: str, a: Path, b: Path) -> dict:
-    launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    launch = (
+        [sys.executable]
+        if processes == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    )
     root = str(Path(__file__).resolve().parent.parent)
     env = os.environ | {"OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true", "TQDM_DISABLE": "1", "PYTHONPATH": root}
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
@@ -113,19 +124,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="160m")
-    parser.add_argument("--pair", type=Path, default=Path(tempfile.gettempdir()) / "hf_lmc_sharded_setup", help="where the checkpoints are written (kept)")
+    parser.add_argument(
+        "--pair",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "hf_lmc_sharded_setup",
+        help="where the checkpoints are written (kept)",
+    )
     args = parser.parse_args()
     args.pair.mkdir(parents=True, exist_ok=True)
     a, b, model_bytes = write_pair(args.pair, args.shape)
     gb = 1 << 30
-    print(f"Pythia-{args.shape} shape, float32: one model {model_bytes / gb:.2f} GiB, both {2 * model_bytes / gb:.2f} GiB\n")
-    print("| processes | endpoints | set-up peak, main (GiB) | set-up peak, others (GiB) | endpoints held (GiB) | step peak (GiB) | step (s) |")
+    print(
+        f"Pythia-{args.shape} shape, float32: one model {model_bytes / gb:.2f} GiB, both {2 * model_bytes / gb:.2f} GiB\n"
+    )
+    print(
+        "| processes | endpoints | set-up peak, main (GiB) | set-up peak, others (GiB) | endpoints held (GiB) | step peak (GiB) | step (s) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for processes in args.processes:
         for mode in ("whole", "sharded") if processes > 1 else ("whole",):
             r = run(processes, mode, a, b)
             others = f"{r['setup_others'] / gb:.2f}" if processes > 1 else "—"
-            print(f"| {processes} | {mode} | {r['setup_main'] / gb:.2f} | {others} | {r['held'] / gb:.2f} | {r['step_peak'] / gb:.2f} | {r['wall']:.1f} |", flush=True)
+            print(
+                f"| {processes} | {mode} | {r['setup_main'] / gb:.2f} | {others} | {r['held'] / gb:.2f} | {r['step_peak'] / gb:.2f} | {r['wall']:.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ from hf_lmc.symmetry import Transform
 LABELS = ("average", "weight (to first)", "weight", "learned", "dual")
 
 
-def measure(name: str, labels: list[str], points: int, learn: LearnOptions, progress: bool) -> tuple[SimplexBarrierResult, dict]:
+def measure(
+    name: str, labels: list[str], points: int, learn: LearnOptions, progress: bool
+) -> tuple[SimplexBarrierResult, dict]:
     folders = [zoo.train(name, seed, progress=progress) for seed in (0, 1, 2)]
     loaded = [load_model(f) for f in folders]
     data = load_batches(zoo.held_out(name), loaded[0].model.config, loaded[0].folder, EvalOptions(batch_size=16))
@@ -53,11 +55,22 @@ def measure(name: str, labels: list[str], points: int, learn: LearnOptions, prog
             matcher = hf_lmc.WeightMatcher(progress=False)
             transforms = {"weight": [Transform()] + [matcher.match(canonical[0], c) for c in canonical[1:]]}
         result = simplex_barrier_of_loaded(
-            loaded, data, methods=(method,), points=points, symmetries="full", eval_options=EvalOptions(batch_size=16),
-            progress=False, fit_batches=fit, learn=learn, transforms=transforms,
+            loaded,
+            data,
+            methods=(method,),
+            points=points,
+            symmetries="full",
+            eval_options=EvalOptions(batch_size=16),
+            progress=False,
+            fit_batches=fit,
+            learn=learn,
+            transforms=transforms,
         )
         seconds[label] = time.perf_counter() - start
-        print(f"{name} {label}: barrier {result.barriers[method]:.3f} ({seconds[label]:.0f} s with evaluation)", file=sys.stderr)
+        print(
+            f"{name} {label}: barrier {result.barriers[method]:.3f} ({seconds[label]:.0f} s with evaluation)",
+            file=sys.stderr,
+        )
         combined = combined or SimplexBarrierResult(result.points)
         combined.losses[label] = result.losses[method]
         if method in result.accuracies:
@@ -67,18 +80,40 @@ def measure(name: str, labels: list[str], points: int, learn: LearnOptions, prog
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--entries", nargs="+", default=["vit"], choices=list(zoo.ZOO), help="zoo entries to measure (default: vit)")
-    parser.add_argument("--methods", nargs="+", default=list(LABELS), choices=LABELS, help="rows to measure (default: all)")
-    parser.add_argument("--points", type=int, default=5, help="grid points per edge of the simplex (default: 5, steps of 0.25)")
-    defaults = LearnOptions()
-    parser.add_argument("--steps", type=int, default=defaults.steps, help=f"learned / dual training steps (default: {defaults.steps})")
-    parser.add_argument("--lr", type=float, default=defaults.lr, help=f"learned / dual learning rate (default: {defaults.lr})")
     parser.add_argument(
-        "--concentration", type=float, default=defaults.concentration,
+        "--entries", nargs="+", default=["vit"], choices=list(zoo.ZOO), help="zoo entries to measure (default: vit)"
+    )
+    parser.add_argument(
+        "--methods", nargs="+", default=list(LABELS), choices=LABELS, help="rows to measure (default: all)"
+    )
+    parser.add_argument(
+        "--points", type=int, default=5, help="grid points per edge of the simplex (default: 5, steps of 0.25)"
+    )
+    defaults = LearnOptions()
+    parser.add_argument(
+        "--steps", type=int, default=defaults.steps, help=f"learned / dual training steps (default: {defaults.steps})"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=defaults.lr, help=f"learned / dual learning rate (default: {defaults.lr})"
+    )
+    parser.add_argument(
+        "--concentration",
+        type=float,
+        default=defaults.concentration,
         help=f"Dirichlet concentration of the training weights (default: {defaults.concentration})",
     )
-    parser.add_argument("--plots-dir", type=Path, default=Path("benchmarks/plots"), help="where simplex_<entry>.png/.json go (default: benchmarks/plots)")
-    parser.add_argument("--permutations", default="fixed", choices=PERMUTATIONS, help="learned / dual: how the unit and head permutations train (default: fixed)")
+    parser.add_argument(
+        "--plots-dir",
+        type=Path,
+        default=Path("benchmarks/plots"),
+        help="where simplex_<entry>.png/.json go (default: benchmarks/plots)",
+    )
+    parser.add_argument(
+        "--permutations",
+        default="fixed",
+        choices=PERMUTATIONS,
+        help="learned / dual: how the unit and head permutations train (default: fixed)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args()
     args.plots_dir.mkdir(parents=True, exist_ok=True)
@@ -91,7 +126,12 @@ def main() -> None:
     for name in args.entries:
         result, seconds = measure(name, args.methods, args.points, learn, not args.quiet)
         (args.plots_dir / f"simplex_{name}.json").write_text(result.to_json())
-        path = plot_simplex(result, args.plots_dir / f"simplex_{name}.png", names=("seed 0", "seed 1", "seed 2"), title=f"zoo {name} triple: held-out loss above the vertices' plane")
+        path = plot_simplex(
+            result,
+            args.plots_dir / f"simplex_{name}.png",
+            names=("seed 0", "seed 1", "seed 2"),
+            title=f"zoo {name} triple: held-out loss above the vertices' plane",
+        )
         print(f"{name}: plot in {path}", file=sys.stderr)
         vanilla = result.barriers.get("average")
         centre = min(range(len(result.points)), key=lambda i: max(abs(x - 1 / 3) for x in result.points[i]))

@@ -83,14 +83,27 @@ _VIT = {"num_channels": 1, "num_labels": 10, "hidden_dropout_prob": 0.0, "attent
 
 
 def _gpt2(name, layers, width, heads, *, tied=True, steps=1500, patience=3):
-    config = {"n_layer": layers, "n_embd": width, "n_head": heads, "n_positions": 64, "tie_word_embeddings": tied, **_NO_DROPOUT}
+    config = {
+        "n_layer": layers,
+        "n_embd": width,
+        "n_head": heads,
+        "n_positions": 64,
+        "tie_word_embeddings": tied,
+        **_NO_DROPOUT,
+    }
     return _lm(name, "gpt2", config, steps=steps, patience=patience)
 
 
 def _pythia(name, layers, width, heads, *, rotary, parallel, tied=False, steps=1500, patience=3):
     config = {
-        "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads, "intermediate_size": 4 * width,
-        "rotary_pct": rotary, "use_parallel_residual": parallel, "max_position_embeddings": 64, "tie_word_embeddings": tied,
+        "num_hidden_layers": layers,
+        "hidden_size": width,
+        "num_attention_heads": heads,
+        "intermediate_size": 4 * width,
+        "rotary_pct": rotary,
+        "use_parallel_residual": parallel,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tied,
     }
     return _lm(name, "gpt_neox", config, steps=steps, patience=patience)
 
@@ -102,16 +115,26 @@ def llama_intermediate_size(width: int) -> int:
 
 def _llama(name, layers, width, heads, kv_heads, *, tied=False, steps=1500, patience=3):
     config = {
-        "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "intermediate_size": llama_intermediate_size(width), "max_position_embeddings": 64, "tie_word_embeddings": tied,
+        "num_hidden_layers": layers,
+        "hidden_size": width,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "intermediate_size": llama_intermediate_size(width),
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tied,
     }
     return _lm(name, "llama", config, steps=steps, patience=patience)
 
 
 def _vit(name, layers, width, heads, mlp, *, patch=7, steps=2000, patience=3):
     config = {
-        "image_size": 28, "patch_size": patch, "num_hidden_layers": layers, "hidden_size": width, "num_attention_heads": heads,
-        "intermediate_size": mlp, **_VIT,
+        "image_size": 28,
+        "patch_size": patch,
+        "num_hidden_layers": layers,
+        "hidden_size": width,
+        "num_attention_heads": heads,
+        "intermediate_size": mlp,
+        **_VIT,
     }
     return zoo.ZooEntry(name, "vit", config, steps=steps, batch_size=64, lr=2e-3, data="mnist", patience=patience)
 
@@ -119,27 +142,59 @@ def _vit(name, layers, width, heads, mlp, *, patch=7, steps=2000, patience=3):
 TIERS: dict[str, list[SuitePair]] = {
     "ci": [
         SuitePair("gpt2", _gpt2("ci-gpt2", 1, 32, 2, steps=150, patience=None), "tiny"),
-        SuitePair("pythia", _pythia("ci-pythia", 1, 32, 2, rotary=0.5, parallel=True, steps=150, patience=None), "tiny"),
+        SuitePair(
+            "pythia", _pythia("ci-pythia", 1, 32, 2, rotary=0.5, parallel=True, steps=150, patience=None), "tiny"
+        ),
         SuitePair("llama", _llama("ci-llama", 1, 32, 4, 2, steps=150, patience=None), "tiny"),
         SuitePair("vit", _vit("ci-vit", 1, 32, 2, 64, steps=150, patience=None), "tiny"),
     ],
     "cpu": [
-        SuitePair("gpt2", _gpt2("suite-gpt2-a", 2, 128, 4, steps=2500), "2 layers, width 128, 4 heads, tied, up to 2500 steps"),
+        SuitePair(
+            "gpt2", _gpt2("suite-gpt2-a", 2, 128, 4, steps=2500), "2 layers, width 128, 4 heads, tied, up to 2500 steps"
+        ),
         SuitePair("gpt2", _gpt2("suite-gpt2-b", 4, 96, 2, tied=False), "4 layers, width 96, 2 heads, untied"),
-        SuitePair("gpt2", _gpt2("suite-gpt2-c", 3, 128, 8, steps=500, patience=None), "3 layers, 8 heads, 500 steps only"),
-        SuitePair("pythia", _pythia("suite-pythia-a", 2, 128, 4, rotary=0.25, parallel=True), "parallel residual, rotary 0.25"),
-        SuitePair("pythia", _pythia("suite-pythia-b", 3, 128, 8, rotary=1.0, parallel=False), "sequential residual, rotary 1.0, 8 heads"),
-        SuitePair("pythia", _pythia("suite-pythia-c", 4, 96, 4, rotary=0.5, parallel=True, tied=True), "4 layers, width 96, rotary 0.5, tied"),
+        SuitePair(
+            "gpt2", _gpt2("suite-gpt2-c", 3, 128, 8, steps=500, patience=None), "3 layers, 8 heads, 500 steps only"
+        ),
+        SuitePair(
+            "pythia", _pythia("suite-pythia-a", 2, 128, 4, rotary=0.25, parallel=True), "parallel residual, rotary 0.25"
+        ),
+        SuitePair(
+            "pythia",
+            _pythia("suite-pythia-b", 3, 128, 8, rotary=1.0, parallel=False),
+            "sequential residual, rotary 1.0, 8 heads",
+        ),
+        SuitePair(
+            "pythia",
+            _pythia("suite-pythia-c", 4, 96, 4, rotary=0.5, parallel=True, tied=True),
+            "4 layers, width 96, rotary 0.5, tied",
+        ),
         SuitePair("llama", _llama("suite-llama-a", 2, 128, 4, 2), "GQA 2:1"),
         SuitePair("llama", _llama("suite-llama-b", 3, 128, 8, 2), "GQA 4:1, 8 heads"),
-        SuitePair("llama", _llama("suite-llama-c", 4, 96, 4, 4, tied=True, steps=600, patience=None), "no GQA, tied, 600 steps only"),
+        SuitePair(
+            "llama",
+            _llama("suite-llama-c", 4, 96, 4, 4, tied=True, steps=600, patience=None),
+            "no GQA, tied, 600 steps only",
+        ),
         SuitePair("vit", _vit("suite-vit-a", 2, 64, 4, 128), "2 layers, width 64"),
         SuitePair("vit", _vit("suite-vit-b", 4, 96, 6, 192), "4 layers, width 96, 6 heads"),
-        SuitePair("vit", _vit("suite-vit-c", 3, 128, 8, 256, steps=600, patience=None), "3 layers, width 128, 8 heads, 600 steps only"),
+        SuitePair(
+            "vit",
+            _vit("suite-vit-c", 3, 128, 8, 256, steps=600, patience=None),
+            "3 layers, width 128, 8 heads, 600 steps only",
+        ),
     ],
     "paper": [
-        SuitePair("gpt2", _gpt2("paper-gpt2", 6, 256, 4, tied=True, steps=20000, patience=5), "Table 2: 6 layers, 4 heads, width 256, MLP 1024"),
-        SuitePair("vit", _vit("paper-vit", 6, 256, 8, 512, patch=4, steps=20000, patience=5), "Table 2: 6 layers, 8 heads, width 256, MLP 512"),
+        SuitePair(
+            "gpt2",
+            _gpt2("paper-gpt2", 6, 256, 4, tied=True, steps=20000, patience=5),
+            "Table 2: 6 layers, 4 heads, width 256, MLP 1024",
+        ),
+        SuitePair(
+            "vit",
+            _vit("paper-vit", 6, 256, 8, 512, patch=4, steps=20000, patience=5),
+            "Table 2: 6 layers, 8 heads, width 256, MLP 512",
+        ),
     ],
 }
 
@@ -199,8 +254,14 @@ def evaluation_batches(entry: zoo.ZooEntry, folder: Path):
     return load_batches(data, config, folder, EvalOptions(batch_size=16, seq_len=entry.seq_len))
 
 
-def pair_data(pair: SuitePair, *, seeds: Sequence[int] | None = None, cache: Path | None = None, progress: bool = False,
-              fitting: Fitting = Fitting()) -> tuple[list[Path], object, list[dict]]:
+def pair_data(
+    pair: SuitePair,
+    *,
+    seeds: Sequence[int] | None = None,
+    cache: Path | None = None,
+    progress: bool = False,
+    fitting: Fitting = Fitting(),
+) -> tuple[list[Path], object, list[dict]]:
     """Train (or load) the members of ``pair`` (``seeds``, by default the pair's) and return their
     folders, the held-out batches and the fitting batches ``fitting`` describes."""
     folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (seeds or pair.seeds)]
@@ -209,15 +270,26 @@ def pair_data(pair: SuitePair, *, seeds: Sequence[int] | None = None, cache: Pat
         start = time.perf_counter()
         options = EvalOptions(batch_size=fitting.batch_size, max_batches=count, seq_len=pair.entry.seq_len)
         models = [lambda folder=folder: load_model(folder).model for folder in folders]
-        batches = fitting_batches(SAMPLED, zoo.build_config(pair.entry), None, options, models=models, progress=progress)
-        print(f"{pair.entry.name}: {fitting.sequences} fitting sequences sampled ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        batches = fitting_batches(
+            SAMPLED, zoo.build_config(pair.entry), None, options, models=models, progress=progress
+        )
+        print(
+            f"{pair.entry.name}: {fitting.sequences} fitting sequences sampled ({time.perf_counter() - start:.0f} s)",
+            file=sys.stderr,
+        )
     else:
         batches = zoo.fit_batches(pair.entry, count, batch_size=fitting.batch_size)
     return folders, evaluation_batches(pair.entry, folders[0]), batches
 
 
 def measure_pair(
-    pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions, fitting: Fitting = Fitting()
+    pair: SuitePair,
+    labels: Sequence[str],
+    *,
+    cache: Path | None,
+    progress: bool,
+    learn: LearnOptions,
+    fitting: Fitting = Fitting(),
 ) -> PairResult:
     """Train (or load) ``pair`` and measure the barrier of every method in ``labels`` at its defaults
     (fitting data: :func:`pair_data`'s)."""
@@ -230,12 +302,20 @@ def measure_pair(
         start = time.perf_counter()
         torch.manual_seed(0)
         result = barrier(
-            *folders, evaluation, methods=(method,), symmetries=symmetries, fit_data=fitting, learn=learn,
-            eval_options=EvalOptions(batch_size=16), progress=False,
+            *folders,
+            evaluation,
+            methods=(method,),
+            symmetries=symmetries,
+            fit_data=fitting,
+            learn=learn,
+            eval_options=EvalOptions(batch_size=16),
+            progress=False,
         )
         barriers[label], seconds[label] = result.barriers[method], time.perf_counter() - start
         print(f"{pair.entry.name} {label}: barrier {barriers[label]:.4f} ({seconds[label]:.0f} s)", file=sys.stderr)
-    return PairResult(pair.family, pair.entry.name, pair.varies, barriers, seconds, [_member_summary(m) for m in members])
+    return PairResult(
+        pair.family, pair.entry.name, pair.varies, barriers, seconds, [_member_summary(m) for m in members]
+    )
 
 
 @dataclass
@@ -252,11 +332,19 @@ class TripleResult:
 
 
 def measure_triple(
-    pair: SuitePair, labels: Sequence[str], *, cache: Path | None, progress: bool, learn: LearnOptions, fitting: Fitting = Fitting()
+    pair: SuitePair,
+    labels: Sequence[str],
+    *,
+    cache: Path | None,
+    progress: bool,
+    learn: LearnOptions,
+    fitting: Fitting = Fitting(),
 ) -> TripleResult:
     """Train (or load) seeds 0, 1 and 2 of ``pair`` and measure every method of ``labels`` over
     their simplex at its defaults (the grid of :data:`SIMPLEX_POINTS` per edge, and the centre)."""
-    folders, evaluation, fitting = pair_data(pair, seeds=(*pair.seeds, 2), cache=cache, progress=progress, fitting=fitting)
+    folders, evaluation, fitting = pair_data(
+        pair, seeds=(*pair.seeds, 2), cache=cache, progress=progress, fitting=fitting
+    )
     loaded = [load_model(f) for f in folders]
     barriers, means, seconds = {}, {}, {}
     for label, method in SIMPLEX_METHODS:
@@ -265,13 +353,23 @@ def measure_triple(
         start = time.perf_counter()
         torch.manual_seed(0)
         result = simplex_barrier_of_loaded(
-            loaded, evaluation, methods=(method,), points=SIMPLEX_POINTS, symmetries="full", eval_options=EvalOptions(batch_size=16),
-            progress=False, fit_batches=fitting, learn=learn,
+            loaded,
+            evaluation,
+            methods=(method,),
+            points=SIMPLEX_POINTS,
+            symmetries="full",
+            eval_options=EvalOptions(batch_size=16),
+            progress=False,
+            fit_batches=fitting,
+            learn=learn,
         )
         excess = excess_over_vertices(result.points, result.losses[method])
         barriers[label], means[label] = max(excess), statistics.mean(excess)
         seconds[label] = time.perf_counter() - start
-        print(f"{pair.entry.name} triple {label}: worst point {barriers[label]:.4f}, mean {means[label]:.4f} ({seconds[label]:.0f} s)", file=sys.stderr)
+        print(
+            f"{pair.entry.name} triple {label}: worst point {barriers[label]:.4f}, mean {means[label]:.4f} ({seconds[label]:.0f} s)",
+            file=sys.stderr,
+        )
     return TripleResult(pair.family, pair.entry.name, pair.varies, barriers, means, seconds)
 
 
@@ -292,9 +390,15 @@ def triple_rows(results: Sequence[TripleResult], labels: Sequence[str]) -> list[
         rows.append(
             f"| {label} | {len(members)} | {_spread(worst)} | {max(worst):.3f} | {_spread(mean)} | {max(mean):.3f} | {ratio} |"
         )
-    rows += ["", "| triple | " + " | ".join(f"{label}: worst / mean" for label in labels) + " |", "|---|" + "---|" * len(labels)]
+    rows += [
+        "",
+        "| triple | " + " | ".join(f"{label}: worst / mean" for label in labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
     for r in results:
-        cells = " | ".join(f"{r.barriers[label]:.3f} / {r.mean_excess[label]:.3f}" if label in r.barriers else "—" for label in labels)
+        cells = " | ".join(
+            f"{r.barriers[label]:.3f} / {r.mean_excess[label]:.3f}" if label in r.barriers else "—" for label in labels
+        )
         rows.append(f"| {r.name} | {cells} |")
     return rows
 
@@ -312,7 +416,10 @@ def summary_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[s
     """Table 1 layout: one row per method, mean ± std over pairs, the worst pair, and the ratio
     to vanilla (mean of the per-pair ratios), for each family and over all pairs."""
     groups = [(family, [r for r in results if r.family == family]) for family in FAMILIES] + [("all", list(results))]
-    rows = ["| family | method | pairs | barrier mean ± std | worst | ratio to vanilla (mean, worst) |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| family | method | pairs | barrier mean ± std | worst | ratio to vanilla (mean, worst) |",
+        "|---|---|---|---|---|---|",
+    ]
     for family, members in groups:
         if not members:
             continue
@@ -320,7 +427,11 @@ def summary_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[s
             values = [r.barriers[label] for r in members if label in r.barriers]
             if not values:
                 continue
-            ratios = [r.barriers[label] / r.barriers["vanilla"] for r in members if label in r.barriers and r.barriers.get("vanilla", 0) > 0]
+            ratios = [
+                r.barriers[label] / r.barriers["vanilla"]
+                for r in members
+                if label in r.barriers and r.barriers.get("vanilla", 0) > 0
+            ]
             ratio = f"{statistics.mean(ratios):.2f}, {max(ratios):.2f}" if ratios else "—"
             rows.append(f"| {family} | {label} | {len(values)} | {_spread(values)} | {max(values):.3f} | {ratio} |")
     return rows
@@ -328,10 +439,15 @@ def summary_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[s
 
 def pair_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]:
     """One row per pair: what it varies, how its members trained, and every method's barrier."""
-    rows = ["| pair | varies | members: steps (stop), validation loss | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
+    rows = [
+        "| pair | varies | members: steps (stop), validation loss | " + " | ".join(labels) + " |",
+        "|---|---|---|" + "---|" * len(labels),
+    ]
     for r in results:
         members = "; ".join(
-            f"{m.get('steps', '?')} ({m.get('stopped', 'fixed')}), {m['validation_loss']:.3f}" if "validation_loss" in m else f"fixed, train {m['train_loss']:.3f}"
+            f"{m.get('steps', '?')} ({m.get('stopped', 'fixed')}), {m['validation_loss']:.3f}"
+            if "validation_loss" in m
+            else f"fixed, train {m['train_loss']:.3f}"
             for m in r.members
         )
         cells = " | ".join(f"{r.barriers[label]:.3f}" if label in r.barriers else "—" for label in labels)
@@ -359,9 +475,19 @@ def tier_pairs(tier: str, families: Sequence[str] = FAMILIES, names: Sequence[st
     return [pair for pair in TIERS[tier] if pair.family in families and (names is None or pair.entry.name in names)]
 
 
-def run(tier: str, *, labels: Sequence[str] = LABELS, families: Sequence[str] = FAMILIES, names: Sequence[str] | None = None,
-        cache: Path | None = None, progress: bool = False, max_steps: int | None = None, learn: LearnOptions = LearnOptions(),
-        fitting: Fitting = Fitting(), vocab_size: int | None = None) -> list[PairResult]:
+def run(
+    tier: str,
+    *,
+    labels: Sequence[str] = LABELS,
+    families: Sequence[str] = FAMILIES,
+    names: Sequence[str] | None = None,
+    cache: Path | None = None,
+    progress: bool = False,
+    max_steps: int | None = None,
+    learn: LearnOptions = LearnOptions(),
+    fitting: Fitting = Fitting(),
+    vocab_size: int | None = None,
+) -> list[PairResult]:
     """Measure every pair of ``tier`` (of ``families``; of ``names`` when given); ``max_steps`` caps
     each member's training, ``vocab_size`` gives the language pairs a BPE of that many tokens
     (:func:`with_vocabulary`)."""
@@ -373,7 +499,11 @@ def _capped(pair: SuitePair, max_steps: int | None) -> SuitePair:
     """``pair`` with its members' training capped at ``max_steps`` (the paper tier on a CPU)."""
     if max_steps is None or pair.entry.steps <= max_steps:
         return pair
-    return SuitePair(pair.family, pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))), pair.varies)
+    return SuitePair(
+        pair.family,
+        pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))),
+        pair.varies,
+    )
 
 
 def pair_named(name: str) -> SuitePair:
@@ -395,20 +525,36 @@ def with_vocabulary(pair: SuitePair, vocab_size: int | None) -> SuitePair:
     return SuitePair(pair.family, entry, f"{pair.varies}; BPE of {vocab_size} tokens", pair.seeds)
 
 
-def _triples_of(tier: str, families: Sequence[str], max_steps: int | None = None, vocab_size: int | None = None) -> list[SuitePair]:
-    return [with_vocabulary(_capped(pair, max_steps), vocab_size)
-            for pair in TIERS[tier] if pair.entry.name in TRIPLES[tier] and pair.family in families]
+def _triples_of(
+    tier: str, families: Sequence[str], max_steps: int | None = None, vocab_size: int | None = None
+) -> list[SuitePair]:
+    return [
+        with_vocabulary(_capped(pair, max_steps), vocab_size)
+        for pair in TIERS[tier]
+        if pair.entry.name in TRIPLES[tier] and pair.family in families
+    ]
 
 
-def run_triples_of(tier: str, *, labels: Sequence[str] = SIMPLEX_LABELS, families: Sequence[str] = FAMILIES, cache: Path | None = None,
-                   progress: bool = False, max_steps: int | None = None, learn: LearnOptions | None = None,
-                   fitting: Fitting = Fitting(), vocab_size: int | None = None) -> list[TripleResult]:
+def run_triples_of(
+    tier: str,
+    *,
+    labels: Sequence[str] = SIMPLEX_LABELS,
+    families: Sequence[str] = FAMILIES,
+    cache: Path | None = None,
+    progress: bool = False,
+    max_steps: int | None = None,
+    learn: LearnOptions | None = None,
+    fitting: Fitting = Fitting(),
+    vocab_size: int | None = None,
+) -> list[TripleResult]:
     """Measure every triple of ``tier`` (of ``families``) over its simplex (``learn``: default
     ``LearnOptions()``); ``max_steps`` caps each member's training; ``vocab_size`` as for
     :func:`run_tier`."""
     learn = learn or LearnOptions()
-    return [measure_triple(pair, labels, cache=cache, progress=progress, learn=learn, fitting=fitting)
-            for pair in _triples_of(tier, families, max_steps, vocab_size)]
+    return [
+        measure_triple(pair, labels, cache=cache, progress=progress, learn=learn, fitting=fitting)
+        for pair in _triples_of(tier, families, max_steps, vocab_size)
+    ]
 
 
 def fitting_of(args: argparse.Namespace) -> Fitting:
@@ -429,12 +575,23 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
         return
     start, fitting = time.perf_counter(), fitting_of(args)
     results = run_triples_of(
-        args.tier, labels=labels, families=args.families, cache=args.cache, progress=args.progress, max_steps=args.max_steps, learn=learn,
-        fitting=fitting, vocab_size=args.vocab_size,
+        args.tier,
+        labels=labels,
+        families=args.families,
+        cache=args.cache,
+        progress=args.progress,
+        max_steps=args.max_steps,
+        learn=learn,
+        fitting=fitting,
+        vocab_size=args.vocab_size,
     )
     changed = learn.model_dump(exclude_defaults=True)
-    print(f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")
-          + fitting.describe() + "\n")
+    print(
+        f"## Suite `{args.tier}`, triples: {len(results)}, {time.perf_counter() - start:.0f} s"
+        + (f", learn {changed}" if changed else "")
+        + fitting.describe()
+        + "\n"
+    )
     print("\n".join(triple_rows(results, labels)))
     if args.json:
         args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
@@ -444,38 +601,70 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tier", choices=list(TIERS), default="cpu", help="which pairs (default: cpu)")
     parser.add_argument("--methods", nargs="+", choices=LABELS, default=None, help="rows to measure (default: all)")
-    parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to measure (default: all)")
-    parser.add_argument("--pairs", nargs="+", default=None, metavar="NAME",
-                        help="only these pairs of the tier (e.g. suite-llama-b; default: every pair of --families)")
-    parser.add_argument("--max-steps", type=int, default=None, help="cap each member's training steps (the paper tier on a CPU)")
-    parser.add_argument("--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
+    parser.add_argument(
+        "--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to measure (default: all)"
+    )
+    parser.add_argument(
+        "--pairs",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="only these pairs of the tier (e.g. suite-llama-b; default: every pair of --families)",
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="cap each member's training steps (the paper tier on a CPU)"
+    )
+    parser.add_argument(
+        "--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file")
     parser.add_argument("--train-only", action="store_true", help="train (or load) the members and measure nothing")
-    parser.add_argument("--report", nargs="+", type=Path, default=None, metavar="JSON", help="print the tables of results saved with --json (several runs together)")
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="print the tables of results saved with --json (several runs together)",
+    )
     parser.add_argument("--progress", action="store_true", help="progress bars while training")
     parser.add_argument(
-        "--triples", action="store_true",
+        "--triples",
+        action="store_true",
         help=f"measure the tier's triples over their simplex instead of its pairs (rows {', '.join(SIMPLEX_LABELS)}; --methods picks among them)",
     )
     parser.add_argument(
-        "--learn", nargs="+", default=[], metavar="KEY=VALUE",
+        "--learn",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
         help="learned and dual matching settings other than the defaults (LearnOptions fields, values read as YAML), e.g. steps=1000 lr=1e-2",
     )
     parser.add_argument(
-        "--fit-batch-size", type=int, default=FIT_OPTIONS.batch_size, metavar="N",
+        "--fit-batch-size",
+        type=int,
+        default=FIT_OPTIONS.batch_size,
+        metavar="N",
         help=f"sequences per fitting batch of activation, learned and dual matching (default {FIT_OPTIONS.batch_size}, what --data gives)",
     )
     parser.add_argument(
-        "--fit-sequences", type=int, default=FIT_SEQUENCES, metavar="N",
+        "--fit-sequences",
+        type=int,
+        default=FIT_SEQUENCES,
+        metavar="N",
         help=f"fitting sequences (images) in all, cut into batches of --fit-batch-size (default {FIT_SEQUENCES})",
     )
     parser.add_argument(
-        "--sampled", action="store_true",
+        "--sampled",
+        action="store_true",
         help="fit activation, learned and dual matching on sequences sampled from each pair's members (--data sampled) instead of "
         "the training plays (language pairs)",
     )
     parser.add_argument(
-        "--vocab-size", type=int, default=None, metavar="N",
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
         help="language pairs read the plays through a byte-level BPE of N tokens instead of characters (members trained and cached apart)",
     )
     args = parser.parse_args(argv)
@@ -501,16 +690,31 @@ def main(argv: Sequence[str] | None = None) -> None:
             pair = with_vocabulary(_capped(pair, args.max_steps), args.vocab_size)  # the members a run measures
             for seed in pair.seeds:
                 folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
-                print(f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}", file=sys.stderr)
+                print(
+                    f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}",
+                    file=sys.stderr,
+                )
         return
     start, fitting = time.perf_counter(), fitting_of(args)
     results = run(
-        args.tier, labels=args.methods, families=args.families, names=args.pairs, cache=args.cache, progress=args.progress,
-        max_steps=args.max_steps, learn=learn, fitting=fitting, vocab_size=args.vocab_size,
+        args.tier,
+        labels=args.methods,
+        families=args.families,
+        names=args.pairs,
+        cache=args.cache,
+        progress=args.progress,
+        max_steps=args.max_steps,
+        learn=learn,
+        fitting=fitting,
+        vocab_size=args.vocab_size,
     )
     changed = learn.model_dump(exclude_defaults=True)
-    print(f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s" + (f", learn {changed}" if changed else "")
-          + fitting.describe() + "\n")
+    print(
+        f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s"
+        + (f", learn {changed}" if changed else "")
+        + fitting.describe()
+        + "\n"
+    )
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))

@@ -42,7 +42,11 @@ def pair_at(family: str, width: int) -> suite.SuitePair:
     if family == "llama":
         config["intermediate_size"] = suite.llama_intermediate_size(width)
     entry = suite.zoo.ZooEntry(
-        f"width-{family}-{width}", base.entry.model_type, config, steps=base.entry.steps, patience=base.entry.patience,
+        f"width-{family}-{width}",
+        base.entry.model_type,
+        config,
+        steps=base.entry.steps,
+        patience=base.entry.patience,
     )
     return suite.SuitePair(family, entry, f"{base.varies}; width {width}")
 
@@ -59,15 +63,20 @@ class WidthResult:
         return {"width": self.width, **self.pair.__dict__}
 
     @classmethod
-    def from_record(cls, record: dict) -> "WidthResult":
+    def from_record(cls, record: dict) -> WidthResult:
         fields = dict(record)
         return cls(fields.pop("width"), suite.PairResult(**fields))
 
 
 def rows(results: Sequence[WidthResult], labels: Sequence[str]) -> list[str]:
     """One row per pair: the members' validation losses and every method's barrier (ratio to vanilla)."""
-    out = ["| family | width | members: validation loss | " + " | ".join(labels) + " |", "|---|---|---|" + "---|" * len(labels)]
-    for width, r in sorted(((w.width, w.pair) for w in results), key=lambda item: (list(BASES).index(item[1].family), item[0])):
+    out = [
+        "| family | width | members: validation loss | " + " | ".join(labels) + " |",
+        "|---|---|---|" + "---|" * len(labels),
+    ]
+    for width, r in sorted(
+        ((w.width, w.pair) for w in results), key=lambda item: (list(BASES).index(item[1].family), item[0])
+    ):
         losses = " / ".join(f"{m['validation_loss']:.3f}" for m in r.members if "validation_loss" in m)
         vanilla = r.barriers.get("vanilla")
         cells = []
@@ -85,8 +94,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--widths", nargs="+", type=int, default=[64, 128, 256])
     parser.add_argument("--methods", nargs="+", choices=suite.LABELS, default=["vanilla", "weight", "learned"])
     parser.add_argument("--cache", type=Path, default=None, help="zoo cache folder (default: the zoo's)")
-    parser.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file (rewritten after each pair)")
-    parser.add_argument("--report", nargs="+", type=Path, default=None, metavar="JSON", help="print the table of results saved with --json")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write every number to this JSON file (rewritten after each pair)"
+    )
+    parser.add_argument(
+        "--report",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="print the table of results saved with --json",
+    )
     args = parser.parse_args(argv)
     if args.report:
         results = [WidthResult.from_record(record) for path in args.report for record in json.loads(path.read_text())]
@@ -94,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         results = []
         for family in args.families:
             for width in args.widths:
-                result = suite.measure_pair(pair_at(family, width), args.methods, cache=args.cache, progress=False, learn=LearnOptions())
+                result = suite.measure_pair(
+                    pair_at(family, width), args.methods, cache=args.cache, progress=False, learn=LearnOptions()
+                )
                 results.append(WidthResult(width, result))
                 print(f"{family} width {width}: {json.dumps(result.barriers)}", file=sys.stderr)
                 if args.json:

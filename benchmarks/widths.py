@@ -41,11 +41,30 @@ def pairs(family: str) -> dict[str, tuple[str, tuple[str, int], tuple[str, int]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", nargs="+", default=list(zoo.NARROW), choices=list(zoo.NARROW), help="zoo families (default: all with a narrow entry)")
-    parser.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=PAIRS, help="which pairs (default: all three)")
+    parser.add_argument(
+        "--families",
+        nargs="+",
+        default=list(zoo.NARROW),
+        choices=list(zoo.NARROW),
+        help="zoo families (default: all with a narrow entry)",
+    )
+    parser.add_argument(
+        "--pairs", nargs="+", default=list(PAIRS), choices=PAIRS, help="which pairs (default: all three)"
+    )
     labels = [m[0] for m in METHODS]
-    parser.add_argument("--methods", nargs="+", default=["average", "weight", "learned"], choices=labels, help="rows (default: average weight learned)")
-    parser.add_argument("--steps", type=int, default=200, help="learned matching steps, also the number of fitting batches (default: 200)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["average", "weight", "learned"],
+        choices=labels,
+        help="rows (default: average weight learned)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=200,
+        help="learned matching steps, also the number of fitting batches (default: 200)",
+    )
     args = parser.parse_args()
     rows = list(HEADER)
     for family in args.families:

@@ -55,7 +55,45 @@ _PUBLIC = {
     "random_symmetry": "symmetry",
 }
 
-__all__ = sorted([*_PUBLIC, "__version__"])
+__all__ = [  # the names of _PUBLIC and __version__, written out: the form linters and type checkers read
+    "METHODS",
+    "AccelerateOptions",
+    "ActivationMatcher",
+    "ArchSpec",
+    "BarrierResult",
+    "CanonicalModel",
+    "CheckpointError",
+    "DualMatcher",
+    "EndpointSharding",
+    "EvalOptions",
+    "InheritanceError",
+    "LearnOptions",
+    "LearnedMatcher",
+    "MergeResult",
+    "MergeSpec",
+    "OutputOptions",
+    "Recipe",
+    "RecipeError",
+    "RecipeResult",
+    "SimplexMatcher",
+    "TrainedMatcher",
+    "Transform",
+    "UniverseMatcher",
+    "UnsafeFileError",
+    "UnsupportedModelError",
+    "WeightMatcher",
+    "__version__",
+    "barrier",
+    "canonicalize",
+    "export_config",
+    "interpolate",
+    "load_recipe",
+    "merge",
+    "merge_models",
+    "random_symmetry",
+    "run_recipe",
+    "to_hf",
+]
 
 
 def __getattr__(name: str):
@@ -72,12 +110,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the names as static analysis and IDEs see them
-    from .adapters import UnsupportedModelError  # noqa: F401
-    from .barriers import BarrierResult, barrier  # noqa: F401
-    from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf  # noqa: F401
-    from .checkpoint import CheckpointError  # noqa: F401
-    from .inherit import InheritanceError, UnsafeFileError  # noqa: F401
-    from .matching import (  # noqa: F401
+    from .adapters import UnsupportedModelError
+    from .barriers import BarrierResult, barrier
+    from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
+    from .checkpoint import CheckpointError
+    from .inherit import InheritanceError, UnsafeFileError
+    from .matching import (
         ActivationMatcher,
         DualMatcher,
         EndpointSharding,
@@ -87,10 +125,10 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
         UniverseMatcher,
         WeightMatcher,
     )
-    from .methods import METHODS  # noqa: F401
-    from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeSpec, OutputOptions  # noqa: F401
-    from .pipeline import MergeResult, merge, merge_models  # noqa: F401
-    from .recipe import Recipe, RecipeError, load_recipe  # noqa: F401
-    from .runner import RecipeResult, run_recipe  # noqa: F401
-    from .spec import ArchSpec  # noqa: F401
-    from .symmetry import Transform, random_symmetry  # noqa: F401
+    from .methods import METHODS
+    from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeSpec, OutputOptions
+    from .pipeline import MergeResult, merge, merge_models
+    from .recipe import Recipe, RecipeError, load_recipe
+    from .runner import RecipeResult, run_recipe
+    from .spec import ArchSpec
+    from .symmetry import Transform, random_symmetry

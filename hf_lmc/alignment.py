@@ -19,7 +19,9 @@ from .options import AccelerateOptions, LearnOptions
 from .symmetry import Transform
 
 
-def align_many(method: str, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None, **options) -> list[Transform]:
+def align_many(
+    method: str, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None, **options
+) -> list[Transform]:
     """One transform per model for ``method``; the merge is ``sum_k weights[k] T_k(models[k])``.
 
     ``options`` are :func:`matcher_for`'s: ``batches`` feed the data methods; ``learn`` and
@@ -51,7 +53,13 @@ def matcher_for(
     matcher_class = getattr(matching, name)
     if entry.trained:
         matcher = matching.TrainedMatcher(
-            matcher_class, batches, learn=learn, accelerate=accelerate, symmetries=symmetries, progress=progress, device=device
+            matcher_class,
+            batches,
+            learn=learn,
+            accelerate=accelerate,
+            symmetries=symmetries,
+            progress=progress,
+            device=device,
         )
     elif entry.needs_data:
         matcher = matcher_class(batches, symmetries, progress=progress)

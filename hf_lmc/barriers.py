@@ -78,7 +78,9 @@ class SimplexBarrierResult:
 
     def centre_loss(self, method: str) -> float:
         count = len(self.points[0])
-        return self.losses[method][min(range(len(self.points)), key=lambda i: max(abs(x - 1 / count) for x in self.points[i]))]
+        return self.losses[method][
+            min(range(len(self.points)), key=lambda i: max(abs(x - 1 / count) for x in self.points[i]))
+        ]
 
     def table(self) -> str:
         """A markdown table: loss at the centre, the worst grid point, the barrier and its ratio to averaging."""
@@ -115,7 +117,9 @@ def _merges(
         states = [m.model.state_dict() for m in loaded]
         scratch = copy.deepcopy(loaded[0].model)
         for w in points:
-            mixed = {k: weighted_sum([s[k] for s in states], w) if v.is_floating_point() else v for k, v in states[0].items()}
+            mixed = {
+                k: weighted_sum([s[k] for s in states], w) if v.is_floating_point() else v for k, v in states[0].items()
+            }
             scratch.load_state_dict(mixed)
             yield scratch
         return
@@ -126,10 +130,18 @@ def _merges(
             transforms = [Transform() for _ in canonical]
     if transforms is None:
         transforms = align_many(
-            method, canonical, symmetries=symmetries, batches=fit_batches if METHODS[method].needs_data else None, learn=learn, accelerate=accelerate, progress=False
+            method,
+            canonical,
+            symmetries=symmetries,
+            batches=fit_batches if METHODS[method].needs_data else None,
+            learn=learn,
+            accelerate=accelerate,
+            progress=False,
         )
     dtype = next(loaded[0].model.parameters()).dtype
-    moved = [t.to(dtype).apply(c).materialize() if t.maps or k else c for k, (t, c) in enumerate(zip(transforms, canonical))]
+    moved = [
+        t.to(dtype).apply(c).materialize() if t.maps or k else c for k, (t, c) in enumerate(zip(transforms, canonical))
+    ]
     for w in points:
         yield to_hf(combine(moved, w))
 
@@ -162,11 +174,21 @@ def barrier(
     a, b = load_model(model_a, revision_a), load_model(model_b, revision_b)
     fit_batches = (
         fitting_batches(fit_data, a.model.config, a.folder, fit_options, models=[a.model, b.model], progress=progress)
-        if fit_data is not None else None
+        if fit_data is not None
+        else None
     )
     return barrier_of_loaded(
-        a, b, data, methods=methods, alphas=alphas, symmetries=symmetries, eval_options=eval_options, progress=progress,
-        fit_batches=fit_batches, learn=learn, accelerate=accelerate,
+        a,
+        b,
+        data,
+        methods=methods,
+        alphas=alphas,
+        symmetries=symmetries,
+        eval_options=eval_options,
+        progress=progress,
+        fit_batches=fit_batches,
+        learn=learn,
+        accelerate=accelerate,
     )
 
 
@@ -192,7 +214,13 @@ def barrier_of_loaded(
     bar = progress_bar(total=len(methods) * len(grid), desc="loss along the path", show=progress)
     for method in methods:
         models = _merges(
-            method, (a, b), [(1 - alpha, alpha) for alpha in grid], symmetries=symmetries, fit_batches=fit_batches, learn=learn, accelerate=accelerate,
+            method,
+            (a, b),
+            [(1 - alpha, alpha) for alpha in grid],
+            symmetries=symmetries,
+            fit_batches=fit_batches,
+            learn=learn,
+            accelerate=accelerate,
             transforms=(transforms or {}).get(method),
         )
         _evaluate_into(result, method, models, batches, bar)
@@ -231,12 +259,23 @@ def barrier_over_simplex(
     loaded = [load_model(m, r) for m, r in zip(models, revisions_per_model(revisions, len(models)))]
     first = loaded[0]
     fit_batches = (
-        fitting_batches(fit_data, first.model.config, first.folder, fit_options, models=[m.model for m in loaded], progress=progress)
-        if fit_data is not None else None
+        fitting_batches(
+            fit_data, first.model.config, first.folder, fit_options, models=[m.model for m in loaded], progress=progress
+        )
+        if fit_data is not None
+        else None
     )
     return simplex_barrier_of_loaded(
-        loaded, data, methods=methods, points=points, symmetries=symmetries, eval_options=eval_options, progress=progress,
-        fit_batches=fit_batches, learn=learn, accelerate=accelerate,
+        loaded,
+        data,
+        methods=methods,
+        points=points,
+        symmetries=symmetries,
+        eval_options=eval_options,
+        progress=progress,
+        fit_batches=fit_batches,
+        learn=learn,
+        accelerate=accelerate,
     )
 
 
@@ -261,7 +300,14 @@ def simplex_barrier_of_loaded(
     bar = progress_bar(total=len(methods) * len(grid), desc="loss over the simplex", show=progress)
     for method in methods:
         models = _merges(
-            method, loaded, grid, symmetries=symmetries, fit_batches=fit_batches, learn=learn, accelerate=accelerate, transforms=(transforms or {}).get(method)
+            method,
+            loaded,
+            grid,
+            symmetries=symmetries,
+            fit_batches=fit_batches,
+            learn=learn,
+            accelerate=accelerate,
+            transforms=(transforms or {}).get(method),
         )
         _evaluate_into(result, method, models, batches, bar)
     bar.close()
@@ -289,7 +335,9 @@ def plot(result: BarrierResult, path: str | Path, title: str = "loss along the l
     return path
 
 
-def plot_simplex(result: SimplexBarrierResult, path: str | Path, names: Sequence[str] = ("A", "B", "C"), title: str = "") -> Path:
+def plot_simplex(
+    result: SimplexBarrierResult, path: str | Path, names: Sequence[str] = ("A", "B", "C"), title: str = ""
+) -> Path:
     """Save a PNG of three models' simplex: one triangle per method, each grid point coloured by
     its loss above ``sum_k w_k L(theta_k)`` (the quantity whose maximum is the barrier)."""
     import matplotlib

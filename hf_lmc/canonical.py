@@ -66,11 +66,11 @@ class CanonicalModel:
         """Every canonical tensor, materialised."""
         return {name: t for _, tensors in self.groups() for name, t in tensors.items()}
 
-    def materialize(self) -> "CanonicalModel":
+    def materialize(self) -> CanonicalModel:
         """An in-memory copy (evaluates any lazy transforms once)."""
         return from_state_dict(self.spec, self.config, self.state_dict())
 
-    def map_tensors(self, fn: Callable[[str, Tensor], Tensor]) -> "CanonicalModel":
+    def map_tensors(self, fn: Callable[[str, Tensor], Tensor]) -> CanonicalModel:
         """A lazy view with ``fn(name, tensor)`` applied to every tensor."""
 
         def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:
@@ -79,7 +79,7 @@ class CanonicalModel:
 
         return CanonicalModel(self.spec, self.config, load)
 
-    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "CanonicalModel":
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> CanonicalModel:
         return self.map_tensors(lambda _, t: t.to(dtype=dtype, device=device))
 
 
@@ -190,7 +190,9 @@ def canonicalize(
         tensors = {}
         with torch.no_grad():
             for group in spec.groups():
-                tensors |= _convert(adapter.canonical_group(_Widened(source, dtype, device), config, spec, group), dtype)
+                tensors |= _convert(
+                    adapter.canonical_group(_Widened(source, dtype, device), config, spec, group), dtype
+                )
         return from_state_dict(spec, config, tensors)
     if isinstance(model, (str, Path)):
         folder = Path(model)
@@ -199,7 +201,9 @@ def canonicalize(
         checkpoint = Checkpoint(folder, adapter, config)  # every tensor present, shaped and float before any work
         spec = adapter.spec(config)
 
-        def load(group: Group, rows: slice | None = None) -> dict[str, Tensor]:  # nothing cached: a model never sits in memory
+        def load(
+            group: Group, rows: slice | None = None
+        ) -> dict[str, Tensor]:  # nothing cached: a model never sits in memory
             source = checkpoint if rows is None else _TokenRows(checkpoint, adapter.vocab_keys, rows)
             with torch.no_grad():
                 return _convert(adapter.canonical_group(_Widened(source, dtype, device), config, spec, group), dtype)
@@ -250,7 +254,9 @@ class _Widened(_SourceView):
     before they widen: half the bytes to copy from a float16 file to a GPU.
     """
 
-    def __init__(self, source: Mapping[str, Tensor], dtype: torch.dtype | None, device: torch.device | str | None = None):
+    def __init__(
+        self, source: Mapping[str, Tensor], dtype: torch.dtype | None, device: torch.device | str | None = None
+    ):
         super().__init__(source)
         self.dtype, self.device = dtype, device
 

@@ -36,7 +36,13 @@ class ModelSource:
     path: str | None = None
 
     @classmethod
-    def of(cls, reference: str | Path, revision: str | None = None, folder: str | Path | None = None, label: str | None = None) -> ModelSource:
+    def of(
+        cls,
+        reference: str | Path,
+        revision: str | None = None,
+        folder: str | Path | None = None,
+        label: str | None = None,
+    ) -> ModelSource:
         """The source of a model given as ``reference`` (a local folder or ``org/model[@rev]``,
         told apart by :func:`hf_lmc.hub.names_local_path`) and read from ``folder``."""
         text = str(reference)
@@ -44,7 +50,9 @@ class ModelSource:
             return cls(label or shown_reference(text), path=text)
         repo_id, _, pinned = text.partition("@")
         revision = revision or pinned or None
-        if folder is not None and Path(folder).parent.name == "snapshots":  # the Hub cache names a snapshot by its commit
+        if (
+            folder is not None and Path(folder).parent.name == "snapshots"
+        ):  # the Hub cache names a snapshot by its commit
             revision = Path(folder).name
         return cls(label or repo_id, repo_id, revision)
 
@@ -217,10 +225,13 @@ def inherited_license(folders: list[Path]) -> str | None:
         if readme.is_file():
             try:
                 found = ModelCard.load(readme).data.to_dict().get("license")
-            except Exception:  # an unparsable card just has no license to inherit
+            except Exception:  # noqa: BLE001 (huggingface_hub and its YAML parser raise many types; an unparsable card just has no license to inherit)
                 found = None
             if found:
                 licenses.add(found)
     if len(licenses) > 1:
-        logger.warning("the models' licenses differ (%s): the merge's card names none; set one before sharing it", ", ".join(sorted(licenses)))
+        logger.warning(
+            "the models' licenses differ (%s): the merge's card names none; set one before sharing it",
+            ", ".join(sorted(licenses)),
+        )
     return licenses.pop() if len(licenses) == 1 else None

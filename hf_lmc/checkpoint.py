@@ -141,7 +141,9 @@ def _check_entry(path: Path, name: str, entry, data_size: int) -> None:
     except (TypeError, KeyError, ValueError):
         well_formed = False
     if not well_formed:
-        raise CheckpointError(f"cannot read {path}: tensor {name!r} has a malformed header entry; download the file again")
+        raise CheckpointError(
+            f"cannot read {path}: tensor {name!r} has a malformed header entry; download the file again"
+        )
     if dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(
             f"cannot read {path}: tensor {name!r} is stored as {dtype}, which hf_lmc does not read "
@@ -235,7 +237,9 @@ class SafetensorsFile:
                 f"cannot read {path}: the file is corrupt or truncated, download it again ({err})"
             ) from err
         if not isinstance(header, dict):
-            raise CheckpointError(f"cannot read {path}: its header is not a safetensors header (a JSON {type(header).__name__}); download it again")
+            raise CheckpointError(
+                f"cannot read {path}: its header is not a safetensors header (a JSON {type(header).__name__}); download it again"
+            )
         header.pop("__metadata__", None)
         self.start = 8 + length
         self.entries = header
@@ -331,7 +335,7 @@ class Checkpoint(Mapping[str, Tensor]):
             if config_file.is_file():
                 self._identities.append(FileIdentity(config_file, os.stat(config_file)))
             for file in weight_files(self.folder):
-                for stored in self._open(file).keys():
+                for stored in self._open(file).keys():  # noqa: SIM118 (a SafetensorsFile has keys() but no iteration)
                     key = current_key(stored, adapter)
                     if key is not None:
                         self._where[key] = (file, stored)

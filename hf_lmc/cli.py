@@ -124,7 +124,7 @@ class OptionFlags:
             help_text = field.description or ""
             if "default" not in help_text:
                 help_text += self._shown_default(name)
-            options = dict(dest=self.prefix + name, default=argparse.SUPPRESS, help=help_text)
+            options = {"dest": self.prefix + name, "default": argparse.SUPPRESS, "help": help_text}
             if kind is bool:
                 group.add_argument(self.flags[name], action="store_true", **options)
             elif kind is tuple:
@@ -142,7 +142,9 @@ class OptionFlags:
             return ""
         if len(set(shown.values())) == 1:
             return f" (default: {next(iter(shown.values()))})"
-        return " (default: " + ", ".join(f"{value} for {use}" for use, value in shown.items() if value is not None) + ")"
+        return (
+            " (default: " + ", ".join(f"{value} for {use}" for use, value in shown.items() if value is not None) + ")"
+        )
 
     def given(self, args: argparse.Namespace) -> dict:
         """The fields set on the command line."""
@@ -152,7 +154,11 @@ class OptionFlags:
         """The options model from the flags given (the model's defaults for the rest)."""
         if isinstance(self.defaults, Mapping):
             raise TypeError("flags with defaults per use have no one model to build; read them with given()")
-        values = {name: getattr(self.defaults, name) for name in self.model.model_fields if name in self.defaults.model_fields_set}
+        values = {
+            name: getattr(self.defaults, name)
+            for name in self.model.model_fields
+            if name in self.defaults.model_fields_set
+        }
         try:
             return self.model(**{**values, **self.given(args), **fixed})
         except ValidationError as err:
@@ -210,15 +216,26 @@ LEARN = OptionFlags(LearnOptions)
 ACCELERATE = OptionFlags(AccelerateOptions)
 #: One set of batching flags for both data sets; where a flag is absent each keeps its own default.
 BATCHES = OptionFlags(
-    EvalOptions, only=("batch_size", "seq_len", "max_batches"), defaults={"--data": FIT_OPTIONS, "--eval-data": EVAL_OPTIONS}
+    EvalOptions,
+    only=("batch_size", "seq_len", "max_batches"),
+    defaults={"--data": FIT_OPTIONS, "--eval-data": EVAL_OPTIONS},
 )
 #: One name per data set across commands: ``--data`` is what alignment fits on (activation,
 #: learned, dual), ``--eval-data`` what the barrier is measured on; each has its split and
 #: dataset configuration flags, and both are batched alike.
 FIT_SOURCE = OptionFlags(
-    EvalOptions, only=("split", "name"), flags={"split": "--data-split", "name": "--data-name"}, defaults=FIT_OPTIONS, prefix="fit_"
+    EvalOptions,
+    only=("split", "name"),
+    flags={"split": "--data-split", "name": "--data-name"},
+    defaults=FIT_OPTIONS,
+    prefix="fit_",
 )
-EVAL_SOURCE = OptionFlags(EvalOptions, only=("split", "name"), flags={"split": "--eval-data-split", "name": "--eval-data-name"}, prefix="eval_")
+EVAL_SOURCE = OptionFlags(
+    EvalOptions,
+    only=("split", "name"),
+    flags={"split": "--eval-data-split", "name": "--eval-data-name"},
+    prefix="eval_",
+)
 OUTPUT = OptionFlags(OutputOptions, metavars={"push_to_hub": "REPO_ID"})
 
 
@@ -335,18 +352,32 @@ def cmd_barrier(args: argparse.Namespace) -> int:
     if args.alphas is not None:
         alpha_grid(args.alphas)
     methods = ("average",) if args.method == "average" else ("average", args.method)
-    common = dict(
-        methods=methods, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.data,
-        fit_options=_fit_options(args), learn=LEARN.build(args), accelerate=ACCELERATE.build(args),
-    )
+    common = {
+        "methods": methods,
+        "symmetries": args.symmetries,
+        "eval_options": _eval_options(args),
+        "fit_data": args.data,
+        "fit_options": _fit_options(args),
+        "learn": LEARN.build(args),
+        "accelerate": ACCELERATE.build(args),
+    }
     from .barriers import barrier, barrier_over_simplex, plot, plot_simplex
 
     if len(models) == 2:
-        result = barrier(*models, args.eval_data, alphas=11 if args.alphas is None else args.alphas, revision_a=revisions[0], revision_b=revisions[1], **common)
+        result = barrier(
+            *models,
+            args.eval_data,
+            alphas=11 if args.alphas is None else args.alphas,
+            revision_a=revisions[0],
+            revision_b=revisions[1],
+            **common,
+        )
         if args.plot:
             plot(result, args.plot)
     else:
-        result = barrier_over_simplex(models, args.eval_data, points=5 if args.alphas is None else args.alphas, revisions=revisions, **common)
+        result = barrier_over_simplex(
+            models, args.eval_data, points=5 if args.alphas is None else args.alphas, revisions=revisions, **common
+        )
         if args.plot:
             plot_simplex(result, args.plot)
     print(result.to_json() if args.json else result.table())
@@ -362,8 +393,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     a, b = (load_model(m, r).model for m, r in zip(args.models, revisions))
     result = explain(
-        a, b, args.eval_data, method=args.method, symmetries=args.symmetries, eval_options=_eval_options(args), fit_data=args.data,
-        fit_options=_fit_options(args), learn=LEARN.build(args), orders=args.orders,
+        a,
+        b,
+        args.eval_data,
+        method=args.method,
+        symmetries=args.symmetries,
+        eval_options=_eval_options(args),
+        fit_data=args.data,
+        fit_options=_fit_options(args),
+        learn=LEARN.build(args),
+        orders=args.orders,
     )
     if args.plot:
         plot_explanation(result, args.plot, title=f"{Path(args.models[0]).name} ↔ {Path(args.models[1]).name}")
@@ -378,7 +417,9 @@ def _revisions(args: argparse.Namespace, count: int) -> list[str | None]:
     if args.revisions is None:
         return [args.revision_a, args.revision_b] + [None] * (count - 2)
     if len(args.revisions) != count:
-        raise UsageError(f"--revisions takes one entry per model ('-' for the default branch): got {len(args.revisions)} for {count} models")
+        raise UsageError(
+            f"--revisions takes one entry per model ('-' for the default branch): got {len(args.revisions)} for {count} models"
+        )
     return [None if r == "-" else r for r in args.revisions]
 
 
@@ -442,15 +483,29 @@ def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, g
         "evaluation data" + ("" if eval_required else " (optional: adds the barrier table and plot to the card)")
     )
     evaluation.add_argument(
-        "--eval-data", required=eval_required, default=None, metavar="DATA",
+        "--eval-data",
+        required=eval_required,
+        default=None,
+        metavar="DATA",
         help="held-out data the barrier is measured on: text file or folder, datasets id or saved dataset, .pt tensors for ViT",
     )
     EVAL_SOURCE.add_to(evaluation)
     if grid:
-        evaluation.add_argument("--alphas", type=int, default=None, metavar="N", help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)")
+        evaluation.add_argument(
+            "--alphas",
+            type=int,
+            default=None,
+            metavar="N",
+            help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)",
+        )
     fitting = parser.add_argument_group("fitting data (--method activation, learned, dual)")
-    fitting.add_argument("--data", default=None, metavar="DATA", help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT, "
-                         "or 'sampled': text sampled from the language models themselves (--max-batches batches of --batch-size, default 8192 sequences)")
+    fitting.add_argument(
+        "--data",
+        default=None,
+        metavar="DATA",
+        help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT, "
+        "or 'sampled': text sampled from the language models themselves (--max-batches batches of --batch-size, default 8192 sequences)",
+    )
     FIT_SOURCE.add_to(fitting)
     BATCHES.add_to(parser.add_argument_group("batching (both data sets)"))
     learn = parser.add_argument_group(
@@ -475,18 +530,41 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False, p
     group = parser.add_argument_group("models")
     group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
     group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
-    group.add_argument("--revisions", nargs="+", default=None, metavar="REV", help="Hub revision of every model, in order ('-' for the default branch)")
+    group.add_argument(
+        "--revisions",
+        nargs="+",
+        default=None,
+        metavar="REV",
+        help="Hub revision of every model, in order ('-' for the default branch)",
+    )
     method = parser.add_argument_group("method")
     method.add_argument(
-        "--method", choices=NAMES, default="weight",
-        help="alignment before interpolation: " + "; ".join(f"{m.name}, {m.when}" for m in METHODS.values()) + " (default: weight)",
+        "--method",
+        choices=NAMES,
+        default="weight",
+        help="alignment before interpolation: "
+        + "; ".join(f"{m.name}, {m.when}" for m in METHODS.values())
+        + " (default: weight)",
     )
-    method.add_argument("--symmetries", choices=SYMMETRIES, default="full", help="symmetry group the alignment searches (default: full)")
+    method.add_argument(
+        "--symmetries", choices=SYMMETRIES, default="full", help="symmetry group the alignment searches (default: full)"
+    )
     if weights:
-        method.add_argument("--alpha", type=float, default=None, help="two models: weight of MODEL_B in [0, 1] (default: 0.5)")
-        method.add_argument("--weights", type=float, nargs="+", default=None, metavar="W", help="one weight per model, >= 0, summing to 1 (default: uniform)")
         method.add_argument(
-            "--device", default=None, metavar="DEVICE",
+            "--alpha", type=float, default=None, help="two models: weight of MODEL_B in [0, 1] (default: 0.5)"
+        )
+        method.add_argument(
+            "--weights",
+            type=float,
+            nargs="+",
+            default=None,
+            metavar="W",
+            help="one weight per model, >= 0, summing to 1 (default: uniform)",
+        )
+        method.add_argument(
+            "--device",
+            default=None,
+            metavar="DEVICE",
             help="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch sees one, else cpu)",
         )
 
@@ -496,10 +574,16 @@ def _add_messages(parser: argparse.ArgumentParser) -> None:
     command; together they give a log without bars."""
     group = parser.add_argument_group("messages")
     group.add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bars (as TQDM_DISABLE=1 does); results, warnings and errors still print"
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bars (as TQDM_DISABLE=1 does); results, warnings and errors still print",
     )
     group.add_argument(
-        "-v", "--verbose", action="count", default=0,
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
         help="say what each stage does (downloads, alignment, training, writing, pushing); -vv adds details and transformers' own messages",
     )
 
@@ -512,7 +596,11 @@ def cmd_symmetries(args: argparse.Namespace) -> int:
     config = read_config(resolve_checkpoint(args.model))
     spec = adapter_for(config).spec(config)
     print(spec)
-    names = spec.names() if args.all_layers else [n for n in spec.names() if not n.startswith("layers.") or n.startswith("layers.0.")]
+    names = (
+        spec.names()
+        if args.all_layers
+        else [n for n in spec.names() if not n.startswith("layers.") or n.startswith("layers.0.")]
+    )
     for name in names:
         axes = ", ".join("-" if a is None else f"{a[0]}:{a[1]}" for a in axes_of(name))
         print(f"  {name:<28} ({axes})")
@@ -540,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_options(merge, weights=True)
     out = merge.add_argument_group("output and hub")
-    out.add_argument("--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)")
+    out.add_argument(
+        "--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)"
+    )
     OUTPUT.add_to(out)
     out.add_argument(
         "--dry-run",
@@ -564,7 +654,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(bar)
     _add_data_options(bar, eval_required=True)
     report = bar.add_argument_group("report")
-    report.add_argument("--plot", default=None, metavar="FILE.png", help="save the loss-along-path plot (three models: the simplex triangle)")
+    report.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="save the loss-along-path plot (three models: the simplex triangle)",
+    )
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_messages(bar)
     bar.set_defaults(run=cmd_barrier)
@@ -590,7 +685,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="orders of moving the groups to average over: 2 is input to output and back, more add random orders "
         "in reversed pairs; each costs two evaluations per group and path (default: 2)",
     )
-    report.add_argument("--plot", default=None, metavar="FILE.png", help="save a signed bar chart of the parts and total excess")
+    report.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="save a signed bar chart of the parts and total excess"
+    )
     report.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _add_messages(why)
     why.set_defaults(run=cmd_explain)
@@ -603,10 +700,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples("check"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    check.add_argument("models", nargs="*", metavar="MODEL", help="local folders or Hub ids (default: tiny built-in models)")
+    check.add_argument(
+        "models", nargs="*", metavar="MODEL", help="local folders or Hub ids (default: tiny built-in models)"
+    )
     numerics = check.add_argument_group("numerics")
     numerics.add_argument(
-        "--dtype", choices=sorted(TOLERANCE), default="float32",
+        "--dtype",
+        choices=sorted(TOLERANCE),
+        default="float32",
         help="compute dtype; float64 checks to 1e-9 (LLaMA's RMSNorm runs without its float32 downcast)",
     )
     numerics.add_argument("--seed", type=int, default=0, help="seed of the random symmetry and inputs (default: 0)")
@@ -625,7 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples("demo"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--output", "-o", default="hf-lmc-demo", metavar="DIR", help="where to write the merge (default: ./hf-lmc-demo)")
+    demo.add_argument(
+        "--output", "-o", default="hf-lmc-demo", metavar="DIR", help="where to write the merge (default: ./hf-lmc-demo)"
+    )
     demo.add_argument(
         "--train",
         action="store_true",
@@ -639,8 +742,16 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="training steps per model (default: the zoo's 600; trains the pair here)",
     )
-    quick.add_argument("--eval-chars", type=int, default=16384, metavar="N", help="held-out characters to evaluate (default: 16384)")
-    quick.add_argument("--cache-dir", type=Path, default=None, metavar="DIR", help="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
+    quick.add_argument(
+        "--eval-chars", type=int, default=16384, metavar="N", help="held-out characters to evaluate (default: 16384)"
+    )
+    quick.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)",
+    )
     _add_messages(demo)
     demo.set_defaults(run=cmd_demo)
 
@@ -750,11 +861,16 @@ def _add_recipe_commands(commands) -> None:
     for parser in (run, check):
         changes = parser.add_argument_group("changes to the recipe")
         changes.add_argument(
-            "--set", action="append", default=[], metavar="KEY=VALUE",
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
             help="override a key: dotted path, value read as YAML (e.g. zoo.steps=50, method=[weight,dual], sweep.0.name=tiny); repeatable",
         )
         if parser is run:
-            changes.add_argument("--overwrite", action="store_true", help="replace an existing output folder (output.overwrite)")
+            changes.add_argument(
+                "--overwrite", action="store_true", help="replace an existing output folder (output.overwrite)"
+            )
     _add_messages(run)
     run.set_defaults(run=cmd_run)
     check.set_defaults(run=cmd_recipe_check)

@@ -53,13 +53,22 @@ def run_demo(
     start = time.perf_counter()
     output = Path(output)
     check_output_path(output, "output")
-    check_replaceable(output, "output", kinds=DEMO_KINDS)  # re-running replaces its own earlier output, and no other folder
-    entry = zoo.ZOO["gpt2"] if steps is None else zoo.ZOO["gpt2"].scaled(steps=steps, warmup=min(50, max(1, steps // 10)))
+    check_replaceable(
+        output, "output", kinds=DEMO_KINDS
+    )  # re-running replaces its own earlier output, and no other folder
+    entry = (
+        zoo.ZOO["gpt2"] if steps is None else zoo.ZOO["gpt2"].scaled(steps=steps, warmup=min(50, max(1, steps // 10)))
+    )
     a, b = zoo.pair(entry, cache=cache, progress=progress, shipped=not train)
     result = merge(
-        a, b, output, method="weight",
-        eval_data=zoo.held_out(entry, size=eval_chars), eval_options=EvalOptions(batch_size=16),
-        overwrite=True, progress=progress,
+        a,
+        b,
+        output,
+        method="weight",
+        eval_data=zoo.held_out(entry, size=eval_chars),
+        eval_options=EvalOptions(batch_size=16),
+        overwrite=True,
+        progress=progress,
         # the card: the members and data by their zoo names (not cache folders), and the command that made it
         labels=("zoo:gpt2/seed0", "zoo:gpt2/seed1"),
         eval_data_name="zoo:shakespeare (two held-out plays)",

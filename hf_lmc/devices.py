@@ -28,7 +28,9 @@ def compute_device(device: str | torch.device | None = None) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = parse_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"device {str(device)!r} asked for, but torch sees no CUDA device; use cpu (or leave the device unset)")
+        raise UsageError(
+            f"device {str(device)!r} asked for, but torch sees no CUDA device; use cpu (or leave the device unset)"
+        )
     return device
 
 

@@ -37,7 +37,14 @@ Batch = dict[str, torch.Tensor]
 
 
 #: Files a tokenizer is read from; a folder with none of them has no tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
 
 
 class DataError(ValueError):
@@ -48,7 +55,9 @@ class DataSettingError(ParameterError, DataError):
     """A data setting (``parameter``) that does not fit the model."""
 
 
-def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions = EVAL_OPTIONS) -> list[Batch]:
+def load_batches(
+    data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions = EVAL_OPTIONS
+) -> list[Batch]:
     """Evaluation batches for ``config``'s model from any of the accepted data forms.
 
     ``options.name`` picks the configuration of a ``datasets`` id or folder that has several
@@ -57,7 +66,9 @@ def load_batches(data, config: PretrainedConfig, processor_folder: Path | None, 
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], dict):
         return list(data)[: options.max_batches]  # already batches
     if is_sampled(data):
-        raise DataError(f"{SAMPLED!r} names fitting data (--data) sampled from the models; evaluation needs held-out data of its own")
+        raise DataError(
+            f"{SAMPLED!r} names fitting data (--data) sampled from the models; evaluation needs held-out data of its own"
+        )
     if adapter_for(config).takes_images:
         batches = _image_batches(data, processor_folder, options)
         _check_images(batches, config, data)
@@ -92,7 +103,11 @@ def _names_a_local_path(reference: str) -> bool:
     of letters.
     """
     last_component = reference.rsplit("/", 1)[-1]
-    return reference.startswith(("./", "../", "/", "~")) or reference.count("/") > 1 or bool(_LETTER_EXTENSION.search(last_component))
+    return (
+        reference.startswith(("./", "../", "/", "~"))
+        or reference.count("/") > 1
+        or bool(_LETTER_EXTENSION.search(last_component))
+    )
 
 
 def _load_dataset(reference: str | Path, split: str, name: str | None = None):
@@ -104,14 +119,20 @@ def _load_dataset(reference: str | Path, split: str, name: str | None = None):
     if not path.exists() and (isinstance(reference, Path) or _names_a_local_path(reference)):
         raise DataError(f"no such file or folder: {reference}")
     try:
-        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        if path.is_dir() and (
+            (path / "dataset_info.json").is_file()
+            or (path / "state.json").is_file()
+            or (path / "dataset_dict.json").is_file()
+        ):
             ds = datasets.load_from_disk(str(path))
         else:
             ds = datasets.load_dataset(str(reference), name, split=split)
     except Exception as err:  # datasets raises many types; the user needs one clear line
         configurations = _configuration_names(err)
         if configurations and name is None:
-            raise DataError(f"{reference} has several configurations ({', '.join(configurations)}): name one (--data-name or --eval-data-name; name: in a recipe)") from err
+            raise DataError(
+                f"{reference} has several configurations ({', '.join(configurations)}): name one (--data-name or --eval-data-name; name: in a recipe)"
+            ) from err
         if configurations:
             raise DataError(f"{reference} has no configuration {name!r} (has {', '.join(configurations)})") from err
         raise DataError(f"cannot load evaluation data {str(reference)!r}: {err}") from err
@@ -168,12 +189,16 @@ def _text_rows(data, split: str, name: str | None):
             return _file_texts(files), "text"
         data = _load_dataset(data, split, name)
     elif isinstance(data, Sequence) and all(isinstance(t, str) for t in data):
-        return datasets.Dataset.from_dict({"text": list(data)}, features=datasets.Features({"text": datasets.Value("string")})), "text"
+        return datasets.Dataset.from_dict(
+            {"text": list(data)}, features=datasets.Features({"text": datasets.Value("string")})
+        ), "text"
     columns = getattr(data, "column_names", None)
     if columns is None:
         raise DataError(f"cannot read text from {type(data).__name__}")
     features = data.features or {}
-    text_columns = [c for c in columns if c == "text"] or [c for c in columns if getattr(features.get(c), "dtype", None) == "string"]
+    text_columns = [c for c in columns if c == "text"] or [
+        c for c in columns if getattr(features.get(c), "dtype", None) == "string"
+    ]
     if not text_columns:
         raise DataError(f"dataset has no text column (columns: {', '.join(columns)})")
     rows = data.select_columns(text_columns[:1])
@@ -216,7 +241,9 @@ def read_text_file(path: Path) -> str:
         except UnicodeDecodeError as err:
             offset = err.start
     if offset >= 0:
-        raise DataError(f"{path} is not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset}); pass text files saved as UTF-8")
+        raise DataError(
+            f"{path} is not UTF-8 text (byte 0x{data[offset]:02x} at offset {offset}); pass text files saved as UTF-8"
+        )
     controls = len(data) - len(data.translate(None, _NOT_TEXT_CONTROLS))
     if controls > _MOST_CONTROL * len(text):
         raise DataError(f"{path} is not text: {controls} of its {len(text)} characters are control characters")
@@ -274,10 +301,14 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
     seq_len = _sequence_length(config, options)
     enough = options.max_batches * options.batch_size * seq_len if options.max_batches else None
     ids = _token_ids(rows, column, tokenizer, enough)
-    if len(ids) < seq_len:  # no whole block; transformers 5 gives a folder without tokenizer files a tokenizer that yields nothing
+    if (
+        len(ids) < seq_len
+    ):  # no whole block; transformers 5 gives a folder without tokenizer files a tokenizer that yields nothing
         files = any((Path(tokenizer_folder) / file_name).is_file() for file_name in TOKENIZER_FILES)
         hint = "" if files else f"; {tokenizer_folder} has no tokenizer files: copy model A's tokenizer into it"
-        raise DataError(f"the text gave {len(ids)} tokens with model A's tokenizer, fewer than one block of {seq_len}{hint}")
+        raise DataError(
+            f"the text gave {len(ids)} tokens with model A's tokenizer, fewer than one block of {seq_len}{hint}"
+        )
     blocks = torch.tensor(ids[: len(ids) // seq_len * seq_len], dtype=torch.long).reshape(-1, seq_len)
     return [{"input_ids": chunk} for chunk in blocks.split(options.batch_size)]
 
@@ -306,8 +337,13 @@ def sampled_count(options: EvalOptions) -> int:
 
 
 def fitting_batches(
-    data, config: PretrainedConfig, processor_folder: Path | None, options: EvalOptions, *,
-    models: Sequence[PreTrainedModel | Callable[[], PreTrainedModel]] = (), progress: bool = True,
+    data,
+    config: PretrainedConfig,
+    processor_folder: Path | None,
+    options: EvalOptions,
+    *,
+    models: Sequence[PreTrainedModel | Callable[[], PreTrainedModel]] = (),
+    progress: bool = True,
 ) -> list[Batch]:
     """The fitting batches of ``data``: :func:`sample_batches` from ``models`` when ``data`` is
     :data:`SAMPLED` (under a launch the main process samples and sends them to the others), else
@@ -315,15 +351,25 @@ def fitting_batches(
     if not is_sampled(data):
         return load_batches(data, config, processor_folder, options)
     if adapter_for(config).takes_images:
-        raise DataError(f"{SAMPLED!r} fitting data samples text from language models; an image model needs images (--data)")
+        raise DataError(
+            f"{SAMPLED!r} fitting data samples text from language models; an image model needs images (--data)"
+        )
     if Path(SAMPLED).exists():
-        raise DataError(f"{SAMPLED!r} names sequences sampled from the models, and ./{SAMPLED} exists too: write ./{SAMPLED} to fit on it")
-    return computed_on_main(lambda: sample_batches(models, _sequence_length(config, options), options, progress=progress))
+        raise DataError(
+            f"{SAMPLED!r} names sequences sampled from the models, and ./{SAMPLED} exists too: write ./{SAMPLED} to fit on it"
+        )
+    return computed_on_main(
+        lambda: sample_batches(models, _sequence_length(config, options), options, progress=progress)
+    )
 
 
 def sample_batches(
-    models: Sequence[PreTrainedModel | Callable[[], PreTrainedModel]], seq_len: int, options: EvalOptions = FIT_OPTIONS, *,
-    seed: int = 0, progress: bool = True,
+    models: Sequence[PreTrainedModel | Callable[[], PreTrainedModel]],
+    seq_len: int,
+    options: EvalOptions = FIT_OPTIONS,
+    *,
+    seed: int = 0,
+    progress: bool = True,
 ) -> list[Batch]:
     """Batches of token sequences drawn from ``models`` at temperature 1, an equal share from each,
     shuffled together: ``options.max_batches`` batches of ``options.batch_size`` (by default
@@ -431,7 +477,9 @@ def _image_batches(data, processor_folder: Path | None, options: EvalOptions) ->
         except CheckpointError as err:
             raise DataError(str(err)) from None
         except (OSError, RuntimeError, EOFError) as err:
-            raise DataError(f"cannot read {data} as a .pt file of image tensors ({type(err).__name__}: {str(err).strip()[:200]})") from None
+            raise DataError(
+                f"cannot read {data} as a .pt file of image tensors ({type(err).__name__}: {str(err).strip()[:200]})"
+            ) from None
         if not isinstance(data, dict):
             raise DataError(
                 f"{describe_data(source)} holds a {type(data).__name__}; a .pt file of images holds a dict of 'pixel_values' and 'labels'"
@@ -440,7 +488,10 @@ def _image_batches(data, processor_folder: Path | None, options: EvalOptions) ->
         if "pixel_values" not in data or "labels" not in data:
             raise DataError("image tensors must be a dict with 'pixel_values' and 'labels'")
         pixels, labels = data["pixel_values"], data["labels"]
-        return [{"pixel_values": p, "labels": y} for p, y in zip(pixels.split(options.batch_size), labels.split(options.batch_size))]
+        return [
+            {"pixel_values": p, "labels": y}
+            for p, y in zip(pixels.split(options.batch_size), labels.split(options.batch_size))
+        ]
     dataset = _load_dataset(data, options.split, options.name) if isinstance(data, (str, Path)) else data
     columns = dataset.column_names
     label = next((c for c in ("label", "labels", "target") if c in columns), None)
@@ -458,7 +509,11 @@ def _image_batches(data, processor_folder: Path | None, options: EvalOptions) ->
     n = len(dataset) if options.max_batches is None else min(len(dataset), options.max_batches * options.batch_size)
     for start in range(0, n, options.batch_size):
         rows = dataset[start : min(start + options.batch_size, n)]
-        pixels = torch.as_tensor(processor(rows[image], return_tensors="pt")["pixel_values"]) if processor else torch.as_tensor(rows[image])
+        pixels = (
+            torch.as_tensor(processor(rows[image], return_tensors="pt")["pixel_values"])
+            if processor
+            else torch.as_tensor(rows[image])
+        )
         batches.append({"pixel_values": pixels.float(), "labels": torch.as_tensor(rows[label])})
     return batches
 
@@ -503,7 +558,9 @@ def evaluate(model: PreTrainedModel, batches: Iterable[Batch]) -> EvalResult:
                 total += next_token_loss(hidden, head, ids).item() * targets
             else:
                 logits = model(input_ids=ids).logits[:, :-1]
-                total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum").item()
+                total += F.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="sum"
+                ).item()
             count += targets
         else:
             logits = model(pixel_values=batch["pixel_values"].to(model.dtype)).logits

@@ -190,10 +190,20 @@ def explain(
     ends = {"vanilla": (state_a, canonical_b.state_dict())}
     if method != "average":
         fit_batches = (
-            fitting_batches(fit_data, a.model.config, a.folder, fit_options, models=[a.model, b.model], progress=progress)
-            if METHODS[method].needs_data else None
+            fitting_batches(
+                fit_data, a.model.config, a.folder, fit_options, models=[a.model, b.model], progress=progress
+            )
+            if METHODS[method].needs_data
+            else None
         )
-        t_a, t_b = align_many(method, [canonical_a, canonical_b], symmetries=symmetries, batches=fit_batches, learn=learn, progress=progress)
+        t_a, t_b = align_many(
+            method,
+            [canonical_a, canonical_b],
+            symmetries=symmetries,
+            batches=fit_batches,
+            learn=learn,
+            progress=progress,
+        )
         # dual matching moves A too: its path runs between T_A(A), which computes what A does, and T_B(B)
         moved_a = t_a.to(dtype).apply(canonical_a).state_dict() if t_a.maps else state_a
         ends[method] = (moved_a, t_b.to(dtype).apply(canonical_b).state_dict())

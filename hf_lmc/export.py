@@ -79,7 +79,11 @@ class _ShardWriter:
         if self.data is None:
             self.data = open(self._data_path(), "wb")  # noqa: SIM115 (closed in flush)
             self.data.seek(self._reserved())
-        self.entries[key] = {"dtype": _DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [self.offset, self.offset + size]}
+        self.entries[key] = {
+            "dtype": _DTYPE_NAMES[dtype],
+            "shape": shape,
+            "data_offsets": [self.offset, self.offset + size],
+        }
         self.total += size
         self.total_parameters += math.prod(shape)
 
@@ -98,7 +102,11 @@ class _ShardWriter:
         if self.data is None:
             return
         header = json.dumps({"__metadata__": {"format": "pt"}, **self.entries}, separators=(",", ":")).encode()
-        path, data_path, reserved = self.folder / f"shard-{len(self.shards):05d}.tmp", self._data_path(), self._reserved()
+        path, data_path, reserved = (
+            self.folder / f"shard-{len(self.shards):05d}.tmp",
+            self._data_path(),
+            self._reserved(),
+        )
         if 8 + len(header) <= reserved:  # the header fits in front of the data: write it in place
             self.data.seek(0)
             self.data.write(struct.pack("<Q", reserved - 8) + header.ljust(reserved - 8))
@@ -150,7 +158,11 @@ def _write_row_blocks(writer: _ShardWriter, group: RowBlocks, prepare) -> None:
     if len(streamed) == 1:
         (key,) = streamed
         chunk = first.pop(key)
-        writer.add_rows(key, [group.total_rows, *chunk.shape[1:]], itertools.chain([prepare(key, chunk)], (prepare(key, b[key]) for b in group.blocks)))
+        writer.add_rows(
+            key,
+            [group.total_rows, *chunk.shape[1:]],
+            itertools.chain([prepare(key, chunk)], (prepare(key, b[key]) for b in group.blocks)),
+        )
         return
     # Several row tensors would interleave in the file: gather them (no adapter has more than one).
     parts = {key: [first.pop(key)] for key in streamed}
@@ -223,7 +235,8 @@ def write_checkpoint(
                     largest = tensor.abs().max().item()
                     raise ParameterError(
                         f"{key} overflows {str(dtype).removeprefix('torch.')} (largest magnitude {largest:.3g}); "
-                        "write it with {} bfloat16 or float32", "dtype",
+                        "write it with {} bfloat16 or float32",
+                        "dtype",
                     )
                 tensor = cast
             return tensor.cpu().contiguous()
@@ -248,7 +261,9 @@ def write_checkpoint(
             GenerationConfig.from_model_config(config).save_pretrained(staging)
         _drop_context_max_length(staging / GENERATION_CONFIG, config)
         for name in PROCESSOR_FILES if source_folder is not None else ():
-            tokenizer = tokenizer_folder is not None and name in TOKENIZER_COPIED  # the tokenizer's files from its own folder
+            tokenizer = (
+                tokenizer_folder is not None and name in TOKENIZER_COPIED
+            )  # the tokenizer's files from its own folder
             from_folder = tokenizer_folder if tokenizer else source_folder
             copy_model_file(from_folder, name, staging / name)
         for name, path in (extra_files or {}).items():
@@ -277,7 +292,9 @@ def check_writable(output: str | Path, needed_bytes: int = 0) -> None:
         raise PermissionError(f"cannot write {output}: {here} is not writable; choose another output folder")
     free = shutil.disk_usage(here).free
     if needed_bytes > free:
-        raise OSError(f"{output} needs about {needed_bytes / 1e9:.2f} GB but {here} has {free / 1e9:.2f} GB free; free some space or choose another output folder")
+        raise OSError(
+            f"{output} needs about {needed_bytes / 1e9:.2f} GB but {here} has {free / 1e9:.2f} GB free; free some space or choose another output folder"
+        )
 
 
 def _drop_context_max_length(path: Path, config: PretrainedConfig) -> None:
@@ -315,6 +332,9 @@ def save_canonical(canonical: CanonicalModel, output_dir: str | Path, **options)
     """Export a canonical model straight to a stock HF folder, one layer at a time."""
     config = export_config(canonical)
     return write_checkpoint(
-        hf_state_dict_groups(canonical, config, block_rows=block_rows(canonical.spec)), config, output_dir,
-        total_groups=len(canonical.spec.groups()), **options
+        hf_state_dict_groups(canonical, config, block_rows=block_rows(canonical.spec)),
+        config,
+        output_dir,
+        total_groups=len(canonical.spec.groups()),
+        **options,
     )

@@ -58,8 +58,16 @@ def _shifted_exp_(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return e, e.sum(-1, keepdim=True), top
 
 
-def _slice(h: Tensor, weight: Tensor, target: Target, rows: slice, m: Tensor, count: Tensor, wide: torch.dtype,
-           grads: tuple[Tensor | None, Tensor | None]) -> Tensor:
+def _slice(
+    h: Tensor,
+    weight: Tensor,
+    target: Target,
+    rows: slice,
+    m: Tensor,
+    count: Tensor,
+    wide: torch.dtype,
+    grads: tuple[Tensor | None, Tensor | None],
+) -> Tensor:
     """One slice: its share of the loss's numerator, its gradients written into ``grads`` (the
     rows of ``dL/dh``, the sum ``dL/dW``). A function of its own so that the slice's buffers are
     freed when it returns, before the next slice allocates."""
@@ -108,8 +116,16 @@ class _SlicedCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], rows):
                 stop = min(start + rows, hidden.shape[0])
                 grads = (grad_hidden[start:stop] if wants_hidden else None, grad_head)
-                total += _slice(hidden[start:stop].to(compute), weight, target, slice(start, stop),
-                                row_weights[start:stop].to(wide), count, wide, grads)
+                total += _slice(
+                    hidden[start:stop].to(compute),
+                    weight,
+                    target,
+                    slice(start, stop),
+                    row_weights[start:stop].to(wide),
+                    count,
+                    wide,
+                    grads,
+                )
         ctx.save_for_backward(*(x for x in (grad_hidden, grad_head) if x is not None))
         ctx.wants = (wants_hidden, wants_head)
         ctx.dtypes = (hidden.dtype, head.dtype)
@@ -118,11 +134,15 @@ class _SlicedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         saved = iter(ctx.saved_tensors)
-        grads = [(next(saved) * grad_output).to(dtype) if wants else None for wants, dtype in zip(ctx.wants, ctx.dtypes)]
+        grads = [
+            (next(saved) * grad_output).to(dtype) if wants else None for wants, dtype in zip(ctx.wants, ctx.dtypes)
+        ]
         return grads[0], grads[1], None, None, None
 
 
-def sliced_cross_entropy(hidden: Tensor, head: Tensor, target: Target, row_weights: Tensor, rows: int | None = None) -> Tensor:
+def sliced_cross_entropy(
+    hidden: Tensor, head: Tensor, target: Target, row_weights: Tensor, rows: int | None = None
+) -> Tensor:
     """The mean cross-entropy, weighted by ``row_weights``, of ``softmax(hidden @ head.T)`` to
     ``target``, never holding more than one slice of the logits.
 
@@ -136,12 +156,16 @@ def sliced_cross_entropy(hidden: Tensor, head: Tensor, target: Target, row_weigh
         rows: positions per slice (default: :data:`SLICE_BYTES` of float32 logits).
     """
     if hidden.dim() != 2 or head.dim() != 2 or hidden.shape[1] != head.shape[1]:
-        raise ValueError(f"hidden (N x d) and head (V x d) must share d; got {tuple(hidden.shape)} and {tuple(head.shape)}")
+        raise ValueError(
+            f"hidden (N x d) and head (V x d) must share d; got {tuple(hidden.shape)} and {tuple(head.shape)}"
+        )
     rows = rows or max(1, SLICE_BYTES // (4 * head.shape[0]))
     return _SlicedCrossEntropy.apply(hidden, head, row_weights, target, rows)
 
 
-def next_token_loss(hidden: Tensor, head: Tensor, labels: Tensor, ignore_index: int = -100, rows: int | None = None) -> Tensor:
+def next_token_loss(
+    hidden: Tensor, head: Tensor, labels: Tensor, ignore_index: int = -100, rows: int | None = None
+) -> Tensor:
     """A causal LM's loss as its HF class computes it (position i predicts ``labels[i + 1]``;
     ``ignore_index`` labels and the last position count for nothing), from ``B x S x d`` hidden
     states and the head, a slice of positions at a time."""

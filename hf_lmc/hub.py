@@ -81,7 +81,9 @@ def shown_command(words: Sequence[str]) -> str:
 
 def command_markdown(words: Sequence[str]) -> str:
     """The Reproduce text of a merge made by the command line ``words``: one sentence, then the command."""
-    return f"It was made by this command (local paths reduced to their last part):\n\n```bash\n{shown_command(words)}\n```"
+    return (
+        f"It was made by this command (local paths reduced to their last part):\n\n```bash\n{shown_command(words)}\n```"
+    )
 
 
 def resolve_checkpoint(reference: str | Path, revision: str | None = None, *, weights: bool = True) -> Path:
@@ -108,7 +110,9 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None, *, we
             folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + BIN_PATTERNS))
         return folder
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise FileNotFoundError(f"{reference} is neither a local folder nor a Hub model repo ({type(err).__name__})") from err
+        raise FileNotFoundError(
+            f"{reference} is neither a local folder nor a Hub model repo ({type(err).__name__})"
+        ) from err
     except (LocalEntryNotFoundError, HfHubHTTPError) as err:
         raise FileNotFoundError(f"could not download {reference} from the Hub and it is not cached: {err}") from err
 
@@ -137,14 +141,21 @@ def push_folder(
     try:
         url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder), commit_message=commit_message, revision=revision, repo_type="model",
+            repo_id=repo_id,
+            folder_path=str(folder),
+            commit_message=commit_message,
+            revision=revision,
+            repo_type="model",
             ignore_patterns=[MARKER, f"{MARKER}.*"],  # hf_lmc's record of its own files, not part of the model
         )
-    except Exception as err:  # the Hub client raises HTTP, connection and auth errors of many types; the user needs one line
+    except (
+        Exception
+    ) as err:  # the Hub client raises HTTP, connection and auth errors of many types; the user needs one line
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise PushError(
             f"{folder} is written, but pushing it to {repo_id} failed ({type(err).__name__}: {reason}); "
-            f"push it without merging again: hf upload {repo_id} {folder} --exclude {MARKER}" + (" --private" if private else "")
+            f"push it without merging again: hf upload {repo_id} {folder} --exclude {MARKER}"
+            + (" --private" if private else "")
         ) from err
     return str(url)
 

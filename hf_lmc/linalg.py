@@ -80,7 +80,9 @@ def assign(similarity: Tensor) -> Tensor:
     """
     cost = similarity.detach().to("cpu", torch.float64, copy=True).neg_()  # scipy solves on the CPU
     rows, cols = linear_sum_assignment(cost.numpy())  # a C-contiguous float64 array: not copied
-    return perm_from_pairs(torch.as_tensor(rows, device="cpu").long(), torch.as_tensor(cols, device="cpu").long(), similarity.shape[1])
+    return perm_from_pairs(
+        torch.as_tensor(rows, device="cpu").long(), torch.as_tensor(cols, device="cpu").long(), similarity.shape[1]
+    )
 
 
 def perm_from_pairs(rows: Tensor, cols: Tensor, n: int) -> Tensor:
@@ -88,4 +90,3 @@ def perm_from_pairs(rows: Tensor, cols: Tensor, n: int) -> Tensor:
     perm = torch.empty(n, dtype=torch.long, device="cpu")
     perm[cols] = rows
     return perm
-

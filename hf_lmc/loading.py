@@ -30,7 +30,8 @@ def load_model(reference, revision: str | None = None) -> LoadedModel:
     folder = resolve_checkpoint(reference, revision)
     config = read_config(folder)
     adapter = adapter_for(config)
-    Checkpoint(folder, adapter, config).close()  # missing, corrupt, mis-shaped or integer tensors: our message, not transformers'
+    Checkpoint(
+        folder, adapter, config
+    ).close()  # missing, corrupt, mis-shaped or integer tensors: our message, not transformers'
     model = adapter.model_class.from_pretrained(folder)
     return LoadedModel(model.eval(), folder)
-

@@ -54,13 +54,25 @@ METHODS: dict[str, Method] = {
     method.name: method
     for method in (
         Method(
-            "average", needs_data=False, multi=True, trained=False, moves="nothing",
-            pair_matcher=None, many_matcher=None, pair_card="", many_card="",
+            "average",
+            needs_data=False,
+            multi=True,
+            trained=False,
+            moves="nothing",
+            pair_matcher=None,
+            many_matcher=None,
+            pair_card="",
+            many_card="",
             when="the vanilla baseline: a plain weighted average of the stored weights",
         ),
         Method(
-            "weight", needs_data=False, multi=True, trained=False, moves="B; with 3+ models every model (universe matching)",
-            pair_matcher="WeightMatcher", many_matcher="UniverseMatcher",
+            "weight",
+            needs_data=False,
+            multi=True,
+            trained=False,
+            moves="B; with 3+ models every model (universe matching)",
+            pair_matcher="WeightMatcher",
+            many_matcher="UniverseMatcher",
             pair_card="model B was aligned to model A by data-free weight matching over its function-preserving symmetries, ",
             many_card="aligned to one shared reference by universe weight matching (each model matched without data, over "
             "its function-preserving symmetries, to the weighted average of the others as aligned so far, repeated until "
@@ -68,16 +80,26 @@ METHODS: dict[str, Method] = {
             when="the default: data-free, streamed layer by layer, fit for billion-parameter checkpoints",
         ),
         Method(
-            "activation", needs_data=True, multi=False, trained=False, moves="B",
-            pair_matcher="ActivationMatcher", many_matcher=None,
+            "activation",
+            needs_data=True,
+            multi=False,
+            trained=False,
+            moves="B",
+            pair_matcher="ActivationMatcher",
+            many_matcher=None,
             pair_card="model B was aligned to model A by matching their activations on calibration data over the "
             "function-preserving symmetries, ",
             many_card="",
             when="the same structure with costs from activations, when calibration data is at hand",
         ),
         Method(
-            "learned", needs_data=True, multi=True, trained=True, moves="B; with 3+ models all but the first",
-            pair_matcher="LearnedMatcher", many_matcher="LearnedMatcher",
+            "learned",
+            needs_data=True,
+            multi=True,
+            trained=True,
+            moves="B; with 3+ models all but the first",
+            pair_matcher="LearnedMatcher",
+            many_matcher="LearnedMatcher",
             pair_card="model B's symmetry transform was learned (from the weight-matching solution) to lower the loss "
             "along the linear path, ",
             many_card="aligned by universe weight matching, and then every model's but the first's symmetry transform was "
@@ -86,8 +108,13 @@ METHODS: dict[str, Method] = {
             when="to flatten the path beyond weight matching: B's transform trained on the loss along the path",
         ),
         Method(
-            "dual", needs_data=True, multi=True, trained=True, moves="A and B; with 3+ models every model",
-            pair_matcher="DualMatcher", many_matcher="DualMatcher",
+            "dual",
+            needs_data=True,
+            multi=True,
+            trained=True,
+            moves="A and B; with 3+ models every model",
+            pair_matcher="DualMatcher",
+            many_matcher="DualMatcher",
             pair_card="both models' symmetry transforms were learned (dual matching, from the weight-matching solution) "
             "toward one shared low-loss linear path, ",
             many_card="aligned by universe weight matching, and then every model's symmetry transform was learned to lower "
@@ -118,7 +145,8 @@ def check_method(name: str, data, count: int = 2, data_parameter: str = "data") 
     if entry.needs_data and data is None:
         raise ParameterError(
             f"method {name!r} learns from data: pass {{}} (a text file or folder, a datasets id, .pt tensors for ViT, "
-            "or 'sampled' for text sampled from the language models themselves)", data_parameter
+            "or 'sampled' for text sampled from the language models themselves)",
+            data_parameter,
         )
     return entry
 

@@ -84,7 +84,15 @@ def clipped(value, limit: int = 60) -> str:
 #: the warmup and total steps (the rest need a metric to step on or arguments of their own, and
 #: would fail once training had started). Listed here, not read from transformers, so that a
 #: schedule is checked before torch is imported; tests/test_cli.py holds it to transformers.
-SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
+SCHEDULES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+)
 
 
 class Options(BaseModel):
@@ -101,7 +109,9 @@ def check_orthogonal(orthogonal: str, frame: str = "own") -> None:
     if frame not in FRAMES:
         raise ValueError(f"unknown frame {frame!r}; choose from {FRAMES}")
     if orthogonal == "polar" and frame != "own":
-        raise ValueError(f"the polar parameterisation has no fixed base to step around; frame={frame!r} needs 'cayley' or 'exp'")
+        raise ValueError(
+            f"the polar parameterisation has no fixed base to step around; frame={frame!r} needs 'cayley' or 'exp'"
+        )
 
 
 def parse_size(size: str | int) -> int:
@@ -113,7 +123,9 @@ def parse_size(size: str | int) -> int:
         if not m:
             raise ValueError(f"cannot read shard size {size!r}; use e.g. 5GB, 500MB or a number of bytes")
         if m.group(2) == "B":  # mergekit reads 5B as five billion parameters; here it would be five bytes
-            raise ValueError(f"shard size {size!r} would be {m.group(1)} bytes; write the unit, e.g. {m.group(1)}GB, or a bare number of bytes")
+            raise ValueError(
+                f"shard size {size!r} would be {m.group(1)} bytes; write the unit, e.g. {m.group(1)}GB, or a bare number of bytes"
+            )
         value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
     if value <= 0:
         raise ValueError(f"shard size must be positive, got {size!r}")
@@ -144,18 +156,32 @@ class LearnOptions(Options):
     """How learned and dual matching train their transforms (see :class:`hf_lmc.DualMatcher` and
     docs/learned-matching.md). Checked when built, so a conflict fails before any model loads."""
 
-    steps: int = Field(1000, ge=0, description="training steps of learned and dual matching: the budget, when --target-barrier stops them sooner")
+    steps: int = Field(
+        1000,
+        ge=0,
+        description="training steps of learned and dual matching: the budget, when --target-barrier stops them sooner",
+    )
     target_barrier: float | None = Field(
-        0.02, ge=0,
+        0.02,
+        ge=0,
         description="stop learned and dual matching of two models once the path's barrier, estimated every 50 steps on the "
         "last eighth of the fitting batches (held out of training), is at most this many nats; 0 trains the whole budget",
     )
-    lr: float = Field(1e-2, gt=0, description="Adam learning rate of learned and dual matching (the peak of the schedule)")
-    residual_lr: float | None = Field(
-        None, gt=0, description="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: lr)"
+    lr: float = Field(
+        1e-2, gt=0, description="Adam learning rate of learned and dual matching (the peak of the schedule)"
     )
-    schedule: str = Field("cosine", description="learning-rate schedule: a transformers scheduler name that needs only the warmup and total steps (cosine, constant, linear, ...)")
-    warmup: int | None = Field(None, ge=0, description="linear warmup steps of the schedule (default: a twentieth of the steps)")
+    residual_lr: float | None = Field(
+        None,
+        gt=0,
+        description="learning rate of the residual (orthogonal) maps, which turn every layer's stream at once (default: lr)",
+    )
+    schedule: str = Field(
+        "cosine",
+        description="learning-rate schedule: a transformers scheduler name that needs only the warmup and total steps (cosine, constant, linear, ...)",
+    )
+    warmup: int | None = Field(
+        None, ge=0, description="linear warmup steps of the schedule (default: a twentieth of the steps)"
+    )
     permutations: Literal["fixed", "ste", "sinkhorn"] = Field(
         "fixed",
         description="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian (ste) or Sinkhorn",
@@ -172,9 +198,13 @@ class LearnOptions(Options):
         description="train the merge toward the models' own predictions mixed at the same weights (ensemble: one extra "
         "forward per model and step), or toward the data's labels",
     )
-    lambda_range: tuple[float, float] = Field((0.4, 0.6), description="two models: interpolation weights are drawn uniformly from this range")
+    lambda_range: tuple[float, float] = Field(
+        (0.4, 0.6), description="two models: interpolation weights are drawn uniformly from this range"
+    )
     worst_fraction: float = Field(
-        0.5, ge=0, le=1,
+        0.5,
+        ge=0,
+        le=1,
         description="two models: share of the weights drawn near the path's current worst point instead, re-located every 50 steps "
         "(0: all from lambda_range)",
     )
@@ -184,10 +214,13 @@ class LearnOptions(Options):
         "proportion to its excess (for paths with two humps of about one height)",
     )
     input_noise: float = Field(
-        0.0, ge=0, description="image models: std of Gaussian noise added to the training images at every step (0: none)"
+        0.0,
+        ge=0,
+        description="image models: std of Gaussian noise added to the training images at every step (0: none)",
     )
     concentration: float = Field(
-        1.0, gt=0,
+        1.0,
+        gt=0,
         description="three or more models: the weights of each step are drawn from Dirichlet(concentration * 1): 1 is uniform over "
         "the simplex, below 1 favours its vertices and edges, above 1 its centre",
     )
@@ -233,7 +266,8 @@ class AccelerateOptions(Options):
     holds one mixed-precision setting, so a run that changes it needs a fresh process."""
 
     mixed_precision: Literal["no", "fp16", "bf16"] = Field(
-        "no", description="autocast of the training loop; with --shard-endpoints also the dtype the models' layers are gathered in"
+        "no",
+        description="autocast of the training loop; with --shard-endpoints also the dtype the models' layers are gathered in",
     )
     gradient_accumulation_steps: PositiveInt = Field(1, description="batches per optimiser step")
     shard_endpoints: bool = Field(
@@ -253,7 +287,9 @@ class AccelerateOptions(Options):
         "atomically) to this folder every --checkpoint-every steps and at the end, so that a killed run can --resume; a new or "
         "empty folder, or one a run saved to",
     )
-    checkpoint_every: PositiveInt = Field(100, description="steps between saves of the training state to --checkpoint-dir")
+    checkpoint_every: PositiveInt = Field(
+        100, description="steps between saves of the training state to --checkpoint-dir"
+    )
     resume: bool = Field(
         False,
         description="continue from the state last saved in --checkpoint-dir (run with the same models, data, settings and number "
@@ -273,7 +309,9 @@ class EvalOptions(Options):
     """How a data set is cut into batches, and which split of a datasets id is read."""
 
     batch_size: PositiveInt = Field(8, description="sequences (images) per batch")
-    seq_len: PositiveInt | None = Field(None, description="tokens per sequence (default: min(128, the model's context))")
+    seq_len: PositiveInt | None = Field(
+        None, description="tokens per sequence (default: min(128, the model's context))"
+    )
     max_batches: PositiveInt | None = Field(None, description="use at most this many batches of the data")
     split: str = Field("test", description="split of a datasets id to read")
     name: str | None = Field(None, description="configuration of a datasets id with several, e.g. wikitext-103-raw-v1")
@@ -298,7 +336,9 @@ class OutputOptions(Options):
     """How the merged checkpoint is written and published."""
 
     shard_size: str | int = Field("5GB", description="maximum shard size, e.g. 5GB or 500MB")
-    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="dtype of the written weights (default: the first model's)")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None, description="dtype of the written weights (default: the first model's)"
+    )
     push_to_hub: str | None = Field(None, description="Hub model repo to upload the merged folder to")
     private: bool = Field(False, description="create the Hub repo as private")
     overwrite: bool = Field(False, description="replace an existing output folder")
@@ -327,7 +367,11 @@ class OutputOptions(Options):
         if isinstance(value, str):
             value = value.strip().lower()
             value = int(value) if value.isdigit() else value
-        if value is None or value in _MODEL_LETTERS or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if (
+            value is None
+            or value in _MODEL_LETTERS
+            or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+        ):
             return value
         raise ValueError(f"name a model: a, b or its number (1, 2, ...), got {clipped(value)}")
 
@@ -351,30 +395,47 @@ class MergeSpec(OutputOptions):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
-    models: tuple[str, ...] = Field(min_length=2, description="local folders or Hub ids; the first one's config, tokenizer and dtype are used")
+    models: tuple[str, ...] = Field(
+        min_length=2, description="local folders or Hub ids; the first one's config, tokenizer and dtype are used"
+    )
     output: str = Field(description="folder to write")
-    revisions: tuple[str | None, ...] | None = Field(None, description="Hub revision per model (None entries: the default branch)")
-    weights: tuple[float, ...] | None = Field(None, description="one weight per model, >= 0, summing to 1 (default: uniform)")
+    revisions: tuple[str | None, ...] | None = Field(
+        None, description="Hub revision per model (None entries: the default branch)"
+    )
+    weights: tuple[float, ...] | None = Field(
+        None, description="one weight per model, >= 0, summing to 1 (default: uniform)"
+    )
     method: str = Field("weight", description="alignment method (hf_lmc.methods)")
-    symmetries: Any = Field("full", description="symmetry group the alignment searches: full, permutation, or a set of kinds")
-    device: str | None = Field(None, description="where weight matching and the export's products run (default: a GPU when torch sees one)")
-    data: Any = Field(None, description="fitting data of activation, learned and dual matching (anything hf_lmc.evaluation.load_batches reads)")
+    symmetries: Any = Field(
+        "full", description="symmetry group the alignment searches: full, permutation, or a set of kinds"
+    )
+    device: str | None = Field(
+        None, description="where weight matching and the export's products run (default: a GPU when torch sees one)"
+    )
+    data: Any = Field(
+        None,
+        description="fitting data of activation, learned and dual matching (anything hf_lmc.evaluation.load_batches reads)",
+    )
     data_options: EvalOptions = Field(FIT_OPTIONS, description="how the fitting data is batched")
     learn: LearnOptions = Field(LearnOptions(), description="learned and dual matching")
     accelerate: AccelerateOptions = Field(AccelerateOptions(), description="accelerate settings of the training loop")
     eval_data: Any = Field(None, description="held-out data: the barrier table and plot go into the card")
     eval_options: EvalOptions = Field(EVAL_OPTIONS, description="how the evaluation data is batched")
     alphas: int | tuple[float, ...] | None = Field(
-        None, description="evaluation grid: points per edge (default 11 for two models, 5 for more), or the alpha grid itself"
+        None,
+        description="evaluation grid: points per edge (default 11 for two models, 5 for more), or the alpha grid itself",
     )
     labels: tuple[str | None, ...] | None = Field(
-        None, description="how the model card names each model (default, or None: a Hub id as given, a local folder by its name)"
+        None,
+        description="how the model card names each model (default, or None: a Hub id as given, a local folder by its name)",
     )
     made_with: str | None = Field(
-        None, description="markdown for the card's Reproduce section: the command line or recipe that made the merge (default: these settings)"
+        None,
+        description="markdown for the card's Reproduce section: the command line or recipe that made the merge (default: these settings)",
     )
     repo_hint: str | None = Field(
-        None, description="what the card's usage example loads the merge from (default: push_to_hub, else the output folder's name)"
+        None,
+        description="what the card's usage example loads the merge from (default: push_to_hub, else the output folder's name)",
     )
     eval_data_name: str | None = Field(
         None,
@@ -393,7 +454,9 @@ class MergeSpec(OutputOptions):
         """Checked here, before any work: a grid of fewer than two points (``--alphas 0``) has no line to measure above."""
         if isinstance(alphas, int) and alphas < 2:
             raise ValueError(f"the evaluation grid needs at least 2 points, got {alphas}")
-        if isinstance(alphas, tuple) and (len(alphas) < 2 or list(alphas) != sorted(alphas) or alphas[0] != 0 or alphas[-1] != 1):
+        if isinstance(alphas, tuple) and (
+            len(alphas) < 2 or list(alphas) != sorted(alphas) or alphas[0] != 0 or alphas[-1] != 1
+        ):
             raise ValueError("an explicit alpha grid runs from 0 to 1, increasing, with at least 2 points")
         return alphas
 

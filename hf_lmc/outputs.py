@@ -128,7 +128,9 @@ def check_replaceable(folder: str | Path, what: str, *, kinds: Collection[str] |
         raise OutputExistsError(
             f"{{}} {_given(folder)} holds a {found} hf-lmc wrote, not a {wanted} folder; name another one", what
         )
-    legacy = kinds is None or bool({"demo", "zoo"} & set(kinds))  # the kinds whose folders an older hf_lmc marked its own way
+    legacy = kinds is None or bool(
+        {"demo", "zoo"} & set(kinds)
+    )  # the kinds whose folders an older hf_lmc marked its own way
     foreign = _foreign_entries(folder, record, legacy=legacy)
     if not foreign:
         return

@@ -75,7 +75,9 @@ class MergeResult:
     barrier: BarrierResult | SimplexBarrierResult | None = None
     url: str | None = None
     weights: tuple[float, ...] = ()  # one per model, summing to 1
-    stopping: object | None = None  # learned and dual matching: what the stopping rule reached (matching.training.Stopping)
+    stopping: object | None = (
+        None  # learned and dual matching: what the stopping rule reached (matching.training.Stopping)
+    )
     wrote: bool = True  # False on every launched process but the main one, which writes (and reports) the merge
 
 
@@ -108,7 +110,9 @@ def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple
     if not METHODS[spec.method].trained:
         return None
     learn, accelerate, data, data_options = spec.learn, spec.accelerate, spec.data, spec.data_options
-    shape = f"batches of {data_options.batch_size}" + (f" × {data_options.seq_len} tokens" if data_options.seq_len else "")
+    shape = f"batches of {data_options.batch_size}" + (
+        f" × {data_options.seq_len} tokens" if data_options.seq_len else ""
+    )
     if is_sampled(data):
         shape += f", {sampled_count(data_options)} sequences drawn at temperature 1, an equal share from each model"
     elif data_options.max_batches:
@@ -117,21 +121,46 @@ def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple
     named = describe_data(shown_reference(data) if isinstance(data, (str, Path)) else data)  # no path of this machine
     rows = [
         ("data", f"{named} ({shape})" if is_sampled(data) else f"{named} (split `{data_options.split}`, {shape})"),
-        ("steps", f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)"),
-        ("optimiser", f"Adam, lr {learn.lr:g}" + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "") + f", schedule `{schedule}`"),
-        ("parameterisation", f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`"),
+        (
+            "steps",
+            f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)",
+        ),
+        (
+            "optimiser",
+            f"Adam, lr {learn.lr:g}"
+            + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "")
+            + f", schedule `{schedule}`",
+        ),
+        (
+            "parameterisation",
+            f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`",
+        ),
     ]
     if count == 2:
         low, high = learn.lambda_range
         near = "the path's worst point" if learn.focus == "worst" else "the points above the line, by their excess"
-        rows.append(("λ draws", f"{1 - learn.worst_fraction:g} from U({low:g}, {high:g}), {learn.worst_fraction:g} near {near}"))
+        rows.append(
+            ("λ draws", f"{1 - learn.worst_fraction:g} from U({low:g}, {high:g}), {learn.worst_fraction:g} near {near}")
+        )
     else:
         rows.append(("weight draws", f"Dirichlet({learn.concentration:g} · 1)"))
-    rows.append(("objective", f"`{learn.objective}`" + (f", input noise std {learn.input_noise:g}" if learn.input_noise else "")))
+    rows.append(
+        (
+            "objective",
+            f"`{learn.objective}`" + (f", input noise std {learn.input_noise:g}" if learn.input_noise else ""),
+        )
+    )
     rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
     if accelerate.shard_endpoints:
         gathered = f", layers gathered in `{accelerate.mixed_precision}`" if accelerate.mixed_precision != "no" else ""
-        rows.append(("endpoints", "sharded across the processes (FSDP2)" + (", offloaded to CPU memory" if accelerate.offload_endpoints else "") + gathered))
+        rows.append(
+            (
+                "endpoints",
+                "sharded across the processes (FSDP2)"
+                + (", offloaded to CPU memory" if accelerate.offload_endpoints else "")
+                + gathered,
+            )
+        )
     if stopping is not None:
         rows.append(("stopping", stopping.describe()))
     return rows
@@ -162,14 +191,18 @@ def _average_groups(checkpoints: Sequence[Checkpoint], weights: Sequence[float])
     for other in rest:
         missing = set(first) ^ set(other)
         if missing:
-            raise ValueError(f"the checkpoints hold different tensors (e.g. {sorted(missing)[0]!r}); merge needs one architecture")
+            raise ValueError(
+                f"the checkpoints hold different tensors (e.g. {min(missing)!r}); merge needs one architecture"
+            )
     for keys in _by_layer(sorted(first)):
         out = {}
         for key in keys:
             tensors = [first[key]] + [other[key] for other in rest]
             for k, t in enumerate(tensors[1:], 1):
                 if t.shape != tensors[0].shape:
-                    raise ValueError(f"{key} has shape {tuple(tensors[0].shape)} in {_model_name(0, len(tensors))} but {tuple(t.shape)} in {_model_name(k, len(tensors))}")
+                    raise ValueError(
+                        f"{key} has shape {tuple(tensors[0].shape)} in {_model_name(0, len(tensors))} but {tuple(t.shape)} in {_model_name(k, len(tensors))}"
+                    )
             ta = tensors[0]
             out[key] = _weighted_rows(tensors, weights) if ta.is_floating_point() else ta
         yield out
@@ -213,8 +246,16 @@ def _by_layer(keys: list[str]) -> Iterator[list[str]]:
 
 
 def merge(
-    model_a: str | Path, model_b: str | Path, output: str | Path, *, alpha: float = 0.5,
-    revision_a: str | None = None, revision_b: str | None = None, progress: bool = True, api=None, **settings,
+    model_a: str | Path,
+    model_b: str | Path,
+    output: str | Path,
+    *,
+    alpha: float = 0.5,
+    revision_a: str | None = None,
+    revision_b: str | None = None,
+    progress: bool = True,
+    api=None,
+    **settings,
 ) -> MergeResult:
     """Merge two checkpoints of one architecture into ``(1 - alpha) T_A(A) + alpha T_B(B)`` and
     write a stock HF folder to ``output``.
@@ -244,7 +285,9 @@ def merge(
     )
 
 
-def merge_models(models: Sequence[str | Path], output: str | Path, *, progress: bool = True, api=None, **settings) -> MergeResult:
+def merge_models(
+    models: Sequence[str | Path], output: str | Path, *, progress: bool = True, api=None, **settings
+) -> MergeResult:
     """Merge M >= 2 checkpoints of one architecture into ``sum_k w_k T_k(theta_k)``, written as a
     stock HF folder to ``output``.
 
@@ -281,13 +324,23 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
             with tempfile.TemporaryDirectory() as scratch:
                 measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
                 write(spec, inputs, aligned, measured, progress=progress)
-            url = push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api) if spec.push_to_hub else None
+            url = (
+                push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api)
+                if spec.push_to_hub
+                else None
+            )
     finally:  # a failure on the main process still releases the others (the launcher then reports it)
         wait_for_others(processes)
     count = len(spec.models)
     return MergeResult(
-        Path(spec.output), spec.method, inputs.weights[1] if count == 2 else None, measured.result, url, inputs.weights,
-        aligned.stopping if aligned is not None else None, main,
+        Path(spec.output),
+        spec.method,
+        inputs.weights[1] if count == 2 else None,
+        measured.result,
+        url,
+        inputs.weights,
+        aligned.stopping if aligned is not None else None,
+        main,
     )
 
 
@@ -322,12 +375,16 @@ def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
     output = Path(spec.output)
     folders, configs, width_notes, inherited_notes = _read_models(spec, revisions, written)
     check_writable(output, _written_bytes(folders, configs, out_dtype))
-    eval_batches = load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
+    eval_batches = (
+        load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
+    )
     needs_data = METHODS[spec.method].needs_data
     fit_batches = None
     if needs_data:  # sampled data: each model on the compute device in turn
         models = [lambda folder=folder: load_model(folder).model.to(device) for folder in folders]
-        fit_batches = fitting_batches(spec.data, configs[0], folders[0], spec.data_options, models=models, progress=progress)
+        fit_batches = fitting_batches(
+            spec.data, configs[0], folders[0], spec.data_options, models=models, progress=progress
+        )
     if eval_batches is not None:
         logger.info("evaluation data %s: %d batches", describe_data(spec.eval_data), len(eval_batches))
     return Inputs(
@@ -358,7 +415,13 @@ def _read_models(
         check_apart(path, folders, what)
     configs = [read_config(f) for f in folders]
     for k, (model, folder, config) in enumerate(zip(spec.models, folders, configs)):
-        logger.info("%s: %s (%s)%s", _model_name(k, count), model, config.model_type, "" if str(folder) == str(model) else f" from {folder}")
+        logger.info(
+            "%s: %s (%s)%s",
+            _model_name(k, count),
+            model,
+            config.model_type,
+            "" if str(folder) == str(model) else f" from {folder}",
+        )
     width_notes = []
     for k in range(1, count):
         width_notes += check_mergeable(configs[0], configs[k], spec.models[0], spec.models[k])
@@ -607,7 +670,9 @@ def _written_bytes(folders: Sequence[Path], configs: Sequence, out_dtype: torch.
         files = next((found for pattern in _WEIGHT_FILES if (found := list(Path(folder).glob(pattern)))), [])
         stored_bytes = sum(f.stat().st_size for f in files if f.is_file())
         if getattr(config, "tie_word_embeddings", False):
-            stored_bytes += (getattr(config, "vocab_size", 0) or 0) * (getattr(config, "hidden_size", 0) or 0) * stored.itemsize
+            stored_bytes += (
+                (getattr(config, "vocab_size", 0) or 0) * (getattr(config, "hidden_size", 0) or 0) * stored.itemsize
+            )
         sizes.append(stored_bytes * written.itemsize // stored.itemsize)
     return max(sizes, default=0)
 
@@ -624,7 +689,9 @@ class Aligned:
     transforms: list[Transform] | None
     out_dtype: torch.dtype | None
     stopping: object | None = None  # a trained method's hf_lmc.matching.training.Stopping
-    sources: tuple[Checkpoint, ...] = ()  # the inputs' checkpoints, verified unchanged before the output is put in place
+    sources: tuple[
+        Checkpoint, ...
+    ] = ()  # the inputs' checkpoints, verified unchanged before the output is put in place
 
 
 def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
@@ -632,7 +699,12 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     up the merged tensors. Reading streams layer by layer from the checkpoints (learned and dual
     matching hold the models in memory while they train)."""
     config_a = inputs.configs[0]
-    logger.info("aligning %d models: %s%s", len(inputs.folders), spec.method, "" if spec.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}")
+    logger.info(
+        "aligning %d models: %s%s",
+        len(inputs.folders),
+        spec.method,
+        "" if spec.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}",
+    )
     if spec.method == "average" and not inputs.width_notes:
         checkpoints = _open_checkpoints(inputs.folders, inputs.configs)
         groups = _average_groups(checkpoints, inputs.weights)
@@ -640,7 +712,9 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     needs_data = METHODS[spec.method].needs_data
     # Weight matching reads every layer on the device from the start; the data methods'
     # matchers place their endpoints themselves (accelerate), from the CPU.
-    canonical = [canonicalize(f, dtype=torch.float32, device=None if needs_data else inputs.device) for f in inputs.folders]
+    canonical = [
+        canonicalize(f, dtype=torch.float32, device=None if needs_data else inputs.device) for f in inputs.folders
+    ]
     sources = tuple(c.source for c in canonical)
     if inputs.width_notes:  # models of two widths: exactly into one shape
         canonical = list(to_common_shape(*canonical, spec.models[0], spec.models[1]))
@@ -650,7 +724,12 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
         transforms = [Transform() for _ in canonical]
     else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
         matcher = matcher_for(
-            spec.method, len(canonical), symmetries=inputs.kinds, batches=batches, learn=spec.learn, accelerate=spec.accelerate,
+            spec.method,
+            len(canonical),
+            symmetries=inputs.kinds,
+            batches=batches,
+            learn=spec.learn,
+            accelerate=spec.accelerate,
             progress=progress,
             # the learned methods' start, unless asked for, runs where the launch put this process
             device=spec.device if needs_data else inputs.device,
@@ -659,7 +738,9 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
         stopping = getattr(matcher, "stopping", None)
     # Each layer is moved (the data methods' endpoints were read on the CPU), summed on the device, and written from the CPU.
     device = inputs.device
-    merged = combine([t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], inputs.weights)
+    merged = combine(
+        [t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], inputs.weights
+    )
     out_dtype = inputs.out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
     config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
     groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
@@ -683,16 +764,22 @@ def measure(spec: MergeSpec, inputs: Inputs, aligned: Aligned, scratch: Path, *,
     logger.info("measuring the barrier on %s", describe_data(spec.eval_data))
     loaded = [load_model(f) for f in inputs.folders]
     method = spec.method
-    options = dict(
-        methods=("average", method) if method != "average" else ("average",), symmetries=inputs.kinds,
-        eval_options=spec.eval_options, progress=progress,
-        transforms={method: aligned.transforms} if aligned.transforms is not None else None,
-    )
+    options = {
+        "methods": ("average", method) if method != "average" else ("average",),
+        "symmetries": inputs.kinds,
+        "eval_options": spec.eval_options,
+        "progress": progress,
+        "transforms": {method: aligned.transforms} if aligned.transforms is not None else None,
+    }
     names = [Path(m).name for m in spec.models]
     if len(loaded) == 2:
-        result = barrier_of_loaded(*loaded, inputs.eval_batches, alphas=11 if spec.alphas is None else spec.alphas, **options)
+        result = barrier_of_loaded(
+            *loaded, inputs.eval_batches, alphas=11 if spec.alphas is None else spec.alphas, **options
+        )
         return Measured(result, plot(result, scratch / "loss_along_path.png", title=f"{names[0]} ↔ {names[1]}"))
-    result = simplex_barrier_of_loaded(loaded, inputs.eval_batches, points=5 if spec.alphas is None else spec.alphas, **options)
+    result = simplex_barrier_of_loaded(
+        loaded, inputs.eval_batches, points=5 if spec.alphas is None else spec.alphas, **options
+    )
     if len(loaded) == 3:
         return Measured(result, plot_simplex(result, scratch / "loss_over_simplex.png", names=names))
     return Measured(result)
@@ -705,7 +792,10 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
     labels = spec.labels or [None] * count
     barriers = dict(measured.result.barriers) if measured.result else None
     card = merge_card(
-        base_models=[ModelSource.of(m, r, f, label) for m, r, f, label in zip(spec.models, inputs.revisions, inputs.folders, labels)],
+        base_models=[
+            ModelSource.of(m, r, f, label)
+            for m, r, f, label in zip(spec.models, inputs.revisions, inputs.folders, labels)
+        ],
         method=spec.method,
         symmetries=sorted(inputs.kinds) if spec.method != "average" else [],
         notes=_training_notes(spec.method, spec.learn) + inputs.width_notes + list(inputs.inherited_notes),
@@ -726,7 +816,16 @@ def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured,
     written = str(aligned.out_dtype).removeprefix("torch.") if aligned.out_dtype else "in A's stored dtypes"  # as read
     logger.info("writing %s (%s, shards of at most %s)", spec.output, written, spec.shard_size)
     return write_checkpoint(
-        _verified_at_end(aligned.groups, aligned.sources), aligned.config, spec.output, shard_size=spec.shard_size, dtype=aligned.out_dtype,
-        source_folder=inputs.folders[0], tokenizer_folder=inputs.folders[spec.tokenizer_model], card=card, extra_files=extra, overwrite=spec.overwrite, progress=progress,
+        _verified_at_end(aligned.groups, aligned.sources),
+        aligned.config,
+        spec.output,
+        shard_size=spec.shard_size,
+        dtype=aligned.out_dtype,
+        source_folder=inputs.folders[0],
+        tokenizer_folder=inputs.folders[spec.tokenizer_model],
+        card=card,
+        extra_files=extra,
+        overwrite=spec.overwrite,
+        progress=progress,
         total_groups=aligned.total_groups,
     )

@@ -50,7 +50,9 @@ def simplex_weights(weights: Sequence[float] | None, count: int, parameter: str 
     ``None`` gives uniform weights."""
     if weights is None:
         return (1.0 / count,) * count
-    if isinstance(weights, (str, bytes)) or not all(isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights):
+    if isinstance(weights, (str, bytes)) or not all(
+        isinstance(w, numbers.Real) and not isinstance(w, bool) for w in weights
+    ):
         raise ParameterError(f"{{}} must be one number per model, got {clipped(weights)}", parameter)
     weights = tuple(float(w) for w in weights)
     if len(weights) != count:

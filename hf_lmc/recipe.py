@@ -19,6 +19,7 @@ command line.
 from __future__ import annotations
 
 import difflib
+import itertools
 import math
 import os
 import re
@@ -95,7 +96,9 @@ class ModelRef(_Section):
 
     path: str = Field(description="Hub id, local folder, or zoo member zoo:NAME/seedN (trained offline and cached)")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of path")
-    adapter: str | None = Field(None, description="PEFT adapter (folder or Hub id) merged into the model before alignment")
+    adapter: str | None = Field(
+        None, description="PEFT adapter (folder or Hub id) merged into the model before alignment"
+    )
     adapter_revision: str | None = Field(None, description="Hub revision of adapter")
 
     @classmethod
@@ -109,7 +112,9 @@ class ModelRef(_Section):
         if isinstance(value, str):
             return {"path": value}
         if not isinstance(value, Mapping):
-            raise ValueError("give a Hub id, a local folder or zoo:NAME/seedN, or a mapping with path, revision, adapter")
+            raise ValueError(  # noqa: TRY004 (pydantic reports a validator's ValueError as a ValidationError; a TypeError escapes it)
+                "give a Hub id, a local folder or zoo:NAME/seedN, or a mapping with path, revision, adapter"
+            )
         return value
 
     @field_validator("path")
@@ -139,22 +144,31 @@ class DataSpec(EvalOptions):
     """Where a data set comes from (exactly one of dataset, files, zoo, sampled) and how it is cut
     (the batching fields of :class:`hf_lmc.options.EvalOptions`)."""
 
-    dataset: str | None = Field(None, description="a datasets id (e.g. Salesforce/wikitext) or a folder saved with save_to_disk")
-    files: list[str] | None = Field(
-        None, description="local data: .txt files or folders of them, .json/.jsonl/.csv/.parquet with a text column, or one .pt tensor file (ViT)"
+    dataset: str | None = Field(
+        None, description="a datasets id (e.g. Salesforce/wikitext) or a folder saved with save_to_disk"
     )
-    zoo: Literal["shakespeare", "digits"] | None = Field(None, description="the offline zoo's corpus: Shakespeare plays (LMs) or digits (ViT)")
+    files: list[str] | None = Field(
+        None,
+        description="local data: .txt files or folders of them, .json/.jsonl/.csv/.parquet with a text column, or one .pt tensor file (ViT)",
+    )
+    zoo: Literal["shakespeare", "digits"] | None = Field(
+        None, description="the offline zoo's corpus: Shakespeare plays (LMs) or digits (ViT)"
+    )
     sampled: Literal[True] | None = Field(
-        None, description="fitting data only: text sampled from the language models being merged (samples: how many sequences, default 8192)"
+        None,
+        description="fitting data only: text sampled from the language models being merged (samples: how many sequences, default 8192)",
     )
     batch_size: PositiveInt | None = Field(
         None,
         description=f"sequences (images) per batch (default: {FIT_OPTIONS.batch_size} for fitting data, {EVAL_OPTIONS.batch_size} for evaluation data)",
     )
     split: str | None = Field(
-        None, description=f"split to read (default: {FIT_OPTIONS.split} for fitting data, {EVAL_OPTIONS.split} for evaluation data)"
+        None,
+        description=f"split to read (default: {FIT_OPTIONS.split} for fitting data, {EVAL_OPTIONS.split} for evaluation data)",
     )
-    samples: PositiveInt | None = Field(None, description="number of sequences (images for ViT), rounded up to whole batches (default: all)")
+    samples: PositiveInt | None = Field(
+        None, description="number of sequences (images for ViT), rounded up to whole batches (default: all)"
+    )
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -180,7 +194,11 @@ class DataSpec(EvalOptions):
         batch_size = self.batch_size or defaults.batch_size
         max_batches = self.max_batches if self.samples is None else math.ceil(self.samples / batch_size)
         return EvalOptions(
-            batch_size=batch_size, seq_len=self.seq_len, max_batches=max_batches, split=self.split or defaults.split, name=self.name
+            batch_size=batch_size,
+            seq_len=self.seq_len,
+            max_batches=max_batches,
+            split=self.split or defaults.split,
+            name=self.name,
         )
 
 
@@ -188,27 +206,33 @@ class EvalSpec(_Section):
     """Held-out loss along the path: the barrier table in each model card and in the summary."""
 
     data: DataSpec = Field(description="held-out data (default split: test)")
-    alphas: int | list[float] = Field(11, description="points on the alpha grid, or the grid itself (from 0 to 1, increasing)")
+    alphas: int | list[float] = Field(
+        11, description="points on the alpha grid, or the grid itself (from 0 to 1, increasing)"
+    )
 
     @field_validator("data")
     @classmethod
     def _held_out(cls, value: DataSpec) -> DataSpec:
         if value.sampled:
-            raise ValueError("sampled: text sampled from the models is fitting data; the barrier needs held-out data of its own")
+            raise ValueError(
+                "sampled: text sampled from the models is fitting data; the barrier needs held-out data of its own"
+            )
         return value
 
     @field_validator("alphas", mode="before")
     @classmethod
     def _grid(cls, value):
         if isinstance(value, bool) or not isinstance(value, (int, list)):
-            raise ValueError("give a number of points (e.g. 11) or a list of alphas from 0 to 1")
+            raise ValueError(  # noqa: TRY004 (pydantic reports a validator's ValueError as a ValidationError; a TypeError escapes it)
+                "give a number of points (e.g. 11) or a list of alphas from 0 to 1"
+            )
         if isinstance(value, int):
             if value < 2:
                 raise ValueError(f"the alpha grid needs at least 2 points, got {value}")
             return value
         if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in value):
             raise ValueError("list numbers only, e.g. [0, 0.25, 0.5, 0.75, 1]")
-        if len(value) < 2 or value[0] != 0 or value[-1] != 1 or any(b <= a for a, b in zip(value, value[1:])):
+        if len(value) < 2 or value[0] != 0 or value[-1] != 1 or any(b <= a for a, b in itertools.pairwise(value)):
             raise ValueError("the grid must increase from 0 to 1 (the barrier compares the path with its endpoints)")
         return value
 
@@ -248,7 +272,9 @@ class ZooSpec(_Section):
     """How zoo members (``zoo:NAME/seedN``) are trained when they are not cached yet."""
 
     steps: PositiveInt | None = Field(None, description="training steps per member (default: the zoo's own)")
-    cache: str | None = Field(None, description="folder of trained zoo members (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)")
+    cache: str | None = Field(
+        None, description="folder of trained zoo members (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)"
+    )
 
 
 class SweepEntry(_Section):
@@ -271,7 +297,10 @@ class Recipe(_Section):
     name: str | None = Field(None, description="title of the summary")
     models: list[ModelRef] | None = Field(None, min_length=2, description="the models to merge (give this or sweep)")
     sweep: list[SweepEntry] | None = Field(
-        None, min_length=1, validate_default=True, description="groups of models merged one after another, e.g. the sizes of a scaling run"
+        None,
+        min_length=1,
+        validate_default=True,
+        description="groups of models merged one after another, e.g. the sizes of a scaling run",
     )
     method: Annotated[list[Method], WithJsonSchema(_METHOD_SCHEMA)] = Field(
         ["weight"], description="alignment method, or a list of them (each is one run per group of models)"
@@ -282,14 +311,26 @@ class Recipe(_Section):
         description="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch sees one)",
     )
     alpha: float | None = Field(None, ge=0, le=1, description="weight of the second model (two models; default 0.5)")
-    weights: list[float] | None = Field(None, validate_default=True, description="one weight per model, non-negative, summing to 1")
-    data: DataSpec | None = Field(None, validate_default=True, description="fitting data of activation, learned and dual matching (default split: train)")
+    weights: list[float] | None = Field(
+        None, validate_default=True, description="one weight per model, non-negative, summing to 1"
+    )
+    data: DataSpec | None = Field(
+        None,
+        validate_default=True,
+        description="fitting data of activation, learned and dual matching (default split: train)",
+    )
     learn: LearnOptions = Field(LearnOptions(), description="learned and dual matching")
-    accelerate: AccelerateOptions = Field(AccelerateOptions(), description="accelerate settings of the learned / dual training loop")
-    eval: EvalSpec | None = Field(None, description="held-out evaluation: barrier per run (needed for barriers in the summary)")
+    accelerate: AccelerateOptions = Field(
+        AccelerateOptions(), description="accelerate settings of the learned / dual training loop"
+    )
+    eval: EvalSpec | None = Field(
+        None, description="held-out evaluation: barrier per run (needed for barriers in the summary)"
+    )
     output: OutputSpec = Field(description="output folder, shards, dtype, Hub target")
     zoo: ZooSpec = Field(ZooSpec(), description="training of zoo:NAME/seedN members")
-    launch: LaunchSpec = Field(LaunchSpec(), description="the processes the recipe runs as (learned and dual matching train on all)")
+    launch: LaunchSpec = Field(
+        LaunchSpec(), description="the processes the recipe runs as (learned and dual matching train on all)"
+    )
 
     @field_validator("device")
     @classmethod
@@ -316,7 +357,10 @@ class Recipe(_Section):
         if models is _MISSING:  # models itself is invalid and reported
             return sweep
         if (models is None) == (sweep is None):
-            raise ValueError("give models (one group of models) or sweep (a list of named groups), not " + ("both" if sweep else "neither"))
+            raise ValueError(
+                "give models (one group of models) or sweep (a list of named groups), not "
+                + ("both" if sweep else "neither")
+            )
         if sweep is not None:
             names = [entry.name for entry in sweep]
             folded = [n.casefold() for n in names]  # one folder on a case-insensitive disk, one Hub repo
@@ -333,7 +377,9 @@ class Recipe(_Section):
                 )
             reserved = next((n for n in names if n.lower() in RESERVED_NAMES), None)
             if reserved is not None:  # its folder would be the summary's file, found only after every merge
-                raise ValueError(f"an entry is named {reserved!r}, a file the recipe writes in output.dir; rename the entry")
+                raise ValueError(
+                    f"an entry is named {reserved!r}, a file the recipe writes in output.dir; rename the entry"
+                )
         return sweep
 
     @field_validator("weights")
@@ -361,7 +407,9 @@ class Recipe(_Section):
     def _data_for_data_methods(cls, data, info: ValidationInfo):
         needs = [m for m in info.data.get("method", ()) if METHODS[m].needs_data]
         if data is None and needs:
-            raise ValueError(f"method {needs[0]!r} learns from data: add a data section (dataset, files, zoo, or sampled: true)")
+            raise ValueError(
+                f"method {needs[0]!r} learns from data: add a data section (dataset, files, zoo, or sampled: true)"
+            )
         return data
 
     @field_validator("output")
@@ -372,7 +420,9 @@ class Recipe(_Section):
         try:
             output.push_to_hub.format(group="g", method="m")
         except (KeyError, IndexError, ValueError) as err:
-            raise ValueError(f"push_to_hub: only {{group}} and {{method}} may be filled in, got {output.push_to_hub!r} ({err})") from None
+            raise ValueError(
+                f"push_to_hub: only {{group}} and {{method}} may be filled in, got {output.push_to_hub!r} ({err})"
+            ) from None
         groups, methods = _groups_of(info.data), info.data.get("method", ())
         for key, count in (("group", len(groups)), ("method", len(methods))):
             if count > 1 and f"{{{key}}}" not in output.push_to_hub:
@@ -532,7 +582,9 @@ def _read_yaml(path: Path) -> dict:
     except yaml.YAMLError as err:
         raise RecipeError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: a recipe is a mapping of keys (models, method, output, ...), got {type(raw).__name__}")
+        raise RecipeError(
+            f"{path}: a recipe is a mapping of keys (models, method, output, ...), got {type(raw).__name__}"
+        )
     return raw
 
 
@@ -553,7 +605,9 @@ def _set(raw: dict, dotted: str, value, where: str) -> dict:
         here = ".".join(parts[: i + 1])
         if isinstance(node, list):
             if not part.isdigit() or int(part) >= len(node):
-                raise RecipeError(f"{where}: --set {dotted}: {'.'.join(parts[:i]) or 'recipe'} is a list of {len(node)}; use an index below {len(node)}")
+                raise RecipeError(
+                    f"{where}: --set {dotted}: {'.'.join(parts[:i]) or 'recipe'} is a list of {len(node)}; use an index below {len(node)}"
+                )
             part = int(part)
         elif not isinstance(node, dict):
             raise RecipeError(f"{where}: --set {dotted}: {'.'.join(parts[:i])} is not a mapping")
@@ -603,7 +657,9 @@ def format_errors(err: ValidationError) -> str:
             path, message = key_path((*loc, key)), rest
         if message not in messages.setdefault(path, []):
             messages[path].append(message)
-    return "; ".join(f"{path}: {' or '.join(found)}" if path else " or ".join(found) for path, found in messages.items())
+    return "; ".join(
+        f"{path}: {' or '.join(found)}" if path else " or ".join(found) for path, found in messages.items()
+    )
 
 
 def _unknown_key(loc: tuple) -> str:
@@ -646,7 +702,13 @@ def check_outputs(recipe: Recipe, given=None, *, tidy: bool = True) -> None:
     recipe check``) changes nothing on disk (no debris is tidied) and leaves out whether
     ``output.dir`` exists yet without ``overwrite``, which is the state of a run, not of the recipe."""
     final = Path(recipe.output.dir)
-    read = [p for _, refs in recipe.groups for ref in refs for p in (ref.path, ref.adapter) if p and not p.startswith(ZOO_PREFIX)]
+    read = [
+        p
+        for _, refs in recipe.groups
+        for ref in refs
+        for p in (ref.path, ref.adapter)
+        if p and not p.startswith(ZOO_PREFIX)
+    ]
     for data in (recipe.data, recipe.eval.data if recipe.eval is not None else None):
         if data is not None:
             read += [*(data.files or []), *([data.dataset] if data.dataset else [])]
@@ -657,7 +719,9 @@ def check_outputs(recipe: Recipe, given=None, *, tidy: bool = True) -> None:
         if tidy:
             clean_stale(final)  # a dead run's set-aside output is put back before it is judged
         if tidy and os.path.lexists(final) and not recipe.output.overwrite:
-            raise OutputExistsError(f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite")
+            raise OutputExistsError(
+                f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite"
+            )
         check_apart(final, read, "output.dir")
         if recipe.output.overwrite:
             check_replaceable(final, "output.dir")
@@ -667,7 +731,11 @@ def check_outputs(recipe: Recipe, given=None, *, tidy: bool = True) -> None:
             check_apart(state, read, "accelerate.checkpoint_dir")
             check_apart(state, [final], "accelerate.checkpoint_dir", role="the output", missing=True)
             for group, method, _ in recipe.runs():
-                check_replaceable(Path(state) / recipe.run_folder(group, method), "accelerate.checkpoint_dir", kinds=("training-state",))
+                check_replaceable(
+                    Path(state) / recipe.run_folder(group, method),
+                    "accelerate.checkpoint_dir",
+                    kinds=("training-state",),
+                )
     except (ParameterError, OutputExistsError) as err:
         if err.parameter == "output.overwrite":
             raise

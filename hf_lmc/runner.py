@@ -99,7 +99,9 @@ class RecipeResult:
             for run in (r for r in self.runs if r.group == group):
                 for method, value in run.barriers.items():
                     measured.setdefault(method, value)
-            rows.append(f"| {group} | " + " | ".join(f"{measured[m]:.4f}" if m in measured else "—" for m in methods) + " |")
+            rows.append(
+                f"| {group} | " + " | ".join(f"{measured[m]:.4f}" if m in measured else "—" for m in methods) + " |"
+            )
         return "\n".join(rows)
 
     def records(self) -> list[dict[str, Any]]:
@@ -108,10 +110,18 @@ class RecipeResult:
         for run in self.runs:
             vanilla = run.barriers.get("average")
             ratio = run.barrier / vanilla if run.barrier is not None and vanilla and vanilla > 0 else None
-            out.append({
-                "group": run.group, "method": run.method, "models": run.models, "folder": str(run.folder),
-                "barrier": run.barrier, "average_barrier": vanilla, "ratio_to_average": ratio, "url": run.url,
-            })
+            out.append(
+                {
+                    "group": run.group,
+                    "method": run.method,
+                    "models": run.models,
+                    "folder": str(run.folder),
+                    "barrier": run.barrier,
+                    "average_barrier": vanilla,
+                    "ratio_to_average": ratio,
+                    "url": run.url,
+                }
+            )
         return out
 
 
@@ -163,16 +173,22 @@ def run_recipe(
                 try:
                     with processes.main_process_first() if processes is not None else contextlib.nullcontext():
                         sources = [resolver(ref) for ref in refs]  # zoo members: trained once, then read from the cache
-                    spec = merge_spec(recipe, method, sources, staging / folder, fit_data, eval_data, folder).model_copy(
+                    spec = merge_spec(
+                        recipe, method, sources, staging / folder, fit_data, eval_data, folder
+                    ).model_copy(
                         update={
-                            "labels": tuple(s.label if s.relabel else None for s in sources), "made_with": made_with,
+                            "labels": tuple(s.label if s.relabel else None for s in sources),
+                            "made_with": made_with,
                             # the card names the run's Hub repo, or its folder in output.dir, not the staging folder
                             "repo_hint": (recipe.output.push_to_hub or "").format(group=group, method=method)
                             or (Path(final.name) / folder).as_posix(),
                         }
                     )
                     merged = pipeline.run(spec, progress=progress)
-                except (ValueError, OSError) as err:  # say which run of a sweep failed, keeping what kind of failure it was
+                except (
+                    ValueError,
+                    OSError,
+                ) as err:  # say which run of a sweep failed, keeping what kind of failure it was
                     failed = RecipeError if isinstance(err, (UsageError, OutputExistsError)) else RunFailedError
                     raise failed(f"{group} / {method}: {err}") from err
                 barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
@@ -195,7 +211,9 @@ def run_recipe(
         raise
     if recipe.output.push_to_hub:
         pushed = [
-            dataclasses.replace(run, url=push_folder(final / run.folder, targets[run.folder], private=recipe.output.private, api=api))
+            dataclasses.replace(
+                run, url=push_folder(final / run.folder, targets[run.folder], private=recipe.output.private, api=api)
+            )
             for run in runs
         ]
         result = dataclasses.replace(result, runs=pushed)
@@ -216,7 +234,15 @@ def _recipe_markdown(recipe: Recipe, given) -> str:
     )
 
 
-def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output: Path, fit_data, eval_data, folder: Path | None = None) -> MergeSpec:
+def merge_spec(
+    recipe: Recipe,
+    method: str,
+    sources: Sequence[_Source],
+    output: Path,
+    fit_data,
+    eval_data,
+    folder: Path | None = None,
+) -> MergeSpec:
     """The one merge of ``sources`` by ``method`` that ``recipe`` asks for, written to ``output``
     (pushed later, once every run has succeeded); ``folder`` is the run's folder in the recipe's
     output, which names its training state under ``accelerate.checkpoint_dir``."""
@@ -226,15 +252,28 @@ def merge_spec(recipe: Recipe, method: str, sources: Sequence["_Source"], output
     out = recipe.output
     accelerate = recipe.accelerate
     if accelerate.checkpoint_dir is not None:  # one folder of training state per merge
-        accelerate = accelerate.model_copy(update={"checkpoint_dir": str(Path(accelerate.checkpoint_dir) / (folder or output.name))})
+        accelerate = accelerate.model_copy(
+            update={"checkpoint_dir": str(Path(accelerate.checkpoint_dir) / (folder or output.name))}
+        )
     return MergeSpec(
-        models=[s.reference for s in sources], revisions=[s.revision for s in sources], output=output, weights=weights,
-        method=method, symmetries=recipe.symmetries, device=recipe.device, data=fit_data,
+        models=[s.reference for s in sources],
+        revisions=[s.revision for s in sources],
+        output=output,
+        weights=weights,
+        method=method,
+        symmetries=recipe.symmetries,
+        device=recipe.device,
+        data=fit_data,
         data_options=recipe.data.options(FIT_OPTIONS) if recipe.data else FIT_OPTIONS,
-        learn=recipe.learn, accelerate=accelerate, eval_data=eval_data,
+        learn=recipe.learn,
+        accelerate=accelerate,
+        eval_data=eval_data,
         eval_options=recipe.eval.data.options(EVAL_OPTIONS) if recipe.eval else EVAL_OPTIONS,
-        alphas=recipe.eval.alphas if recipe.eval else 11, dtype=out.dtype, shard_size=out.shard_size,
-        inherit_from_a=out.inherit_from_a, tokenizer_from=out.tokenizer_from,
+        alphas=recipe.eval.alphas if recipe.eval else 11,
+        dtype=out.dtype,
+        shard_size=out.shard_size,
+        inherit_from_a=out.inherit_from_a,
+        tokenizer_from=out.tokenizer_from,
         eval_data_name=_data_name(recipe.eval.data) if recipe.eval else None,
     )
 
@@ -255,13 +294,22 @@ def write_summary(result: RecipeResult, folder: Path) -> None:
     is recorded with local paths by their last part, like the cards: a summary shared or committed
     does not carry the layout of this machine."""
     records = result.records()
-    markdown = f"# {result.title}\n\nLoss barrier per group of models and method (lower is flatter).\n\n{result.table()}\n\n"
-    markdown += "\n".join(f"- `{r['group']}` / `{r['method']}`: `{r['folder']}` ({', '.join(r['models'])})" for r in records) + "\n"
+    markdown = (
+        f"# {result.title}\n\nLoss barrier per group of models and method (lower is flatter).\n\n{result.table()}\n\n"
+    )
+    markdown += (
+        "\n".join(f"- `{r['group']}` / `{r['method']}`: `{r['folder']}` ({', '.join(r['models'])})" for r in records)
+        + "\n"
+    )
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=list(records[0]) if records else ["group"])
     writer.writeheader()
     writer.writerows({**r, "models": " ".join(r["models"])} for r in records)
-    summary = {"title": result.title, "runs": records, "recipe": shown_settings(result.recipe)}  # no path of this machine
+    summary = {
+        "title": result.title,
+        "runs": records,
+        "recipe": shown_settings(result.recipe),
+    }  # no path of this machine
     for suffix, text in (("md", markdown), ("json", json.dumps(summary, indent=2) + "\n"), ("csv", table.getvalue())):
         target = folder / f"{SUMMARY}.{suffix}"
         partial = target.with_name(f".{target.name}.tmp")
@@ -310,7 +358,9 @@ def _files(files: list[str], split: str):
     if suffixes & set(_DATASET_BUILDERS):
         builders = {_DATASET_BUILDERS.get(s) for s in suffixes}
         if len(builders) != 1 or None in builders or any(p.is_dir() for p in paths):
-            raise DataError(f"files mixes kinds ({', '.join(sorted(suffixes))}); list .json/.jsonl, .csv or .parquet files of one kind")
+            raise DataError(
+                f"files mixes kinds ({', '.join(sorted(suffixes))}); list .json/.jsonl, .csv or .parquet files of one kind"
+            )
         import datasets
 
         try:
@@ -356,7 +406,9 @@ class _ModelResolver:
         if ref.adapter is None:
             return source
         folder = self.scratch / f"{len(self.done)}-{Path(ref.path).name}+{Path(ref.adapter).name}"
-        fold_adapter(source.reference, ref.adapter, folder, revision=source.revision, adapter_revision=ref.adapter_revision)
+        fold_adapter(
+            source.reference, ref.adapter, folder, revision=source.revision, adapter_revision=ref.adapter_revision
+        )
         return _Source(str(folder), None, ref.label, True)
 
     def _zoo_member(self, reference: str) -> Path:
@@ -368,7 +420,14 @@ class _ModelResolver:
         return zoo.train(entry, seed, cache=cache, progress=self.progress)
 
 
-def fold_adapter(model: str | Path, adapter: str | Path, output: Path, *, revision: str | None = None, adapter_revision: str | None = None) -> Path:
+def fold_adapter(
+    model: str | Path,
+    adapter: str | Path,
+    output: Path,
+    *,
+    revision: str | None = None,
+    adapter_revision: str | None = None,
+) -> Path:
     """Merge a PEFT adapter into its base model (``merge_and_unload``) and save the result as a
     stock checkpoint in ``output``, with the base's tokenizer / processor files and card (for its
     license), so the merge pipeline reads it like any other model."""

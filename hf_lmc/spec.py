@@ -58,7 +58,11 @@ class ArchSpec:
 
     def token_row_names(self) -> frozenset[str]:
         """Canonical tensors with one row per vocabulary token (none for a classifier)."""
-        return frozenset({"embed.tokens", "head.weight", "head.bias"}) if "embed.tokens" in self.embedding_names else frozenset()
+        return (
+            frozenset({"embed.tokens", "head.weight", "head.bias"})
+            if "embed.tokens" in self.embedding_names
+            else frozenset()
+        )
 
     def row_blocks(self, group: Group, rows: int) -> list[slice] | None:
         """``group``'s token rows in blocks of ``rows``, or None where it has no token rows."""

@@ -25,20 +25,40 @@ from .symmetry import random_symmetry
 def tiny_configs() -> dict[str, PretrainedConfig]:
     """One small config per supported architecture (GQA, partial rotary and biases included)."""
     return {
-        "gpt2": tf.GPT2Config(n_embd=8, n_head=2, n_layer=2, vocab_size=17, n_positions=16, bos_token_id=0, eos_token_id=0),
+        "gpt2": tf.GPT2Config(
+            n_embd=8, n_head=2, n_layer=2, vocab_size=17, n_positions=16, bos_token_id=0, eos_token_id=0
+        ),
         "gpt_neox": tf.GPTNeoXConfig(
-            hidden_size=16, num_attention_heads=2, num_hidden_layers=2, intermediate_size=24, vocab_size=17, rotary_pct=0.25
+            hidden_size=16,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=24,
+            vocab_size=17,
+            rotary_pct=0.25,
         ),
         "llama": tf.LlamaConfig(
-            hidden_size=8, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=12, vocab_size=17
+            hidden_size=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=12,
+            vocab_size=17,
         ),
         "vit": tf.ViTConfig(
-            hidden_size=8, num_attention_heads=2, num_hidden_layers=2, intermediate_size=12, image_size=8, patch_size=4, num_labels=3
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=12,
+            image_size=8,
+            patch_size=4,
+            num_labels=3,
         ),
     }
 
 
-def sample_inputs(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int = 2, length: int = 9):
+def sample_inputs(
+    config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32, batch: int = 2, length: int = 9
+):
     """Random model inputs: token ids for language models, pixels for ViT."""
     g = torch.Generator().manual_seed(seed)
     if adapter_for(config).takes_images:
@@ -125,4 +145,6 @@ def _check(model: PreTrainedModel, dtype: torch.dtype, seed: int, symmetries: st
         moved.save_pretrained(folder)
         reloaded = type(moved).from_pretrained(Path(folder), dtype=dtype).eval()
         reload_err = relative_error(_logits(reloaded, inputs), expected)
-    return ExactnessReport(model.config.model_type, sum(p.numel() for p in model.parameters()), plain, symmetric, reload_err)
+    return ExactnessReport(
+        model.config.model_type, sum(p.numel() for p in model.parameters()), plain, symmetric, reload_err
+    )

@@ -98,14 +98,18 @@ def check_mergeable(config_a: PretrainedConfig, config_b: PretrainedConfig, a: s
     shapes no width embedding covers. Returns the model card's notes for models of two widths
     (none for one)."""
     if config_a.model_type != config_b.model_type:
-        raise ValueError(f"{a} is a {config_a.model_type} model but {b} is a {config_b.model_type} model; merge needs one architecture")
+        raise ValueError(
+            f"{a} is a {config_a.model_type} model but {b} is a {config_b.model_type} model; merge needs one architecture"
+        )
     differ = setting_differences(config_a, config_b)
     if differ:
         shown = ", ".join(
             f"{key} {clipped(getattr(config_a, key, None))} vs {clipped(getattr(config_b, key, None))}"
             for key in differ
         )
-        raise ValueError(f"{a} and {b} compute differently ({shown}); a merge under one config would not be what it says")
+        raise ValueError(
+            f"{a} and {b} compute differently ({shown}); a merge under one config would not be what it says"
+        )
     spec_a, spec_b = spec_of(config_a), spec_of(config_b)
     common = common_spec(spec_a, spec_b, a, b)  # one line naming what no width embedding covers
     return [f"{name} was {describe(spec, common)}." for name, spec in ((a, spec_a), (b, spec_b)) if spec != common]
@@ -168,7 +172,9 @@ def embed(model: CanonicalModel, spec: ArchSpec, config: PretrainedConfig | None
     return CanonicalModel(spec, config, load)
 
 
-def to_common_shape(a: CanonicalModel, b: CanonicalModel, name_a: str = "A", name_b: str = "B") -> tuple[CanonicalModel, CanonicalModel]:
+def to_common_shape(
+    a: CanonicalModel, b: CanonicalModel, name_a: str = "A", name_b: str = "B"
+) -> tuple[CanonicalModel, CanonicalModel]:
     """Both models in their common shape (unchanged when they already share one).
 
     The results export under A's config, resized: the merge's config is A's whichever model is
@@ -203,7 +209,9 @@ def residual_embedding(d_b: int, d: int, *, centred: bool, dtype=torch.float64) 
 def _query_slots(source: ArchSpec, spec: ArchSpec) -> Tensor:
     """Where B's query heads go: head ``i`` of KV group ``j`` to A's slot ``j * g_A + i``."""
     kv, g = source.num_kv_heads, source.group_size
-    return (torch.arange(kv, device="cpu")[:, None] * spec.group_size + torch.arange(g, device="cpu")[None, :]).reshape(-1)
+    return (torch.arange(kv, device="cpu")[:, None] * spec.group_size + torch.arange(g, device="cpu")[None, :]).reshape(
+        -1
+    )
 
 
 def _scatter(t: Tensor, axis: int, slots: Tensor, count: int, block: int) -> Tensor:
@@ -216,7 +224,9 @@ def _scatter(t: Tensor, axis: int, slots: Tensor, count: int, block: int) -> Ten
 
 def describe(source: ArchSpec, spec: ArchSpec) -> str:
     """One line for a model card: what an embedding changed, and that it is exact."""
-    changes = [f"{k} {getattr(source, k)} → {getattr(spec, k)}" for k in WIDTH_FIELDS if getattr(source, k) != getattr(spec, k)]
+    changes = [
+        f"{k} {getattr(source, k)} → {getattr(spec, k)}" for k in WIDTH_FIELDS if getattr(source, k) != getattr(spec, k)
+    ]
     return (
         f"embedded exactly into the common shape ({', '.join(changes)}): residual map with orthonormal columns and "
         f"writers scaled by sqrt({spec.hidden_size}/{source.hidden_size}), zero-padded MLP units and heads; "

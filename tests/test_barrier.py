@@ -61,7 +61,10 @@ def test_weight_matching_flattens_the_path_to_a_moved_twin_with_noise():
     moved = hf_lmc.random_symmetry(ca.spec, seed=9, dtype=torch.float32).apply(ca)
     noisy = moved.map_tensors(lambda _, t: t + 0.05 * t.std() * torch.randn_like(t)).materialize()
     b = hf_lmc.to_hf(noisy)
-    batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(i))} for i in range(3)]
+    batches = [
+        {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(i))}
+        for i in range(3)
+    ]
     result = barrier(a, b, batches, alphas=5, progress=False)
     # Untrained models give no meaningful vanilla barrier; the aligned path must stay on the
     # line between the endpoints while the vanilla midpoint is a different function.

@@ -102,8 +102,12 @@ def test_legacy_key_names_load(arch, tmp_path):
 
 
 def test_unsupported_model_type_names_supported_ones():
-    bert = tf.BertForMaskedLM(tf.BertConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8))
-    with pytest.raises(hf_lmc.UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM.*ViTForImageClassification"):
+    bert = tf.BertForMaskedLM(
+        tf.BertConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8)
+    )
+    with pytest.raises(
+        hf_lmc.UnsupportedModelError, match="GPT2LMHeadModel.*LlamaForCausalLM.*ViTForImageClassification"
+    ):
         hf_lmc.canonicalize(bert)
 
 
@@ -120,7 +124,7 @@ def test_folder_without_weights_says_what_is_missing(tmp_path):
 
 def test_missing_shard_is_reported(tmp_path):
     build_model(TINY["llama"], dtype=torch.float32).save_pretrained(tmp_path, max_shard_size="2KB")
-    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard = max(tmp_path.glob("model-*.safetensors"))
     shard.unlink()
     with pytest.raises(hf_lmc.CheckpointError, match=shard.name):
         hf_lmc.canonicalize(tmp_path)

@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_help_lists_commands_and_examples():
-    out = subprocess.run([sys.executable, "-m", "hf_lmc.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "hf_lmc.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     assert "check" in out and "symmetries" in out and "examples:" in out
 
 
@@ -57,7 +59,9 @@ def test_every_flag_that_help_names_exists():
 def test_check_on_builtin_tiny_models_passes(capsys):
     assert main(["check", "--dtype", "float64"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
-    assert all(any(arch in row and row[-1] == "ok" for row in rows) for arch in ("gpt2", "gpt_neox", "llama", "vit")), rows
+    assert all(any(arch in row and row[-1] == "ok" for row in rows) for arch in ("gpt2", "gpt_neox", "llama", "vit")), (
+        rows
+    )
     assert not any("FAILED" in row for row in rows)
 
 
@@ -80,16 +84,24 @@ def test_missing_folder_is_a_one_line_error(capsys):
     assert err.startswith("hf-lmc: error:") and "no/such/model" in err and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("argv, code", [
-    (["merge", "./a", "./b", "-o", "out", "--alpha", "0.5", "--weights", "0.5", "0.5"], 2),  # conflicting flags
-    (["merge", "./a", "./b", "-o", "out", "--alpha", "1.5"], 2),  # a value out of range
-    (["merge", "./a", "./b", "-o", "out", "--method", "dual"], 2),  # a data method without --data
-    (["merge", "./a", "./b", "-o", "out", "--eval-data", "x.txt", "--alphas", "0"], 2),  # a grid with no line, before any reading
-    (["merge", "./a", "./b", "-o", "out", "--eval-data", "x.txt", "--alphas", "1"], 2),
-    (["merge", "./a", "./b", "-o", "out", "--device", "cuda:0"], 2) if not torch.cuda.is_available() else (["check", "--seed", "x"], 2),
-    (["merge", "./no/such/a", "./no/such/b", "-o", "out"], 1),  # the run fails on what it reads
-    (["barrier", "./no/such/a", "./no/such/b", "--eval-data", "plays.txt"], 1),
-])
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["merge", "./a", "./b", "-o", "out", "--alpha", "0.5", "--weights", "0.5", "0.5"], 2),  # conflicting flags
+        (["merge", "./a", "./b", "-o", "out", "--alpha", "1.5"], 2),  # a value out of range
+        (["merge", "./a", "./b", "-o", "out", "--method", "dual"], 2),  # a data method without --data
+        (
+            ["merge", "./a", "./b", "-o", "out", "--eval-data", "x.txt", "--alphas", "0"],
+            2,
+        ),  # a grid with no line, before any reading
+        (["merge", "./a", "./b", "-o", "out", "--eval-data", "x.txt", "--alphas", "1"], 2),
+        (["merge", "./a", "./b", "-o", "out", "--device", "cuda:0"], 2)
+        if not torch.cuda.is_available()
+        else (["check", "--seed", "x"], 2),
+        (["merge", "./no/such/a", "./no/such/b", "-o", "out"], 1),  # the run fails on what it reads
+        (["barrier", "./no/such/a", "./no/such/b", "--eval-data", "plays.txt"], 1),
+    ],
+)
 def test_exit_codes_are_2_for_usage_and_1_for_a_failed_run(argv, code, capsys, tmp_path, monkeypatch):
     """As argparse, ``hf`` and mergekit: 2 when the command as written cannot run, 1 when the run
     fails; either way one ``hf-lmc: error:`` line."""
@@ -124,13 +136,56 @@ def test_generated_learning_flags_reach_the_options_model():
 
     parser = cli.build_parser()
     assert cli.LEARN.build(parser.parse_args(["merge", "a", "b", "--output", "o"])) == LearnOptions()
-    flags = ["--steps", "7", "--lr", "0.1", "--residual-lr", "0.2", "--schedule", "cosine", "--warmup", "3", "--permutations", "ste",
-             "--orthogonal", "exp", "--frame", "target", "--objective", "ensemble", "--worst-fraction", "0.3", "--focus", "excess", "--input-noise", "0.25",
-             "--concentration", "2", "--seed", "5", "--lambda-range", "0.3", "0.7"]
+    flags = [
+        "--steps",
+        "7",
+        "--lr",
+        "0.1",
+        "--residual-lr",
+        "0.2",
+        "--schedule",
+        "cosine",
+        "--warmup",
+        "3",
+        "--permutations",
+        "ste",
+        "--orthogonal",
+        "exp",
+        "--frame",
+        "target",
+        "--objective",
+        "ensemble",
+        "--worst-fraction",
+        "0.3",
+        "--focus",
+        "excess",
+        "--input-noise",
+        "0.25",
+        "--concentration",
+        "2",
+        "--seed",
+        "5",
+        "--lambda-range",
+        "0.3",
+        "0.7",
+    ]
     options = cli.LEARN.build(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
     assert options == LearnOptions(
-        steps=7, lr=0.1, residual_lr=0.2, schedule="cosine", warmup=3, permutations="ste", orthogonal="exp", frame="target", objective="ensemble",
-        worst_fraction=0.3, focus="excess", input_noise=0.25, concentration=2.0, seed=5, lambda_range=(0.3, 0.7),
+        steps=7,
+        lr=0.1,
+        residual_lr=0.2,
+        schedule="cosine",
+        warmup=3,
+        permutations="ste",
+        orthogonal="exp",
+        frame="target",
+        objective="ensemble",
+        worst_fraction=0.3,
+        focus="excess",
+        input_noise=0.25,
+        concentration=2.0,
+        seed=5,
+        lambda_range=(0.3, 0.7),
     )
     assert set(cli.LEARN.fields) == set(LearnOptions.model_fields)  # every option has its flag
 
@@ -142,8 +197,26 @@ def test_an_out_of_range_fraction_is_refused_before_any_work(capsys):
 
 def test_a_frame_the_parameterisation_cannot_take_is_refused_before_any_work(capsys):
     """Checked when the options are read, not when the maps are built after loading and matching."""
-    assert main(["merge", "./no/such/a", "./no/such/b", "--output", "out", "--method", "learned", "--data", "./no/such/data",
-                 "--orthogonal", "polar", "--frame", "target"]) == 2
+    assert (
+        main(
+            [
+                "merge",
+                "./no/such/a",
+                "./no/such/b",
+                "--output",
+                "out",
+                "--method",
+                "learned",
+                "--data",
+                "./no/such/data",
+                "--orthogonal",
+                "polar",
+                "--frame",
+                "target",
+            ]
+        )
+        == 2
+    )
     _names_in_one_error_line(capsys, "polar", "target")
 
 
@@ -152,15 +225,35 @@ def test_generated_accelerate_flags_reach_the_options_model():
     from hf_lmc.options import AccelerateOptions
 
     parser = cli.build_parser()
-    flags = ["--mixed-precision", "bf16", "--gradient-accumulation-steps", "2", "--shard-endpoints", "--offload-endpoints",
-             "--checkpoint-dir", "state", "--checkpoint-every", "5", "--resume"]
+    flags = [
+        "--mixed-precision",
+        "bf16",
+        "--gradient-accumulation-steps",
+        "2",
+        "--shard-endpoints",
+        "--offload-endpoints",
+        "--checkpoint-dir",
+        "state",
+        "--checkpoint-every",
+        "5",
+        "--resume",
+    ]
     options = cli.ACCELERATE.build(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
-    assert options == AccelerateOptions(mixed_precision="bf16", gradient_accumulation_steps=2, shard_endpoints=True, offload_endpoints=True,
-                                        checkpoint_dir="state", checkpoint_every=5, resume=True)
+    assert options == AccelerateOptions(
+        mixed_precision="bf16",
+        gradient_accumulation_steps=2,
+        shard_endpoints=True,
+        offload_endpoints=True,
+        checkpoint_dir="state",
+        checkpoint_every=5,
+        resume=True,
+    )
     assert set(cli.ACCELERATE.fields) == set(AccelerateOptions.model_fields)
 
 
-@pytest.mark.parametrize("flags, named", [(["--offload-endpoints"], ("offload", "shard")), (["--resume"], ("resume", "checkpoint"))])
+@pytest.mark.parametrize(
+    "flags, named", [(["--offload-endpoints"], ("offload", "shard")), (["--resume"], ("resume", "checkpoint"))]
+)
 def test_an_accelerate_flag_without_the_one_it_needs_is_refused_before_any_work(capsys, flags, named):
     assert main(["merge", "./no/such/a", "./no/such/b", "--output", "out", *flags]) == 2
     _names_in_one_error_line(capsys, *named)
@@ -185,13 +278,24 @@ def test_every_option_is_described_once_for_flags_recipes_and_the_api():
     from hf_lmc import cli, options
     from hf_lmc.recipe import Recipe
 
-    models = (options.LearnOptions, options.AccelerateOptions, options.EvalOptions, options.OutputOptions, options.MergeSpec)
-    undescribed = [f"{m.__name__}.{name}" for m in models for name, field in m.model_fields.items() if not field.description]
+    models = (
+        options.LearnOptions,
+        options.AccelerateOptions,
+        options.EvalOptions,
+        options.OutputOptions,
+        options.MergeSpec,
+    )
+    undescribed = [
+        f"{m.__name__}.{name}" for m in models for name, field in m.model_fields.items() if not field.description
+    ]
     assert not undescribed
     schema = Recipe.model_json_schema()["$defs"]
     assert set(schema["LearnOptions"]["properties"]) == set(cli.LEARN.flags) == set(options.LearnOptions.model_fields)
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["merge"].format_help()
-    assert all(flag in help_text for flag in (*cli.LEARN.flags.values(), *cli.ACCELERATE.flags.values(), *cli.OUTPUT.flags.values()))
+    assert all(
+        flag in help_text
+        for flag in (*cli.LEARN.flags.values(), *cli.ACCELERATE.flags.values(), *cli.OUTPUT.flags.values())
+    )
 
 
 def test_data_flags_mean_the_same_in_merge_and_barrier():
@@ -200,8 +304,22 @@ def test_data_flags_mean_the_same_in_merge_and_barrier():
     from hf_lmc import cli
 
     parser = cli.build_parser()
-    flags = ["--data", "fit.txt", "--data-split", "validation", "--data-name", "raw",
-             "--eval-data", "eval.txt", "--eval-data-split", "dev", "--eval-data-name", "clean", "--batch-size", "4"]
+    flags = [
+        "--data",
+        "fit.txt",
+        "--data-split",
+        "validation",
+        "--data-name",
+        "raw",
+        "--eval-data",
+        "eval.txt",
+        "--eval-data-split",
+        "dev",
+        "--eval-data-name",
+        "clean",
+        "--batch-size",
+        "4",
+    ]
     for command in (["merge", "a", "b", "-o", "out"], ["barrier", "a", "b"]):
         args = parser.parse_args([*command, *flags])
         assert (args.data, args.eval_data) == ("fit.txt", "eval.txt")
@@ -221,9 +339,19 @@ def test_data_sets_keep_their_own_batch_size_unless_one_is_given():
     assert FIT_OPTIONS.batch_size != EVAL_OPTIONS.batch_size
     parser = cli.build_parser()
     args = parser.parse_args(["merge", "a", "b", "-o", "out", "--data", "fit.txt", "--eval-data", "eval.txt"])
-    assert (cli._fit_options(args).batch_size, cli._eval_options(args).batch_size) == (FIT_OPTIONS.batch_size, EVAL_OPTIONS.batch_size)
-    help_line = next(a.help for a in parser._subparsers._group_actions[0].choices["merge"]._actions if "--batch-size" in a.option_strings)
-    assert f"{FIT_OPTIONS.batch_size} for --data" in help_line and f"{EVAL_OPTIONS.batch_size} for --eval-data" in help_line
+    assert (cli._fit_options(args).batch_size, cli._eval_options(args).batch_size) == (
+        FIT_OPTIONS.batch_size,
+        EVAL_OPTIONS.batch_size,
+    )
+    help_line = next(
+        a.help
+        for a in parser._subparsers._group_actions[0].choices["merge"]._actions
+        if "--batch-size" in a.option_strings
+    )
+    assert (
+        f"{FIT_OPTIONS.batch_size} for --data" in help_line
+        and f"{EVAL_OPTIONS.batch_size} for --eval-data" in help_line
+    )
     with pytest.raises(TypeError):  # flags with a default per use build no single model
         cli.BATCHES.build(args)
 
@@ -268,7 +396,19 @@ sys.exit(code)
         ["merge", "./a", "./b", "./c", "-o", "new", "--weights", "0.5", "0.6", "0.1"],  # weights off the simplex
         ["merge", "./a", "./b", "-o", "new", "--alpha", "1.5"],
         ["merge", "./a", "./b", "-o", "new", "--method", "dual"],  # a data method without --data
-        ["merge", "./a", "./b", "-o", "new", "--method", "learned", "--data", "x.txt", "--schedule", "reduce_lr_on_plateau"],
+        [
+            "merge",
+            "./a",
+            "./b",
+            "-o",
+            "new",
+            "--method",
+            "learned",
+            "--data",
+            "x.txt",
+            "--schedule",
+            "reduce_lr_on_plateau",
+        ],
         ["merge", "./a", "./b", "-o", "new", "--revisions", "main"],  # one revision for two models
         ["barrier", "./a", "./b", "--eval-data", "x.txt", "--method", "learned"],
         ["barrier", "./a", "./b", "--eval-data", "x.txt", "--alphas", "1"],
@@ -293,7 +433,9 @@ def test_usage_errors_come_before_torch_is_imported(argv, tmp_path):
     )
     assert run.returncode == 2, run.stderr
     assert run.stdout.splitlines()[-1] == "[]", run.stdout
-    assert "Traceback" not in run.stderr and run.stderr.strip().splitlines()[-1].startswith("hf-lmc: error:"), run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.strip().splitlines()[-1].startswith("hf-lmc: error:"), (
+        run.stderr
+    )
 
 
 @pytest.mark.parametrize("output", ["existing", "a"])  # an output that exists without --overwrite; an input
@@ -302,7 +444,9 @@ def test_a_recipe_is_refused_before_torch_is_imported(output, tmp_path):
     peft) loads; the Hub client may load, it is what names a model."""
     (tmp_path / "existing").mkdir()
     (tmp_path / "a").mkdir()
-    (tmp_path / "r.yaml").write_text(f"models: [./a, ./b]\noutput: {{dir: {output}, overwrite: {str(output == 'a').lower()}}}\n")
+    (tmp_path / "r.yaml").write_text(
+        f"models: [./a, ./b]\noutput: {{dir: {output}, overwrite: {str(output == 'a').lower()}}}\n"
+    )
     run = subprocess.run(
         [sys.executable, "-c", _HEAVY_AT_EXIT, json.dumps(["run", "r.yaml"])],
         cwd=tmp_path,
@@ -313,7 +457,9 @@ def test_a_recipe_is_refused_before_torch_is_imported(output, tmp_path):
     )
     assert run.returncode == 2, run.stderr
     assert "torch" not in run.stdout.splitlines()[-1] and "transformers" not in run.stdout.splitlines()[-1], run.stdout
-    assert run.stderr.strip().splitlines()[-1].startswith("hf-lmc: error:") and "Traceback" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("hf-lmc: error:") and "Traceback" not in run.stderr, (
+        run.stderr
+    )
 
 
 def test_every_schedule_the_options_accept_is_one_transformers_runs():

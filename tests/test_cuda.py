@@ -51,7 +51,10 @@ def _batches(config, dtype: torch.dtype, count: int) -> list[dict[str, torch.Ten
     if config.model_type == "vit":
         shape = (4, config.num_channels, config.image_size, config.image_size)
         return [
-            {"pixel_values": torch.randn(shape, generator=g, dtype=torch.float64).to(dtype), "labels": torch.randint(0, config.num_labels, (4,), generator=g)}
+            {
+                "pixel_values": torch.randn(shape, generator=g, dtype=torch.float64).to(dtype),
+                "labels": torch.randint(0, config.num_labels, (4,), generator=g),
+            }
             for _ in range(count)
         ]
     return [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)} for _ in range(count)]
@@ -84,7 +87,9 @@ def test_dual_matching_on_cuda_follows_the_cpu_run_and_merges_exactly(arch):
 
         assert all(p.device.type == "cuda" for p in on_gpu.parameters())
         stores = on_gpu.interpolant.endpoints
-        assert all(t.device.type == "cuda" for store in stores for group in store.tensors.values() for t in group.values())
+        assert all(
+            t.device.type == "cuda" for store in stores for group in store.tensors.values() for t in group.values()
+        )
         # The language models' losses are float32 even here: transformers' ForCausalLMLoss casts
         # the logits to float32. So the runs agree to that rounding, not float64's: on an H100 the
         # parameters (entries up to 3e-2 after three Adam steps) differed by at most 1.6e-8.
@@ -151,12 +156,24 @@ def test_offloaded_endpoints_on_cuda_step_as_whole_ones():
     from hf_lmc import EndpointSharding
 
     config = tiny_configs()["llama"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
-    batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()}
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
+    batch = {
+        "input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    }
     try:
         whole = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity").cuda()
-        offloaded = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True)).cuda()
-        shards = [p for store in offloaded.interpolant.endpoints for layer in store.layers.values() for p in layer.parameters()]
+        offloaded = DualMatcher(
+            model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True)
+        ).cuda()
+        shards = [
+            p
+            for store in offloaded.interpolant.endpoints
+            for layer in store.layers.values()
+            for p in layer.parameters()
+        ]
         assert shards and all(p.to_local().device.type == "cpu" for p in shards)
         losses = [m(batch, alpha=0.5) for m in (whole, offloaded)]
         for loss in losses:

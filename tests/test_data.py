@@ -130,10 +130,21 @@ def test_max_batches_tokenises_only_the_rows_it_needs(tokenizer_folder, monkeypa
         def __getattr__(self, attribute):
             return getattr(self.inner, attribute)
 
-    expected = blocks(token_ids(tokenizer_folder, rows[:10]))[:2]  # one batch: 2 blocks of 4 tokens, from the first few rows
+    expected = blocks(token_ids(tokenizer_folder, rows[:10]))[
+        :2
+    ]  # one batch: 2 blocks of 4 tokens, from the first few rows
     real_from_pretrained = tf.AutoTokenizer.from_pretrained
-    monkeypatch.setattr(tf.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: CountingTokenizer(real_from_pretrained(*args, **kwargs)))
-    batches = load_batches(datasets.Dataset.from_dict({"text": rows}), lm_config(), tokenizer_folder, EvalOptions(batch_size=2, seq_len=SEQ_LEN, max_batches=1))
+    monkeypatch.setattr(
+        tf.AutoTokenizer,
+        "from_pretrained",
+        lambda *args, **kwargs: CountingTokenizer(real_from_pretrained(*args, **kwargs)),
+    )
+    batches = load_batches(
+        datasets.Dataset.from_dict({"text": rows}),
+        lm_config(),
+        tokenizer_folder,
+        EvalOptions(batch_size=2, seq_len=SEQ_LEN, max_batches=1),
+    )
     assert len(batches) == 1
     assert torch.equal(batches[0]["input_ids"], expected)
     assert 0 < len(tokenized) < len(rows) // 2
@@ -193,10 +204,24 @@ def test_hub_ids_go_to_load_dataset_with_the_configuration(reference, tmp_path, 
 
 
 @pytest.mark.parametrize(
-    "reference", ["eval.tx", "eval.txt", "data/eval.json", "images.pt", "corpus.csv", "./eval", "../eval", "/no/such/eval", "~/eval", "a/b/c"]
+    "reference",
+    [
+        "eval.tx",
+        "eval.txt",
+        "data/eval.json",
+        "images.pt",
+        "corpus.csv",
+        "./eval",
+        "../eval",
+        "/no/such/eval",
+        "~/eval",
+        "a/b/c",
+    ],
 )
 @pytest.mark.parametrize("model_type", ["gpt2", "vit"])
-def test_a_missing_file_is_reported_without_trying_the_hub(reference, model_type, tmp_path, tokenizer_folder, monkeypatch):
+def test_a_missing_file_is_reported_without_trying_the_hub(
+    reference, model_type, tmp_path, tokenizer_folder, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
 
     def no_hub(*args, **kwargs):
@@ -210,7 +235,9 @@ def test_a_missing_file_is_reported_without_trying_the_hub(reference, model_type
 
 
 def test_a_missing_path_object_is_reported_by_its_name(tmp_path, tokenizer_folder, monkeypatch):
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: pytest.fail("a Path was tried as a Hub dataset id"))
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda *args, **kwargs: pytest.fail("a Path was tried as a Hub dataset id")
+    )
     with pytest.raises(DataError) as missing:
         load_batches(tmp_path / "corpus", lm_config(), tokenizer_folder, EvalOptions())
     assert str(missing.value) == f"no such file or folder: {tmp_path / 'corpus'}"

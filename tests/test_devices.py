@@ -65,15 +65,27 @@ def test_weight_matching_places_the_residual_completion_and_least_squares_heads(
     """5 tokens fixing the first residual estimate on 10 of a 32-wide stream's 31 directions (the
     layer circuits complete it), and heads of 8 dims in a 4-wide stream (GL maps by least squares)."""
     config = transformers.GPTNeoXConfig(
-        vocab_size=5, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8,
-        attention_bias=False, tie_word_embeddings=False, max_position_embeddings=32,
+        vocab_size=5,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=8,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        max_position_embeddings=32,
         rope_parameters={"rope_theta": 10000, "partial_rotary_factor": 0.25, "rope_type": "default"},
     )
     a = hf_lmc.canonicalize(build_model(config, seed=136, dtype=torch.float32))
     _fit_off_device(a, hf_lmc.random_symmetry(a.spec, seed=137, dtype=torch.float32).apply(a).materialize())
     narrow = transformers.LlamaConfig(
-        vocab_size=16, hidden_size=4, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=8,
-        intermediate_size=6, max_position_embeddings=16,
+        vocab_size=16,
+        hidden_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=8,
+        intermediate_size=6,
+        max_position_embeddings=16,
     )
     a = hf_lmc.canonicalize(build_model(narrow, seed=3, dtype=torch.float32))
     _fit_off_device(a, hf_lmc.canonicalize(build_model(narrow, seed=4, dtype=torch.float32)))
@@ -124,14 +136,22 @@ def test_universe_merge_places_every_tensor(tmp_path):
 
 def test_merge_of_two_widths_places_every_tensor(tmp_path):
     narrow, wide = tiny_configs()["gpt2"], tiny_configs()["gpt2"]
-    wide.n_embd, wide.n_head, wide.n_inner = 2 * narrow.n_embd, 2 * narrow.n_head, 2 * (narrow.n_inner or 4 * narrow.n_embd)
+    wide.n_embd, wide.n_head, wide.n_inner = (
+        2 * narrow.n_embd,
+        2 * narrow.n_head,
+        2 * (narrow.n_inner or 4 * narrow.n_embd),
+    )
     build_model(narrow, seed=1, dtype=torch.float32).save_pretrained(tmp_path / "narrow")
     build_model(wide, seed=2, dtype=torch.float32).save_pretrained(tmp_path / "wide")
-    _merges_off_device(tmp_path, lambda out: merge(tmp_path / "narrow", tmp_path / "wide", out, progress=False, device="cpu"))
+    _merges_off_device(
+        tmp_path, lambda out: merge(tmp_path / "narrow", tmp_path / "wide", out, progress=False, device="cpu")
+    )
 
 
 def test_device_defaults_to_a_gpu_when_there_is_one_and_refuses_unknown_ones():
-    assert compute_device() == (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    assert compute_device() == (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )
     assert compute_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="unknown device 'tpu9'"):
         compute_device("tpu9")
@@ -145,7 +165,9 @@ def test_cli_refuses_a_bad_device_before_any_work(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["merge", *map(str, folders), "-o", str(out), "--device", "tpu9"]) == 2
     assert "unknown device 'tpu9'" in capsys.readouterr().err and not out.exists()
-    assert main(["merge", *map(str, folders), "-o", str(out), "--device", "cpu"]) == 0 and (out / "config.json").is_file()
+    assert (
+        main(["merge", *map(str, folders), "-o", str(out), "--device", "cpu"]) == 0 and (out / "config.json").is_file()
+    )
 
 
 def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(tmp_path, monkeypatch):
@@ -203,12 +225,16 @@ def test_launch_device_reads_the_launch_from_the_environment(monkeypatch, env, c
 def test_learned_matchers_start_where_asked_or_where_the_launch_put_them(monkeypatch, matcher):
     """The weight-matching start of the learned matchers runs on ``init_device``, by default
     this process's launch device (under ``accelerate launch --cpu`` the CPU, even beside a GPU)."""
-    import hf_lmc.matching.learned as learned
+    from hf_lmc.matching import learned
 
     seen = []
     for name in ("WeightMatcher", "UniverseMatcher"):
         original = getattr(learned, name)
-        recording = type(name, (original,), {"__init__": lambda self, *a, _o=original, **k: seen.append(k.get("device")) or _o.__init__(self, *a, **k)})
+        recording = type(
+            name,
+            (original,),
+            {"__init__": lambda self, *a, _o=original, **k: seen.append(k.get("device")) or _o.__init__(self, *a, **k)},
+        )
         monkeypatch.setattr(learned, name, recording)
     config = tiny_configs()["gpt2"]
     models = [build_model(config, seed=s, dtype=torch.float32) for s in (1, 2, 3)]
@@ -222,7 +248,11 @@ def test_learned_matchers_start_where_asked_or_where_the_launch_put_them(monkeyp
     from hf_lmc.devices import launch_device
 
     # the launch put this process on "cpu:0"; a device asked for is still checked as before
-    monkeypatch.setattr(learned, "launch_device", lambda device=None: launch_device(device) if device is not None else torch.device("cpu", 0))
+    monkeypatch.setattr(
+        learned,
+        "launch_device",
+        lambda device=None: launch_device(device) if device is not None else torch.device("cpu", 0),
+    )
     build()
     assert seen == [torch.device("cpu"), torch.device("cpu", 0)]
     with pytest.raises(ValueError, match="unknown device"):

@@ -55,7 +55,9 @@ def check_function_preserved(config, seed: int, dtype: torch.dtype, tmp_path) ->
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)], ids=["float64", "float32"])  # float64: the fast tier
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, pytest.param(torch.float32, marks=pytest.mark.slow)], ids=["float64", "float32"]
+)  # float64: the fast tier
 def test_canonical_symmetry_and_export_preserve_logits(arch, dtype, tmp_path_factory):
     @PROPERTY
     @given(config=CONFIGS[arch](), seed=st.integers(0, 2**16))

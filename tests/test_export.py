@@ -3,23 +3,31 @@
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import hf_lmc
-import hf_lmc.export as export
+from hf_lmc import export
 from hf_lmc.canonical import CanonicalModel
 from hf_lmc.card import TEMPLATE, inherited_license, merge_card
 from hf_lmc.export import PROCESSOR_FILES, parse_size, save_canonical
 from hf_lmc.hub import push_folder
 from hf_lmc.verify import tiny_configs
-from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, float64_rmsnorm, logits, relative_error, sample_inputs
+from tests.models import (
+    MODEL_CLASSES,
+    build_model,
+    char_tokenizer_folder,
+    float64_rmsnorm,
+    logits,
+    relative_error,
+    sample_inputs,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARD = "2KB"  # the tiny models hold 4-10 KB of float32 weights: several shards each
@@ -35,7 +43,7 @@ def _stored(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:
             assert f.metadata() == {"format": "pt"}
-            out |= {key: (file.name, f.get_tensor(key)) for key in f.keys()}
+            out |= {key: (file.name, f.get_tensor(key)) for key in f.keys()}  # noqa: SIM118 (safe_open has no iteration)
     return out
 
 
@@ -128,8 +136,15 @@ def test_processor_files_and_card_are_written(tmp_path):
     config = tiny_configs()["gpt2"]
     source = char_tokenizer_folder(tmp_path / "src", config.vocab_size)
     (source / "notes.txt").write_text("not a tokenizer file")
-    card = merge_card(base_models=["a", "b"], method="weight", symmetries="residual", alpha_or_weights=0.5,
-                      license="mit", model_type="gpt2", tied_embeddings_dropped=False)
+    card = merge_card(
+        base_models=["a", "b"],
+        method="weight",
+        symmetries="residual",
+        alpha_or_weights=0.5,
+        license="mit",
+        model_type="gpt2",
+        tied_embeddings_dropped=False,
+    )
     out = save_canonical(_canonical("gpt2"), tmp_path / "out", source_folder=source, card=card, progress=False)
 
     present = [name for name in PROCESSOR_FILES if (source / name).is_file()]
@@ -262,18 +277,18 @@ TABLE = "| method | barrier |\n|---|---|\n| average | 1.234 |\n| weight | 0.012 
 
 
 def _card(**overrides) -> ModelCard:
-    options = dict(
-        base_models=["org/model-a", "./local/model-b"],
-        method="weight",
-        symmetries=["heads", "mlp", "residual"],
-        alpha_or_weights=0.3,
-        license="apache-2.0",
-        model_type="llama",
-        tied_embeddings_dropped=True,
-        barrier_table=TABLE,
-        plot_filename="loss_along_path.png",
-        notes=["Trained on different seeds."],
-    )
+    options = {
+        "base_models": ["org/model-a", "./local/model-b"],
+        "method": "weight",
+        "symmetries": ["heads", "mlp", "residual"],
+        "alpha_or_weights": 0.3,
+        "license": "apache-2.0",
+        "model_type": "llama",
+        "tied_embeddings_dropped": True,
+        "barrier_table": TABLE,
+        "plot_filename": "loss_along_path.png",
+        "notes": ["Trained on different seeds."],
+    }
     return merge_card(**options | overrides)
 
 
@@ -298,8 +313,15 @@ def test_card_body():
     assert 'AutoModelForCausalLM.from_pretrained("' in text  # the task class, not the bare backbone
     assert "AutoModelForImageClassification.from_pretrained(" in _card(model_type="vit").text
 
-    plain = _card(method="average", symmetries=[], alpha_or_weights=[0.5, 0.5], barrier_table=None,
-                  plot_filename=None, tied_embeddings_dropped=False, notes=()).text
+    plain = _card(
+        method="average",
+        symmetries=[],
+        alpha_or_weights=[0.5, 0.5],
+        barrier_table=None,
+        plot_filename=None,
+        tied_embeddings_dropped=False,
+        notes=(),
+    ).text
     assert "[0.5, 0.5]" in plain and "none (plain average" in plain and "weight matching" not in plain
     assert "Loss barrier" not in plain and "![" not in plain and "tie_word_embeddings" not in plain
 
@@ -439,7 +461,10 @@ def test_vocabulary_groups_stream_in_row_blocks(tmp_path, arch, tied):
     config.tie_word_embeddings = tied
     for seed in (1, 2):
         build_model(config, seed=seed, dtype=torch.float32).save_pretrained(tmp_path / f"m{seed}")
-    a, b = hf_lmc.canonicalize(tmp_path / "m1", dtype=torch.float32), hf_lmc.canonicalize(tmp_path / "m2", dtype=torch.float32)
+    a, b = (
+        hf_lmc.canonicalize(tmp_path / "m1", dtype=torch.float32),
+        hf_lmc.canonicalize(tmp_path / "m2", dtype=torch.float32),
+    )
     moved = hf_lmc.random_symmetry(b.spec, seed=4, dtype=torch.float32).apply(b)
     for group in ("embed", "head"):
         whole = moved.group(group)
@@ -451,8 +476,13 @@ def test_vocabulary_groups_stream_in_row_blocks(tmp_path, arch, tied):
     merged = interpolate(a, moved, 0.3)
     config_out = hf_lmc.canonical.export_config(merged)
     for rows, name in ((None, "whole"), (5, "blocks")):  # 17 tokens: blocks of 5, 5, 5, 2
-        write_checkpoint(hf_state_dict_groups(merged, config_out, block_rows=rows), config_out, tmp_path / name, progress=False)
-    whole, blocked = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "blocks" / "model.safetensors")
+        write_checkpoint(
+            hf_state_dict_groups(merged, config_out, block_rows=rows), config_out, tmp_path / name, progress=False
+        )
+    whole, blocked = (
+        load_file(tmp_path / "whole" / "model.safetensors"),
+        load_file(tmp_path / "blocks" / "model.safetensors"),
+    )
     assert whole.keys() == blocked.keys()
     for key in whole:
         torch.testing.assert_close(blocked[key], whole[key], rtol=1e-6, atol=1e-7, msg=lambda m, key=key: f"{key}: {m}")
@@ -475,7 +505,9 @@ def test_row_block_export_of_a_moved_model_computes_the_stock_model(tmp_path, ar
     moved = hf_lmc.random_symmetry(canonical.spec, seed=3, dtype=torch.float64).apply(canonical)
     out_config = export_config(moved)
     assert out_config.vocab_size > 5  # several blocks, the last one short
-    write_checkpoint(hf_state_dict_groups(moved, out_config, block_rows=5), out_config, tmp_path / "out", progress=False)
+    write_checkpoint(
+        hf_state_dict_groups(moved, out_config, block_rows=5), out_config, tmp_path / "out", progress=False
+    )
     reloaded = MODEL_CLASSES[arch].from_pretrained(tmp_path / "out", dtype=torch.float64).eval()
     inputs = sample_inputs(source.config)
     with float64_rmsnorm():  # stock LlamaRMSNorm rounds to float32 inside
@@ -503,7 +535,9 @@ def test_row_block_export_reads_each_vocabulary_row_once(tmp_path, monkeypatch):
     monkeypatch.setattr(SafetensorsFile, "get_rows", counting)
     config_out = hf_lmc.canonical.export_config(model, dtype=torch.float32)
     rows_read.clear()
-    write_checkpoint(hf_state_dict_groups(model, config_out, block_rows=5), config_out, tmp_path / "out", progress=False)
+    write_checkpoint(
+        hf_state_dict_groups(model, config_out, block_rows=5), config_out, tmp_path / "out", progress=False
+    )
     vocab = config.vocab_size
     assert vocab > 5  # several blocks
     for key in ("gpt_neox.embed_in.weight", "embed_out.weight"):

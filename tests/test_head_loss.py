@@ -37,7 +37,9 @@ def test_sliced_cross_entropy_is_the_whole_cross_entropy_and_its_gradients(rows)
     for got, want in zip(_grads(loss, hidden, head), _grads(expected, hidden, head)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     with torch.no_grad():  # no gradient asked: the same value
-        assert sliced_cross_entropy(hidden, head, lambda start, stop, _: target[start:stop], weights, rows).item() == pytest.approx(expected.item(), rel=1e-13)
+        assert sliced_cross_entropy(
+            hidden, head, lambda start, stop, _: target[start:stop], weights, rows
+        ).item() == pytest.approx(expected.item(), rel=1e-13)
 
 
 def test_next_token_loss_is_the_causal_lm_loss():
@@ -91,7 +93,9 @@ def test_path_loss_and_gradients_are_those_of_the_whole_logits(arch, objective, 
     gradients of every trained parameter are those of the stock model's whole logits."""
     config = tiny_configs()[arch]
     monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 3 * config.vocab_size)
-    matcher = DualMatcher(build_model(config, seed=1), build_model(config, seed=2), objective=objective, dtype=torch.float64)
+    matcher = DualMatcher(
+        build_model(config, seed=1), build_model(config, seed=2), objective=objective, dtype=torch.float64
+    )
     batch = dict(sample_inputs(config, dtype=torch.float64, batch=3))
     weights = (0.6, 0.4)
     parameters = [p for p in matcher.parameters() if p.requires_grad]

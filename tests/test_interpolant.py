@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 import hf_lmc
 from hf_lmc.matching.interpolant import Interpolant
-from hf_lmc.symmetry import AttentionMap, BlockMonomial, DenseMlpMap, ResidualMap, Transform
 from hf_lmc.matching.params import GLParam, OrthogonalParam, PermutationParam
+from hf_lmc.symmetry import AttentionMap, BlockMonomial, DenseMlpMap, ResidualMap, Transform
 from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, CONFIGS, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
 
@@ -25,12 +25,23 @@ def _twin(config, seed: int):
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
-    config, model, a, b, undo = _twin(tiny_configs()[arch], seed=1)  # undo: the exact alignment weight matching would find
+    config, model, a, b, undo = _twin(
+        tiny_configs()[arch], seed=1
+    )  # undo: the exact alignment weight matching would find
 
     # Trainable residual map and layer-0 OV maps, initialised at the exact alignment.
-    residual = OrthogonalParam(a.spec.hidden_size, init=undo.maps["residual"].matrix, method="cayley", fix_ones=a.spec.centred, dtype=torch.float64)
+    residual = OrthogonalParam(
+        a.spec.hidden_size,
+        init=undo.maps["residual"].matrix,
+        method="cayley",
+        fix_ones=a.spec.centred,
+        dtype=torch.float64,
+    )
     attn = undo.maps["attn.0"]
-    ov = [GLParam(a.spec.head_dim, init=(attn.ov.blocks[h], attn.ov.inverse_blocks[h]), dtype=torch.float64) for h in range(a.spec.num_kv_heads)]
+    ov = [
+        GLParam(a.spec.head_dim, init=(attn.ov.blocks[h], attn.ov.inverse_blocks[h]), dtype=torch.float64)
+        for h in range(a.spec.num_kv_heads)
+    ]
 
     mlp = undo.maps["mlp.0"].map  # and layer-0 MLP units as a straight-through permutation
     units = PermutationParam(a.spec.intermediate_size, init=mlp.perm, method="ste", dtype=torch.float64)
@@ -38,7 +49,9 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
 
     def transform() -> Transform:
         blocks = [m() for m in ov]
-        ov_map = BlockMonomial(attn.ov.perm, torch.stack([m for m, _ in blocks]), torch.stack([inv for _, inv in blocks]))
+        ov_map = BlockMonomial(
+            attn.ov.perm, torch.stack([m for m, _ in blocks]), torch.stack([inv for _, inv in blocks])
+        )
         maps = dict(undo.maps) | {
             "residual": ResidualMap.from_matrix(residual()),
             "attn.0": AttentionMap(attn.qk, ov_map, attn.query_perm),
@@ -60,7 +73,9 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
     assert all(not p.requires_grad for p in interpolant.template.parameters())
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in ("gpt2", "gpt_neox") else a for a in ARCHITECTURES])
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, marks=pytest.mark.slow) if a in ("gpt2", "gpt_neox") else a for a in ARCHITECTURES]
+)
 def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
     """Over randomised configs: exact at init, gradients reach every parameter, exact hardened export."""
     from hf_lmc.matching.trainable import TrainableTransform
@@ -77,7 +92,9 @@ def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
             assert relative_error(out.logits, expected) < 1e-9
             out.logits.square().mean().backward()
             trained = [name for name, p in trainable.named_parameters() if p.requires_grad]
-            assert trained and all(p.grad is not None for _, p in trainable.named_parameters() if p.requires_grad), trained
+            assert trained and all(p.grad is not None for _, p in trainable.named_parameters() if p.requires_grad), (
+                trained
+            )
 
             hardened = trainable.harden()  # exact group element: the export path reproduces A
             merged = hf_lmc.to_hf(hf_lmc.interpolate(a, hardened.apply(b), 0.5))
@@ -102,7 +119,7 @@ def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing
         interpolant = Interpolant(a, b, checkpoint_layers=setting)
         built = []
         group = interpolant._group
-        interpolant._group = lambda g, point: built.append(g) or group(g, point)
+        interpolant._group = lambda g, point, *, built=built, group=group: built.append(g) or group(g, point)
         out = interpolant(trainable(), 0.37, **inputs)
         out.logits.square().mean().backward()
         layers = [g for g in built if isinstance(g, int)]
@@ -137,8 +154,13 @@ def test_an_endpoint_alone_is_its_stock_model(arch, data):
     interpolant = Interpolant(*(hf_lmc.canonicalize(m) for m in models))
     inputs = sample_inputs(config, dtype=torch.float64)
     reads = []
-    for store in interpolant.endpoints:  # count whose tensors each call loads
-        store.load = (lambda load, store: lambda group, rows=None: reads.append(store) or load(group, rows))(store.load, store)
+
+    def noting_reads(load, store):
+        """``load``, noting each call's ``store`` in ``reads``: whose tensors each call loads."""
+        return lambda group, rows=None: reads.append(store) or load(group, rows)
+
+    for store in interpolant.endpoints:
+        store.load = noting_reads(store.load, store)
     interpolant.models = tuple(store.canonical() for store in interpolant.endpoints)
     with float64_rmsnorm():
         for k, model in enumerate(models):

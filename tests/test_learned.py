@@ -27,7 +27,9 @@ def _train(matcher, batch, steps: int, lr: float = 1e-2) -> None:
 def test_twin_stays_exact_from_weight_matching_init():
     config = tiny_configs()["gpt_neox"]
     model = build_model(config, seed=0, dtype=torch.float64)
-    moved = hf_lmc.to_hf(hf_lmc.random_symmetry(hf_lmc.canonicalize(model).spec, seed=3).apply(hf_lmc.canonicalize(model)))
+    moved = hf_lmc.to_hf(
+        hf_lmc.random_symmetry(hf_lmc.canonicalize(model).spec, seed=3).apply(hf_lmc.canonicalize(model))
+    )
     matcher = DualMatcher(model, moved, objective="labels", dtype=torch.float64)
     inputs = sample_inputs(config)
     batch = {"input_ids": inputs["input_ids"]}
@@ -62,7 +64,10 @@ def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoint
     the same merge before training, and exact symmetries of each endpoint after it (GPT-2: the
     residual map keeps fixing the all-ones direction LayerNorm centres on)."""
     config = tiny_configs()[arch]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     own = cls(model_a, model_b, dtype=torch.float64)
     target = cls(model_a, model_b, frame="target", dtype=torch.float64)
     inputs = sample_inputs(config)
@@ -85,7 +90,10 @@ def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_step
     The same batches and weight draws give the same losses and the same merged function; the
     own frame does not."""
     config = tiny_configs()[arch]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}
 
     def trained(matcher):
@@ -105,13 +113,17 @@ def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_step
     own, own_losses = trained(LearnedMatcher(model_a, model_b, dtype=torch.float64))
     inputs = sample_inputs(config)
     torch.testing.assert_close(both_losses, dual_losses, rtol=0, atol=1e-5)
-    assert relative_error(logits(both.merge(0.5), inputs), logits(dual.merge(0.5), inputs)) < 1e-5  # (LLaMA: float32 RoPE)
+    assert (
+        relative_error(logits(both.merge(0.5), inputs), logits(dual.merge(0.5), inputs)) < 1e-5
+    )  # (LLaMA: float32 RoPE)
     assert (own_losses - dual_losses).abs().max() > 1e-2
     assert relative_error(logits(own.merge(0.5), inputs), logits(dual.merge(0.5), inputs)) > 1e-2
     assert relative_error(logits(both.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) for a in ("gpt2", "llama", "gpt_neox")] + ["vit"])
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, marks=pytest.mark.slow) for a in ("gpt2", "llama", "gpt_neox")] + ["vit"]
+)
 def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
     """Dual matching evaluates ``(1 - a) A + a T_A^-1 T_B(B)``, which is ``(1 - a) T_A(A) + a T_B(B)``
     moved by the symmetry ``T_A^-1``: the same function, so the same loss as a function of both
@@ -122,10 +134,17 @@ def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
     from hf_lmc.verify import float64_rmsnorm
 
     config = tiny_configs()[arch]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     g = torch.Generator().manual_seed(0)
     if arch == "vit":
-        batch = {"pixel_values": torch.randn(4, config.num_channels, config.image_size, config.image_size, generator=g, dtype=torch.float64)}
+        batch = {
+            "pixel_values": torch.randn(
+                4, config.num_channels, config.image_size, config.image_size, generator=g, dtype=torch.float64
+            )
+        }
     else:
         batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)}
     with float64_rmsnorm():
@@ -134,7 +153,7 @@ def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
             for p in matcher.parameters():
                 if p.requires_grad:
                     p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-        transform_a, transform_b = matcher._path()
+        transform_a, _transform_b = matcher._path()
         assert transform_a is None  # B alone moves
         loss = matcher(batch, alpha=0.4)
         grads = torch.autograd.grad(loss, [p for p in matcher.parameters() if p.requires_grad])
@@ -162,7 +181,12 @@ def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
     torch.testing.assert_close(matcher(batch, alpha=0.5).float(), loss32, rtol=1e-5, atol=1e-6)
     assert not any("endpoint" in k or "interpolant.models" in k for k in matcher.state_dict())
     matcher.to("meta")
-    assert all(t.device.type == "meta" for store in matcher.interpolant.endpoints for g in store.tensors.values() for t in g.values())
+    assert all(
+        t.device.type == "meta"
+        for store in matcher.interpolant.endpoints
+        for g in store.tensors.values()
+        for t in g.values()
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")  # a multi-process launch without a process group yet
     with pytest.raises(RuntimeError, match="create the Accelerator"):
         LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2), init="identity", shard_endpoints=True)
@@ -177,14 +201,21 @@ def test_offloaded_endpoints_in_one_process_train_and_merge_as_whole_ones():
     from hf_lmc import EndpointSharding
 
     config = tiny_configs()["llama"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}
     assert not dist.is_initialized()
     try:
         whole = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity")
-        offloaded = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True))
-        assert all(len(store.layers) == config.num_hidden_layers and not any(isinstance(g, int) for g in store.tensors)
-                   for store in offloaded.interpolant.endpoints)
+        offloaded = DualMatcher(
+            model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True)
+        )
+        assert all(
+            len(store.layers) == config.num_hidden_layers and not any(isinstance(g, int) for g in store.tensors)
+            for store in offloaded.interpolant.endpoints
+        )
         losses = [m(batch, alpha=0.5) for m in (whole, offloaded)]
         for loss in losses:
             loss.backward()
@@ -192,7 +223,9 @@ def test_offloaded_endpoints_in_one_process_train_and_merge_as_whole_ones():
         for (name, p), (_, q) in zip(whole.named_parameters(), offloaded.named_parameters()):
             assert (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad)), name
         with torch.no_grad():
-            torch.testing.assert_close(offloaded.merge(0.5)(**batch).logits, whole.merge(0.5)(**batch).logits, rtol=0, atol=0)
+            torch.testing.assert_close(
+                offloaded.merge(0.5)(**batch).logits, whole.merge(0.5)(**batch).logits, rtol=0, atol=0
+            )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -240,9 +273,15 @@ def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
         for cls in (LearnedMatcher, DualMatcher):
             matcher = cls(model_a, model_b, objective="labels", dtype=torch.float64)
             start = matcher.transforms()[1]
-            assert any(not torch.equal(e.map.perm, torch.arange(e.map.perm.numel())) for s, e in start.maps.items() if s.startswith("mlp."))
+            assert any(
+                not torch.equal(e.map.perm, torch.arange(e.map.perm.numel()))
+                for s, e in start.maps.items()
+                if s.startswith("mlp.")
+            )
             moved = matcher._path()[1]
-            assert all(e.ordered if s.startswith("attn.") else e.map.ordered for s, e in moved.maps.items() if s != "residual")
+            assert all(
+                e.ordered if s.startswith("attn.") else e.map.ordered for s, e in moved.maps.items() if s != "residual"
+            )
             a, b = (hf_lmc.canonicalize(m, dtype=torch.float64) for m in (model_a, model_b))
             want = causal_lm_loss(Interpolant(a, b)(start, 0.3, **batch).logits, batch["input_ids"])
             assert abs(matcher(batch, alpha=0.3).item() - want.item()) < 1e-12 * want.item()
@@ -257,7 +296,9 @@ def test_a_given_starting_transform_is_where_training_starts(cls):
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)} for _ in range(3)]
-    start = hf_lmc.ActivationMatcher(batches, progress=False).match(hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b))
+    start = hf_lmc.ActivationMatcher(batches, progress=False).match(
+        hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b)
+    )
     weight_start = cls(model_a, model_b, dtype=torch.float64).transforms()[1]
     matcher = cls(model_a, model_b, init=start, dtype=torch.float64)
     transform_b = matcher.transforms()[1]
@@ -265,11 +306,17 @@ def test_a_given_starting_transform_is_where_training_starts(cls):
     for (group, mine), (_, theirs) in zip(transform_b.apply(b).groups(), start.to(torch.float64).apply(b).groups()):
         for name in theirs:
             torch.testing.assert_close(mine[name], theirs[name], rtol=1e-10, atol=1e-12, msg=f"{group}: {name}")
-    differs = [s for s in start.maps if s.startswith("mlp.") and not torch.equal(start.maps[s].map.perm, weight_start.maps[s].map.perm)]
+    differs = [
+        s
+        for s in start.maps
+        if s.startswith("mlp.") and not torch.equal(start.maps[s].map.perm, weight_start.maps[s].map.perm)
+    ]
     assert differs  # the two starts really assign differently here
     matcher.fit(batches, steps=5, lr=1e-2, progress=False)
     learned = matcher.transforms()[1]
-    assert all(torch.equal(learned.maps[s].map.perm, start.maps[s].map.perm) for s in start.maps if s.startswith("mlp."))
+    assert all(
+        torch.equal(learned.maps[s].map.perm, start.maps[s].map.perm) for s in start.maps if s.startswith("mlp.")
+    )
     inputs = sample_inputs(config)
     assert relative_error(logits(matcher.merge(0.0), inputs), logits(model_a, inputs)) < 1e-10
     assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-10
@@ -348,7 +395,11 @@ def test_matchers_built_with_no_settings_train_as_the_command_line_does_with_no_
     """Every constructor argument that is also a :class:`LearnOptions` field defaults to that
     field's default: ``LearnOptions`` is the one definition, which the CLI and recipes read."""
     defaults = hf_lmc.LearnOptions()
-    shared = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items() if name in defaults.model_fields}
+    shared = {
+        name: p.default
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if name in defaults.model_fields
+    }
     assert {"objective", "permutations", "orthogonal", "frame", "input_noise"} <= set(shared)
     assert shared == {name: getattr(defaults, name) for name in shared}
 
@@ -384,7 +435,10 @@ def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_fol
     """``locate_worst`` against the barrier measured the user's way: stock merged models on the
     same batches; then the draws: near that point (``worst_fraction=1``) or in the range (0)."""
     config = tiny_configs()["gpt2"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     matcher = cls(model_a, model_b, dtype=torch.float64, worst_fraction=1.0)
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
@@ -395,12 +449,19 @@ def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_fol
         optimizer.zero_grad()
     alphas = [i / 10 for i in range(11)]
     with torch.no_grad():
-        losses = [sum(causal_lm_loss(matcher.merge(alpha)(**b).logits, b["input_ids"]).item() for b in batches) / 2 for alpha in alphas]
+        losses = [
+            sum(causal_lm_loss(matcher.merge(alpha)(**b).logits, b["input_ids"]).item() for b in batches) / 2
+            for alpha in alphas
+        ]
     excess = [loss - ((1 - alpha) * losses[0] + alpha * losses[-1]) for alpha, loss in zip(alphas, losses)]
     expected = alphas[max(range(1, 10), key=excess.__getitem__)]
     matcher.worst_alpha.fill_(0.9 if expected < 0.7 else 0.1)  # so locating has to move it
-    assert matcher.locate_worst(batches) == pytest.approx(expected) and float(matcher.worst_alpha) == pytest.approx(expected)
-    torch.testing.assert_close(matcher.grid_excess, torch.tensor(excess, dtype=torch.float64), rtol=0, atol=1e-9)  # what focus='excess' draws from
+    assert matcher.locate_worst(batches) == pytest.approx(expected) and float(matcher.worst_alpha) == pytest.approx(
+        expected
+    )
+    torch.testing.assert_close(
+        matcher.grid_excess, torch.tensor(excess, dtype=torch.float64), rtol=0, atol=1e-9
+    )  # what focus='excess' draws from
     draws = torch.stack([matcher.sample_lambda() for _ in range(200)])
     assert (draws - expected).abs().max() <= 0.05 + 1e-9 and draws.std() > 0.01
     matcher.worst_fraction = 0.0
@@ -428,7 +489,10 @@ def test_excess_focus_draws_near_every_point_above_the_line_in_proportion_to_its
 
 def test_fit_relocates_the_worst_point_on_its_last_two_batches():
     config = tiny_configs()["gpt2"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(3)]
     seen = {}
@@ -466,7 +530,9 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
     torch.manual_seed(0)
     straight = LearnedMatcher(model_a, model_b).fit(batches, steps=5, lr=1e-2, progress=False)
     torch.manual_seed(0)
-    assert LearnedMatcher(model_a, model_b).fit(data, steps=5, lr=1e-2, progress=False) == straight  # same batches, same order
+    assert (
+        LearnedMatcher(model_a, model_b).fit(data, steps=5, lr=1e-2, progress=False) == straight
+    )  # same batches, same order
     assert data.passes == 3  # 2 + 2 + 1 batches: three passes, each a fresh iteration
     torch.manual_seed(0)
     assert LearnedMatcher(model_a, model_b).fit((b for b in batches), steps=5, lr=1e-2, progress=False) == straight
@@ -496,7 +562,9 @@ def test_a_seeded_alignment_is_reproducible_and_leaves_the_callers_rng_alone():
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
 
     def trained(seed):
-        learn = LearnOptions(steps=3, lr=1e-2, seed=seed, target_barrier=None)  # every step trains (random models start below any target)
+        learn = LearnOptions(
+            steps=3, lr=1e-2, seed=seed, target_barrier=None
+        )  # every step trains (random models start below any target)
         _, transform = align("dual", a, b, batches=batches, learn=learn, progress=False)
         return transform_tensors(transform)
 
@@ -541,11 +609,17 @@ def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
         torch.manual_seed(0)
         matcher = DualMatcher(model_a, model_b, dtype=torch.float64)
         before = {name: p.detach().clone() for name, p in matcher.named_parameters()}
-        matcher.fit(batches, steps=1, lr=1e-2, residual_lr=residual_lr, progress=False)  # Adam's first step: ~lr per element
+        matcher.fit(
+            batches, steps=1, lr=1e-2, residual_lr=residual_lr, progress=False
+        )  # Adam's first step: ~lr per element
         moved[residual_lr] = {name: (p - before[name]).abs().max().item() for name, p in matcher.named_parameters()}
     residual = [name for name in moved[None] if ".residual." in name]
     assert residual and all(moved[None][name] > 1e-4 and moved[1e-12][name] < 1e-9 for name in residual)
-    assert all(moved[1e-12][name] == pytest.approx(moved[None][name], rel=1e-3) for name in moved[None] if name not in residual and moved[None][name] > 1e-4)
+    assert all(
+        moved[1e-12][name] == pytest.approx(moved[None][name], rel=1e-3)
+        for name in moved[None]
+        if name not in residual and moved[None][name] > 1e-4
+    )
     with pytest.raises(ValueError, match="residual_lr"):
         matcher.fit(batches, steps=1, residual_lr=0.0, progress=False)
 
@@ -574,11 +648,28 @@ def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
 
     first = fresh()
     with pytest.raises(Killed):
-        first.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, warmup_steps=1, checkpoint_dir=tmp_path / "ckpt",
-                  checkpoint_every=2, callback=kill_at_step_5, progress=False)
+        first.fit(
+            batches,
+            steps=6,
+            lr=1e-2,
+            gradient_accumulation_steps=2,
+            warmup_steps=1,
+            checkpoint_dir=tmp_path / "ckpt",
+            checkpoint_every=2,
+            callback=kill_at_step_5,
+            progress=False,
+        )
     resumed = fresh()
-    rest = resumed.fit(batches, steps=6, lr=1e-2, gradient_accumulation_steps=2, warmup_steps=1, checkpoint_dir=tmp_path / "ckpt",
-                       resume=True, progress=False)
+    rest = resumed.fit(
+        batches,
+        steps=6,
+        lr=1e-2,
+        gradient_accumulation_steps=2,
+        warmup_steps=1,
+        checkpoint_dir=tmp_path / "ckpt",
+        resume=True,
+        progress=False,
+    )
     assert len(rest) == 2
     for (name, p), (_, q) in zip(straight.named_parameters(), resumed.named_parameters()):
         torch.testing.assert_close(p, q, msg=name)
@@ -600,9 +691,13 @@ def test_resuming_refuses_a_state_saved_from_another_start(tmp_path):
     saved = DualMatcher(model_a, model_b, dtype=torch.float64)
     saved.fit(batches, steps=1, checkpoint_dir=folder, progress=False)
     recorded = json.loads((folder / "hf_lmc_state.json").read_text())["start"]
-    assert recorded == json.loads(json.dumps(training.start_fingerprint(DualMatcher(model_a, model_b, dtype=torch.float64))))
+    assert recorded == json.loads(
+        json.dumps(training.start_fingerprint(DualMatcher(model_a, model_b, dtype=torch.float64)))
+    )
     with pytest.raises(UsageError, match="resume"):
-        DualMatcher(model_a, model_c, dtype=torch.float64).fit(batches, steps=2, checkpoint_dir=folder, resume=True, progress=False)
+        DualMatcher(model_a, model_c, dtype=torch.float64).fit(
+            batches, steps=2, checkpoint_dir=folder, resume=True, progress=False
+        )
 
     other_rounding = DualMatcher(model_a, model_b, dtype=torch.float64)
     with torch.no_grad():
@@ -943,22 +1038,34 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
         "two, sharded": (2, ["--shard-endpoints"]),
         "four, sharded, offloaded": (4, ["--shard-endpoints", "--offload"]),
         "two, sharded, float32 gathers": (2, ["--shard-endpoints", "--gather-float32"]),
-        **{f"{family}: {name}": (processes, [*flags, f"--family={family}"])
-           for family in ("gpt_neox", "llama", "vit") for name, processes, flags in (("one", 1, []), ("two, sharded", 2, ["--shard-endpoints"]))},
+        **{
+            f"{family}: {name}": (processes, [*flags, f"--family={family}"])
+            for family in ("gpt_neox", "llama", "vit")
+            for name, processes, flags in (("one", 1, []), ("two, sharded", 2, ["--shard-endpoints"]))
+        },
     }
     for name, (processes, flags) in runs.items():
         out = str(tmp_path / name)
-        launch = [sys.executable] if processes == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        launch = (
+            [sys.executable]
+            if processes == 1
+            else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        )
         subprocess.run([*launch, script, out, *flags], env=env, check=True, timeout=600, cwd=root)
     info = {name: json.loads((tmp_path / f"{name}.json").read_text()) for name in runs}
     assert [info[n]["num_processes"] for n in runs] == [n for n, _ in runs.values()]  # really that many processes
     assert all(info[n]["moved"] for n in runs)  # .float() casts the endpoints, shards included
-    assert all(info[n]["starts"] == [1] + [0] * (runs[n][0] - 1) for n in runs)  # one weight matching, on the main process
-    whole, = info["one"]["held"]
+    assert all(
+        info[n]["starts"] == [1] + [0] * (runs[n][0] - 1) for n in runs
+    )  # one weight matching, on the main process
+    (whole,) = info["one"]["held"]
     assert info["two"]["held"] == [whole, whole]
     layers = 2 * info["two, sharded"]["layers_per_model"]  # both endpoints' layer tensors
     assert 0 < layers < whole
-    for name in ("two, sharded", "four, sharded, offloaded"):  # 1/N of the layers each (up to padding), embeddings and heads whole
+    for name in (
+        "two, sharded",
+        "four, sharded, offloaded",
+    ):  # 1/N of the layers each (up to padding), embeddings and heads whole
         processes = runs[name][0]
         held = info[name]["held"]
         assert len(held) == processes and sum(held) == processes * (whole - layers) + layers
@@ -967,11 +1074,15 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     compared |= {"two, sharded, float32 gathers": ("one", 1e-4, 1e-5)}
     compared |= {f"{family}: two, sharded": (f"{family}: one", 1e-7, 1e-9) for family in ("gpt_neox", "llama", "vit")}
     for name, (reference, rtol, atol) in compared.items():
-        assert rtol > 1e-7 or info[name]["located"] == info[reference]["located"], name  # one worst point for all (float64)
+        assert rtol > 1e-7 or info[name]["located"] == info[reference]["located"], (
+            name
+        )  # one worst point for all (float64)
         single, other = (torch.load(tmp_path / n, weights_only=True) for n in (reference, name))
         assert single["params"].keys() == other["params"].keys() and single["params"]
         for key in single["params"]:  # float64; Adam's normalisation lifts all-reduce rounding to ~1e-10
-            torch.testing.assert_close(other["params"][key], single["params"][key], rtol=rtol, atol=atol, msg=f"{name}: {key}")
+            torch.testing.assert_close(
+                other["params"][key], single["params"][key], rtol=rtol, atol=atol, msg=f"{name}: {key}"
+            )
         torch.testing.assert_close(other["logits"], single["logits"], rtol=10 * rtol, atol=10 * atol, msg=name)
 
 
@@ -989,7 +1100,9 @@ def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, cou
     models = [hf_lmc.canonicalize(build_model(config, seed=s)) for s in range(1, count + 1)]
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
-    learn = LearnOptions(steps=3, lr=1e-2, seed=1, target_barrier=None)  # no stopping rule: every batch trains (the rule: below)
+    learn = LearnOptions(
+        steps=3, lr=1e-2, seed=1, target_barrier=None
+    )  # no stopping rule: every batch trains (the rule: below)
     got = TrainedMatcher(cls, batches, learn=learn, progress=False).fit(models)
 
     if count == 2:
@@ -1010,9 +1123,16 @@ def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, cou
 
 def _random_pair_and_batches(count: int = 6):
     config = tiny_configs()["gpt2"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float64), build_model(config, seed=2, dtype=torch.float64)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
     g = torch.Generator().manual_seed(0)
-    return model_a, model_b, [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(count)]
+    return (
+        model_a,
+        model_b,
+        [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(count)],
+    )
 
 
 def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_at_the_target():
@@ -1031,8 +1151,14 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
     # worst-point grid, whatever the training objective (the default, ensemble, here)
     transform_a, transform_b = budgeted._path()
     with torch.no_grad():
-        grid = [sum(causal_lm_loss(budgeted.interpolant(transform_b, alpha, transform_a, **b).logits, b["input_ids"]).item() for b in holdout) / 2
-                for alpha in WORST_GRID]
+        grid = [
+            sum(
+                causal_lm_loss(budgeted.interpolant(transform_b, alpha, transform_a, **b).logits, b["input_ids"]).item()
+                for b in holdout
+            )
+            / 2
+            for alpha in WORST_GRID
+        ]
     assert abs(budgeted.stopping.estimate - max(0.0, loss_barrier(list(WORST_GRID), grid))) < 1e-9
     assert ("reached" in budgeted.stopping.describe()) == budgeted.stopping.reached
 
@@ -1044,7 +1170,9 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
 
     torch.manual_seed(0)
     at_start = DualMatcher(model_a, model_b, dtype=torch.float64)
-    assert at_start.fit(train, steps=50, lr=1e-2, holdout=holdout, target_barrier=10.0, progress=False) == []  # reached before any step
+    assert (
+        at_start.fit(train, steps=50, lr=1e-2, holdout=holdout, target_barrier=10.0, progress=False) == []
+    )  # reached before any step
     assert at_start.stopping.steps == 0 and at_start.stopping.reached
 
 
@@ -1073,7 +1201,13 @@ def test_training_that_ends_diverged_returns_the_lowest_path_seen(tmp_path):
     from hf_lmc.matching.training import train
 
     batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}] * 2
-    settings = {"schedule": "constant", "locate_every": 10, "holdout": batches, "target_barrier": 0.01, "progress": False}
+    settings = {
+        "schedule": "constant",
+        "locate_every": 10,
+        "holdout": batches,
+        "target_barrier": 0.01,
+        "progress": False,
+    }
     diverged = _WorseningPath(0.5)  # estimates at the start (0.5) and after the last step (1.7 > 2 * 0.5 + 0.1)
     train(diverged, batches, steps=6, lr=0.2, **settings)
     assert diverged.x.item() == 0.5  # the start's value, exactly
@@ -1103,19 +1237,51 @@ def test_training_whose_estimate_diverges_goes_back_at_half_the_learning_rate(tm
     batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}] * 2
     path, seen = _WorseningPath(0.5), []
     # Adam moves x by the learning rate each step: 0.75, 1.0, 1.25 (> 1.1: back to 0.5 at lr 0.125), 0.625, 0.75, 0.875
-    train(path, batches, steps=6, lr=0.25, schedule="constant", locate_every=3, holdout=batches, target_barrier=0.01,
-          callback=lambda step, p: seen.append(p.x.item()), progress=False)
+    train(
+        path,
+        batches,
+        steps=6,
+        lr=0.25,
+        schedule="constant",
+        locate_every=3,
+        holdout=batches,
+        target_barrier=0.01,
+        callback=lambda step, p: seen.append(p.x.item()),
+        progress=False,
+    )
     assert seen == pytest.approx([0.75, 1.0, 0.5, 0.625, 0.75, 0.875], abs=1e-6)
     assert path.stopping.backtracks == 1 and path.stopping.last is None and path.x.item() == pytest.approx(0.875)
     assert "halved 1 time" in path.stopping.describe()
 
     # killed after step 4 (state saved at 2 and 4), resumed: the halving is remembered, rate and count
     folder, settings = tmp_path / "state", {"checkpoint_dir": tmp_path / "state", "checkpoint_every": 2}
-    train(_WorseningPath(0.5), batches, steps=4, lr=0.25, schedule="constant", locate_every=3, holdout=batches,
-          target_barrier=0.01, progress=False, **settings)
+    train(
+        _WorseningPath(0.5),
+        batches,
+        steps=4,
+        lr=0.25,
+        schedule="constant",
+        locate_every=3,
+        holdout=batches,
+        target_barrier=0.01,
+        progress=False,
+        **settings,
+    )
     resumed, seen = _WorseningPath(0.5), []
-    train(resumed, batches, steps=6, lr=0.25, schedule="constant", locate_every=3, holdout=batches, target_barrier=0.01,
-          callback=lambda step, p: seen.append(p.x.item()), progress=False, resume=True, **settings)
+    train(
+        resumed,
+        batches,
+        steps=6,
+        lr=0.25,
+        schedule="constant",
+        locate_every=3,
+        holdout=batches,
+        target_barrier=0.01,
+        callback=lambda step, p: seen.append(p.x.item()),
+        progress=False,
+        resume=True,
+        **settings,
+    )
     assert folder.is_dir() and seen == pytest.approx([0.75, 0.875], abs=1e-6)
     assert resumed.stopping.backtracks == 1 and "halved 1 time" in resumed.stopping.describe()
 
@@ -1159,21 +1325,51 @@ def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
         folders.append(str(tmp_path / f"m{seed}"))
     g = torch.Generator().manual_seed(0)
     size = config.image_size
-    torch.save({"pixel_values": torch.randn(16, config.num_channels, size, size, generator=g),
-                "labels": torch.randint(0, config.num_labels, (16,), generator=g)}, tmp_path / "fit.pt")
+    torch.save(
+        {
+            "pixel_values": torch.randn(16, config.num_channels, size, size, generator=g),
+            "labels": torch.randint(0, config.num_labels, (16,), generator=g),
+        },
+        tmp_path / "fit.pt",
+    )
     env = os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    settings = ["--data", str(tmp_path / "fit.pt"), "--batch-size", "4", "--steps", "4", "--lr", "1e-2", "--seed", "0", "--target-barrier", "0"]
-    one, two = [sys.executable, "-m", "hf_lmc"], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_lmc"]
+    settings = [
+        "--data",
+        str(tmp_path / "fit.pt"),
+        "--batch-size",
+        "4",
+        "--steps",
+        "4",
+        "--lr",
+        "1e-2",
+        "--seed",
+        "0",
+        "--target-barrier",
+        "0",
+    ]
+    one, two = (
+        [sys.executable, "-m", "hf_lmc"],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_lmc"],
+    )
     runs = {  # (processes, method): (launch, further flags)
-        ("one", "dual"): (one, settings), ("one", "weight"): (one, []),
-        ("two", "dual"): (two, settings), ("two", "weight"): (two, []),
+        ("one", "dual"): (one, settings),
+        ("one", "weight"): (one, []),
+        ("two", "dual"): (two, settings),
+        ("two", "weight"): (two, []),
         ("two, sharded", "dual"): (two, [*settings, "--shard-endpoints", "--offload-endpoints"]),
     }
     outputs = {}
     for (name, method), (launch, flags) in runs.items():
         out = tmp_path / f"{name}-{method}"
-        done = subprocess.run([*launch, "merge", *folders, "-o", str(out), "--method", method, *flags],
-                              env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+        done = subprocess.run(
+            [*launch, "merge", *folders, "-o", str(out), "--method", method, *flags],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.count("merged model written to") == 1, done.stdout  # one process reports
         outputs[name, method] = load_file(out / "model.safetensors")
@@ -1188,12 +1384,18 @@ def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
     state, out = ["--checkpoint-dir", str(tmp_path / "state"), "--checkpoint-every", "2"], tmp_path / "resumed"
     killed = [*two[:-2], str(root / "tests" / "killed_merge.py"), "3"]
     dual = ["merge", *folders, "-o", str(out), "--method", "dual", *settings, *state]
-    done = subprocess.run([*killed, *dual], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+    done = subprocess.run(
+        [*killed, *dual], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False
+    )
     assert done.returncode != 0 and not out.exists()
     # The same kill again: a resumed run takes only the last two steps, so it never reaches it.
-    done = subprocess.run([*killed, *dual, "--resume"], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False)
+    done = subprocess.run(
+        [*killed, *dual, "--resume"], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     resumed, straight = load_file(out / "model.safetensors"), outputs["two", "dual"]
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=1e-6, atol=1e-7, msg=f"resumed: {key}")
-    assert any(not torch.equal(outputs["one", "dual"][k], outputs["one", "weight"][k]) for k in outputs["one", "dual"])  # dual trained
+    assert any(
+        not torch.equal(outputs["one", "dual"][k], outputs["one", "weight"][k]) for k in outputs["one", "dual"]
+    )  # dual trained

@@ -47,12 +47,21 @@ def test_twin_merge_at_half_computes_a(arch, method):
 
 def test_alpha_endpoints_give_each_model():
     config = tiny_configs()["llama"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float32), build_model(config, seed=2, dtype=torch.float32)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float32),
+        build_model(config, seed=2, dtype=torch.float32),
+    )
     a, b = hf_lmc.canonicalize(model_a), hf_lmc.canonicalize(model_b)
     aligned = hf_lmc.WeightMatcher(progress=False).match(a, b).to(torch.float32).apply(b)
     inputs = sample_inputs(config)
-    assert relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 0.0)), inputs), logits(model_a, inputs)) < 1e-5
-    assert relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 1.0)), inputs), logits(model_b, inputs)) < 1e-4
+    assert (
+        relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 0.0)), inputs), logits(model_a, inputs))
+        < 1e-5
+    )
+    assert (
+        relative_error(logits(hf_lmc.to_hf(hf_lmc.interpolate(a, aligned, 1.0)), inputs), logits(model_b, inputs))
+        < 1e-4
+    )
 
 
 def test_matching_reduces_distance_between_independent_models():
@@ -124,7 +133,9 @@ def test_gl_matching_inverts_gl_maps_of_rank_deficient_heads(head_dim, vec_width
 
 def test_rotary_matching_inverts_any_rope_commuting_map():
     g = torch.Generator().manual_seed(1)
-    m0, m0_inv = rotary_block(torch.rand(2, dtype=torch.float64) + 0.5, torch.rand(2, dtype=torch.float64) * 6, 4, 6, random_gl(2, g))
+    m0, m0_inv = rotary_block(
+        torch.rand(2, dtype=torch.float64) + 0.5, torch.rand(2, dtype=torch.float64) * 6, 4, 6, random_gl(2, g)
+    )
     vec, cov = torch.randn(6, 30, dtype=torch.float64), torch.randn(6, 20, dtype=torch.float64)
     m, _ = match_rotary(vec, cov, m0 @ vec, m0_inv.T @ cov, rotary_dim=4)
     torch.testing.assert_close(m, m0_inv)
@@ -151,11 +162,15 @@ def test_sparse_assignment_is_as_good_as_dense(structure, candidates):
     n, width = 1024, 48
     gen = torch.Generator().manual_seed(len(structure) + candidates)
     left = torch.randn(n, width, generator=gen)
-    right = left[torch.randperm(n, generator=gen)] + torch.randn(n, width, generator=gen) if structure == "permuted" else torch.randn(n, width, generator=gen)
+    right = (
+        left[torch.randperm(n, generator=gen)] + torch.randn(n, width, generator=gen)
+        if structure == "permuted"
+        else torch.randn(n, width, generator=gen)
+    )
     if structure == "ties":
         left, right = left.sign().bfloat16(), right.sign().bfloat16()
     similarity = (left @ right.T).double()
-    total = lambda perm: similarity[perm, torch.arange(n)].sum().item()  # noqa: E731
+    total = lambda perm: similarity[perm, torch.arange(n)].sum().item()
     sparse = assign_product(left, right, candidates=candidates, dense_bytes=0)  # the sparse path at any size
     assert sorted(sparse.tolist()) == list(range(n))
     assert total(sparse) == pytest.approx(total(assign(left @ right.T)), rel=1e-9, abs=1e-9)
@@ -240,8 +255,15 @@ def test_weight_matching_recovers_a_twin_whose_embeddings_span_less_than_the_str
     rest left to the SVD, coordinate descent stalled in a local optimum 0.14 off (a hypothesis draw).
     The layer circuits complete it."""
     config = transformers.GPTNeoXConfig(
-        vocab_size=5, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=8,
-        layer_norm_eps=1e-5, attention_bias=False, tie_word_embeddings=False, use_parallel_residual=False,
+        vocab_size=5,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=8,
+        layer_norm_eps=1e-5,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        use_parallel_residual=False,
         max_position_embeddings=32,
         rope_parameters={"rope_theta": 10000, "partial_rotary_factor": 0.25, "rope_type": "default"},
     )
@@ -258,8 +280,13 @@ def test_per_head_solves_side_by_side_give_the_sequential_transform_bit_for_bit(
     """Weight matching solves a layer's heads on up to torch.get_num_threads() threads at once,
     each single-threaded: the transform must not depend on how many ran together."""
     config = transformers.LlamaConfig(
-        vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=48, max_position_embeddings=32,
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=32,
     )
     a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
     threads = torch.get_num_threads()
@@ -279,8 +306,13 @@ def test_mlp_assignments_on_worker_threads_give_the_in_line_transform_bit_for_bi
     """Weight matching solves each layer's MLP assignment on a worker thread while the next
     layers' products run: the transform must be the one of solving each in turn, in line."""
     config = transformers.GPTNeoXConfig(
-        vocab_size=32, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=96,
-        max_position_embeddings=32, rotary_pct=0.5,
+        vocab_size=32,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=32,
+        rotary_pct=0.5,
     )
     a, b = (hf_lmc.canonicalize(build_model(config, seed=s, dtype=torch.float32)) for s in (1, 2))
     solved_on: dict[int, list[str]] = {}
@@ -294,7 +326,9 @@ def test_mlp_assignments_on_worker_threads_give_the_in_line_transform_bit_for_bi
     results = {}
     for threads in (0, 3):
         solved_on[threads] = []
-        results[threads] = transform_tensors(hf_lmc.WeightMatcher(progress=False, device="cpu", solver_threads=threads).match(a, b))
+        results[threads] = transform_tensors(
+            hf_lmc.WeightMatcher(progress=False, device="cpu", solver_threads=threads).match(a, b)
+        )
     in_line, on_workers = results[0], results[3]
     assert in_line.keys() == on_workers.keys()
     assert all(torch.equal(in_line[name], on_workers[name]) for name in in_line)
@@ -308,8 +342,22 @@ def test_mlp_assignments_on_worker_threads_give_the_in_line_transform_bit_for_bi
 @pytest.mark.parametrize(
     "config",
     [
-        transformers.LlamaConfig(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=704, vocab_size=512),
-        transformers.GPTNeoXConfig(hidden_size=256, num_attention_heads=4, num_hidden_layers=2, intermediate_size=1024, vocab_size=512, rotary_pct=0.25),
+        transformers.LlamaConfig(
+            hidden_size=256,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            num_hidden_layers=2,
+            intermediate_size=704,
+            vocab_size=512,
+        ),
+        transformers.GPTNeoXConfig(
+            hidden_size=256,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            intermediate_size=1024,
+            vocab_size=512,
+            rotary_pct=0.25,
+        ),
     ],
     ids=["llama", "gpt_neox"],
 )
@@ -323,7 +371,11 @@ def test_matching_bound_counts_the_products_weight_matching_runs(config):
     models = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        model_class = transformers.LlamaForCausalLM if isinstance(config, transformers.LlamaConfig) else transformers.GPTNeoXForCausalLM
+        model_class = (
+            transformers.LlamaForCausalLM
+            if isinstance(config, transformers.LlamaConfig)
+            else transformers.GPTNeoXForCausalLM
+        )
         models.append(hf_lmc.canonicalize(model_class(config), dtype=torch.float32))
     matcher = hf_lmc.WeightMatcher(progress=False, device="cpu")
     with FlopCounterMode(display=False) as counter:

@@ -45,7 +45,10 @@ def test_weight_merge_of_a_twin_is_a(arch, tmp_path):
 @pytest.mark.slow
 def test_alpha_endpoints_and_dtype(tmp_path):
     config = tiny_configs()["llama"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float32), build_model(config, seed=2, dtype=torch.float32)
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float32),
+        build_model(config, seed=2, dtype=torch.float32),
+    )
     a, b = _save(model_a, tmp_path / "a"), _save(model_b, tmp_path / "b")
     inputs = sample_inputs(config)
     for alpha, expected in ((0.0, model_a), (1.0, model_b)):
@@ -59,8 +62,17 @@ def test_alpha_endpoints_and_dtype(tmp_path):
 
 def test_average_is_the_plain_mean_of_stored_weights(tmp_path):
     config = tiny_configs()["gpt_neox"]
-    model_a, model_b = build_model(config, seed=1, dtype=torch.float32), build_model(config, seed=2, dtype=torch.float32)
-    out = merge(_save(model_a, tmp_path / "a"), _save(model_b, tmp_path / "b"), tmp_path / "avg", method="average", progress=False).output
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float32),
+        build_model(config, seed=2, dtype=torch.float32),
+    )
+    out = merge(
+        _save(model_a, tmp_path / "a"),
+        _save(model_b, tmp_path / "b"),
+        tmp_path / "avg",
+        method="average",
+        progress=False,
+    ).output
     merged = MODEL_CLASSES["gpt_neox"].from_pretrained(out)
     for key, value in merged.state_dict().items():
         torch.testing.assert_close(value, (model_a.state_dict()[key] + model_b.state_dict()[key]) / 2, msg=key)
@@ -73,8 +85,23 @@ def test_eval_data_puts_barrier_table_and_plot_in_the_card_and_tokenizer_is_copi
     char_tokenizer_folder(a, config.vocab_size)
     b = _save(build_model(config, seed=2, dtype=torch.float32), tmp_path / "b")
     (tmp_path / "eval.txt").write_text("abc cab bca. " * 40)
-    rc = main(["merge", str(a), str(b), "-o", str(tmp_path / "m"), "--eval-data", str(tmp_path / "eval.txt"),
-               "--alphas", "3", "--seq-len", "8", "--max-batches", "2"])
+    rc = main(
+        [
+            "merge",
+            str(a),
+            str(b),
+            "-o",
+            str(tmp_path / "m"),
+            "--eval-data",
+            str(tmp_path / "eval.txt"),
+            "--alphas",
+            "3",
+            "--seq-len",
+            "8",
+            "--max-batches",
+            "2",
+        ]
+    )
     assert rc == 0
     text = (tmp_path / "m" / "README.md").read_text()
     assert "| average |" in text and "| weight |" in text and "loss_along_path.png" in text
@@ -135,8 +162,10 @@ def test_bad_inputs(tmp_path, capsys):
     # Two widths merge (tests/test_widths.py), but not two head sizes: 8 / 2 heads vs 12 / 2 heads.
     _fails(["merge", str(gpt2), str(gpt2_wide), "-o", out], capsys, tmp_path, "head_dim 4 vs 6")
 
-    sharded = _save(build_model(configs["llama"], seed=2, dtype=torch.float32), tmp_path / "sharded", max_shard_size="2KB")
-    shard = sorted(sharded.glob("model-*.safetensors"))[-1]
+    sharded = _save(
+        build_model(configs["llama"], seed=2, dtype=torch.float32), tmp_path / "sharded", max_shard_size="2KB"
+    )
+    shard = max(sharded.glob("model-*.safetensors"))
     shard.rename(tmp_path / "moved.safetensors")
     _fails(["merge", str(llama), str(sharded), "-o", out], capsys, tmp_path, "missing shard")
     (tmp_path / "moved.safetensors").rename(shard)
@@ -155,9 +184,19 @@ def test_bad_inputs(tmp_path, capsys):
     import transformers as tf
 
     _fails(["merge", str(llama), str(llama), "-o", out, "--method", "activation"], capsys, tmp_path, "pass --data")
-    _fails(["merge", str(llama), str(llama), "-o", out, "--method", "dual", "--data", str(tmp_path / "none.txt")], capsys, tmp_path, "no such")
+    _fails(
+        ["merge", str(llama), str(llama), "-o", out, "--method", "dual", "--data", str(tmp_path / "none.txt")],
+        capsys,
+        tmp_path,
+        "no such",
+    )
 
-    bert = _save(tf.BertForMaskedLM(tf.BertConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8)), tmp_path / "bert")
+    bert = _save(
+        tf.BertForMaskedLM(
+            tf.BertConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, intermediate_size=8)
+        ),
+        tmp_path / "bert",
+    )
     _fails(["merge", str(bert), str(bert), "-o", out], capsys, tmp_path, "model type 'bert' is not supported")
     _fails(["merge", str(llama), str(llama), "-o", out, "--alpha", "1.5"], capsys, tmp_path, "[0, 1]")
 
@@ -177,19 +216,57 @@ def test_bad_inputs(tmp_path, capsys):
 def test_barrier_cli_prints_json(tmp_path, capsys):
     _, (a, b) = twin_folders(tmp_path, "vit", [7])
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "d.pt")
-    assert main(["barrier", str(a), str(b), "--eval-data", str(tmp_path / "d.pt"), "--alphas", "3", "--json", "--plot", str(tmp_path / "p.png")]) == 0
+    assert (
+        main(
+            [
+                "barrier",
+                str(a),
+                str(b),
+                "--eval-data",
+                str(tmp_path / "d.pt"),
+                "--alphas",
+                "3",
+                "--json",
+                "--plot",
+                str(tmp_path / "p.png"),
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert abs(report["barriers"]["weight"]) < 1e-4 and (tmp_path / "p.png").is_file()
 
 
-@pytest.mark.parametrize("method", [pytest.param("activation", marks=pytest.mark.slow), pytest.param("learned", marks=pytest.mark.slow), "dual"])
+@pytest.mark.parametrize(
+    "method",
+    [pytest.param("activation", marks=pytest.mark.slow), pytest.param("learned", marks=pytest.mark.slow), "dual"],
+)
 def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     """Twins stay exact through every data-driven method (learned ones start at weight matching)."""
     model, (a, b) = twin_folders(tmp_path, "vit", [7])
     torch.save({"pixel_values": torch.randn(12, 3, 8, 8), "labels": torch.randint(0, 3, (12,))}, tmp_path / "fit.pt")
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
-    args = ["merge", str(a), str(b), "-o", str(tmp_path / "m"), "--method", method, "--data", str(tmp_path / "fit.pt"),
-            "--batch-size", "4", "--steps", "3", "--lr", "1e-4", "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3"]
+    args = [
+        "merge",
+        str(a),
+        str(b),
+        "-o",
+        str(tmp_path / "m"),
+        "--method",
+        method,
+        "--data",
+        str(tmp_path / "fit.pt"),
+        "--batch-size",
+        "4",
+        "--steps",
+        "3",
+        "--lr",
+        "1e-4",
+        "--eval-data",
+        str(tmp_path / "eval.pt"),
+        "--alphas",
+        "3",
+    ]
     if method == "dual":
         args += ["--permutations", "sinkhorn", "--input-noise", "0.1", "--seed", "3", "--objective", "labels"]
     if method == "learned":
@@ -208,7 +285,9 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     if method == "learned":
         assert "| steps | 3 (gradient accumulation 1, mixed precision `no`) |" in card
         assert "fit.pt' (split `train`, batches of 4) |" in card
-        assert "Adam, lr 0.0001, residual maps 1e-05, schedule `cosine`" in card and "frame `own`" in card  # the default schedule
+        assert (
+            "Adam, lr 0.0001, residual maps 1e-05, schedule `cosine`" in card and "frame `own`" in card
+        )  # the default schedule
 
 
 def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
@@ -216,7 +295,20 @@ def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "d.pt")
     assert main(["barrier", str(a), str(b), "--eval-data", str(tmp_path / "d.pt"), "--method", "learned"]) == 2
     assert "pass --data" in capsys.readouterr().err
-    args = ["barrier", str(a), str(b), "--eval-data", str(tmp_path / "d.pt"), "--method", "activation", "--data", str(tmp_path / "d.pt"), "--alphas", "3", "--json"]
+    args = [
+        "barrier",
+        str(a),
+        str(b),
+        "--eval-data",
+        str(tmp_path / "d.pt"),
+        "--method",
+        "activation",
+        "--data",
+        str(tmp_path / "d.pt"),
+        "--alphas",
+        "3",
+        "--json",
+    ]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert abs(report["barriers"]["activation"]) < 1e-4

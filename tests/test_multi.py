@@ -43,7 +43,9 @@ def test_universe_merge_of_twins_computes_the_model(arch):
     universe merge is A's function, whatever the weights."""
 
     @settings(max_examples=3, deadline=None)
-    @given(config=CONFIGS[arch](), seed=st.integers(0, 2**16), raw=st.lists(st.floats(0.05, 1.0), min_size=3, max_size=3))
+    @given(
+        config=CONFIGS[arch](), seed=st.integers(0, 2**16), raw=st.lists(st.floats(0.05, 1.0), min_size=3, max_size=3)
+    )
     def run(config, seed, raw):
         model = build_model(config, seed=seed, dtype=torch.float32)
         models = _twins(model, [seed + 1, seed + 2])
@@ -101,7 +103,10 @@ def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
     inputs = sample_inputs(config)
     assert relative_error(logits(matcher.merge([0.2, 0.5, 0.3]), inputs), logits(model, inputs)) < 1e-5
     # transforms() are of the models as given (their fixed assignments composed back in)
-    given = [t.apply(hf_lmc.canonicalize(m, dtype=torch.float64)) for t, m in zip(matcher.transforms(), [twins[0], model, twins[1]])]
+    given = [
+        t.apply(hf_lmc.canonicalize(m, dtype=torch.float64))
+        for t, m in zip(matcher.transforms(), [twins[0], model, twins[1]])
+    ]
     rebuilt = hf_lmc.to_hf(hf_lmc.canonical.combine(given, [0.2, 0.5, 0.3]))
     assert relative_error(logits(rebuilt, inputs), logits(matcher.merge([0.2, 0.5, 0.3]), inputs)) < 1e-10
 
@@ -109,7 +114,10 @@ def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
     matcher = hf_lmc.SimplexMatcher(others, init="identity", learns_first=learns_first, dtype=torch.float64)
     trainable = [p for p in matcher.parameters() if p.requires_grad]
     assert trainable and len(matcher.learned) == (3 if learns_first else 2)
-    batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(i))} for i in range(2)]
+    batches = [
+        {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(i))}
+        for i in range(2)
+    ]
     centre = [1 / 3] * 3
     before = matcher(batches[0], weights=centre).item()
     torch.manual_seed(0)
@@ -162,8 +170,26 @@ def test_dual_merge_of_three_twins_with_the_simplex_barrier_in_the_card(tmp_path
     torch.save({"pixel_values": torch.randn(12, 3, 8, 8), "labels": torch.randint(0, 3, (12,))}, tmp_path / "fit.pt")
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
     out = tmp_path / "dual"
-    args = ["merge", *map(str, folders), "-o", str(out), "--method", "dual", "--data", str(tmp_path / "fit.pt"),
-            "--batch-size", "4", "--steps", "3", "--lr", "1e-4", "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3"]
+    args = [
+        "merge",
+        *map(str, folders),
+        "-o",
+        str(out),
+        "--method",
+        "dual",
+        "--data",
+        str(tmp_path / "fit.pt"),
+        "--batch-size",
+        "4",
+        "--steps",
+        "3",
+        "--lr",
+        "1e-4",
+        "--eval-data",
+        str(tmp_path / "eval.pt"),
+        "--alphas",
+        "3",
+    ]
     assert main(args) == 0
     merged = MODEL_CLASSES["vit"].from_pretrained(out).eval()
     inputs = sample_inputs(model.config)
@@ -180,12 +206,27 @@ def test_barrier_cli_over_the_simplex_of_three_twins(tmp_path, capsys):
     _, folders = twin_folders(tmp_path, "vit", [5, 6])
     torch.save({"pixel_values": torch.randn(8, 3, 8, 8), "labels": torch.randint(0, 3, (8,))}, tmp_path / "eval.pt")
     plot = tmp_path / "simplex.png"
-    args = ["barrier", *map(str, folders), "--eval-data", str(tmp_path / "eval.pt"), "--alphas", "3", "--json", "--plot", str(plot)]
+    args = [
+        "barrier",
+        *map(str, folders),
+        "--eval-data",
+        str(tmp_path / "eval.pt"),
+        "--alphas",
+        "3",
+        "--json",
+        "--plot",
+        str(plot),
+    ]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["points"]) == len(simplex_grid(3, 3)) and abs(report["barriers"]["weight"]) < 1e-4
     assert set(report["barriers"]) == {"average", "weight"} and plot.stat().st_size > 1000
-    _fails(["barrier", *map(str, folders), "--eval-data", "x.pt", "--revisions", "main"], capsys, tmp_path, "one entry per model")
+    _fails(
+        ["barrier", *map(str, folders), "--eval-data", "x.pt", "--revisions", "main"],
+        capsys,
+        tmp_path,
+        "one entry per model",
+    )
     with pytest.raises(ValueError, match="one entry per model"):  # the Python API checks it too
         hf_lmc.barriers.barrier_over_simplex(folders, tmp_path / "eval.pt", revisions=["main"])
 
@@ -199,6 +240,11 @@ def test_bad_multi_model_input(tmp_path, capsys):
     _fails(["merge", *models, "-o", out, "--weights", "0.5", "0.5"], capsys, tmp_path, "got 2 for 3 models")
     _fails(["merge", *models, "-o", out, "--weights", "1.5", "-0.25", "-0.25"], capsys, tmp_path, "must be >= 0")
     _fails(["merge", *models, "-o", out, "--weights", "0.5", "0.5", "0.5"], capsys, tmp_path, "must sum to 1")
-    _fails(["merge", *models, "-o", out, "--method", "activation", "--data", "x.txt"], capsys, tmp_path, "aligns two models")
+    _fails(
+        ["merge", *models, "-o", out, "--method", "activation", "--data", "x.txt"],
+        capsys,
+        tmp_path,
+        "aligns two models",
+    )
     _fails(["merge", *models, "-o", out, "--method", "learned"], capsys, tmp_path, "pass --data")
     _fails(["merge", *models, "-o", out, "--revisions", "main"], capsys, tmp_path, "one entry per model")

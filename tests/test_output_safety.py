@@ -23,8 +23,7 @@ import torch
 import yaml
 
 import hf_lmc
-import hf_lmc.export as export
-from hf_lmc import outputs
+from hf_lmc import export, outputs
 from hf_lmc.cli import main
 from hf_lmc.export import save_canonical, write_checkpoint
 from hf_lmc.options import OutputExistsError
@@ -53,7 +52,9 @@ def _debris(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if any(f".{kind}-" in p.name for kind in ("tmp", "old", "new")))
 
 
-def test_an_output_that_is_contains_or_lies_inside_an_input_is_refused_and_the_inputs_stay(tmp_path, capsys, monkeypatch):
+def test_an_output_that_is_contains_or_lies_inside_an_input_is_refused_and_the_inputs_stay(
+    tmp_path, capsys, monkeypatch
+):
     a, b = _pair(tmp_path)
     before = {folder: _snapshot(folder) for folder in (a, b)}
     capsys.readouterr()  # what saving the pair printed
@@ -325,7 +326,9 @@ def test_a_refusal_names_a_folder_whose_name_holds_braces_or_is_very_long(tmp_pa
     (folder / ("n" * 200 + "{x}")).write_text("mine")
     with pytest.raises(OutputExistsError) as refused:
         check_replaceable(folder, "output")
-    assert str(folder) in refused.value.named("--output") and "{x}" in str(refused.value) and len(str(refused.value)) < 500
+    assert (
+        str(folder) in refused.value.named("--output") and "{x}" in str(refused.value) and len(str(refused.value)) < 500
+    )
     with pytest.raises(ParameterError) as refused:
         check_apart(folder / "sub", [folder])
     assert refused.value.named("--output").startswith(f"--output {folder}")
@@ -535,11 +538,20 @@ def _run_dying(a: Path, b: Path, out: Path, signum: int) -> subprocess.Completed
         export._ShardWriter.flush = flush
         raise SystemExit(main(["merge", {str(a)!r}, {str(b)!r}, "-o", {str(out)!r}, "--shard-size", "2KB", "--device", "cpu"]))
     """)
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+        check=False,
+    )
 
 
 def _dead_pid() -> int:
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     return int(child.stdout)
 
 
@@ -560,7 +572,15 @@ def test_a_folder_that_needs_custom_code_is_refused_without_running_it_or_asking
         '{"model_type": "custom_lmc", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}'
     )
     for args in (["merge", str(a), str(custom), "-o", str(tmp_path / "out")], ["symmetries", str(custom)]):
-        run = subprocess.run([sys.executable, "-m", "hf_lmc", *args], cwd=ROOT, input="y\ny\n", capture_output=True, text=True, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-m", "hf_lmc", *args],
+            cwd=ROOT,
+            input="y\ny\n",
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         assert run.returncode == 1, run.stderr  # the input cannot be used: a failed run
         assert "custom code" in run.stderr and "[y/N]" not in run.stdout + run.stderr and "Traceback" not in run.stderr
     assert not marker.exists() and not (tmp_path / "out").exists()
@@ -576,21 +596,60 @@ def test_a_weight_beyond_the_written_dtype_is_refused_by_name_and_nothing_is_wri
             model.transformer.h[0].mlp.c_fc.weight[0, 0] = 1e6
         model.save_pretrained(folder)
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--dtype", "float16", "--device", "cpu"]) == 2
+    assert (
+        main(
+            [
+                "merge",
+                str(a),
+                str(b),
+                "-o",
+                str(tmp_path / "out"),
+                "--method",
+                method,
+                "--dtype",
+                "float16",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]  # below the progress bars
-    assert len(errors) == 1 and "h.0.mlp.c_fc.weight" in errors[0] and "float16" in errors[0] and "--dtype" in errors[0], errors
+    assert (
+        len(errors) == 1 and "h.0.mlp.c_fc.weight" in errors[0] and "float16" in errors[0] and "--dtype" in errors[0]
+    ), errors
     assert not (tmp_path / "out").exists() and not _debris(tmp_path)
-    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--method", method, "--dtype", "bfloat16", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "merge",
+                str(a),
+                str(b),
+                "-o",
+                str(tmp_path / "out"),
+                "--method",
+                method,
+                "--dtype",
+                "bfloat16",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
 
 
-@pytest.mark.parametrize("arch, change", [
-    ("gpt2", {"activation_function": "relu"}),
-    ("gpt2", {"scale_attn_weights": False}),
-    ("gpt_neox", {"use_parallel_residual": False}),
-    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
-    ("gpt2", {"n_positions": 8}),  # another context length: weight matching failed on a matmul
-    ("vit", {"image_size": 16}),  # another image size (another number of patches)
-])
+@pytest.mark.parametrize(
+    "arch, change",
+    [
+        ("gpt2", {"activation_function": "relu"}),
+        ("gpt2", {"scale_attn_weights": False}),
+        ("gpt_neox", {"use_parallel_residual": False}),
+        ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+        ("gpt2", {"n_positions": 8}),  # another context length: weight matching failed on a matmul
+        ("vit", {"image_size": 16}),  # another image size (another number of patches)
+    ],
+)
 def test_models_whose_settings_change_the_function_are_refused_with_the_setting_named(tmp_path, capsys, arch, change):
     """Same shapes, another function: merged under A's config, B's part would compute something
     else (the issue measured a relative logit error up to 0.44 at alpha = 1)."""
@@ -643,19 +702,31 @@ def test_quiet_and_tqdm_disable_silence_every_progress_bar(tmp_path):
         out = tmp_path / f"out{len(extra)}"
         run = subprocess.run(
             [sys.executable, "-m", "hf_lmc", "merge", str(a), str(b), "-o", str(out), "--device", "cpu", *extra],
-            cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=300,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env},
+            timeout=300,
+            check=False,
         )
         assert run.returncode == 0 and "it/s" not in run.stderr and "%|" not in run.stderr, run.stderr
         assert f"merged model written to {out}" in run.stdout
-    loud = subprocess.run([sys.executable, "-m", "hf_lmc", "merge", str(a), str(b), "-o", str(tmp_path / "loud"), "--device", "cpu"],
-                          cwd=ROOT, capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}, timeout=300)
+    loud = subprocess.run(
+        [sys.executable, "-m", "hf_lmc", "merge", str(a), str(b), "-o", str(tmp_path / "loud"), "--device", "cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"},
+        timeout=300,
+        check=False,
+    )
     assert loud.returncode == 0 and "%|" in loud.stderr  # the bars are there to silence
 
 
 @pytest.mark.parametrize("has_safetensors", [True, False])
 def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, monkeypatch, has_safetensors):
     """At the network boundary only: a recording stand-in for ``snapshot_download``."""
-    import hf_lmc.hub as hub
+    from hf_lmc import hub
 
     calls = []
 
@@ -692,13 +763,25 @@ def _first_tensor(header: dict) -> str:
     return next(k for k in header if k != "__metadata__")
 
 
-@pytest.mark.parametrize("damage, named", [
-    (lambda h: list(h), "header"),
-    (lambda h: {**h, _first_tensor(h): {k: v for k, v in h[_first_tensor(h)].items() if k != "data_offsets"}}, "malformed"),
-    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": [10**6, 10]}}, "bytes"),
-    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "data_offsets": h[_first_tensor(h)]["data_offsets"][::-1]}}, "bytes"),
-    (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "dtype": "F8_E4M3"}}, "F8_E4M3"),
-])
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda h: list(h), "header"),
+        (
+            lambda h: {**h, _first_tensor(h): {k: v for k, v in h[_first_tensor(h)].items() if k != "data_offsets"}},
+            "malformed",
+        ),
+        (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "shape": [10**6, 10]}}, "bytes"),
+        (
+            lambda h: {
+                **h,
+                _first_tensor(h): {**h[_first_tensor(h)], "data_offsets": h[_first_tensor(h)]["data_offsets"][::-1]},
+            },
+            "bytes",
+        ),
+        (lambda h: {**h, _first_tensor(h): {**h[_first_tensor(h)], "dtype": "F8_E4M3"}}, "F8_E4M3"),
+    ],
+)
 def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, capsys, damage, named):
     a, b = _pair(tmp_path)
     _rewrite_header(b / "model.safetensors", damage)
@@ -710,7 +793,7 @@ def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, caps
 
 
 def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys, monkeypatch):
-    import hf_lmc.hub as hub
+    from hf_lmc import hub
 
     class OfflineApi:
         def create_repo(self, repo_id, **kwargs):
@@ -720,7 +803,9 @@ def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys,
     a, b = _pair(tmp_path)
     out = tmp_path / "out"
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(out), "--device", "cpu", "--push-to-hub", "me/merged", "--quiet"]) == 1
+    assert (
+        main(["merge", str(a), str(b), "-o", str(out), "--device", "cpu", "--push-to-hub", "me/merged", "--quiet"]) == 1
+    )
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"hf upload me/merged {out}" in errors[0] and "ConnectionError" in errors[0], errors
     assert (out / "model.safetensors").is_file()  # kept
@@ -728,7 +813,7 @@ def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys,
 
 def test_a_hub_id_may_carry_its_revision(tmp_path, monkeypatch):
     """``org/model@rev``, as mergekit accepts it; a second, different revision is refused."""
-    import hf_lmc.hub as hub
+    from hf_lmc import hub
 
     calls = []
 
@@ -752,7 +837,22 @@ def test_text_data_for_a_model_without_tokenizer_files_is_one_line(tmp_path, cap
         build_model(tiny_configs()["gpt2"], seed=seed, dtype=torch.float32).save_pretrained(folder)  # no tokenizer
     (tmp_path / "eval.txt").write_text("abc abc abc\n" * 50)
     capsys.readouterr()
-    assert main(["merge", str(a), str(b), "-o", str(tmp_path / "out"), "--eval-data", str(tmp_path / "eval.txt"), "--device", "cpu"]) == 1
+    assert (
+        main(
+            [
+                "merge",
+                str(a),
+                str(b),
+                "-o",
+                str(tmp_path / "out"),
+                "--eval-data",
+                str(tmp_path / "eval.txt"),
+                "--device",
+                "cpu",
+            ]
+        )
+        == 1
+    )
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "tokenizer" in errors[0] and str(a) in errors[0], errors
     assert not (tmp_path / "out").exists()
@@ -799,23 +899,42 @@ def test_a_malformed_pt_image_file_is_one_line(tmp_path, capsys):
     assert len(errors) == 1 and "images.pt" in errors[0], errors
 
 
-def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version_and_command(tmp_path, monkeypatch, capsys):
+def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version_and_command(
+    tmp_path, monkeypatch, capsys
+):
     """``base_model`` holds Hub ids only (a local model is described in the body), each Hub
     model's commit is in the body, the barrier is ``model-index`` metadata, and the hf_lmc
     version and the exact command are in the card."""
-    import hf_lmc.hub as hub
     from huggingface_hub import ModelCard
+
+    from hf_lmc import hub
 
     a, b = _pair(tmp_path)
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = tmp_path / "cache" / "models--org--model-b" / "snapshots" / commit
     snapshot.parent.mkdir(parents=True)
     b.rename(snapshot)
-    monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, *, revision, allow_patterns, ignore_patterns: str(snapshot))
+    monkeypatch.setattr(
+        hub, "snapshot_download", lambda repo_id, *, revision, allow_patterns, ignore_patterns: str(snapshot)
+    )
     (tmp_path / "eval.txt").write_text("abc ab. ca\n" * 40)
     out = tmp_path / "out"
-    argv = ["merge", str(a), "org/model-b@v1", "-o", str(out), "--device", "cpu", "--eval-data", str(tmp_path / "eval.txt"),
-            "--seq-len", "8", "--alphas", "3", "--quiet"]
+    argv = [
+        "merge",
+        str(a),
+        "org/model-b@v1",
+        "-o",
+        str(out),
+        "--device",
+        "cpu",
+        "--eval-data",
+        str(tmp_path / "eval.txt"),
+        "--seq-len",
+        "8",
+        "--alphas",
+        "3",
+        "--quiet",
+    ]
     assert main(argv) == 0
     card = ModelCard.load(out / "README.md")
     data = card.data.to_dict()
@@ -830,7 +949,10 @@ def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version
     assert set(metrics) == {"loss barrier, weight (nats)"} and all(isinstance(v, float) for v in metrics.values())
     assert f"`hf-lmc` {hf_lmc.__version__}" in card.text
     # the command as typed, local paths by their final component (the Hub id as given)
-    assert "hf-lmc merge m0 org/model-b@v1 -o out --device cpu --eval-data eval.txt --seq-len 8 --alphas 3 --quiet" in card.text
+    assert (
+        "hf-lmc merge m0 org/model-b@v1 -o out --device cpu --eval-data eval.txt --seq-len 8 --alphas 3 --quiet"
+        in card.text
+    )
     assert str(tmp_path) not in card.text
 
 
@@ -864,7 +986,7 @@ def test_verbose_says_what_each_stage_does_and_is_silent_by_default(tmp_path, ca
 def test_an_unwritable_output_fails_before_any_alignment(tmp_path, capsys, monkeypatch):
     """A read-only parent folder is reported before alignment, naming the folder. (The suite may
     run as root, who writes anywhere, so the permission answer is stood in for.)"""
-    import hf_lmc.pipeline as pipeline
+    from hf_lmc import pipeline
 
     a, b = _pair(tmp_path)
     monkeypatch.setattr(pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the output was checked"))
@@ -872,7 +994,9 @@ def test_an_unwritable_output_fails_before_any_alignment(tmp_path, capsys, monke
     locked.mkdir()
     locked.chmod(0o500)
     real_access = os.access
-    monkeypatch.setattr(export.os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
+    monkeypatch.setattr(
+        export.os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode)
+    )
     try:
         capsys.readouterr()
         assert main(["merge", str(a), str(b), "-o", str(locked / "deep" / "out"), "--device", "cpu"]) == 1
@@ -885,7 +1009,7 @@ def test_an_unwritable_output_fails_before_any_alignment(tmp_path, capsys, monke
 def test_a_disk_without_room_for_the_merge_fails_before_any_alignment(tmp_path, capsys, monkeypatch):
     import shutil
 
-    import hf_lmc.pipeline as pipeline
+    from hf_lmc import pipeline
 
     a, b = _pair(tmp_path)
     monkeypatch.setattr(pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the disk was checked"))

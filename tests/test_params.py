@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from hf_lmc.matching.solvers import polar
 from hf_lmc.matching.params import GLParam, OrthogonalParam, PermutationParam, sinkhorn
+from hf_lmc.matching.solvers import polar
 from hf_lmc.symmetry.sample import random_gl, random_orthogonal
 
 F64 = torch.float64
@@ -22,7 +22,16 @@ def _perturb(module: torch.nn.Module, seed: int, size: float = 0.5) -> None:
 
 
 @pytest.mark.parametrize(
-    ("method", "frame"), [("cayley", "own"), ("exp", "own"), ("polar", "own"), ("cayley", "target"), ("exp", "target"), ("cayley", "both"), ("exp", "both")]
+    ("method", "frame"),
+    [
+        ("cayley", "own"),
+        ("exp", "own"),
+        ("polar", "own"),
+        ("cayley", "target"),
+        ("exp", "target"),
+        ("cayley", "both"),
+        ("exp", "both"),
+    ],
 )
 @pytest.mark.parametrize("fix_ones", [False, True])
 def test_orthogonal_param_starts_at_init_and_stays_orthogonal(method, frame, fix_ones):
@@ -161,7 +170,9 @@ def test_rotary_param_commutes_with_rope_and_starts_at_init(frame):
     from hf_lmc.symmetry.sample import rotary_block
 
     g = torch.Generator().manual_seed(7)
-    init = rotary_block(torch.rand(2, dtype=F64, generator=g) + 0.5, torch.rand(2, dtype=F64, generator=g) * 6, 4, 6, random_gl(2, g))
+    init = rotary_block(
+        torch.rand(2, dtype=F64, generator=g) + 0.5, torch.rand(2, dtype=F64, generator=g) * 6, 4, 6, random_gl(2, g)
+    )
     param = RotaryParam(6, 4, init=init, frame=frame, dtype=F64)
     m, m_inv = param()
     torch.testing.assert_close(m, init[0], rtol=0, atol=1e-12)
@@ -169,10 +180,16 @@ def test_rotary_param_commutes_with_rope_and_starts_at_init(frame):
     m, m_inv = param()
     torch.testing.assert_close(m @ m_inv, torch.eye(6, dtype=F64), rtol=0, atol=1e-10)
     # Commutes with a RoPE rotation of the first 4 dims (pairs (0, 2) and (1, 3)), any angles.
-    rope, _ = rotary_block(torch.ones(2, dtype=F64), torch.tensor([0.3, 1.1], dtype=F64), 4, 6, (torch.eye(2, dtype=F64),) * 2)
+    rope, _ = rotary_block(
+        torch.ones(2, dtype=F64), torch.tensor([0.3, 1.1], dtype=F64), 4, 6, (torch.eye(2, dtype=F64),) * 2
+    )
     torch.testing.assert_close(m @ rope, rope @ m, rtol=0, atol=1e-12)
     m.sum().backward()
-    assert param.angles.grad is not None and param.log_scales.grad is not None and param.passthrough.weight.grad is not None
+    assert (
+        param.angles.grad is not None
+        and param.log_scales.grad is not None
+        and param.passthrough.weight.grad is not None
+    )
     if frame == "both":
         assert param.left_angles.grad is not None and param.passthrough.left.grad is not None
 
@@ -233,11 +250,20 @@ def test_a_batch_of_head_maps_is_each_head_map(frame, rotary):
 
     g = torch.Generator().manual_seed(11)
     if rotary:
-        heads = [rotary_block(torch.rand(2, dtype=F64, generator=g) + 0.5, torch.rand(2, dtype=F64, generator=g) * 6, 4, 6, random_gl(2, g)) for _ in range(3)]
-        make = lambda init: RotaryParam(6, 4, init=init, frame=frame, dtype=F64)  # noqa: E731
+        heads = [
+            rotary_block(
+                torch.rand(2, dtype=F64, generator=g) + 0.5,
+                torch.rand(2, dtype=F64, generator=g) * 6,
+                4,
+                6,
+                random_gl(2, g),
+            )
+            for _ in range(3)
+        ]
+        make = lambda init: RotaryParam(6, 4, init=init, frame=frame, dtype=F64)
     else:
         heads = [random_gl(5, g) for _ in range(3)]
-        make = lambda init: GLParam(5, init=init, frame=frame, dtype=F64)  # noqa: E731
+        make = lambda init: GLParam(5, init=init, frame=frame, dtype=F64)
     batched = make((torch.stack([m for m, _ in heads]), torch.stack([inv for _, inv in heads])))
     _perturb(batched, seed=12)
     m, m_inv = batched()
@@ -302,7 +328,9 @@ def test_relative_transform_is_the_inverse_composed_layer_by_layer(arch, frame):
 
 def _element_tensors(element) -> dict[str, torch.Tensor]:
     monomials = {"": element.map} if hasattr(element, "map") else {"qk.": element.qk, "ov.": element.ov}
-    out = {f"{k}{field}": getattr(m, field) for k, m in monomials.items() for field in ("perm", "blocks", "inverse_blocks")}
+    out = {
+        f"{k}{field}": getattr(m, field) for k, m in monomials.items() for field in ("perm", "blocks", "inverse_blocks")
+    }
     if hasattr(element, "query_perm"):
         out["query_perm"] = element.query_perm
     return out
@@ -332,7 +360,10 @@ def test_in_order_transforms_compose_and_track_their_order(arch):
         got, want = _element_tensors(batched.maps[space]), _element_tensors(element)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-12, msg=f"{space} {name}")
-    reversed_order = {k: v.flip(-1) if k.endswith(("kv_perm", "query_perm", "mlp.perm")) else v for k, v in second.state_dict().items()}
+    reversed_order = {
+        k: v.flip(-1) if k.endswith(("kv_perm", "query_perm", "mlp.perm")) else v
+        for k, v in second.state_dict().items()
+    }
     first.load_state_dict(reversed_order)
     assert not first.attention.ordered and not first.mlp.ordered
     assert not TrainableTransform(spec, random_symmetry(spec, 5), dtype=F64).mlp.ordered

@@ -64,8 +64,12 @@ def test_editors_accept_every_shipped_recipe_by_the_printed_schema(capsys):
 
 
 def test_errors_name_the_key_on_one_line():
-    assert "models[1].revison: unknown key; did you mean revision?" in _error(_recipe(models=["a", {"path": "b", "revison": "v1"}]))
-    assert "models[1].revision: Input should be a valid string" in _error(_recipe(models=["a", {"path": "b", "revision": 3}]))
+    assert "models[1].revison: unknown key; did you mean revision?" in _error(
+        _recipe(models=["a", {"path": "b", "revison": "v1"}])
+    )
+    assert "models[1].revision: Input should be a valid string" in _error(
+        _recipe(models=["a", {"path": "b", "revision": 3}])
+    )
     assert "data: method 'dual' learns from data" in _error(_recipe(method=["weight", "dual"]))
     assert "method: unknown method 'wieght'; choose from average, weight" in _error(_recipe(method="wieght"))
     assert "weights: 2 weights but models has 3 models" in _error(_recipe(models=["a", "b", "c"], weights=[0.5, 0.5]))
@@ -73,22 +77,40 @@ def test_errors_name_the_key_on_one_line():
     assert "weights: weights must be non-negative" in _error(_recipe(weights=[1.5, -0.5]))
     assert "alpha: Input should be less than or equal to 1" in _error(_recipe(alpha=1.5))
     assert "models[0].path: no zoo entry 'bert'" in _error(_recipe(models=["zoo:bert/seed0", "b"]))
-    assert "models[0].revision: a zoo model has no revisions" in _error(_recipe(models=[{"path": "zoo:gpt2/seed0", "revision": "main"}, "b"]))
-    assert "eval.data.split: the zoo corpus has splits train and test" in _error(_recipe(eval={"data": {"zoo": "shakespeare", "split": "validation"}}))
-    assert "eval.data: give exactly one of dataset, files, zoo or sampled (got dataset and zoo)" in _error(_recipe(eval={"data": {"dataset": "x", "zoo": "digits"}}))
-    assert "eval.alphas: the grid must increase from 0 to 1" in _error(_recipe(eval={"data": {"dataset": "x"}, "alphas": [0, 0.5]}))
-    assert "output.shard_size: cannot read shard size '5XB'" in _error(_recipe(output={"dir": "o", "shard_size": "5XB"}))
+    assert "models[0].revision: a zoo model has no revisions" in _error(
+        _recipe(models=[{"path": "zoo:gpt2/seed0", "revision": "main"}, "b"])
+    )
+    assert "eval.data.split: the zoo corpus has splits train and test" in _error(
+        _recipe(eval={"data": {"zoo": "shakespeare", "split": "validation"}})
+    )
+    assert "eval.data: give exactly one of dataset, files, zoo or sampled (got dataset and zoo)" in _error(
+        _recipe(eval={"data": {"dataset": "x", "zoo": "digits"}})
+    )
+    assert "eval.alphas: the grid must increase from 0 to 1" in _error(
+        _recipe(eval={"data": {"dataset": "x"}, "alphas": [0, 0.5]})
+    )
+    assert "output.shard_size: cannot read shard size '5XB'" in _error(
+        _recipe(output={"dir": "o", "shard_size": "5XB"})
+    )
     assert "device: unknown device 'tpu9'; use cpu, cuda or cuda:N" in _error(_recipe(device="tpu9"))
     assert "device: unknown device 'meta'" in _error(_recipe(device="meta"))
     assert "output: required key is missing" in _error({"models": ["a", "b"]})
     assert "output.dir: name a folder of its own" in _error(_recipe(output={"dir": "."}))
-    assert "output.shard_size: Input should be a valid string or Input should be a valid integer" in _error(_recipe(output={"dir": "o", "shard_size": [1]}))
+    assert "output.shard_size: Input should be a valid string or Input should be a valid integer" in _error(
+        _recipe(output={"dir": "o", "shard_size": [1]})
+    )
     assert "sweep: give models (one group of models) or sweep" in _error({"output": {"dir": "o"}})
     sweep = [{"name": "s", "models": ["a", "b"]}, {"name": "t", "models": ["c", "d"]}]
-    message = _error({"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{group}"}})
+    message = _error(
+        {"sweep": sweep, "method": ["weight", "average"], "output": {"dir": "o", "push_to_hub": "me/x-{group}"}}
+    )
     assert "output.push_to_hub: 2 methods would push to one repo; put {method} in the repo id" in message
-    assert "learn.schedule: unknown schedule 'cosine_decay'; choose from linear, cosine" in _error(_recipe(learn={"schedule": "cosine_decay"}))
-    assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(_recipe(learn={"steps": 200, "warmup": 300}))
+    assert "learn.schedule: unknown schedule 'cosine_decay'; choose from linear, cosine" in _error(
+        _recipe(learn={"schedule": "cosine_decay"})
+    )
+    assert "learn.warmup: 300 warmup steps exceed the 200 training steps" in _error(
+        _recipe(learn={"steps": 200, "warmup": 300})
+    )
     polar = _error(_recipe(learn={"orthogonal": "polar", "frame": "target"}))
     assert "learn.frame: the polar parameterisation has no fixed base to step around" in polar
     assert "learn.residual_lr" in _error(_recipe(learn={"residual_lr": 0}))
@@ -113,7 +135,9 @@ def test_overrides_and_yaml_errors(tmp_path):
 def test_cli_check_schema_and_bad_recipe(tmp_path, capsys):
     assert main(["recipe", "schema"]) == 0
     schema = json.loads(capsys.readouterr().out)
-    assert {"models", "sweep", "method", "data", "learn", "accelerate", "eval", "output", "zoo"} <= set(schema["properties"])
+    assert {"models", "sweep", "method", "data", "learn", "accelerate", "eval", "output", "zoo"} <= set(
+        schema["properties"]
+    )
     assert main(["recipe", "check", str(RECIPES / "pythia-scaling-dual.yaml"), "--set", "learn.steps=100"]) == 0
     assert "15 run(s)" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
@@ -157,7 +181,12 @@ def test_sweep_writes_models_and_one_summary_table(tmp_path):
     }
     result = run_recipe(recipe, progress=False)
     out = tmp_path / "out"
-    assert [(r.group, r.method) for r in result.runs] == [("one", "weight"), ("one", "average"), ("two", "weight"), ("two", "average")]
+    assert [(r.group, r.method) for r in result.runs] == [
+        ("one", "weight"),
+        ("one", "average"),
+        ("two", "weight"),
+        ("two", "average"),
+    ]
     for run in result.runs[::2]:
         assert abs(run.barrier) < 1e-4 and run.barriers["average"] > 1e-3  # twins: alignment removes the barrier
     merged = MODEL_CLASSES["vit"].from_pretrained(out / "one" / "weight").eval()
@@ -165,14 +194,19 @@ def test_sweep_writes_models_and_one_summary_table(tmp_path):
     assert relative_error(logits(merged, inputs), logits(model, inputs)) < 1e-3
     assert (out / "one" / "weight" / "model.safetensors.index.json").is_file()  # shard_size reached the writer
     card = (out / "two" / "weight" / "README.md").read_text()
-    assert 'from_pretrained("out/two/weight")' in card and str(tmp_path) not in card and ".tmp-" not in card  # the final folder, by its place in the recipe's output
+    assert (
+        'from_pretrained("out/two/weight")' in card and str(tmp_path) not in card and ".tmp-" not in card
+    )  # the final folder, by its place in the recipe's output
     table = (out / "summary.md").read_text()
     assert "# twins" in table and "| models | average | weight |" in table and "| two |" in table
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert [r["folder"] for r in rows] == ["one/weight", "one/average", "two/weight", "two/average"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"][0]["average_barrier"] == pytest.approx(result.runs[0].barriers["average"])
-    assert summary["recipe"]["eval"]["alphas"] == [0, 0.5, 1] and summary["recipe"]["learn"]["steps"] == LearnOptions().steps  # defaults filled in
+    assert (
+        summary["recipe"]["eval"]["alphas"] == [0, 0.5, 1]
+        and summary["recipe"]["learn"]["steps"] == LearnOptions().steps
+    )  # defaults filled in
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
     with pytest.raises(FileExistsError, match="output.overwrite"):
         run_recipe(recipe, progress=False)
@@ -182,12 +216,17 @@ def test_a_failing_run_leaves_nothing_and_pushes_nothing(tmp_path):
     _, a, b = _twins(tmp_path)
     api = RecordingApi()
     recipe = {
-        "sweep": [{"name": "good", "models": [str(a), str(b)]}, {"name": "bad", "models": [str(a), str(tmp_path / "missing")]}],
+        "sweep": [
+            {"name": "good", "models": [str(a), str(b)]},
+            {"name": "bad", "models": [str(a), str(tmp_path / "missing")]},
+        ],
         "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m-{group}"},
     }
     with pytest.raises(RunFailedError, match=r"^bad / weight: .*missing"):  # the run and the folder it lacks
         run_recipe(recipe, progress=False, api=api)
-    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name] and api.calls == []
+    assert (
+        not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name] and api.calls == []
+    )
 
     recipe["sweep"].pop()
     result = run_recipe(recipe, progress=False, api=api)
@@ -204,19 +243,28 @@ def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
     base = build_model(config, seed=1, dtype=torch.float32)
     base.save_pretrained(tmp_path / "base")
     char_tokenizer_folder(tmp_path / "base", config.vocab_size)
-    lora = get_peft_model(build_model(config, seed=1, dtype=torch.float32), LoraConfig(r=2, target_modules=["c_attn", "c_fc"], init_lora_weights=False))
+    lora = get_peft_model(
+        build_model(config, seed=1, dtype=torch.float32),
+        LoraConfig(r=2, target_modules=["c_attn", "c_fc"], init_lora_weights=False),
+    )
     lora.save_pretrained(tmp_path / "lora")
     inputs = sample_inputs(config)
     expected = logits(lora.eval(), inputs)
 
-    folded = MODEL_CLASSES["gpt2"].from_pretrained(fold_adapter(tmp_path / "base", tmp_path / "lora", tmp_path / "folded")).eval()
+    folded = (
+        MODEL_CLASSES["gpt2"]
+        .from_pretrained(fold_adapter(tmp_path / "base", tmp_path / "lora", tmp_path / "folded"))
+        .eval()
+    )
     assert relative_error(logits(folded, inputs), expected) < 1e-5
     assert relative_error(logits(base.eval(), inputs), expected) > 1e-3  # the adapter changes the function
     assert (tmp_path / "folded" / "tokenizer.json").is_file()
 
     recipe = _recipe(
         models=[{"path": str(tmp_path / "base"), "adapter": str(tmp_path / "lora")}, str(tmp_path / "base")],
-        method="average", alpha=0.0, output={"dir": str(tmp_path / "out")},
+        method="average",
+        alpha=0.0,
+        output={"dir": str(tmp_path / "out")},
     )
     run_recipe(recipe, progress=False)
     merged = MODEL_CLASSES["gpt2"].from_pretrained(tmp_path / "out" / "average").eval()
@@ -235,7 +283,9 @@ def test_data_sources(tmp_path):
     (tmp_path / "a.txt").write_text("to be")
     (tmp_path / "b.txt").write_text("or not")
     assert load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]), "train") == ["to be", "or not"]
-    assert load_data(DataSpec(files=[str(tmp_path)]), "train") == str(tmp_path)  # a folder of .txt files: load_batches reads it
+    assert load_data(DataSpec(files=[str(tmp_path)]), "train") == str(
+        tmp_path
+    )  # a folder of .txt files: load_batches reads it
     (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
     rows = load_data(DataSpec(files=[str(tmp_path / "rows.jsonl")]), "train")
     assert rows["text"] == ["one", "two"]
@@ -247,7 +297,9 @@ def test_data_sources(tmp_path):
     assert load_data(DataSpec(dataset=str(tmp_path / "saved")), "test") == str(tmp_path / "saved")
     assert load_data(DataSpec(zoo="shakespeare"), "train") == zoo.shakespeare()[0]
     excerpts = load_data(DataSpec(zoo="shakespeare", samples=64, seq_len=64), "test")
-    assert sum(map(len, excerpts)) >= 64 * 64 and all(any(e in play for play in zoo.shakespeare()[1]) for e in excerpts)  # held out
+    assert sum(map(len, excerpts)) >= 64 * 64 and all(
+        any(e in play for play in zoo.shakespeare()[1]) for e in excerpts
+    )  # held out
 
 
 def _recording_run(calls: list):
@@ -266,7 +318,7 @@ def test_more_than_two_models_are_one_merge_of_all(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(pipeline, "run", _recording_run(calls))
     result = run_recipe(recipe, progress=False)
-    spec, = calls
+    (spec,) = calls
     assert spec.models == ("a", "b", "c") and spec.weights == (0.2, 0.3, 0.5) and spec.revisions == (None,) * 3
     assert spec.device is None  # unset: the pipeline's default (a GPU when torch sees one)
     assert result.runs[0].folder == Path("weight") and (tmp_path / "out" / "summary.md").is_file()
@@ -280,14 +332,23 @@ def test_fitting_and_evaluation_data_keep_their_own_batch_size(tmp_path, monkeyp
     monkeypatch.setattr(pipeline, "run", _recording_run(calls))
     data = {"files": [str(tmp_path / "text.txt")], "samples": 100}
     for folder, batch in (("defaults", {}), ("given", {"batch_size": 4})):
-        recipe = _recipe(method="dual", data=data | batch, eval={"data": data | batch}, output={"dir": str(tmp_path / folder)})
+        recipe = _recipe(
+            method="dual", data=data | batch, eval={"data": data | batch}, output={"dir": str(tmp_path / folder)}
+        )
         run_recipe(recipe, progress=False)
     (fit_default, eval_default), (fit_given, eval_given) = [(spec.data_options, spec.eval_options) for spec in calls]
     assert FIT_OPTIONS.batch_size != EVAL_OPTIONS.batch_size
     assert (fit_default.batch_size, fit_default.split) == (FIT_OPTIONS.batch_size, "train")
     assert (eval_default.batch_size, eval_default.split) == (EVAL_OPTIONS.batch_size, "test")
-    assert fit_default.max_batches * FIT_OPTIONS.batch_size >= 100 > (fit_default.max_batches - 1) * FIT_OPTIONS.batch_size
-    assert (fit_given.batch_size, fit_given.max_batches, eval_given.batch_size, eval_given.max_batches) == (4, 25, 4, 25)
+    assert (
+        fit_default.max_batches * FIT_OPTIONS.batch_size >= 100 > (fit_default.max_batches - 1) * FIT_OPTIONS.batch_size
+    )
+    assert (fit_given.batch_size, fit_given.max_batches, eval_given.batch_size, eval_given.max_batches) == (
+        4,
+        25,
+        4,
+        25,
+    )
 
 
 def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
@@ -300,13 +361,21 @@ def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_lmc.DualMatcher, "fit", fit)
     _, a, b = _twins(tmp_path)
     recipe = _recipe(
-        models=[str(a), str(b)], method="dual", data={"files": [_digits_like(tmp_path / "d.pt")], "batch_size": 4},
+        models=[str(a), str(b)],
+        method="dual",
+        data={"files": [_digits_like(tmp_path / "d.pt")], "batch_size": 4},
         learn={"steps": 7, "lr": 1e-4, "residual_lr": 5e-5, "schedule": "cosine", "warmup": 2, "permutations": "fixed"},
         accelerate={"mixed_precision": "bf16", "gradient_accumulation_steps": 4},
         output={"dir": str(tmp_path / "out")},
     )
     run_recipe(recipe, progress=False)
-    assert (seen["steps"], seen["lr"], seen["residual_lr"], seen["schedule"], seen["warmup_steps"]) == (7, 1e-4, 5e-5, "cosine", 2)
+    assert (seen["steps"], seen["lr"], seen["residual_lr"], seen["schedule"], seen["warmup_steps"]) == (
+        7,
+        1e-4,
+        5e-5,
+        "cosine",
+        2,
+    )
     assert (seen["mixed_precision"], seen["gradient_accumulation_steps"]) == ("bf16", 4)
 
 
@@ -326,16 +395,28 @@ def test_a_recipe_under_torchrun_writes_once_what_one_process_writes(tmp_path):
     torch.manual_seed(0)
     data = _digits_like(tmp_path / "d.pt", n=16)
     env = os.environ | {"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    launches = {"one": [sys.executable, "-m", "hf_lmc"],
-                "two": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_lmc"]}
+    launches = {
+        "one": [sys.executable, "-m", "hf_lmc"],
+        "two": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "hf_lmc"],
+    }
     for name, launch in launches.items():
         recipe = _recipe(
-            models=[str(tmp_path / "a"), str(tmp_path / "b")], method=["weight", "dual"], data={"files": [data], "batch_size": 4},
-            learn={"steps": 3, "lr": 1e-2, "seed": 0, "target_barrier": 0}, output={"dir": str(tmp_path / name)},
+            models=[str(tmp_path / "a"), str(tmp_path / "b")],
+            method=["weight", "dual"],
+            data={"files": [data], "batch_size": 4},
+            learn={"steps": 3, "lr": 1e-2, "seed": 0, "target_barrier": 0},
+            output={"dir": str(tmp_path / name)},
         )
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-        done = subprocess.run([*launch, "run", str(tmp_path / f"{name}.yaml")], env=env, capture_output=True, text=True,
-                              timeout=600, cwd=tmp_path, check=False)
+        done = subprocess.run(
+            [*launch, "run", str(tmp_path / f"{name}.yaml")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+            check=False,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.count("written to") == 1, done.stdout  # the main process reports
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left
@@ -352,7 +433,13 @@ def tiny_zoo(monkeypatch):
     shrink = {
         "gpt2": {"n_embd": 16, "n_layer": 1, "n_head": 2},
         "pythia": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32},
-        "llama": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32},
+        "llama": {
+            "hidden_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "intermediate_size": 32,
+        },
     }
     for name, config in shrink.items():
         monkeypatch.setitem(zoo.ZOO, name, zoo.ZOO[name].scaled(config=config, batch_size=4))
@@ -361,12 +448,31 @@ def tiny_zoo(monkeypatch):
 @pytest.mark.slow
 def test_the_offline_recipe_runs(tiny_zoo, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["run", str(RECIPES / "zoo-offline.yaml"), "--set", "zoo.steps=2", "--set", f"zoo.cache={tmp_path / 'zoo'}",
-            "--set", f"output.dir={out}", "--set", "data.samples=4", "--set", "data.batch_size=4", "--set", "eval.data.samples=4", "--set", "eval.data.batch_size=4",
-            "--set", "eval.alphas=3"]
+    args = [
+        "run",
+        str(RECIPES / "zoo-offline.yaml"),
+        "--set",
+        "zoo.steps=2",
+        "--set",
+        f"zoo.cache={tmp_path / 'zoo'}",
+        "--set",
+        f"output.dir={out}",
+        "--set",
+        "data.samples=4",
+        "--set",
+        "data.batch_size=4",
+        "--set",
+        "eval.data.samples=4",
+        "--set",
+        "eval.data.batch_size=4",
+        "--set",
+        "eval.alphas=3",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
-    assert any(all(word in line for word in ("models", "average", "weight", "activation")) for line in printed.splitlines()), printed
+    assert any(
+        all(word in line for word in ("models", "average", "weight", "activation")) for line in printed.splitlines()
+    ), printed
     assert len(list(out.glob("*/*/config.json"))) == 6  # weight and activation merges of three pairs
     for arch in ("gpt2", "pythia", "llama"):
         for method in ("weight", "activation"):

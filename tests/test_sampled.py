@@ -70,6 +70,7 @@ def test_equal_shares_shuffled_reproducible_and_the_callers_rng_untouched():
         def load():
             loads.append(k)
             return models[k]
+
         return load
 
     state = torch.get_rng_state()
@@ -92,7 +93,14 @@ def test_equal_shares_shuffled_reproducible_and_the_callers_rng_untouched():
 def test_the_default_count_and_the_sequence_length_follow_the_fitting_options():
     config = tiny_configs()["gpt_neox"]
     model = build_model(config, dtype=torch.float32)
-    batches = fitting_batches(SAMPLED, config, None, EvalOptions(batch_size=4, max_batches=2, seq_len=6), models=[model, model], progress=False)
+    batches = fitting_batches(
+        SAMPLED,
+        config,
+        None,
+        EvalOptions(batch_size=4, max_batches=2, seq_len=6),
+        models=[model, model],
+        progress=False,
+    )
     assert [b["input_ids"].shape for b in batches] == [(4, 6), (4, 6)]
     with pytest.raises(DataError, match="context"):
         fitting_batches(SAMPLED, config, None, EvalOptions(seq_len=10_000), models=[model], progress=False)
@@ -114,7 +122,10 @@ def test_a_recipe_names_sampled_fitting_data_and_not_sampled_evaluation_data():
     recipe = load_recipe({**models, "data": {"sampled": True, "samples": 64}})
     assert recipe.data.options(EvalOptions(batch_size=32)).max_batches == 2
     assert load_data(recipe.data, "train") == SAMPLED  # what the pipeline then samples
-    for bad in ({"data": {"sampled": True, "zoo": "shakespeare"}}, {"data": {"zoo": "shakespeare"}, "eval": {"data": {"sampled": True}}}):
+    for bad in (
+        {"data": {"sampled": True, "zoo": "shakespeare"}},
+        {"data": {"zoo": "shakespeare"}, "eval": {"data": {"sampled": True}}},
+    ):
         with pytest.raises(ValueError, match="sampled"):
             load_recipe({**models, **bad})
 
@@ -127,8 +138,27 @@ def test_learned_merge_on_sampled_data_from_the_command_line(tmp_path):
     for seed, name in ((1, "a"), (2, "b")):
         build_model(config, seed=seed, dtype=torch.float32).save_pretrained(tmp_path / name)
         folders.append(str(char_tokenizer_folder(tmp_path / name, config.vocab_size)))
-    rc = main(["merge", *folders, "-o", str(tmp_path / "m"), "--method", "learned", "--data", SAMPLED, "--max-batches", "3",
-               "--batch-size", "4", "--seq-len", "8", "--steps", "3", "--quiet"])
+    rc = main(
+        [
+            "merge",
+            *folders,
+            "-o",
+            str(tmp_path / "m"),
+            "--method",
+            "learned",
+            "--data",
+            SAMPLED,
+            "--max-batches",
+            "3",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "8",
+            "--steps",
+            "3",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     MODEL_CLASSES["llama"].from_pretrained(tmp_path / "m")
     card = (tmp_path / "m" / "README.md").read_text()

@@ -51,7 +51,13 @@ def test_width_scaling_changes_the_tier_pair_in_its_width_alone(family):
     wide = width_scaling.pair_at(family, 256).entry
     changed = {k for k in tier.config if wide.config.get(k) != tier.config[k]}
     assert changed == ({width_key, "intermediate_size"} if family == "llama" else {width_key})
-    assert (wide.steps, wide.patience, wide.batch_size, wide.lr, wide.data) == (tier.steps, tier.patience, tier.batch_size, tier.lr, tier.data)
+    assert (wide.steps, wide.patience, wide.batch_size, wide.lr, wide.data) == (
+        tier.steps,
+        tier.patience,
+        tier.batch_size,
+        tier.lr,
+        tier.data,
+    )
     assert wide.name != tier.name != base.name != wide.name  # one zoo cache entry per width
 
 
@@ -65,7 +71,9 @@ def test_stream_cosine_reads_the_residual_map_alone():
     b = twin.apply(a).materialize()
     batches = [sample_inputs(config, seed=s) for s in range(2)]
     back = twin.inverse()
-    layers_only = hf_lmc.random_symmetry(a.spec, seed=2, kinds={"heads", "qk", "ov", "mlp", "mlp_scale"}, dtype=torch.float32)
+    layers_only = hf_lmc.random_symmetry(
+        a.spec, seed=2, kinds={"heads", "qk", "ov", "mlp", "mlp_scale"}, dtype=torch.float32
+    )
     turned = hf_lmc.random_symmetry(a.spec, seed=3, kinds={"residual"}, dtype=torch.float32)
     assert _stream_cosine(a, b, back, batches) == pytest.approx(1.0, abs=1e-4)
     assert _stream_cosine(a, b, layers_only.compose(back), batches) == pytest.approx(1.0, abs=1e-4)
@@ -119,13 +127,23 @@ def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(
 
     def stand_in(pair, labels, *, cache, progress, learn, fitting):
         measured.append((pair, learn, fitting))
-        return suite.TripleResult(pair.family, pair.entry.name, pair.varies, dict.fromkeys(labels, 0.5), dict.fromkeys(labels, 0.25),
-                                  dict.fromkeys(labels, 1.0))
+        return suite.TripleResult(
+            pair.family,
+            pair.entry.name,
+            pair.varies,
+            dict.fromkeys(labels, 0.5),
+            dict.fromkeys(labels, 0.25),
+            dict.fromkeys(labels, 1.0),
+        )
 
     monkeypatch.setattr(suite, "measure_triple", stand_in)
     argv = ["--tier", "cpu", "--triples", "--methods", "learned", "--learn", "steps=7", "--fit-sequences", "64"]
     suite.main(argv + (["--vocab-size", str(vocab_size)] if vocab_size else []))
-    expected = [suite.with_vocabulary(pair, vocab_size) for pair in suite.TIERS["cpu"] if pair.entry.name in suite.TRIPLES["cpu"]]
+    expected = [
+        suite.with_vocabulary(pair, vocab_size)
+        for pair in suite.TIERS["cpu"]
+        if pair.entry.name in suite.TRIPLES["cpu"]
+    ]
     assert [pair for pair, _, _ in measured] == expected and len(expected) == 4
     assert all(learn.steps == 7 and fitting.sequences == 64 for _, learn, fitting in measured)
     assert "| learned | 4 |" in capsys.readouterr().out
@@ -134,11 +152,27 @@ def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(
 def test_pairs_picks_the_named_pairs_of_the_tier(monkeypatch, capsys):
     """``--pairs`` measures the named pairs of the tier alone (in the tier's order); a name the
     tier does not have is a usage error before anything trains."""
-    assert [p.entry.name for p in suite.tier_pairs("cpu", suite.FAMILIES, ["suite-llama-b", "suite-gpt2-a"])] == ["suite-gpt2-a", "suite-llama-b"]
+    assert [p.entry.name for p in suite.tier_pairs("cpu", suite.FAMILIES, ["suite-llama-b", "suite-gpt2-a"])] == [
+        "suite-gpt2-a",
+        "suite-llama-b",
+    ]
     assert suite.tier_pairs("cpu") == list(suite.TIERS["cpu"])
     measured = []
-    monkeypatch.setattr(suite, "measure_pair", lambda pair, labels, **_: measured.append(pair.entry.name) or suite.PairResult(
-        pair.family, pair.entry.name, pair.varies, {label: 0.0 for label in labels}, {label: 0.0 for label in labels}, []))
+    monkeypatch.setattr(
+        suite,
+        "measure_pair",
+        lambda pair, labels, **_: (
+            measured.append(pair.entry.name)
+            or suite.PairResult(
+                pair.family,
+                pair.entry.name,
+                pair.varies,
+                {label: 0.0 for label in labels},
+                {label: 0.0 for label in labels},
+                [],
+            )
+        ),
+    )
     suite.main(["--tier", "cpu", "--pairs", "suite-pythia-b", "--methods", "dual"])
     assert measured == ["suite-pythia-b"]
     with pytest.raises(SystemExit) as exit_info:

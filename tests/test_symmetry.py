@@ -18,18 +18,30 @@ TINY = tiny_configs()
 
 
 def _spec(**overrides) -> ArchSpec:
-    base = dict(
-        model_type="llama", num_layers=2, hidden_size=12, num_heads=6, num_kv_heads=2, head_dim=4,
-        intermediate_size=10, output_size=7, norm="rmsnorm", gated_mlp=True, rotary_dim=4, norm_eps=1e-6,
-        embedding_names=("embed.tokens",),
-    )
+    base = {
+        "model_type": "llama",
+        "num_layers": 2,
+        "hidden_size": 12,
+        "num_heads": 6,
+        "num_kv_heads": 2,
+        "head_dim": 4,
+        "intermediate_size": 10,
+        "output_size": 7,
+        "norm": "rmsnorm",
+        "gated_mlp": True,
+        "rotary_dim": 4,
+        "norm_eps": 1e-6,
+        "embedding_names": ("embed.tokens",),
+    }
     return ArchSpec(**(base | overrides))
 
 
 def _random_block_monomial(n, b, seed) -> BlockMonomial:
     g = torch.Generator().manual_seed(seed)
     pairs = [random_gl(b, g) for _ in range(n)]
-    return BlockMonomial(torch.randperm(n, generator=g), torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
+    return BlockMonomial(
+        torch.randperm(n, generator=g), torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    )
 
 
 def test_block_monomial_matches_its_dense_matrix():
@@ -107,7 +119,9 @@ def test_rope_qk_blocks_commute_with_every_rotary_rotation(rotary_dim):
 
 def test_rotary_block_inverse_is_exact():
     g = torch.Generator().manual_seed(0)
-    m, inv = rotary_block(torch.rand(2, dtype=torch.float64) + 0.5, torch.rand(2, dtype=torch.float64), 4, 6, random_gl(2, g))
+    m, inv = rotary_block(
+        torch.rand(2, dtype=torch.float64) + 0.5, torch.rand(2, dtype=torch.float64), 4, 6, random_gl(2, g)
+    )
     torch.testing.assert_close(m @ inv, torch.eye(6, dtype=torch.float64))
 
 

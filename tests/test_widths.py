@@ -21,7 +21,16 @@ import hf_lmc
 from hf_lmc.cli import main
 from hf_lmc.verify import tiny_configs
 from hf_lmc.widths import WidthError, common_spec, embed, residual_embedding, resized_config, spec_of, to_common_shape
-from tests.models import ARCHITECTURES, CONFIGS, MODEL_CLASSES, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
+from tests.models import (
+    ARCHITECTURES,
+    CONFIGS,
+    MODEL_CLASSES,
+    build_model,
+    float64_rmsnorm,
+    logits,
+    relative_error,
+    sample_inputs,
+)
 
 PROPERTY = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 F64 = torch.float64
@@ -39,7 +48,9 @@ def wider(draw, config):
     else:  # d = heads x head_dim
         heads = kv = spec.num_heads + draw(st.integers(0, 2))
         hidden = heads * spec.head_dim
-    wide = dataclasses.replace(spec, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, intermediate_size=spec.intermediate_size + units)
+    wide = dataclasses.replace(
+        spec, hidden_size=hidden, num_heads=heads, num_kv_heads=kv, intermediate_size=spec.intermediate_size + units
+    )
     if wide == spec:
         wide = dataclasses.replace(wide, intermediate_size=spec.intermediate_size + 4)
     return resized_config(config, wide)
@@ -84,9 +95,18 @@ def test_a_head_wider_than_the_narrow_stream_stays_exact():
     """Found by the property above: a 2-wide LLaMA with 6-dim heads embedded at width 5. Its OV
     data fills two of the head's six directions, and the least-squares GL map had condition
     number 5e10 (merge error 2e-7); the solver now caps it at 1e6."""
-    shape = dict(vocab_size=5, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=6)
+    shape = {
+        "vocab_size": 5,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "head_dim": 6,
+    }
     with float64_rmsnorm():
-        _endpoints_check(tf.LlamaConfig(hidden_size=2, **shape), tf.LlamaConfig(hidden_size=5, **shape), seed=1, swap=False)
+        _endpoints_check(
+            tf.LlamaConfig(hidden_size=2, **shape), tf.LlamaConfig(hidden_size=5, **shape), seed=1, swap=False
+        )
 
 
 @pytest.mark.parametrize("centred", [True, False], ids=["layernorm", "rmsnorm"])
@@ -94,7 +114,9 @@ def test_residual_embedding_has_orthonormal_columns_and_keeps_one_perp(centred):
     e = residual_embedding(5, 9, centred=centred)
     torch.testing.assert_close(e.T @ e, torch.eye(5, dtype=F64))
     if centred:  # 1-perp into 1-perp, u_B to u_A: the exported LayerNorms and the u head trick stay exact
-        torch.testing.assert_close(e @ torch.full((5,), 1 / math.sqrt(5), dtype=F64), torch.full((9,), 1 / math.sqrt(9), dtype=F64))
+        torch.testing.assert_close(
+            e @ torch.full((5,), 1 / math.sqrt(5), dtype=F64), torch.full((9,), 1 / math.sqrt(9), dtype=F64)
+        )
         x = torch.randn(5, 3, dtype=F64)
         torch.testing.assert_close((e @ (x - x.mean(0))).sum(0), torch.zeros(3, dtype=F64))
 
@@ -125,28 +147,57 @@ def test_unsupported_shape_differences_are_rejected_in_one_line():
     with pytest.raises(WidthError, match="not a valid llama config: .*not a multiple"):
         resized_config(tiny_configs()["llama"], common_spec(dataclasses.replace(llama, hidden_size=12), other))
     with pytest.raises(WidthError, match="narrower shape"):
-        embed(hf_lmc.canonicalize(build_model(tiny_configs()["gpt2"])), dataclasses.replace(gpt2, hidden_size=4, num_heads=1, num_kv_heads=1))
+        embed(
+            hf_lmc.canonicalize(build_model(tiny_configs()["gpt2"])),
+            dataclasses.replace(gpt2, hidden_size=4, num_heads=1, num_kv_heads=1),
+        )
 
 
 @pytest.mark.slow
 def test_cli_merges_two_widths_into_the_wider_stock_checkpoint(tmp_path, capsys):
     narrow_config = tiny_configs()["gpt2"]
-    wide_config = resized_config(narrow_config, dataclasses.replace(spec_of(narrow_config), hidden_size=12, num_heads=3, num_kv_heads=3, intermediate_size=40))
-    narrow, wide = build_model(narrow_config, seed=1, dtype=torch.float32), build_model(wide_config, seed=2, dtype=torch.float32)
+    wide_config = resized_config(
+        narrow_config,
+        dataclasses.replace(spec_of(narrow_config), hidden_size=12, num_heads=3, num_kv_heads=3, intermediate_size=40),
+    )
+    narrow, wide = (
+        build_model(narrow_config, seed=1, dtype=torch.float32),
+        build_model(wide_config, seed=2, dtype=torch.float32),
+    )
     narrow.save_pretrained(tmp_path / "narrow")
     wide.save_pretrained(tmp_path / "wide")
     inputs = sample_inputs(narrow_config)
     # alpha is the weight of B whichever model is wider; the output has the wider shape.
-    for a, b, alpha, expected, method in (("narrow", "wide", 0.0, narrow, "weight"), ("wide", "narrow", 1.0, narrow, "average")):
+    for a, b, alpha, expected, method in (
+        ("narrow", "wide", 0.0, narrow, "weight"),
+        ("wide", "narrow", 1.0, narrow, "average"),
+    ):
         out = tmp_path / f"{a}-{alpha}"
-        assert main(["merge", str(tmp_path / a), str(tmp_path / b), "-o", str(out), "--alpha", str(alpha), "--method", method]) == 0
+        assert (
+            main(
+                [
+                    "merge",
+                    str(tmp_path / a),
+                    str(tmp_path / b),
+                    "-o",
+                    str(out),
+                    "--alpha",
+                    str(alpha),
+                    "--method",
+                    method,
+                ]
+            )
+            == 0
+        )
         merged = MODEL_CLASSES["gpt2"].from_pretrained(out).eval()
         assert (merged.config.n_embd, merged.config.n_head, merged.config.n_inner) == (12, 3, 40)
         assert relative_error(logits(merged, inputs), logits(expected, inputs)) < 1e-5
         assert "hidden_size 8 → 12" in (out / "README.md").read_text()
     # The barrier path: both methods start at A and end at B (average: the embedded models, unaligned).
     batches = [sample_inputs(narrow_config, seed=s, batch=4, length=8) for s in range(2)]
-    result = hf_lmc.barrier(tmp_path / "wide", tmp_path / "narrow", batches, methods=("average", "weight"), alphas=3, progress=False)
+    result = hf_lmc.barrier(
+        tmp_path / "wide", tmp_path / "narrow", batches, methods=("average", "weight"), alphas=3, progress=False
+    )
     for end in (0, -1):
         assert result.losses["average"][end] == pytest.approx(result.losses["weight"][end], rel=1e-5)
     # The embedded model streams token rows like any other (export writes embed / head in row blocks).
@@ -155,14 +206,18 @@ def test_cli_merges_two_widths_into_the_wider_stock_checkpoint(tmp_path, capsys)
         window, whole = b.group(group, slice(2, 9)), b.group(group)
         for name, t in whole.items():
             expected = t[2:9] if name in b.spec.token_row_names() else t
-            torch.testing.assert_close(window[name], expected, rtol=1e-6, atol=1e-7)  # BLAS may sum a short block in another order
+            torch.testing.assert_close(
+                window[name], expected, rtol=1e-6, atol=1e-7
+            )  # BLAS may sum a short block in another order
     # Several models of different widths: one line saying they merge two at a time.
     capsys.readouterr()
     three = [str(tmp_path / m) for m in ("wide", "narrow", "narrow")]
     assert main(["merge", *three, "-o", str(tmp_path / "three")]) != 0
     err = capsys.readouterr().err
     assert "merge two at a time" in err and err.count("\n") == 1 and not (tmp_path / "three").exists(), err
-    deeper = build_model(type(narrow_config).from_dict({**narrow_config.to_dict(), "n_layer": 3}), seed=3, dtype=torch.float32)
+    deeper = build_model(
+        type(narrow_config).from_dict({**narrow_config.to_dict(), "n_layer": 3}), seed=3, dtype=torch.float32
+    )
     deeper.save_pretrained(tmp_path / "deeper")
     capsys.readouterr()
     assert main(["merge", str(tmp_path / "narrow"), str(tmp_path / "deeper"), "-o", str(tmp_path / "out")]) != 0

@@ -50,7 +50,10 @@ def test_members_train_from_their_seed_and_are_cached(name, tmp_path, monkeypatc
     untrained = type(model_a)(zoo.build_config(entry)).eval()  # member 0 before its first step
     batches = load_batches(zoo.held_out(entry, size=4096), model_a.config, a, EvalOptions(batch_size=8))
     trained_loss, untrained_loss = evaluate(model_a, batches).loss, evaluate(untrained, batches).loss
-    assert trained_loss < untrained_loss - (0.01 if name == "vit" else 0.3), (trained_loss, untrained_loss)  # it learned
+    assert trained_loss < untrained_loss - (0.01 if name == "vit" else 0.3), (
+        trained_loss,
+        untrained_loss,
+    )  # it learned
 
 
 @pytest.mark.parametrize("variants, ratio", [(zoo.NARROW, None), (zoo.WIDE, 2)])
@@ -62,7 +65,10 @@ def test_width_variants_change_only_the_width(variants, ratio):
         assert zoo.ZOO[variant].scaled(name=base, config=zoo.ZOO[base].config) == zoo.ZOO[base]  # same training
         if ratio is not None:
             assert (other.hidden_size, other.intermediate_size, other.num_heads, other.num_kv_heads) == (
-                ratio * spec.hidden_size, ratio * spec.intermediate_size, ratio * spec.num_heads, ratio * spec.num_kv_heads,
+                ratio * spec.hidden_size,
+                ratio * spec.intermediate_size,
+                ratio * spec.num_heads,
+                ratio * spec.num_kv_heads,
             )
         else:
             assert other.hidden_size < spec.hidden_size
@@ -73,7 +79,10 @@ def test_training_is_reproducible(tmp_path):
     entry = zoo.ZOO["llama"].scaled(steps=2, warmup=1)
     first = zoo.train(entry, 3, cache=tmp_path / "one", progress=False)
     second = zoo.train(entry, 3, cache=tmp_path / "two", progress=False)
-    for (name, p), (_, q) in zip(AutoModelForCausalLM.from_pretrained(first).named_parameters(), AutoModelForCausalLM.from_pretrained(second).named_parameters()):
+    for (name, p), (_, q) in zip(
+        AutoModelForCausalLM.from_pretrained(first).named_parameters(),
+        AutoModelForCausalLM.from_pretrained(second).named_parameters(),
+    ):
         assert torch.equal(p, q), name
 
 
@@ -87,10 +96,18 @@ def test_demo_writes_a_merge_with_card_plot_and_barrier_table(tmp_path, capsys):
     card = (out / "README.md").read_text()
     assert "loss_along_path.png" in card and (out / "loss_along_path.png").is_file()
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert model.config.model_type == "gpt2" and AutoTokenizer.from_pretrained(out).get_vocab() == zoo.char_tokenizer().get_vocab()
+    assert (
+        model.config.model_type == "gpt2"
+        and AutoTokenizer.from_pretrained(out).get_vocab() == zoo.char_tokenizer().get_vocab()
+    )
     tokenizer, text = AutoTokenizer.from_pretrained(out), zoo.held_out("gpt2", size=2048)[0]
-    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text and tokenizer.model_max_length == model.config.n_positions
-    assert pipeline("text-generation", model=str(out))("ROMEO:")[0]["generated_text"].startswith("ROMEO:")  # stops in bounds
+    assert (
+        tokenizer.decode(tokenizer(text)["input_ids"]) == text
+        and tokenizer.model_max_length == model.config.n_positions
+    )
+    assert pipeline("text-generation", model=str(out))("ROMEO:")[0]["generated_text"].startswith(
+        "ROMEO:"
+    )  # stops in bounds
     assert main(args) == 0  # re-running replaces its own earlier output
 
 
@@ -148,7 +165,9 @@ def _write_old_style_files(folder):
 
     tokenizer = Tokenizer(models.WordLevel(vocab=zoo.char_tokenizer().get_vocab(), unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", model_max_length=10**6).save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", model_max_length=10**6).save_pretrained(
+        folder
+    )
     GenerationConfig().save_pretrained(folder)
 
 
@@ -156,7 +175,9 @@ def test_a_member_cached_with_old_tokenizer_files_is_repaired_on_load(tmp_path, 
     folder = zoo.train(TINY_GPT2, 0, cache=tmp_path, progress=False)
     weights = (folder / "model.safetensors").read_bytes()
     _write_old_style_files(folder)
-    assert AutoTokenizer.from_pretrained(folder).decode([1, 2]) != "".join(zoo.char_tokenizer().convert_ids_to_tokens([1, 2]))
+    assert AutoTokenizer.from_pretrained(folder).decode([1, 2]) != "".join(
+        zoo.char_tokenizer().convert_ids_to_tokens([1, 2])
+    )
 
     def no_training(*args, **kwargs):
         raise AssertionError("repairing a cached member must not retrain it")
@@ -166,8 +187,14 @@ def test_a_member_cached_with_old_tokenizer_files_is_repaired_on_load(tmp_path, 
     text = zoo.held_out("gpt2", size=2048)[0]
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
-    assert tokenizer.model_max_length == GenerationConfig.from_pretrained(folder).max_length == TINY_GPT2.config["n_positions"]
-    assert (folder / "model.safetensors").read_bytes() == weights and json.loads((folder / "zoo.json").read_text())["seed"] == 0
+    assert (
+        tokenizer.model_max_length
+        == GenerationConfig.from_pretrained(folder).max_length
+        == TINY_GPT2.config["n_positions"]
+    )
+    assert (folder / "model.safetensors").read_bytes() == weights and json.loads((folder / "zoo.json").read_text())[
+        "seed"
+    ] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no staging folder left behind
     modified = (folder / "tokenizer.json").stat().st_mtime_ns
     zoo.train(TINY_GPT2, 0, cache=tmp_path, progress=False)
@@ -179,7 +206,13 @@ def test_an_entry_with_patience_stops_when_its_validation_loss_stops_improving_a
     """Validation batches come from the end of the training split (never the held-out plays);
     the member saved is the best one seen, and zoo.json says how training ended."""
     entry = zoo.ZOO["gpt2"].scaled(
-        name="patient", config={"n_layer": 1, "n_embd": 32, "n_head": 2}, steps=400, warmup=5, lr=3e-2, patience=2, eval_every=10,
+        name="patient",
+        config={"n_layer": 1, "n_embd": 32, "n_head": 2},
+        steps=400,
+        warmup=5,
+        lr=3e-2,
+        patience=2,
+        eval_every=10,
     )
     folder = zoo.train(entry, 0, cache=tmp_path, progress=False)
     record = json.loads((folder / "zoo.json").read_text())

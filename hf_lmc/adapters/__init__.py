@@ -219,4 +219,17 @@ def check_config_file(folder: Path) -> dict:
     return raw
 
 
-__all__ = ["ADAPTERS", "INHERITED_KEYS", "Adapter", "ConfigError", "UnsupportedModelError", "adapter_for", "check_config_file", "config_key_kind", "informational_differences", "read_config", "setting_differences", "supported_classes"]
+__all__ = [
+    "ADAPTERS",
+    "INHERITED_KEYS",
+    "Adapter",
+    "ConfigError",
+    "UnsupportedModelError",
+    "adapter_for",
+    "check_config_file",
+    "config_key_kind",
+    "informational_differences",
+    "read_config",
+    "setting_differences",
+    "supported_classes",
+]

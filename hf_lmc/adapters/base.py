@@ -69,7 +69,7 @@ class Adapter:
     vocab_keys: tuple[str, ...] = ()
     #: ``ArchSpec`` width field -> the config key that sets it (models of two widths are merged
     #: at a common shape, :mod:`hf_lmc.widths`); widths the config derives need no entry.
-    width_keys: dict[str, str] = {}
+    width_keys: ClassVar[dict[str, str]] = {}
     #: Config keys that change what the model computes without setting a shape: activation,
     #: norm eps, attention scaling, rope, residual layout (read by ``spec``, the conversions or
     #: the stock class's forward). Two models must agree on them (``setting_differences``).
@@ -88,11 +88,15 @@ class Adapter:
     def spec(self, config: PretrainedConfig) -> ArchSpec:
         raise NotImplementedError
 
-    def canonical_group(self, src: Mapping[str, Tensor], config: PretrainedConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+    def canonical_group(
+        self, src: Mapping[str, Tensor], config: PretrainedConfig, spec: ArchSpec, group: Group
+    ) -> dict[str, Tensor]:
         """Canonical tensors of one group, read from ``src`` (HF keys, transformers 5 names)."""
         raise NotImplementedError
 
-    def hf_group(self, tensors: Mapping[str, Tensor], config: PretrainedConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+    def hf_group(
+        self, tensors: Mapping[str, Tensor], config: PretrainedConfig, spec: ArchSpec, group: Group
+    ) -> dict[str, Tensor]:
         """HF state-dict entries of one group, from its canonical tensors (``config`` = export config)."""
         raise NotImplementedError
 
@@ -103,7 +107,9 @@ class Adapter:
         """Whether an exported head can still share the token embedding's storage."""
         return False
 
-    def export_config(self, config: PretrainedConfig, embed: Mapping[str, Tensor], head: Mapping[str, Tensor]) -> PretrainedConfig:
+    def export_config(
+        self, config: PretrainedConfig, embed: Mapping[str, Tensor], head: Mapping[str, Tensor]
+    ) -> PretrainedConfig:
         """The stock config that reproduces the canonical function (ties and bias flags)."""
         config = copy.deepcopy(config)
         for flag in self.bias_flags_for_folded_norms:
@@ -161,10 +167,6 @@ def identity_norm(d: int, like: Tensor, with_bias: bool = True) -> dict[str, Ten
     if with_bias:
         out["bias"] = torch.zeros(d, dtype=like.dtype, device=like.device)
     return out
-
-
-def prefixed(prefix: str, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {f"{prefix}{k}": v for k, v in tensors.items()}
 
 
 def require_zero(t: Tensor, what: str) -> None:

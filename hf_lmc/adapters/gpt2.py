@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from pydantic import FiniteFloat
@@ -45,7 +46,11 @@ class GPT2Adapter(Adapter):
     config_schema = GPT2ConfigSchema
     heads_input = "transformer.h.{i}.attn.c_proj"
     mlp_input = "transformer.h.{i}.mlp.c_proj"
-    width_keys = {"hidden_size": "n_embd", "intermediate_size": "n_inner", "num_heads": "n_head"}
+    width_keys: ClassVar[dict[str, str]] = {
+        "hidden_size": "n_embd",
+        "intermediate_size": "n_inner",
+        "num_heads": "n_head",
+    }
     function_keys = frozenset(
         {
             "activation_function",
@@ -84,7 +89,9 @@ class GPT2Adapter(Adapter):
             embedding_names=("embed.tokens", "embed.positions"),
         )
 
-    def canonical_group(self, src: Mapping[str, Tensor], config: GPT2Config, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+    def canonical_group(
+        self, src: Mapping[str, Tensor], config: GPT2Config, spec: ArchSpec, group: Group
+    ) -> dict[str, Tensor]:
         if group == "embed":
             return {
                 "embed.tokens": centre(src["transformer.wte.weight"], 1),
@@ -132,4 +139,3 @@ class GPT2Adapter(Adapter):
         out[p + "mlp.c_proj.weight"] = t[c + "mlp.down.weight"].T
         out[p + "mlp.c_proj.bias"] = t[c + "mlp.down.bias"]
         return out
-

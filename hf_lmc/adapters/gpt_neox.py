@@ -7,6 +7,7 @@ folds into the block that reads it, and the stream is the sum of the centred wri
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from pydantic import FiniteFloat
@@ -50,7 +51,11 @@ class GPTNeoXAdapter(Adapter):
     config_schema = GPTNeoXConfigSchema
     heads_input = "gpt_neox.layers.{i}.attention.dense"
     mlp_input = "gpt_neox.layers.{i}.mlp.dense_4h_to_h"
-    width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}
+    width_keys: ClassVar[dict[str, str]] = {
+        "hidden_size": "hidden_size",
+        "intermediate_size": "intermediate_size",
+        "num_heads": "num_attention_heads",
+    }
     # Parallel and sequential residuals are one canonical form but two functions; max_position_embeddings
     # sets the scaled rope variants' frequencies; the rest are rope settings under their old names too.
     function_keys = frozenset(
@@ -100,12 +105,16 @@ class GPTNeoXAdapter(Adapter):
             embedding_names=("embed.tokens",),
         )
 
-    def canonical_group(self, src: Mapping[str, Tensor], config: GPTNeoXConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+    def canonical_group(
+        self, src: Mapping[str, Tensor], config: GPTNeoXConfig, spec: ArchSpec, group: Group
+    ) -> dict[str, Tensor]:
         if group == "embed":
             return {"embed.tokens": centre(src["gpt_neox.embed_in.weight"], 1)}
         if group == "head":
             weight = src["lm_head.weight"] if "lm_head.weight" in src else src["gpt_neox.embed_in.weight"]
-            w, b = fold_norm(weight, None, src["gpt_neox.final_layer_norm.weight"], src["gpt_neox.final_layer_norm.bias"])
+            w, b = fold_norm(
+                weight, None, src["gpt_neox.final_layer_norm.weight"], src["gpt_neox.final_layer_norm.bias"]
+            )
             return {"head.weight": w, "head.bias": b}
         p, out = f"gpt_neox.layers.{group}.", f"layers.{group}."
         h, dh, d = spec.num_heads, spec.head_dim, spec.hidden_size
@@ -131,7 +140,9 @@ class GPTNeoXAdapter(Adapter):
         tensors[out + "mlp.down.bias"] = centre(src[p + "mlp.dense_4h_to_h.bias"], 0)
         return tensors
 
-    def hf_group(self, t: Mapping[str, Tensor], config: GPTNeoXConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+    def hf_group(
+        self, t: Mapping[str, Tensor], config: GPTNeoXConfig, spec: ArchSpec, group: Group
+    ) -> dict[str, Tensor]:
         if group == "embed":
             return {"gpt_neox.embed_in.weight": t["embed.tokens"]}
         if group == "head":

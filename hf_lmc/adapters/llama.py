@@ -7,6 +7,7 @@ are free on all of R^d.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from pydantic import FiniteFloat
@@ -47,9 +48,12 @@ class LlamaAdapter(Adapter):
     config_schema = LlamaConfigSchema
     heads_input = "model.layers.{i}.self_attn.o_proj"
     mlp_input = "model.layers.{i}.mlp.down_proj"
-    width_keys = {
-        "hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads",
-        "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",  # explicit: hidden_size / heads may change it
+    width_keys: ClassVar[dict[str, str]] = {
+        "hidden_size": "hidden_size",
+        "intermediate_size": "intermediate_size",
+        "num_heads": "num_attention_heads",
+        "num_kv_heads": "num_key_value_heads",
+        "head_dim": "head_dim",  # explicit: hidden_size / heads may change it
     }
     function_keys = frozenset(
         {
@@ -90,7 +94,9 @@ class LlamaAdapter(Adapter):
             embedding_names=("embed.tokens",),
         )
 
-    def canonical_group(self, src: Mapping[str, Tensor], config: LlamaConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+    def canonical_group(
+        self, src: Mapping[str, Tensor], config: LlamaConfig, spec: ArchSpec, group: Group
+    ) -> dict[str, Tensor]:
         if group == "embed":
             return {"embed.tokens": src["model.embed_tokens.weight"]}
         if group == "head":
@@ -136,5 +142,8 @@ class LlamaAdapter(Adapter):
                 if flag:
                     out[f"{p}{module}.{hf}.bias"] = bias
                 else:
-                    require_zero(bias, f"{block}.{name} bias (config has {'attention_bias' if block == 'attn' else 'mlp_bias'}=False)")
+                    require_zero(
+                        bias,
+                        f"{block}.{name} bias (config has {'attention_bias' if block == 'attn' else 'mlp_bias'}=False)",
+                    )
         return out

@@ -7,6 +7,7 @@ LayerNorm exports with unit gain and zero shift (no ``u`` trick needed).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from pydantic import FiniteFloat
 from torch import Tensor
@@ -44,7 +45,11 @@ class ViTAdapter(Adapter):
     auto_class = "AutoModelForImageClassification"
     heads_input = "vit.layers.{i}.attention.o_proj"
     mlp_input = "vit.layers.{i}.mlp.fc2"
-    width_keys = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_heads": "num_attention_heads"}
+    width_keys: ClassVar[dict[str, str]] = {
+        "hidden_size": "hidden_size",
+        "intermediate_size": "intermediate_size",
+        "num_heads": "num_attention_heads",
+    }
     function_keys = frozenset({"hidden_act", "layer_norm_eps"})
     shape_keys = frozenset({"num_hidden_layers", "image_size", "patch_size", "num_channels", "qkv_bias"})
     # transformers 4.x names (``encoder.layer.N.attention.attention.query`` ...). Order matters:
@@ -63,7 +68,9 @@ class ViTAdapter(Adapter):
 
     def validate_config(self, config: ViTConfig) -> None:
         if not config.num_labels:
-            raise UnsupportedModelError("ViTForImageClassification without a classifier (num_labels=0) is not supported")
+            raise UnsupportedModelError(
+                "ViTForImageClassification without a classifier (num_labels=0) is not supported"
+            )
 
     def spec(self, config: ViTConfig) -> ArchSpec:
         heads = config.num_attention_heads
@@ -84,7 +91,9 @@ class ViTAdapter(Adapter):
             embedding_names=("embed.patch.weight", "embed.patch.bias", "embed.cls", "embed.positions"),
         )
 
-    def canonical_group(self, src: Mapping[str, Tensor], config: ViTConfig, spec: ArchSpec, group: Group) -> dict[str, Tensor]:
+    def canonical_group(
+        self, src: Mapping[str, Tensor], config: ViTConfig, spec: ArchSpec, group: Group
+    ) -> dict[str, Tensor]:
         e = "vit.embeddings."
         if group == "embed":
             return {
@@ -94,7 +103,9 @@ class ViTAdapter(Adapter):
                 "embed.positions": centre(src[e + "position_embeddings"][0], 1),
             }
         if group == "head":
-            w, b = fold_norm(src["classifier.weight"], src["classifier.bias"], src["vit.layernorm.weight"], src["vit.layernorm.bias"])
+            w, b = fold_norm(
+                src["classifier.weight"], src["classifier.bias"], src["vit.layernorm.weight"], src["vit.layernorm.bias"]
+            )
             return {"head.weight": w, "head.bias": b}
         p, out = f"vit.layers.{group}.", f"layers.{group}."
         ln_attn = src[p + "layernorm_before.weight"], src[p + "layernorm_before.bias"]

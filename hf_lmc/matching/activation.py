@@ -78,10 +78,15 @@ class ActivationMatcher(PairwiseMatcher):
         maps: dict = {"residual": residual} if residual is not None else {}
         rotate = Transform({"residual": ResidualMap.from_matrix(rotation)})
         for i, layer in enumerate(stats.layers):
-            ga, gb = _double(a.group(i)), {n: rotate.apply_tensor(n, t) for n, t in _double(b.group(i)).items()}  # B in A's basis
+            ga, gb = (
+                _double(a.group(i)),
+                {n: rotate.apply_tensor(n, t) for n, t in _double(b.group(i)).items()},
+            )  # B in A's basis
             p = f"layers.{i}."
             maps[f"attn.{i}"] = self._match_attention(spec, layer, ga[p + "attn.o.weight"], gb[p + "attn.o.weight"])
-            maps[f"mlp.{i}"] = self._match_mlp(spec, layer, _unit_descriptors(spec, p, ga), _unit_descriptors(spec, p, gb))
+            maps[f"mlp.{i}"] = self._match_mlp(
+                spec, layer, _unit_descriptors(spec, p, ga), _unit_descriptors(spec, p, gb)
+            )
         return Transform(maps)
 
     # -- collection --------------------------------------------------------------------------
@@ -100,7 +105,7 @@ class ActivationMatcher(PairwiseMatcher):
             yield batch
 
     @torch.no_grad()
-    def _collect(self, spec: ArchSpec, a: CanonicalModel, b: CanonicalModel) -> "_Statistics":
+    def _collect(self, spec: ArchSpec, a: CanonicalModel, b: CanonicalModel) -> _Statistics:
         models = [to_hf(m.to(self.dtype)) for m in (a, b)]
         weights = [_Readers(spec, m) for m in (a, b)]
         stats = _Statistics(spec)
@@ -115,7 +120,7 @@ class ActivationMatcher(PairwiseMatcher):
 
     # -- solves ------------------------------------------------------------------------------
 
-    def _solve_residual(self, spec: ArchSpec, stream: list["_Cross"]) -> ResidualMap | None:
+    def _solve_residual(self, spec: ArchSpec, stream: list[_Cross]) -> ResidualMap | None:
         cross = sum(s.ab / (s.aa.trace() * s.bb.trace()).sqrt().clamp_min(1e-300) for s in stream)
         if "residual" in self.kinds:
             return ResidualMap.from_matrix(polar_fixing_ones(cross) if spec.centred else polar(cross))
@@ -123,7 +128,7 @@ class ActivationMatcher(PairwiseMatcher):
             return ResidualMap.from_matrix(torch.eye(spec.hidden_size, dtype=torch.float64)[assign(cross)].T)
         return None
 
-    def _match_attention(self, spec: ArchSpec, layer: "_Layer", o_a: Tensor, o_b: Tensor) -> AttentionMap:
+    def _match_attention(self, spec: ArchSpec, layer: _Layer, o_a: Tensor, o_b: Tensor) -> AttentionMap:
         h, kv, g, dh = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
         # Per head pair, the (dh x dh) blocks of W_O,a^T W_O,b: what head i of A and head j of B write.
         writes = _blocks(o_a.T @ o_b, h, dh)
@@ -151,7 +156,9 @@ class ActivationMatcher(PairwiseMatcher):
                     _block(k.ab, ia, jb, dh),
                 )
                 qk_jobs.append(
-                    partial(match_rotary_moments, moments, spec.rotary_dim) if spec.rotary_dim else partial(match_gl_moments, moments)
+                    partial(match_rotary_moments, moments, spec.rotary_dim)
+                    if spec.rotary_dim
+                    else partial(match_gl_moments, moments)
                 )
             if "ov" in self.kinds:
                 vec_aa, vec_bb, vec_ab = _grouped(z, pairs, dh)
@@ -167,11 +174,19 @@ class ActivationMatcher(PairwiseMatcher):
         solved = solve_side_by_side(qk_jobs + ov_jobs)
         qk_blocks, ov_blocks = solved[: len(qk_jobs)], solved[len(qk_jobs) :]
         eye = BlockMonomial.identity(kv, dh)
-        qk = BlockMonomial(kv_perm, *_stack(qk_blocks)) if qk_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
-        ov = BlockMonomial(kv_perm, *_stack(ov_blocks)) if ov_blocks else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
+        qk = (
+            BlockMonomial(kv_perm, *_stack(qk_blocks))
+            if qk_blocks
+            else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
+        )
+        ov = (
+            BlockMonomial(kv_perm, *_stack(ov_blocks))
+            if ov_blocks
+            else BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
+        )
         return AttentionMap(qk, ov, query_perm)
 
-    def _match_mlp(self, spec: ArchSpec, layer: "_Layer", weights_a: Tensor, weights_b: Tensor) -> MlpMap:
+    def _match_mlp(self, spec: ArchSpec, layer: _Layer, weights_a: Tensor, weights_b: Tensor) -> MlpMap:
         """Units by correlation; units the data cannot tell apart (e.g. ReLU units dead on every
         calibration token) are told apart by their weights, a tie-break far below any correlation."""
         units, n = layer.units, layer.units.tokens
@@ -209,6 +224,7 @@ def _unit_descriptors(spec: ArchSpec, p: str, group: dict[str, Tensor]) -> Tenso
 
     Scale-free (SwiGLU units may be rescaled), so only directions compare.
     """
+
     def part(name: str) -> Tensor:
         return _unit_rows(torch.cat([group[p + name + ".weight"], group[p + name + ".bias"][:, None]], 1))
 

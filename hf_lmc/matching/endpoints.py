@@ -91,7 +91,9 @@ def shard_mesh(sharding: EndpointSharding | None):
             )
         if not sharding.offload:
             return None
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+        )
     if dist.get_world_size() == 1 and not sharding.offload:
         return None
     # A group of its own: endpoint gathers never queue behind (or between) DDP's gradient all-reduces.
@@ -114,7 +116,9 @@ class _FrozenLayer(nn.Module):
     def gathered(self) -> dict[str, Tensor]:
         """The layer's full tensors in their stored dtype, copied out of FSDP2's buffer (call
         between ``unshard`` and ``reshard``)."""
-        return {name: getattr(self, slot).detach().to(self.dtypes[name], copy=True) for name, slot in self.names.items()}
+        return {
+            name: getattr(self, slot).detach().to(self.dtypes[name], copy=True) for name, slot in self.names.items()
+        }
 
 
 class EndpointStore:
@@ -150,8 +154,13 @@ class EndpointStore:
         layer = _FrozenLayer(tensors)
         tensors.clear()  # the holder has the only reference: sharding frees the whole tensors
         offload = CPUOffloadPolicy(pin_memory=self.mesh.device_type == "cuda") if sharding.offload else OffloadPolicy()
-        fully_shard(layer, mesh=self.mesh, reshard_after_forward=True, offload_policy=offload,
-                    mp_policy=MixedPrecisionPolicy(param_dtype=sharding.dtype))
+        fully_shard(
+            layer,
+            mesh=self.mesh,
+            reshard_after_forward=True,
+            offload_policy=offload,
+            mp_policy=MixedPrecisionPolicy(param_dtype=sharding.dtype),
+        )
         return layer
 
     def _gather(self, group: int) -> dict[str, Tensor]:
@@ -198,7 +207,9 @@ class EndpointStore:
                 tensors[name] = fn(t)
         self._settle()
         for group, layer in self.layers.items():
-            moved = {dtype: fn(torch.empty(0, dtype=dtype)).dtype for dtype in set(layer.dtypes.values())}  # what fn makes of each dtype
+            moved = {
+                dtype: fn(torch.empty(0, dtype=dtype)).dtype for dtype in set(layer.dtypes.values())
+            }  # what fn makes of each dtype
             if any(new != old for old, new in moved.items()):
                 # Sharded afresh in the new dtype: FSDP2 keeps its gather buffers in the dtype it
                 # first gathered in. A collective, one layer at a time.

@@ -58,7 +58,9 @@ def checkpointed_layers(num_layers: int, checkpoint_layers: bool | float) -> fro
     of them, spread evenly (layer ``k * num_layers // count`` for ``k < count``).
     """
     if not isinstance(checkpoint_layers, (int, float)) or not 0 <= checkpoint_layers <= 1:  # bools are 0 and 1
-        raise ValueError(f"checkpoint_layers takes True, False or a fraction of the layers in [0, 1], got {checkpoint_layers!r}")
+        raise ValueError(
+            f"checkpoint_layers takes True, False or a fraction of the layers in [0, 1], got {checkpoint_layers!r}"
+        )
     count = round(float(checkpoint_layers) * num_layers)
     return frozenset(k * num_layers // count for k in range(count))
 
@@ -123,7 +125,9 @@ class Interpolant(nn.Module):
             config.tie_word_embeddings = False
         sharding = sharding_of(shard)
         mesh = shard_mesh(sharding)
-        self.endpoints = [EndpointStore(m, mesh, sharding) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)]
+        self.endpoints = [
+            EndpointStore(m, mesh, sharding) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)
+        ]
         self.models = tuple(store.canonical() for store in self.endpoints)
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
@@ -173,14 +177,18 @@ class Interpolant(nn.Module):
         members = point.members if point.members is not None else range(len(self.models))
         for k, transform in zip(members, point.transforms):
             tensors = self.models[k].group(group)
-            moved.append({n: transform.apply_tensor(n, t) for n, t in tensors.items()} if transform is not None else tensors)
+            moved.append(
+                {n: transform.apply_tensor(n, t) for n, t in tensors.items()} if transform is not None else tensors
+            )
         if len(moved) == 1 and isinstance(point.weights[0], float) and point.weights[0] == 1.0:
             merged = moved[0]  # one endpoint as it is: its own tensors, not a copy (x * 1.0 is x)
         else:
             merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
 
-    def state(self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None) -> dict[str, Tensor]:
+    def state(
+        self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None
+    ) -> dict[str, Tensor]:
         """The whole HF state dict of the interpolant (differentiable in the transforms and ``alpha``).
 
         ``transform_a`` moves A as well (dual matching); by default A stays as it is.
@@ -221,7 +229,9 @@ class Interpolant(nn.Module):
 
     def _point_at(self, transforms, weights) -> _Point:
         if len(transforms) != len(self.models) or len(weights) != len(self.models):
-            raise ValueError(f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each")
+            raise ValueError(
+                f"the interpolant has {len(self.models)} endpoints: pass one transform and one weight for each"
+            )
         return _Point(tuple(transforms), tuple(weights))
 
     def _endpoint_point(self, k: int) -> _Point:
@@ -245,7 +255,9 @@ class Interpolant(nn.Module):
                 raise ValueError(f"{type(self.template).__name__} ends in no vocabulary head: evaluate it whole")
             prefix = self.template.base_model_prefix + "."
             body = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
-            hidden = functional_call(self.template.base_model, body, args=(), kwargs=batch, tie_weights=False, strict=False)
+            hidden = functional_call(
+                self.template.base_model, body, args=(), kwargs=batch, tie_weights=False, strict=False
+            )
             return hidden.last_hidden_state, state[self._head_key]
         finally:
             self._point = _Point()

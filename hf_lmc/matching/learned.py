@@ -99,7 +99,9 @@ class TrainedPath(nn.Module):
             hidden, head = self.interpolant.features_at(transforms, weights, **inputs)
             return mixture_loss(hidden, head, endpoints, weights, mask)
         with torch.no_grad():
-            target = sum(w * _wide(self.interpolant.endpoint(k, **inputs).logits).softmax(-1) for k, w in enumerate(weights))
+            target = sum(
+                w * _wide(self.interpolant.endpoint(k, **inputs).logits).softmax(-1) for k, w in enumerate(weights)
+            )
         log_probs = _wide(self.interpolant.at(transforms, weights, **inputs).logits).log_softmax(-1)
         per_position = -(target * log_probs).sum(-1)
         if mask is None or per_position.dim() != mask.dim():
@@ -107,13 +109,19 @@ class TrainedPath(nn.Module):
         mask = mask.to(per_position.dtype)
         return (per_position * mask).sum() / mask.sum()
 
-    def _labels_loss(self, batch: dict[str, Tensor], transforms=None, weights=None, endpoint: int | None = None) -> Tensor:
+    def _labels_loss(
+        self, batch: dict[str, Tensor], transforms=None, weights=None, endpoint: int | None = None
+    ) -> Tensor:
         """The labels' cross-entropy at the point ``(transforms, weights)``, or of ``endpoint``
         alone, as the stock class computes it; a causal LM's a slice of positions at a time
         (:func:`~hf_lmc.head_loss.next_token_loss`)."""
         inputs = _labelled(batch)
         if not self.interpolant.has_vocabulary_head:
-            output = self.interpolant.endpoint(endpoint, **inputs) if endpoint is not None else self.interpolant.at(transforms, weights, **inputs)
+            output = (
+                self.interpolant.endpoint(endpoint, **inputs)
+                if endpoint is not None
+                else self.interpolant.at(transforms, weights, **inputs)
+            )
             return output.loss
         labels = inputs.pop("labels")
         if endpoint is not None:
@@ -289,7 +297,9 @@ class PairPath(TrainedPath):
         self.register_buffer("worst_alpha", torch.tensor((low + high) / 2, dtype=torch.float64))
         # The excess over the line at every grid point when last located (zero until then); saved
         # only where the draws read it, so "worst" checkpoints keep their earlier layout.
-        self.register_buffer("grid_excess", torch.zeros(len(WORST_GRID), dtype=torch.float64), persistent=focus == "excess")
+        self.register_buffer(
+            "grid_excess", torch.zeros(len(WORST_GRID), dtype=torch.float64), persistent=focus == "excess"
+        )
         self._focus_read = None  # (buffer versions, worst alpha, excess weights): see _focus_state
         self.dtype = dtype
         held = _held(shard_endpoints)
@@ -359,7 +369,11 @@ class PairPath(TrainedPath):
         if count == 0:
             raise ValueError("locate_worst needs at least one batch")
         losses /= count
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if (
+            torch.distributed.is_available()
+            and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1
+        ):
             device = self.worst_alpha.device if torch.distributed.get_backend() != "gloo" else torch.device("cpu")
             losses = losses.to(device)
             torch.distributed.all_reduce(losses)
@@ -413,7 +427,6 @@ class PairPath(TrainedPath):
     def merge(self, alpha: float = 0.5) -> PreTrainedModel:
         """A stock HF model computing ``(1 - alpha) T_A(A) + alpha T_B(B)`` with exact transforms."""
         return to_hf(interpolate(*self.aligned(), alpha))
-
 
     @classmethod
     def over_simplex(cls, models: Sequence, **options) -> SimplexMatcher:
@@ -491,7 +504,9 @@ class SimplexMatcher(TrainedPath):
         canonical = [held(canonicalize(m, dtype=dtype)) for m in models]
         self._set_input_noise(input_noise, canonical[0])
         if init == "weight":
-            start = list(computed_on_main(lambda: UniverseMatcher(symmetries, progress=False, device=init_device).fit(canonical)))
+            start = list(
+                computed_on_main(lambda: UniverseMatcher(symmetries, progress=False, device=init_device).fit(canonical))
+            )
         elif init == "identity":
             start = [Transform()] * len(canonical)
         elif len(init) != len(canonical):
@@ -538,7 +553,9 @@ class SimplexMatcher(TrainedPath):
         """A stock HF model computing ``sum_k w_k T_k(theta_k)`` with exact transforms (uniform by default)."""
         weights = simplex_weights(weights, self.count)
         hardened = [t.harden().to(self.dtype) for t in self.learned]
-        models = self.interpolant.models  # in their fixed assigned orders; the first already moved when it does not learn
+        models = (
+            self.interpolant.models
+        )  # in their fixed assigned orders; the first already moved when it does not learn
         moved = [models[0] if self.fixed_first is not None else hardened.pop(0).apply(models[0])]
         moved += [t.apply(m) for t, m in zip(hardened, models[1:])]
         return to_hf(combine(moved, weights))

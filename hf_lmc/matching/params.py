@@ -86,7 +86,14 @@ class OrthogonalParam(nn.Module):
     """A trainable orthogonal ``d x d`` map, starting at ``init`` (identity if omitted)."""
 
     def __init__(
-        self, d: int, *, init: Tensor | None = None, method: str = "cayley", fix_ones: bool = False, frame: str = "own", dtype=torch.float32
+        self,
+        d: int,
+        *,
+        init: Tensor | None = None,
+        method: str = "cayley",
+        fix_ones: bool = False,
+        frame: str = "own",
+        dtype=torch.float32,
     ):
         super().__init__()
         check_orthogonal(method, frame)
@@ -149,7 +156,9 @@ class GLParam(nn.Module):
         eye = torch.eye(b, dtype=dtype)
         base, base_inv = (eye, eye) if init is None else (init[0].to(dtype), init[1].to(dtype))
         if base.shape[-2:] != (b, b) or base_inv.shape != base.shape:
-            raise ValueError(f"GLParam({b}) needs (..., {b}, {b}) maps and inverses of one shape, got {tuple(base.shape)} and {tuple(base_inv.shape)}")
+            raise ValueError(
+                f"GLParam({b}) needs (..., {b}, {b}) maps and inverses of one shape, got {tuple(base.shape)} and {tuple(base_inv.shape)}"
+            )
         self.register_buffer("base", base.clone())
         self.register_buffer("base_inv", base_inv.clone())
         self.weight = nn.Parameter(torch.zeros_like(self.base))
@@ -182,7 +191,16 @@ class PermutationParam(nn.Module):
     (``y[perm[h]] = x[h]``); the scores start at ``scale`` on its entries and 0 elsewhere.
     """
 
-    def __init__(self, n: int, *, init: Tensor | None = None, method: str = "ste", temperature: float = 0.1, scale: float = 1.0, dtype=torch.float32):
+    def __init__(
+        self,
+        n: int,
+        *,
+        init: Tensor | None = None,
+        method: str = "ste",
+        temperature: float = 0.1,
+        scale: float = 1.0,
+        dtype=torch.float32,
+    ):
         super().__init__()
         if method not in PERMUTATION_METHODS:
             raise ValueError(f"unknown permutation parameterisation {method!r}; choose from {PERMUTATION_METHODS}")
@@ -233,7 +251,15 @@ class RotaryParam(nn.Module):
     where the relative map's angle is the difference of two trained ones.
     """
 
-    def __init__(self, head_dim: int, rotary_dim: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = "own", dtype=torch.float32):
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        *,
+        init: tuple[Tensor, Tensor] | None = None,
+        frame: str = "own",
+        dtype=torch.float32,
+    ):
         super().__init__()
         half = rotary_dim // 2
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
@@ -249,7 +275,9 @@ class RotaryParam(nn.Module):
         self.left_angles = nn.Parameter(torch.zeros_like(self.angles)) if both else None
         rest = slice(rotary_dim, head_dim)
         self.passthrough = (
-            GLParam(head_dim - rotary_dim, init=(m[..., rest, rest], m_inv[..., rest, rest]), frame=frame, dtype=dtype) if head_dim > rotary_dim else None
+            GLParam(head_dim - rotary_dim, init=(m[..., rest, rest], m_inv[..., rest, rest]), frame=frame, dtype=dtype)
+            if head_dim > rotary_dim
+            else None
         )
 
     def forward(self) -> tuple[Tensor, Tensor]:

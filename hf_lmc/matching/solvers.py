@@ -195,7 +195,10 @@ def _certified_sparse_assignment(similarity: Tensor, candidates: int, rows: int)
             matched_rows, matched_cols = min_weight_full_bipartite_matching(graph)
         except ValueError:  # no full matching among the candidates: widen them
             return _certified_sparse_assignment(similarity, 4 * k, rows) if 4 * k < n else assign(similarity)
-        matched_rows, matched_cols = torch.as_tensor(matched_rows, device="cpu").long(), torch.as_tensor(matched_cols, device="cpu").long()
+        matched_rows, matched_cols = (
+            torch.as_tensor(matched_rows, device="cpu").long(),
+            torch.as_tensor(matched_cols, device="cpu").long(),
+        )
         col_of = torch.empty(n, dtype=torch.long, device="cpu")
         col_of[matched_rows] = matched_cols
         u, v = _assignment_duals(edge_rows, edge_cols, cost, col_of, top)
@@ -213,7 +216,9 @@ def _entries(similarity: Tensor, rows: Tensor, cols: Tensor) -> Tensor:
     return similarity[rows.to(similarity.device), cols.to(similarity.device)].cpu()
 
 
-def _violations(similarity: Tensor, u: Tensor, v: Tensor, top: float, largest: float, rows: int) -> tuple[Tensor, Tensor]:
+def _violations(
+    similarity: Tensor, u: Tensor, v: Tensor, top: float, largest: float, rows: int
+) -> tuple[Tensor, Tensor]:
     """Entries whose reduced cost ``top + 1 - similarity_ij - u_i - v_j`` is negative (below
     ``-1e-9`` of the scale): screened in float32 with a bound on its rounding error, then
     decided in float64, so nothing is missed and the dense float64 matrix never exists.
@@ -298,15 +303,17 @@ class Moments:
     cov_ab: Tensor
 
     @staticmethod
-    def of(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -> "Moments":
+    def of(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -> Moments:
         return Moments(
             vec_a @ vec_a.T, vec_b @ vec_b.T, vec_a @ vec_b.T, cov_a @ cov_a.T, cov_b @ cov_b.T, cov_a @ cov_b.T
         )
 
-    def to(self, device: str | torch.device) -> "Moments":
-        return Moments(*(m.to(device) for m in (self.vec_aa, self.vec_bb, self.vec_ab, self.cov_aa, self.cov_bb, self.cov_ab)))
+    def to(self, device: str | torch.device) -> Moments:
+        return Moments(
+            *(m.to(device) for m in (self.vec_aa, self.vec_bb, self.vec_ab, self.cov_aa, self.cov_bb, self.cov_ab))
+        )
 
-    def sub(self, index) -> "Moments":
+    def sub(self, index) -> Moments:
         """The moments of rows ``index`` of every data matrix."""
         return Moments(
             *(

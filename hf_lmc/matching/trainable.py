@@ -63,10 +63,15 @@ class _AttentionParams(_TracksOrder):
         ovs = [init.ov if init is not None else eye for init in inits]
 
         def stacked(monomials):
-            return torch.stack([m.blocks.to(dtype) for m in monomials]), torch.stack([m.inverse_blocks.to(dtype) for m in monomials])
+            return torch.stack([m.blocks.to(dtype) for m in monomials]), torch.stack(
+                [m.inverse_blocks.to(dtype) for m in monomials]
+            )
 
         self.register_buffer("kv_perm", torch.stack([qk.perm for qk in qks]))
-        self.register_buffer("query_perm", torch.stack([init.query_perm if init is not None else torch.arange(spec.num_heads) for init in inits]))
+        self.register_buffer(
+            "query_perm",
+            torch.stack([init.query_perm if init is not None else torch.arange(spec.num_heads) for init in inits]),
+        )
         if spec.rotary_dim:
             self.qk = RotaryParam(dh, spec.rotary_dim, init=stacked(qks), frame=frame, dtype=dtype)
         else:
@@ -78,7 +83,11 @@ class _AttentionParams(_TracksOrder):
         query = torch.arange(spec.num_heads)
         self.register_buffer("within_group", (query // g) * g + self.query_perm % g)
         learns = kv > 1 and permutations != "fixed"
-        self.heads = nn.ModuleList(PermutationParam(kv, init=perm, method=permutations, dtype=dtype) for perm in self.kv_perm) if learns else None
+        self.heads = (
+            nn.ModuleList(PermutationParam(kv, init=perm, method=permutations, dtype=dtype) for perm in self.kv_perm)
+            if learns
+            else None
+        )
         self._track_order()
 
     def _fixed_perms(self) -> tuple[Tensor, ...]:
@@ -89,11 +98,13 @@ class _AttentionParams(_TracksOrder):
         # unbind, not indexing: its backward is one stack, where each index's is a zero-filled copy
         layers = zip(*(t.unbind(0) for t in (qk, qk_inv, ov, ov_inv)))
         return [
-            AttentionMap(BlockMonomial(perm, qk, qk_inv, ordered), BlockMonomial(perm, ov, ov_inv, ordered), query, ordered)
+            AttentionMap(
+                BlockMonomial(perm, qk, qk_inv, ordered), BlockMonomial(perm, ov, ov_inv, ordered), query, ordered
+            )
             for (qk, qk_inv, ov, ov_inv), perm, query in zip(layers, kv_perm, query_perm)
         ]
 
-    def relative(self, first: "_AttentionParams") -> list[AttentionMap]:
+    def relative(self, first: _AttentionParams) -> list[AttentionMap]:
         """Every layer's ``self^-1 o first`` (fixed assignments), composed for all layers at once:
         ``BlockMonomial.inverse`` and ``compose`` per layer, batched over the layer axis."""
         ordered = self.ordered and first.ordered
@@ -118,7 +129,13 @@ class _AttentionParams(_TracksOrder):
         maps = []
         for (qk, qk_inv, ov, ov_inv), heads, within in zip(layers, self.heads, self.within_group):
             matrix, perm = heads.matrix_and_perm()
-            maps.append(DenseAttentionMap(AttentionMap(BlockMonomial(fixed, qk, qk_inv), BlockMonomial(fixed, ov, ov_inv), within), matrix, perm))
+            maps.append(
+                DenseAttentionMap(
+                    AttentionMap(BlockMonomial(fixed, qk, qk_inv), BlockMonomial(fixed, ov, ov_inv), within),
+                    matrix,
+                    perm,
+                )
+            )
         return maps
 
 
@@ -129,12 +146,16 @@ class _MlpParams(_TracksOrder):
         super().__init__()
         n = spec.intermediate_size
         perms = [init.map.perm if init is not None else torch.arange(n) for init in inits]
-        scales = [init.map.blocks[:, 0, 0].to(dtype) if init is not None else torch.ones(n, dtype=dtype) for init in inits]
+        scales = [
+            init.map.blocks[:, 0, 0].to(dtype) if init is not None else torch.ones(n, dtype=dtype) for init in inits
+        ]
         if permutations == "fixed":  # no n x n scores: a plain gather, as export applies it
             self.units = None
             self.register_buffer("perm", torch.stack(perms))
         else:
-            self.units = nn.ModuleList(PermutationParam(n, init=perm, method=permutations, dtype=dtype) for perm in perms)
+            self.units = nn.ModuleList(
+                PermutationParam(n, init=perm, method=permutations, dtype=dtype) for perm in perms
+            )
         scales = torch.stack(scales)
         # A unit's sign (a SwiGLU symmetry, weight matching's start may flip it) stays as started:
         # a scale trained through zero would leave the group.
@@ -162,7 +183,7 @@ class _MlpParams(_TracksOrder):
             for perm, s, inv in zip(perm, scale.unbind(0), (1.0 / scale).unbind(0))
         ]
 
-    def relative(self, first: "_MlpParams") -> list[MlpMap]:
+    def relative(self, first: _MlpParams) -> list[MlpMap]:
         """Every layer's ``self^-1 o first`` (fixed assignments), for all layers at once: unit
         ``h`` goes where ``first`` sends it and back through ``self``, scaled by ``s_first[h] /
         s_self[idx[h]]``."""
@@ -201,7 +222,12 @@ class TrainableTransform(nn.Module):
         maps = init.maps if init is not None else {}
         residual = maps.get("residual")
         self.residual = OrthogonalParam(
-            spec.hidden_size, init=residual.matrix if residual is not None else None, method=orthogonal, fix_ones=spec.centred, frame=frame, dtype=dtype
+            spec.hidden_size,
+            init=residual.matrix if residual is not None else None,
+            method=orthogonal,
+            fix_ones=spec.centred,
+            frame=frame,
+            dtype=dtype,
         )
         layers = range(spec.num_layers)
         self.attention = _AttentionParams(spec, [maps.get(f"attn.{i}") for i in layers], permutations, frame, dtype)
@@ -215,13 +241,15 @@ class TrainableTransform(nn.Module):
     def forward(self) -> Transform:
         return self._transform(self.residual(), self.attention(), self.mlp())
 
-    def relative(self, first: "TrainableTransform") -> Transform:
+    def relative(self, first: TrainableTransform) -> Transform:
         """``self()^-1 o first()``, differentiable in both, with each kind of map composed for all
         layers in a few batched calls (``Transform.inverse().compose()`` takes a few per layer and
         map: dual matching builds this every step, and on a GPU each call is a kernel launch).
         Needs fixed assignments on both sides: relaxed permutations have no inverse."""
         if not (self.fixed_assignments and first.fixed_assignments):
-            raise ValueError("relative() needs fixed unit and head assignments (permutations='fixed') on both transforms")
+            raise ValueError(
+                "relative() needs fixed unit and head assignments (permutations='fixed') on both transforms"
+            )
         residual = self.residual().mT @ first.residual()  # orthogonal: the inverse is the transpose
         return self._transform(residual, self.attention.relative(first.attention), self.mlp.relative(first.mlp))
 
@@ -236,5 +264,8 @@ class TrainableTransform(nn.Module):
     def harden(self) -> Transform:
         """The exact group element the parameters currently select (soft permutations hardened)."""
         current = self()
-        maps = {space: element.harden() if isinstance(element, (DenseAttentionMap, DenseMlpMap)) else element for space, element in current.maps.items()}
+        maps = {
+            space: element.harden() if isinstance(element, (DenseAttentionMap, DenseMlpMap)) else element
+            for space, element in current.maps.items()
+        }
         return Transform(maps).to(torch.float64)

@@ -117,7 +117,9 @@ def train(
     if locate_every < 1:
         raise ValueError(f"locate_every must be >= 1, got {locate_every}")
     if accelerator is None:
-        accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision)
+        accelerator = Accelerator(
+            gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision
+        )
     optimizer = torch.optim.Adam(_parameter_groups(path, residual_lr), lr=lr)
     updates = max(math.ceil(steps / accelerator.gradient_accumulation_steps), 1)  # optimizer steps
     if schedule == "constant" and warmup_steps:
@@ -188,8 +190,10 @@ def train(
         best.restore_if_diverged(stopping)
     history = torch.stack(losses).tolist() if losses else []
     if history:
-        tail = history[-min(len(history), _SHOW_EVERY):]
-        logger.info("%s: %d steps, mean loss of the last %d %.4f", path.label, len(history), len(tail), sum(tail) / len(tail))
+        tail = history[-min(len(history), _SHOW_EVERY) :]
+        logger.info(
+            "%s: %d steps, mean loss of the last %d %.4f", path.label, len(history), len(tail), sum(tail) / len(tail)
+        )
     if stopping.estimate is not None:
         logger.info("%s: %s", path.label, stopping.describe())
     return history
@@ -257,7 +261,9 @@ class _BestPath:
         logger.debug("barrier estimate %.4f on the held-out batches after %d steps", estimate, steps)
         if self.estimate is None or estimate < self.estimate:
             self.steps, self.estimate = steps, estimate
-            self.values = [p.detach().to("cpu", copy=True) for p in self.parameters]  # off the accelerator: it holds the models
+            self.values = [
+                p.detach().to("cpu", copy=True) for p in self.parameters
+            ]  # off the accelerator: it holds the models
         return stopping.check(steps, estimate)
 
     def diverging(self, stopping: Stopping) -> bool:
@@ -288,11 +294,18 @@ class _BestPath:
         self.backtracks = state.get("backtracks", 0)  # states saved before the count was kept lack it
 
 
-def _back_off(path: nn.Module, best: _BestPath, stopping: Stopping, optimizer, scheduler, estimate: Callable[[], float]) -> None:
+def _back_off(
+    path: nn.Module, best: _BestPath, stopping: Stopping, optimizer, scheduler, estimate: Callable[[], float]
+) -> None:
     """A diverging run goes back to its lowest path, with Adam's moments (the diverged steps')
     cleared and the learning rate halved for the rest of the schedule."""
-    logger.info("%s: barrier estimate rose to %.4f; back to the path after %d steps (%.4f), learning rate halved",
-                path.label, stopping.estimate, best.steps, best.estimate)
+    logger.info(
+        "%s: barrier estimate rose to %.4f; back to the path after %d steps (%.4f), learning rate halved",
+        path.label,
+        stopping.estimate,
+        best.steps,
+        best.estimate,
+    )
     best.restore()
     estimate()  # locates the worst point the draws follow on the restored path
     stopping.check(best.steps, best.estimate)
@@ -482,21 +495,32 @@ class TrainedMatcher:
         """
         learn = self.learn
         options = {
-            "symmetries": self.symmetries, "permutations": learn.permutations, "orthogonal": learn.orthogonal,
-            "frame": learn.frame, "objective": learn.objective, "input_noise": learn.input_noise,
-            "shard_endpoints": self._endpoint_sharding(), **self.path_kwargs,
+            "symmetries": self.symmetries,
+            "permutations": learn.permutations,
+            "orthogonal": learn.orthogonal,
+            "frame": learn.frame,
+            "objective": learn.objective,
+            "input_noise": learn.input_noise,
+            "shard_endpoints": self._endpoint_sharding(),
+            **self.path_kwargs,
         }
         if len(models) < 2:
             raise ValueError(f"{self.path_class.__name__} aligns two or more models, got {len(models)}")
         if len(models) == 2:
             with seeded(learn.seed):
                 path = self.path_class(
-                    *models, lambda_range=learn.lambda_range, worst_fraction=learn.worst_fraction, focus=learn.focus,
-                    init_device=self.device, **options,
+                    *models,
+                    lambda_range=learn.lambda_range,
+                    worst_fraction=learn.worst_fraction,
+                    focus=learn.focus,
+                    init_device=self.device,
+                    **options,
                 )
                 self._train(path)
             return list(path.transforms())
-        device = launch_device(self.device)  # a learned refinement follows: unless asked, start where the launch put this process
+        device = launch_device(
+            self.device
+        )  # a learned refinement follows: unless asked, start where the launch put this process
         start = UniverseMatcher(self.symmetries, progress=self.progress, device=device).fit(models, weights)
         with seeded(learn.seed):
             path = self.path_class.over_simplex(models, init=start, concentration=learn.concentration, **options)
@@ -522,10 +546,19 @@ class TrainedMatcher:
         if processes is not None and isinstance(batches, Sequence):
             batches = [_rows_of_process(b, processes.process_index, processes.num_processes) for b in batches]
         self.losses = path.fit(
-            batches, steps=learn.steps, lr=learn.lr, residual_lr=learn.residual_lr, schedule=learn.schedule,
-            warmup_steps=learn.warmup_steps, mixed_precision=accelerate.mixed_precision,
-            gradient_accumulation_steps=accelerate.gradient_accumulation_steps, progress=self.progress,
-            holdout=holdout, target_barrier=learn.target_barrier,
-            checkpoint_dir=accelerate.checkpoint_dir, checkpoint_every=accelerate.checkpoint_every, resume=accelerate.resume,
+            batches,
+            steps=learn.steps,
+            lr=learn.lr,
+            residual_lr=learn.residual_lr,
+            schedule=learn.schedule,
+            warmup_steps=learn.warmup_steps,
+            mixed_precision=accelerate.mixed_precision,
+            gradient_accumulation_steps=accelerate.gradient_accumulation_steps,
+            progress=self.progress,
+            holdout=holdout,
+            target_barrier=learn.target_barrier,
+            checkpoint_dir=accelerate.checkpoint_dir,
+            checkpoint_every=accelerate.checkpoint_every,
+            resume=accelerate.resume,
         )
         self.stopping = getattr(path, "stopping", None)  # a fit that is not the package loop may leave none

@@ -75,7 +75,8 @@ class UniverseMatcher:
 
         def align(k: int, others: list[int]) -> float:
             reference = combine(
-                [transforms[j].to(torch.float32, device).apply(models[j]) for j in others], _renormalised(weights, others)
+                [transforms[j].to(torch.float32, device).apply(models[j]) for j in others],
+                _renormalised(weights, others),
             )
             matcher = WeightMatcher(self.symmetries, progress=False, **self.options)
             transforms[k] = matcher.match(reference, models[k])

@@ -222,7 +222,7 @@ class WeightMatcher(PairwiseMatcher):
 
     # -- residual ----------------------------------------------------------------------------
 
-    def _solve_residual(self, spec: ArchSpec, stats: "_ResidualStats") -> ResidualMap | None:
+    def _solve_residual(self, spec: ArchSpec, stats: _ResidualStats) -> ResidualMap | None:
         d, cross = spec.hidden_size, stats.cross
         if "residual" in self.kinds:  # the d x d SVD where the statistics are: a GPU's beats one CPU thread's
             matrix = (polar_fixing_ones(cross) if spec.centred else polar(cross)).cpu()
@@ -232,7 +232,7 @@ class WeightMatcher(PairwiseMatcher):
             return None
         return ResidualMap.from_matrix(matrix)
 
-    def _first_residual(self, spec: ArchSpec, a: CanonicalModel, b: CanonicalModel, fixed: "_ResidualStats"):
+    def _first_residual(self, spec: ArchSpec, a: CanonicalModel, b: CanonicalModel, fixed: _ResidualStats):
         """The residual map the first sweep matches layers under.
 
         Embeddings and head fix it only on the directions they span. Where they span fewer
@@ -317,7 +317,9 @@ class WeightMatcher(PairwiseMatcher):
             if "qk" in self.kinds:
                 qk_moments = moments(rows(qa, a_queries), ka[ia].double(), rows(qb, b_queries), kb[jb].double())
                 qk_jobs.append(
-                    partial(match_rotary_moments, qk_moments, spec.rotary_dim) if spec.rotary_dim else partial(match_gl_moments, qk_moments)
+                    partial(match_rotary_moments, qk_moments, spec.rotary_dim)
+                    if spec.rotary_dim
+                    else partial(match_gl_moments, qk_moments)
                 )
             if "ov" in self.kinds:
                 ov_moments = moments(va[ia].double(), rows(oa, a_queries), vb[jb].double(), rows(ob, b_queries))
@@ -412,7 +414,7 @@ class _InLine(Executor):
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except Exception as err:  # handed to whoever asks for the result, as a pool would
+        except Exception as err:  # noqa: BLE001 (any job error is handed to whoever asks for the result, as a pool does)
             future.set_exception(err)
         return future
 
@@ -433,7 +435,7 @@ class _ResidualStats:
         self.constant = 0.0
         self.count = 0
 
-    def copy(self) -> "_ResidualStats":
+    def copy(self) -> _ResidualStats:
         other = _ResidualStats(self.cross.shape[0], self.cross.device)
         other.cross, other.weighted = self.cross.clone(), self.weighted.clone()
         other.constant, other.count = self.constant, self.count
@@ -463,7 +465,9 @@ class _ResidualStats:
 
     def objective(self, residual: ResidualMap | None) -> float:
         """Mean relative squared distance with residual map ``residual`` (identity if None)."""
-        inner = (self.weighted * residual.matrix.to(self.weighted)).sum() if residual is not None else self.weighted.trace()
+        inner = (
+            (self.weighted * residual.matrix.to(self.weighted)).sum() if residual is not None else self.weighted.trace()
+        )
         return max(self.constant - 2 * inner.item(), 0.0) / max(self.count, 1)
 
 

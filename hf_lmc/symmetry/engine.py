@@ -87,7 +87,7 @@ class Transform:
 
     maps: Mapping[str, Element] = field(default_factory=dict)
 
-    def prepare(self) -> "Transform":
+    def prepare(self) -> Transform:
         """Compute what elements cache for moving tensors (gather indices, query-level head maps)
         now. Call it before checkpointed code moves tensors: a value first computed inside a
         checkpointed region is saved there but not in its recomputation, which
@@ -106,14 +106,14 @@ class Transform:
         """``canonical`` with every tensor transformed (a lazy view; ``.materialize()`` to copy)."""
         return canonical.map_tensors(self.apply_tensor)
 
-    def compose(self, first: "Transform") -> "Transform":
+    def compose(self, first: Transform) -> Transform:
         """``self o first``: apply ``first``, then ``self``."""
         maps = dict(first.maps)
         for space, element in self.maps.items():
             maps[space] = element.compose(first.maps[space]) if space in first.maps else element
         return Transform(maps)
 
-    def split(self) -> tuple["Transform", "Transform"]:
+    def split(self) -> tuple[Transform, Transform]:
         """``(in_order, assignments)`` with ``self = in_order o assignments``: every unit and head
         permutation, then the continuous maps with their blocks where it put them (their
         elements ``ordered``: moving a tensor needs no gather). Learned matching with fixed
@@ -125,8 +125,8 @@ class Transform:
                 assignments[space] = assignment
         return Transform(in_order), Transform(assignments)
 
-    def inverse(self) -> "Transform":
+    def inverse(self) -> Transform:
         return Transform({space: element.inverse() for space, element in self.maps.items()})
 
-    def to(self, dtype=None, device=None) -> "Transform":
+    def to(self, dtype=None, device=None) -> Transform:
         return Transform({space: element.to(dtype, device) for space, element in self.maps.items()})

@@ -35,7 +35,9 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Ten
     if n == 1:  # one dense block (the residual map): a plain matmul, no permutation to apply
         if mats is None:
             return t
-        m = mats.squeeze(0).to(dtype=t.dtype, device=t.device)  # a view: its gradient is one too (mats[0]'s is a zero-filled copy)
+        m = mats.squeeze(0).to(
+            dtype=t.dtype, device=t.device
+        )  # a view: its gradient is one too (mats[0]'s is a zero-filled copy)
         if t.dim() == 2 and axis == 0:  # rows: multiply from the left, the result stays contiguous
             return (m.T if transpose else m) @ t
         return (t.movedim(axis, -1) @ (m if transpose else m.T)).movedim(-1, axis)
@@ -53,7 +55,9 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Ten
         index = source if b == 1 else (source[:, None] * b + torch.arange(b, device=t.device)).reshape(-1)
         return t.index_select(axis, index)
     mats = mats.to(dtype=t.dtype, device=t.device)
-    if axis == 0 and t.is_contiguous():  # rows (weights' output axis, biases): a batched matmul on a view, its result in place
+    if (
+        axis == 0 and t.is_contiguous()
+    ):  # rows (weights' output axis, biases): a batched matmul on a view, its result in place
         y = torch.bmm(mats.mT if transpose else mats, t.reshape(n, t.shape[0] // n, -1))
         if source is not None:
             y = y.index_select(0, source.to(y.device))
@@ -98,29 +102,28 @@ class BlockMonomial:
     def num_blocks(self) -> int:
         return self.perm.numel()
 
-
     @property
     def block_size(self) -> int:
         return self.blocks.shape[-1]
 
     @staticmethod
-    def identity(n: int, b: int, dtype=torch.float64, device=None) -> "BlockMonomial":
+    def identity(n: int, b: int, dtype=torch.float64, device=None) -> BlockMonomial:
         eye = torch.eye(b, dtype=dtype, device=device).expand(n, b, b).clone()
         return BlockMonomial(torch.arange(n, device=device), eye, eye.clone())
 
     @staticmethod
-    def orthogonal(matrix: Tensor) -> "BlockMonomial":
+    def orthogonal(matrix: Tensor) -> BlockMonomial:
         """A single dense orthogonal block (the residual stream's map)."""
         return BlockMonomial(torch.zeros(1, dtype=torch.long, device=matrix.device), matrix[None], matrix.mT[None])
 
     @staticmethod
-    def permutation(perm: Tensor, dtype=torch.float64) -> "BlockMonomial":
+    def permutation(perm: Tensor, dtype=torch.float64) -> BlockMonomial:
         """A pure permutation of scalar coordinates."""
         ones = torch.ones(perm.numel(), 1, 1, dtype=dtype, device=perm.device)
         return BlockMonomial(perm, ones, ones.clone())
 
     @staticmethod
-    def scaled_permutation(perm: Tensor, scale: Tensor) -> "BlockMonomial":
+    def scaled_permutation(perm: Tensor, scale: Tensor) -> BlockMonomial:
         """``y[perm[h]] = scale[h] x[h]`` (SwiGLU neurons: permutation x non-zero scaling, sign included)."""
         return BlockMonomial(perm, scale[:, None, None], (1.0 / scale)[:, None, None])
 
@@ -130,26 +133,28 @@ class BlockMonomial:
         eye = torch.eye(n * b, dtype=self.blocks.dtype, device=self.blocks.device)
         return _apply_blocks(eye, 0, n, self.blocks, self.source, transpose=False)
 
-    def compose(self, first: "BlockMonomial") -> "BlockMonomial":
+    def compose(self, first: BlockMonomial) -> BlockMonomial:
         """``self o first``: apply ``first``, then ``self``."""
         perm = self.perm[first.perm]
         blocks = self.blocks[first.perm] @ first.blocks
         inverse = first.inverse_blocks @ self.inverse_blocks[first.perm]
         return BlockMonomial(perm, blocks, inverse, self.ordered and first.ordered)
 
-    def inverse(self) -> "BlockMonomial":
+    def inverse(self) -> BlockMonomial:
         inv = torch.argsort(self.perm)
         return BlockMonomial(inv, self.inverse_blocks[inv], self.blocks[inv], self.ordered)
 
-    def split(self) -> tuple["BlockMonomial", "BlockMonomial"]:
+    def split(self) -> tuple[BlockMonomial, BlockMonomial]:
         """``(in_order, assignment)`` with ``self = in_order o assignment``: the pure permutation,
         then the blocks where it put them (block ``perm[h]`` of ``in_order`` is ``blocks[h]``)."""
         eye = torch.eye(self.block_size, dtype=self.blocks.dtype, device=self.blocks.device).expand_as(self.blocks)
         source = torch.argsort(self.perm)
         order = torch.arange(self.num_blocks, device=self.perm.device)
-        return BlockMonomial(order, self.blocks[source], self.inverse_blocks[source], ordered=True), BlockMonomial(self.perm, eye, eye)
+        return BlockMonomial(order, self.blocks[source], self.inverse_blocks[source], ordered=True), BlockMonomial(
+            self.perm, eye, eye
+        )
 
-    def expand(self, group: Tensor, perm: Tensor, ordered: bool = False) -> "BlockMonomial":
+    def expand(self, group: Tensor, perm: Tensor, ordered: bool = False) -> BlockMonomial:
         """Repeat block ``group[h]`` at block ``h`` under a finer permutation ``perm``.
 
         Used for GQA: one QK/OV map per KV head, shared by every query head of its group.
@@ -165,7 +170,7 @@ class BlockMonomial:
     def permute(self, t: Tensor, axis: int) -> Tensor:
         return _apply_blocks(t, axis, self.num_blocks, None, self.source, transpose=False)
 
-    def to(self, dtype=None, device=None) -> "BlockMonomial":
+    def to(self, dtype=None, device=None) -> BlockMonomial:
         return BlockMonomial(
             self.perm.to(device=device),
             self.blocks.to(dtype=dtype, device=device),
@@ -187,7 +192,7 @@ class ResidualMap:
     ROLES = ("out", "in")
 
     @staticmethod
-    def from_matrix(matrix: Tensor) -> "ResidualMap":
+    def from_matrix(matrix: Tensor) -> ResidualMap:
         return ResidualMap(BlockMonomial.orthogonal(matrix))
 
     @property
@@ -198,20 +203,20 @@ class ResidualMap:
     def act(self, t: Tensor, axis: int, role: str) -> Tensor:
         return self.map.vector(t, axis) if role == "out" else self.map.covector(t, axis)
 
-    def compose(self, first: "ResidualMap") -> "ResidualMap":
+    def compose(self, first: ResidualMap) -> ResidualMap:
         return ResidualMap(self.map.compose(first.map))
 
-    def inverse(self) -> "ResidualMap":
+    def inverse(self) -> ResidualMap:
         return ResidualMap(self.map.inverse())
 
-    def split(self) -> tuple["ResidualMap", None]:
+    def split(self) -> tuple[ResidualMap, None]:
         """One dense block: no assignment to split off."""
         return self, None
 
     def prepare(self) -> None:
         self.map.prepare()
 
-    def to(self, dtype=None, device=None) -> "ResidualMap":
+    def to(self, dtype=None, device=None) -> ResidualMap:
         return ResidualMap(self.map.to(dtype, device))
 
 
@@ -235,13 +240,13 @@ class MlpMap:
             return self.map.permute(t, axis)
         return self.map.covector(t, axis)
 
-    def compose(self, first: "MlpMap") -> "MlpMap":
+    def compose(self, first: MlpMap) -> MlpMap:
         return MlpMap(self.map.compose(first.map))
 
-    def inverse(self) -> "MlpMap":
+    def inverse(self) -> MlpMap:
         return MlpMap(self.map.inverse())
 
-    def split(self) -> tuple["MlpMap", "MlpMap"]:
+    def split(self) -> tuple[MlpMap, MlpMap]:
         """``(scales in order, unit permutation)``: see :meth:`BlockMonomial.split`."""
         in_order, assignment = self.map.split()
         return MlpMap(in_order), MlpMap(assignment)
@@ -249,7 +254,7 @@ class MlpMap:
     def prepare(self) -> None:
         self.map.prepare()
 
-    def to(self, dtype=None, device=None) -> "MlpMap":
+    def to(self, dtype=None, device=None) -> MlpMap:
         return MlpMap(self.map.to(dtype, device))
 
 
@@ -301,22 +306,26 @@ class AttentionMap:
             return self.ov.vector(t, axis)
         return self._query_ov.covector(t, axis)
 
-    def compose(self, first: "AttentionMap") -> "AttentionMap":
+    def compose(self, first: AttentionMap) -> AttentionMap:
         ordered = self.ordered and first.ordered
-        return AttentionMap(self.qk.compose(first.qk), self.ov.compose(first.ov), self.query_perm[first.query_perm], ordered)
+        return AttentionMap(
+            self.qk.compose(first.qk), self.ov.compose(first.ov), self.query_perm[first.query_perm], ordered
+        )
 
-    def inverse(self) -> "AttentionMap":
+    def inverse(self) -> AttentionMap:
         return AttentionMap(self.qk.inverse(), self.ov.inverse(), torch.argsort(self.query_perm), self.ordered)
 
-    def split(self) -> tuple["AttentionMap", "AttentionMap"]:
+    def split(self) -> tuple[AttentionMap, AttentionMap]:
         """``(per-head maps in order, head order)``: see :meth:`BlockMonomial.split`. Query heads
         go where ``query_perm`` sends them, each with its KV head (GQA keeps groups whole)."""
         (qk, qk_order), (ov, ov_order) = self.qk.split(), self.ov.split()
         heads = torch.arange(self.query_perm.numel(), device=self.query_perm.device)
         return AttentionMap(qk, ov, heads, ordered=True), AttentionMap(qk_order, ov_order, self.query_perm)
 
-    def to(self, dtype=None, device=None) -> "AttentionMap":
-        return AttentionMap(self.qk.to(dtype, device), self.ov.to(dtype, device), self.query_perm.to(device=device), self.ordered)
+    def to(self, dtype=None, device=None) -> AttentionMap:
+        return AttentionMap(
+            self.qk.to(dtype, device), self.ov.to(dtype, device), self.query_perm.to(device=device), self.ordered
+        )
 
 
 @dataclass(frozen=True)
@@ -407,7 +416,8 @@ class DenseAttentionMap:
         return AttentionMap(
             BlockMonomial(perm, qk.blocks.detach(), qk.inverse_blocks.detach()),
             BlockMonomial(perm, ov.blocks.detach(), ov.inverse_blocks.detach()),
-            perm.to(within.device)[query // g] * g + within % g,  # B's query head q: its group's new place, its part kept
+            perm.to(within.device)[query // g] * g
+            + within % g,  # B's query head q: its group's new place, its part kept
         )
 
     def compose(self, first):

@@ -69,7 +69,9 @@ def random_gl(n: int, generator: torch.Generator, log_scale: float = 0.5) -> tup
     return u @ torch.diag(s) @ v, v.T @ torch.diag(1 / s) @ u.T
 
 
-def rotary_block(scales: Tensor, angles: Tensor, rotary_dim: int, head_dim: int, passthrough: tuple[Tensor, Tensor] | None):
+def rotary_block(
+    scales: Tensor, angles: Tensor, rotary_dim: int, head_dim: int, passthrough: tuple[Tensor, Tensor] | None
+):
     """A QK map that commutes with every RoPE rotation, and its inverse.
 
     Per frequency pair ``(i, i + r/2)`` (HF ``rotate_half`` pairing) a scaled rotation
@@ -112,7 +114,11 @@ def random_attention(spec: ArchSpec, generator: torch.Generator, kinds: frozense
     within = [torch.randperm(g, generator=generator) if "heads" in kinds else torch.arange(g) for _ in range(kv)]
     query_perm = torch.cat([kv_perm[j] * g + within[j] for j in range(kv)])
     eye = BlockMonomial.identity(kv, dh)
-    qk = BlockMonomial(kv_perm, *_stack([_random_qk_block(spec, generator) for _ in range(kv)])) if "qk" in kinds else None
+    qk = (
+        BlockMonomial(kv_perm, *_stack([_random_qk_block(spec, generator) for _ in range(kv)]))
+        if "qk" in kinds
+        else None
+    )
     ov = BlockMonomial(kv_perm, *_stack([random_gl(dh, generator) for _ in range(kv)])) if "ov" in kinds else None
     qk = qk or BlockMonomial(kv_perm, eye.blocks, eye.inverse_blocks)
     ov = ov or BlockMonomial(kv_perm, eye.blocks.clone(), eye.inverse_blocks.clone())
@@ -125,7 +131,9 @@ def random_mlp(spec: ArchSpec, generator: torch.Generator, kinds: frozenset[str]
     scale = torch.ones(n, dtype=torch.float64)
     if spec.gated_mlp and "mlp_scale" in kinds:
         scale = torch.exp((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * 0.5)
-        scale = scale * (1 - 2 * torch.randint(0, 2, (n,), generator=generator)).double()  # SwiGLU units' sign flips too
+        scale = (
+            scale * (1 - 2 * torch.randint(0, 2, (n,), generator=generator)).double()
+        )  # SwiGLU units' sign flips too
     return MlpMap(BlockMonomial.scaled_permutation(perm, scale))
 
 
