@@ -1,6 +1,8 @@
 """The package's shape, kept by tools rather than memory: imports only point down the layers
 that ``pyproject.toml`` declares (import-linter), and the command line starts without torch."""
 
+import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +27,38 @@ def test_import_contracts_hold():
         check=False,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def _layers() -> list[list[str]]:
+    """The import-linter layers of ``pyproject.toml``, top to bottom, each as its modules' names
+    without the package prefix."""
+    import tomllib
+
+    layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    return [[name.strip().removeprefix("hf_lmc.") for name in re.split(r"[|:]", layer)] for layer in layers]
+
+
+def test_every_module_is_in_a_layer_and_on_both_maps():
+    """The layers cover the whole package (a module outside them is checked by nothing), and the
+    maps people read name every layered module: design §9's table, and the README's layout in
+    the layers' order (it says imports point down its list)."""
+    package = ROOT / "hf_lmc"
+    modules = {p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
+    modules |= {p.parent.name for p in package.glob("*/__init__.py")}
+    layered = [name for layer in _layers() for name in layer]
+    assert modules == set(layered), (
+        f"not in a layer: {sorted(modules - set(layered))}; no such module: {sorted(set(layered) - modules)}"
+    )
+    design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    section = design[design.index("## 9. Layers") :].split("\n## ", 1)[0]
+    block = (ROOT / "README.md").read_text(encoding="utf-8").split("<!-- layout -->", 1)[1].split("```", 2)[1]
+    layout = "\n".join(re.split(r"\s{2,}", line.strip())[0] for line in block.splitlines())  # the file column
+    for name in layered:
+        assert f"`{name}`" in section or f"`{name}/`" in section, f"design §9 does not name {name}"
+        assert re.search(rf"(?<![\w/]){re.escape(name)}(\.py|/)", layout), f"the README's layout does not name {name}"
+    where = {name: re.search(rf"(?<![\w/]){re.escape(name)}(\.py|/)", layout).start() for name in layered}
+    for upper, lower in itertools.pairwise(_layers()):
+        assert max(where[n] for n in upper) < min(where[n] for n in lower), f"the README lists {lower} above {upper}"
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["check", "format"])
