@@ -40,8 +40,8 @@ def _layers() -> list[list[str]]:
 
 def test_every_module_is_in_a_layer_and_on_both_maps():
     """The layers cover the whole package (a module outside them is checked by nothing), and the
-    maps people read name every layered module: design §9's table, and the README's layout in
-    the layers' order (it says imports point down its list)."""
+    maps people read name every layered module in the layers' order: design §9's table and the
+    README's layout (both say imports point down their list)."""
     package = ROOT / "hf_lmc"
     modules = {p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
     modules |= {p.parent.name for p in package.glob("*/__init__.py")}
@@ -53,8 +53,12 @@ def test_every_module_is_in_a_layer_and_on_both_maps():
     section = design[design.index("## 9. Layers") :].split("\n## ", 1)[0]
     block = (ROOT / "README.md").read_text(encoding="utf-8").split("<!-- layout -->", 1)[1].split("```", 2)[1]
     layout = "\n".join(re.split(r"\s{2,}", line.strip())[0] for line in block.splitlines())  # the file column
+    modules_column = "\n".join(row.split("|")[2] for row in section.splitlines() if row.startswith("| ") and "`" in row)
     for name in layered:
-        assert f"`{name}`" in section or f"`{name}/`" in section, f"design §9 does not name {name}"
+        assert f"`{name}`" in modules_column or f"`{name}/`" in modules_column, f"design §9 does not name {name}"
+    row_of = {name: re.search(rf"`{re.escape(name)}/?`", modules_column).start() for name in layered}
+    for upper, lower in itertools.pairwise(_layers()):
+        assert max(row_of[n] for n in upper) < min(row_of[n] for n in lower), f"design §9 lists {lower} above {upper}"
         assert re.search(rf"(?<![\w/]){re.escape(name)}(\.py|/)", layout), f"the README's layout does not name {name}"
     where = {name: re.search(rf"(?<![\w/]){re.escape(name)}(\.py|/)", layout).start() for name in layered}
     for upper, lower in itertools.pairwise(_layers()):
