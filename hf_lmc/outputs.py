@@ -36,6 +36,7 @@ import threading
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
+from . import __version__
 from .options import OutputExistsError, ParameterError
 
 try:
@@ -78,8 +79,6 @@ _held_guard = threading.Lock()
 def mark(folder: str | Path, kind: str) -> Path:
     """Write :data:`MARKER` into ``folder``, listing every file now under it (relative paths,
     sorted); written to a temporary file and renamed, so it is whole or absent. Returns its path."""
-    from . import __version__  # the package root: a name, not a layer
-
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}; choose from {KINDS}")
     folder = Path(folder)
