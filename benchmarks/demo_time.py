@@ -22,17 +22,15 @@ machine, settings, seconds per stage, the barrier table printed) is written as J
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
+from .record import new_record, started, write
 
 # The child: the stages' seconds from wrappers around the functions that do them.
 CHILD = """
@@ -60,50 +58,6 @@ rc = cli.main(json.loads(sys.argv[1]))
 usage = resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"rc": rc, "seconds": time.perf_counter() - start, "cpu_seconds": usage.ru_utime + usage.ru_stime, "stages": stages}))
 """
-
-
-def cpu_name() -> str:
-    """The processor's model name, as /proc/cpuinfo gives it."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            line = next(line for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown processor"
-    return line.split(":", 1)[1].strip()
-
-
-def commit() -> str:
-    """The checkout's commit, ``+`` when its tracked files differ from it."""
-    root = Path(__file__).parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+" if dirty else "")
-
-
-def machine() -> dict:
-    import torch
-    import transformers
-
-    return {
-        "cpu": cpu_name(),
-        "cores": len(os.sched_getaffinity(0)),
-        "load_average": os.getloadavg(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
 
 
 def run(name: str, argv: list[str], home: Path, threads: int | None) -> dict:
@@ -147,19 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
-    started = datetime.datetime.now(datetime.timezone.utc)
-    record = {
-        "benchmark": "demo_time",
-        "date": started.isoformat(timespec="seconds"),
-        "commit": commit(),
-        "machine": machine(),
-        "settings": {
-            "threads": args.threads or os.environ.get("OMP_NUM_THREADS"),
-            "train": args.train,
-            "progress_bars": False,
-        },
-        "runs": [],
-    }
+    record = new_record(
+        "demo_time",
+        {"threads": args.threads or os.environ.get("OMP_NUM_THREADS"), "train": args.train, "progress_bars": False},
+        date=started(),
+    )
+    record["runs"] = []
     with tempfile.TemporaryDirectory(prefix="hf-lmc-demo-time-") as scratch:
         scratch = Path(scratch)
         home = scratch / "home"
@@ -171,9 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             trained_home = scratch / "trained-home"
             trained_home.mkdir()
             record["runs"].append(run("--train, fresh HOME", [*demo, "--train"], trained_home, args.threads))
-    path = args.json or RESULTS / f"demo_time-{started:%Y%m%d-%H%M%S}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path = write(record, args.json)
 
     stages = list(dict.fromkeys(stage for r in record["runs"] for stage in r["stages"]))
     info = record["machine"]

@@ -1,0 +1,101 @@
+"""Digests of the merged tensors, every method on the shipped zoo pair: merges stay byte-identical.
+
+A refactor that should change nothing for users (issue 57) is checked by running this before and
+after: each method merges the zoo's GPT-2 pair (the pair the package ships) through the command
+line, with short learned budgets, and the SHA-256 of every written tensor's bytes is kept. The
+record goes under ``benchmarks/results/``; ``--check FILE`` compares against an earlier record
+and exits 1 on the first method whose merge differs. Digests are of one machine's arithmetic:
+compare records made on the same machine and library versions.
+
+    python -m benchmarks.merge_digests                     # record
+    python -m benchmarks.merge_digests --check benchmarks/results/merge_digests-<date>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .record import new_record, write
+
+#: (name, extra command-line arguments after the models and output): every method, two and three
+#: models, the learned paths on short budgets so the record takes about a minute.
+RUNS = (
+    ("average", ["--method", "average"]),
+    ("weight", ["--method", "weight"]),
+    ("weight-permutation", ["--method", "weight", "--symmetries", "permutation"]),
+    ("activation", ["--method", "activation", "--data", "{data}", "--max-batches", "4"]),
+    ("learned", ["--method", "learned", "--data", "{data}", "--steps", "12", "--max-batches", "8", "--seed", "0"]),
+    ("dual", ["--method", "dual", "--data", "{data}", "--steps", "12", "--max-batches", "8", "--seed", "0"]),
+    ("dual-target", ["--method", "dual", "--data", "{data}", "--steps", "200", "--max-batches", "8", "--seed", "0"]),
+    ("universe-3", ["--method", "weight", "--third"]),
+    (
+        "learned-3",
+        ["--method", "learned", "--third", "--data", "{data}", "--steps", "8", "--max-batches", "8", "--seed", "0"],
+    ),
+)
+
+
+def tensor_digest(folder: Path) -> str:
+    """SHA-256 over every tensor of the folder's safetensors files: names, dtypes, shapes, bytes."""
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as handle:
+            for name in sorted(handle.keys()):
+                tensor = handle.get_tensor(name).contiguous()
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def digests(scratch: Path) -> dict[str, str]:
+    """Run every merge of :data:`RUNS` into ``scratch`` and return each one's tensor digest."""
+    from hf_lmc import cli, zoo
+
+    a, b = zoo.pair("gpt2", progress=False)
+    data = scratch / "plays.txt"
+    data.write_text("\n".join(zoo.shakespeare()[0]))
+    found = {}
+    for name, extra in RUNS:
+        models = [str(a), str(b)]
+        extra = [arg.replace("{data}", str(data)) for arg in extra]
+        if "--third" in extra:
+            extra.remove("--third")
+            models.append(str(a))
+        output = scratch / name
+        code = cli.main(["merge", *models, "--output", str(output), "--quiet", *extra])
+        if code not in (0, None):
+            raise SystemExit(f"{name}: hf-lmc merge exited {code}")
+        found[name] = tensor_digest(output)
+        print(f"{name}: {found[name][:16]}", file=sys.stderr)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", type=Path, default=None, metavar="FILE", help="compare with this earlier record")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="where to write the record")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    record = new_record("merge_digests", {"runs": {name: extra for name, extra in RUNS}})
+    with tempfile.TemporaryDirectory(prefix="hf-lmc-digests-") as scratch:
+        record["digests"] = digests(Path(scratch))
+    if args.check is None:
+        print(f"written to {write(record, args.json)}")
+        return 0
+    earlier = json.loads(args.check.read_text())["digests"]
+    differ = [name for name, value in record["digests"].items() if earlier.get(name) != value]
+    for name in record["digests"]:
+        print(f"| {name} | {'same' if name not in differ else 'DIFFERS'} |")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
