@@ -6,7 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
 import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open

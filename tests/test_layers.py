@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,8 +37,6 @@ def test_import_contracts_hold():
 def _layers() -> list[list[str]]:
     """The import-linter layers of ``pyproject.toml``, top to bottom, each as its modules' names
     without the package prefix."""
-    import tomllib
-
     layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
     return [[name.strip().removeprefix("hf_lmc.") for name in re.split(r"[|:]", layer)] for layer in layers]
 
