@@ -19,7 +19,9 @@
 #   head_solves           one layer's per-head solves on 1 / 4 / 16 threads
 #   step_1.4b_bf16        the 1.4B bf16 step without offload, in a process of its own
 #
-# Logs go to ${OUT:-gpu-check}/NAME.log; each check's exit status and time are printed, with the
+# Logs go to ${OUT:-gpu-check}/NAME.log and each benchmark's record to NAME.json beside it (copy
+# the records into benchmarks/results/ and run python -m benchmarks.tables to show them in
+# docs/results.md); each check's exit status and time are printed, with the
 # tables of its log. DEADLINE (seconds, default 3600) caps the whole run: a check gets the lesser
 # of its own limit and what is left, and none starts with under 20 s left.
 #
@@ -43,19 +45,20 @@ ALL=(cuda_tests step_1.4b_offload step_160m step_160m_16x512 merge_pythia merge_
      merge_llama_profile head_solves step_1.4b_bf16)
 
 command_of() {  # the command line of one check
+    local record="--json $out/$1.json"  # each benchmark's record (benchmarks/record.py), beside its log
     case $1 in
         cuda_tests) echo python3 -m pytest -q -p no:warnings tests/test_cuda.py ;;
-        step_1.4b_offload) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload ;;
-        step_160m) echo python3 benchmarks/learned_step.py --device cuda ;;
-        step_160m_16x512) echo python3 benchmarks/learned_step.py --device cuda --batch 16 ;;
-        merge_pythia) echo python3 benchmarks/merge_speed.py --pair "$pairs/pythia" ;;
-        merge_llama_random) echo python3 benchmarks/merge_speed.py --arch llama --kind random --pair "$pairs/llama-random" ;;
-        merge_llama_symmetry) echo python3 benchmarks/merge_speed.py --arch llama --pair "$pairs/llama-symmetry" ;;
+        step_1.4b_offload) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload "$record" ;;
+        step_160m) echo python3 benchmarks/learned_step.py --device cuda "$record" ;;
+        step_160m_16x512) echo python3 benchmarks/learned_step.py --device cuda --batch 16 "$record" ;;
+        merge_pythia) echo python3 benchmarks/merge_speed.py --pair "$pairs/pythia" "$record" ;;
+        merge_llama_random) echo python3 benchmarks/merge_speed.py --arch llama --kind random --pair "$pairs/llama-random" "$record" ;;
+        merge_llama_symmetry) echo python3 benchmarks/merge_speed.py --arch llama --pair "$pairs/llama-symmetry" "$record" ;;
         merge_llama_profile)  # the pair merge_llama_random wrote
             echo "bash -c 'python3 -m cProfile -s cumtime -m hf_lmc merge $pairs/llama-random/a $pairs/llama-random/b"\
                  "-o /tmp/profiled --method weight --device \${PROFILE_DEVICE:-cuda} --quiet | head -80'" ;;
-        head_solves) echo python3 benchmarks/head_solves.py --threads 1 4 16 ;;
-        step_1.4b_bf16) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 ;;
+        head_solves) echo python3 benchmarks/head_solves.py --threads 1 4 16 "$record" ;;
+        step_1.4b_bf16) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 "$record" ;;
         *) return 1 ;;
     esac
 }

@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from hf_lmc.linalg import solve_side_by_side
 from hf_lmc.matching.solvers import Moments, match_gl_moments, match_rotary_moments
+
+try:  # run as a module (python -m benchmarks.head_solves) or as a script
+    from benchmarks.record import new_record, settings_of, write
+except ImportError:  # pragma: no cover - script form
+    from record import new_record, settings_of, write
 
 
 def layer_jobs(hidden: int, heads: int, head_dim: int, rotary: int, seed: int = 0) -> list:
@@ -37,6 +44,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, len(os.sched_getaffinity(0))])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/head_solves-<date>.json)",
+    )
     args = parser.parse_args()
     jobs = layer_jobs(hidden=2048, heads=8, head_dim=256, rotary=64)
     rows = []
@@ -54,6 +68,12 @@ def main() -> None:
     print("|---|---|---|")
     for threads, seconds in rows:
         print(f"| {threads} | {seconds * 1e3:.0f} | {rows[0][1] / seconds:.2f} |")
+    record = new_record("head_solves", settings_of(args))
+    record["solves"] = len(jobs)
+    record["layers"] = [
+        {"threads": threads, "seconds_per_layer": seconds, "speedup": rows[0][1] / seconds} for threads, seconds in rows
+    ]
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

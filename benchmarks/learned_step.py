@@ -27,7 +27,7 @@ memory = its peak RSS less the runtime's, i.e. RSS once torch, transformers and 
     python benchmarks/learned_step.py --one-sided      # adds one-sided steps, own frame and frame="both"
     python benchmarks/learned_step.py --device cuda --one-sided --shape 1.4b --autocast bf16
     python benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload  # + endpoints in CPU memory
-    python benchmarks/learned_step.py --objective labels   # as docs/benchmarks.md §6's tables before 2026-11-28
+    python benchmarks/learned_step.py --objective labels   # as the step records before 2026-11-28 measured
 
 The matching steps train toward the library's default objective (``ensemble``: a gradient-free
 forward of each endpoint in every step) unless ``--objective`` says otherwise.
@@ -48,8 +48,14 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from hf_lmc.options import OBJECTIVES, LearnOptions
+
+try:  # run as a module (python -m benchmarks.learned_step) or as a script
+    from benchmarks.record import new_record, settings_of, write
+except ImportError:  # pragma: no cover - script form
+    from record import new_record, settings_of, write
 
 CHILD = r"""
 import json, re, sys, time
@@ -290,12 +296,19 @@ def main() -> None:
         "--objective",
         default=LearnOptions().objective,
         choices=OBJECTIVES,
-        help="what the matching steps train toward (default: the library's, %(default)s; §6's tables before 2026-11-28: labels)",
+        help="what the matching steps train toward (default: the library's, %(default)s; records before 2026-11-28: labels)",
     )
     parser.add_argument(
         "--offload",
         action="store_true",
         help="cuda: add a dual step with the endpoint layers in CPU memory (FSDP2's CPU offload)",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/learned_step-<date>.json)",
     )
     args = parser.parse_args()
     if args.device == "cpu" and (args.shape != "160m" or args.autocast != "none"):
@@ -321,6 +334,7 @@ def main() -> None:
 
         where = f"{torch.get_num_threads()} CPU thread(s) per step process, objective {args.objective}"
         memory_label = "peak RSS (GB)"
+    record = new_record("learned_step", settings_of(args))
     base = rows["base"]
     weights = base["weights"]
     activations = base["peak"] - base["before"] - weights  # the step's growth, less the weight gradients
@@ -343,6 +357,21 @@ def main() -> None:
             f"| {LABELS[mode]} | {row['wall']:.3g} | {row['wall'] / base['wall']:.2f} |{cells} {row['peak'] / 1e9:.2f} | "
             f"{row['memory'] / 1e9:.2f} | {budget_cell} |"
         )
+    record.update(
+        where=where,
+        weights_bytes=weights,
+        activations_bytes=activations,
+        budget_bytes=budget,
+        steps={
+            LABELS[mode]: {
+                **row,
+                "ratio_to_base": row["wall"] / base["wall"],
+                "memory_over_budget": row["memory"] / budget,
+            }
+            for mode, row in rows.items()
+        },
+    )
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ transforms).
 It uses the public API only, so the same script measures another checkout of hf_lmc, run from
 that checkout's folder (the step processes import from the working directory first):
 ``cd /path/to/checkout && PYTHONPATH=. python /path/to/this/loss_memory.py``. The "loss sliced"
-column says which code ran. That is the before and after of docs/benchmarks.md §6.4.
+column says which code ran: the before and after of slicing the loss (docs/decisions.md#d-sliced-loss).
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+try:  # run as a module (python -m benchmarks.loss_memory) or as a script
+    from benchmarks.record import new_record, settings_of, write
+except ImportError:  # pragma: no cover - script form
+    from record import new_record, settings_of, write
 
 CHILD = r"""
 import json, re, sys, time, ctypes, gc
@@ -115,6 +121,13 @@ def main() -> None:
     parser.add_argument(
         "--measure", nargs="+", choices=list(LABELS), default=list(LABELS), help="what to measure (default: all)"
     )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/loss_memory-<date>.json)",
+    )
     args = parser.parse_args()
     import torch
 
@@ -126,16 +139,20 @@ def main() -> None:
     print(
         "| vocabulary | step | loss sliced | time (s) | peak growth (GB) | one T x V float32 (GB) |\n|---|---|---|---|---|---|"
     )
+    record = new_record("loss_memory", settings_of(args))
+    record["steps"] = []
     for vocab in args.vocab:
         whole = tokens * vocab * 4 / 1e9
         for mode in args.measure:
             row = run(mode, vocab, args.batch, args.seq)
+            record["steps"].append({"vocabulary": vocab, "step": LABELS[mode], **row})
             label = LABELS[mode]
             sliced = "—" if mode == "stock" else ("yes" if row["sliced"] else "no")
             print(
                 f"| {vocab} | {label} | {sliced} | {row['wall']:.1f} | {row['growth'] / 1e9:.2f} | {whole:.2f} |",
                 flush=True,
             )
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,20 @@ can be read against one checkpoint.
     python benchmarks/merge_speed.py --scale 0.25    # hidden, FFN and vocab scaled down
     python benchmarks/merge_speed.py --pair ~/pair   # keep the checkpoints and reuse them next time
     python benchmarks/merge_speed.py --arch llama --kind random   # issue 38's LLaMA pair
+    python -m benchmarks.merge_speed --floor --arch llama --sweeps 2 --average 12.5
+
+Each run writes its record (``benchmarks/record.py``) under ``benchmarks/results/`` (or to
+``--json FILE``); ``python -m benchmarks.tables`` shows the newest in docs/results.md.
+
+``--floor`` merges nothing: it prints how fast weight matching could be on this machine, its
+large matrix products alone (fixed by the shape and the number of sweeps, whatever the code
+around them does) timed at this machine's measured matmul rates, so that a merge's wall time can
+be read against the floor its arithmetic sets (``--average S``: as a ratio to a plain average's
+time). Per sweep and layer: the residual statistics (float32, every tensor's d x d product with
+B's layer maps applied), B's attention weights rotated by the residual map (float32), B's MLP
+weights rotated (bfloat16), the F x F unit similarity and the head similarities (bfloat16); once:
+the embedding and head statistics, and B rotated at export (float32). Solves, reads and writes
+come on top.
 """
 
 from __future__ import annotations
@@ -35,6 +49,11 @@ from pathlib import Path
 
 import torch
 import transformers as tf
+
+try:  # run as a module (python -m benchmarks.merge_speed) or as a script
+    from benchmarks.record import new_record, settings_of, started, write
+except ImportError:  # pragma: no cover - script form
+    from record import new_record, settings_of, started, write
 
 # Peak RSS from VmHWM: ru_maxrss survives fork + exec, so a child would report its parent's peak.
 CHILD = """
@@ -155,6 +174,66 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
+def rate(dtype: torch.dtype, m: int = 2048, k: int = 5632, n: int = 2048, repeats: int = 3) -> float:
+    """Measured GFLOP/s of an (m, k) @ (k, n) product in ``dtype`` (the best of ``repeats``)."""
+    x, y = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    x @ y  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x @ y
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best / 1e9
+
+
+def parts(config, sweeps: int) -> list[tuple[str, float, str]]:
+    """(part, GFLOP, dtype) of weight matching's large products for ``config``."""
+    d, layers, ffn = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    heads = config.num_attention_heads
+    head_dim = d // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    gated = config.model_type == "llama"  # SwiGLU: gate, up, down; GPT-NeoX: up, down
+    attention_rows = 2 * heads * head_dim + 2 * kv * head_dim  # q, o; k, v
+    mlp_rows = (3 if gated else 2) * ffn
+    vocab_rows = 2 * config.vocab_size  # untied embedding and head
+    gflop = 2e-9 * d * d
+    return [
+        ("residual statistics, every sweep", sweeps * layers * gflop * (attention_rows + mlp_rows), "float32"),
+        ("B's attention rotated, every sweep", sweeps * layers * gflop * attention_rows, "float32"),
+        ("B's MLP rotated, every sweep", sweeps * layers * gflop * mlp_rows, "bfloat16"),
+        ("MLP unit similarities, every sweep", sweeps * layers * 2e-9 * ffn * ffn * (mlp_rows // ffn) * d, "bfloat16"),
+        (
+            "head similarities, every sweep",
+            sweeps * layers * 2e-9 * d * (2 * (heads * head_dim) ** 2 + 2 * (kv * head_dim) ** 2),
+            "bfloat16",
+        ),
+        ("embedding and head statistics", gflop * vocab_rows, "float32"),
+        ("B rotated at export", gflop * (layers * (attention_rows + mlp_rows) + vocab_rows), "float32"),
+    ]
+
+
+def floor(args, config, arch_name: str) -> None:
+    """``--floor``: weight matching's large products at the measured matmul rates, and the record."""
+    record = new_record("merge_speed_floor", settings_of(args))
+    rates = {"float32": rate(torch.float32), "bfloat16": rate(torch.bfloat16)}
+    print(
+        f"{arch_name} shape, {args.sweeps} sweep(s), {torch.get_num_threads()} threads; "
+        f"measured matmul rates: float32 {rates['float32']:.0f}, bfloat16 {rates['bfloat16']:.0f} GFLOP/s\n"
+    )
+    print("| part | GFLOP | dtype | seconds at the measured rate |")
+    print("|---|---|---|---|")
+    record["rates_gflops"], record["parts"] = rates, []
+    for part, gflop, dtype in parts(config, args.sweeps):
+        seconds = gflop / rates[dtype]
+        record["parts"].append({"part": part, "gflop": gflop, "dtype": dtype, "seconds": seconds})
+        print(f"| {part} | {gflop:.0f} | {dtype} | {seconds:.1f} |")
+    total = sum(part["seconds"] for part in record["parts"])
+    ratio = f" = {total / args.average:.1f}× the average's {args.average:.1f} s" if args.average else ""
+    print(f"| **all products** | | | **{total:.1f}**{ratio} |")
+    record["seconds"] = total
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -179,10 +258,28 @@ def main() -> None:
         default="symmetry",
         help="B as a random symmetry of A plus noise, or an independent random initialisation (default: symmetry)",
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="merge nothing: print the floor weight matching's matrix products set"
+    )
+    parser.add_argument("--sweeps", type=int, default=2, help="--floor: weight-matching sweeps (default: 2)")
+    parser.add_argument(
+        "--average", type=float, default=None, help="--floor: a plain average's wall time here (s), for a ratio"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/merge_speed-<date>.json)",
+    )
     args = parser.parse_args()
 
     make_config, model_class, arch_name = ARCHS[args.arch]
     config = make_config(args.scale)
+    if args.floor:
+        floor(args, config, arch_name)
+        return
+    record = new_record("merge_speed", settings_of(args), date=started())
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         tmp = Path(tmp)
         start = time.perf_counter()
@@ -243,13 +340,24 @@ def main() -> None:
             "| merge | wall time (s) | × average | peak RSS (GB) | RSS / one checkpoint | runtime RSS (GB) | RSS less runtime / one checkpoint | GPU peak (GB) |"
         )
         print("|---|---|---|---|---|---|---|---|")
+        record.update(shape=shape, params=params, pair_kind=pair_kind, checkpoint_bytes=size, device=device)
+        record["merges"] = {}
         for method, row in rows.items():
             rss, own, gpu_bytes = row["rss_kb"] * 1024, runtime[method] * 1024, row.get("gpu_bytes")
+            record["merges"][method] = {
+                "seconds": row["wall"],
+                "ratio_to_average": row["wall"] / base,
+                "peak_rss_bytes": rss,
+                "runtime_rss_bytes": own,
+                "gpu_peak_bytes": gpu_bytes,
+            }
             gpu_peak = f"{gpu_bytes / 1e9:.2f}" if gpu_bytes is not None else "—"
             print(
                 f"| {method} | {row['wall']:.1f} | {row['wall'] / base:.2f} | {rss / 1e9:.2f} | {rss / size:.2f} | {own / 1e9:.2f} "
                 f"| {(rss - own) / size:.2f} | {gpu_peak} |"
             )
+
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,11 @@ def new_record(benchmark: str, settings: dict, *, date: datetime.datetime | None
     }
 
 
+def settings_of(args) -> dict:
+    """A parsed command line as a record's settings: every flag's value, paths as strings."""
+    return {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+
+
 def write(record: dict, path: str | Path | None = None) -> Path:
     """Write ``record`` to ``path`` (default: ``RESULTS/<benchmark>-<date>.json``) and return the path."""
     if path is None:

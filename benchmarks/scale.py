@@ -1,7 +1,7 @@
 """Memory and time per dual-matching step for 1B, 7B and 70B pairs on 1, 8 and 64 GPUs, computed.
 
 Nothing here runs a model: the tables of docs/scale.md are computed from the shapes and from
-what the H100 measured at Pythia-1.4B's shape (docs/benchmarks.md §6.3: a dual step with layer
+what the H100 measured at Pythia-1.4B's shape (docs/decisions.md#d-scale-model: a dual step with layer
 checkpointing under bfloat16 autocast, 4 x 512 tokens, float32 endpoints, one GPU: 197 ms of GPU
 work, 14.81 GB peak allocated). The model, term by term:
 
@@ -51,10 +51,17 @@ be replaced by measurements at 7B and 70B when GPUs are lent.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from hf_lmc.head_loss import SLICE_BYTES
 from hf_lmc.options import OBJECTIVES, LearnOptions
+
+try:  # run as a module (python -m benchmarks.scale) or as a script
+    from benchmarks.record import new_record, settings_of, write
+except ImportError:  # pragma: no cover - script form
+    from record import new_record, settings_of, write
 
 GB = 1e9
 MEASURED = {
@@ -186,6 +193,13 @@ def main() -> None:
         choices=OBJECTIVES,
         help="what the step trains toward (default: the library's, %(default)s)",
     )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/scale-<date>.json)",
+    )
     args = parser.parse_args()
 
     m = SHAPES[MEASURED["shape"]]
@@ -217,13 +231,17 @@ def main() -> None:
         "| pair | GPUs | endpoints | endpoint layers (GB) | embeddings, heads (GB) | step working set (GB) | total per GPU (GB) | fits 80 GB | step (s): build + tokens | gathers per GPU and step |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
+    record = new_record("scale", settings_of(args))
+    record.update(calibration_gb=check, measured=MEASURED, rows=[])
     for key in ("llama-1b", "llama-7b", "llama-70b"):
         s = SHAPES[key]
         for n in (1, 8, 64):
             for b, offload in ((4, False), (4, True), (2, False), (2, True)):
                 if offload and n == 1:
                     continue  # offload needs the FSDP2 shards of a launch of 2 or more processes
-                print(row(s, n, args.tokens, args.seq, b, offload, args.objective))
+                record["rows"].append(row(s, n, args.tokens, args.seq, b, offload, args.objective))
+                print(record["rows"][-1])
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+try:  # run as a module (python -m benchmarks.sharded_setup) or as a script
+    from benchmarks.record import new_record, settings_of, write
+except ImportError:  # pragma: no cover - script form
+    from record import new_record, settings_of, write
+
 SHAPES = {"70m": (512, 6, 8), "160m": (768, 12, 12)}  # Pythia's GPT-NeoX shapes: (hidden, layers, heads)
 
 CHILD = r"""
@@ -130,6 +135,13 @@ def main() -> None:
         default=Path(tempfile.gettempdir()) / "hf_lmc_sharded_setup",
         help="where the checkpoints are written (kept)",
     )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/sharded_setup-<date>.json)",
+    )
     args = parser.parse_args()
     args.pair.mkdir(parents=True, exist_ok=True)
     a, b, model_bytes = write_pair(args.pair, args.shape)
@@ -141,14 +153,18 @@ def main() -> None:
         "| processes | endpoints | set-up peak, main (GiB) | set-up peak, others (GiB) | endpoints held (GiB) | step peak (GiB) | step (s) |"
     )
     print("|---|---|---|---|---|---|---|")
+    record = new_record("sharded_setup", settings_of(args))
+    record.update(model_bytes=model_bytes, runs=[])
     for processes in args.processes:
         for mode in ("whole", "sharded") if processes > 1 else ("whole",):
             r = run(processes, mode, a, b)
+            record["runs"].append({"processes": processes, "endpoints": mode, **r})
             others = f"{r['setup_others'] / gb:.2f}" if processes > 1 else "—"
             print(
                 f"| {processes} | {mode} | {r['setup_main'] / gb:.2f} | {others} | {r['held'] / gb:.2f} | {r['step_peak'] / gb:.2f} | {r['wall']:.1f} |",
                 flush=True,
             )
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ Three tiers, one command:
 * ``ci``: one tiny pair per family, seconds; ``tests/test_suite.py`` runs it so that the suite
   cannot silently regress;
 * ``cpu``: three pairs per family on 2 cores (training about an hour the first time, then cached);
-  the results are in docs/benchmarks.md;
+  the results are in docs/results.md;
 * ``paper``: the configurations of Theus et al.'s Table 2 (GPT-2: 6 layers, 4 heads, width 256,
   MLP 1024 on Shakespeare; ViT: 6 layers, 8 heads, width 256, MLP 512), meant for a GPU; on a
   CPU, ``--max-steps`` caps the training.
@@ -23,8 +23,11 @@ Three tiers, one command:
     python -m benchmarks.suite --tier cpu --pairs suite-llama-b --methods dual --learn steps=4000
     python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
 
-Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache;
-``--json FILE`` keeps every number; ``--sampled`` fits the data methods on text sampled from
+Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache. Every
+run writes one record (``benchmarks/record.py``: date, commit, machine, settings, and per pair
+every method's barrier, ratio to vanilla and seconds) under ``benchmarks/results/``, or to
+``--json FILE``; ``python -m benchmarks.tables`` builds the README's table and docs/results.md
+from those records; ``--sampled`` fits the data methods on text sampled from
 each pair's own members (``--data sampled``) rather than the training plays. The language pairs read characters, whose 65–82 tokens span
 a fraction of a 128-wide stream; ``--vocab-size N`` trains and measures them on a byte-level BPE
 of N tokens instead (:func:`with_vocabulary`), which fills the stream as real vocabularies do.
@@ -47,9 +50,11 @@ import yaml
 
 from hf_lmc import zoo
 from hf_lmc.barriers import barrier, excess_over_vertices, simplex_barrier_of_loaded
-from hf_lmc.evaluation import SAMPLED, fitting_batches, load_batches
+from hf_lmc.batches import SAMPLED, fitting_batches, load_batches
 from hf_lmc.loading import load_model
 from hf_lmc.options import FIT_OPTIONS, EvalOptions, LearnOptions
+
+from .record import new_record, started, write
 
 #: Rows of the table: (label, method, symmetries), as Theus et al.'s Table 1 orders them.
 METHODS = (
@@ -465,6 +470,56 @@ def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]
     return rows
 
 
+def settings_of(args: argparse.Namespace, learn: LearnOptions, fitting: Fitting) -> dict:
+    """What a run measured with, as its record's settings: the tier, the rows, the pairs asked
+    for, and every learned-matching and fitting-data setting (the defaults spelled out)."""
+    return {
+        "tier": args.tier,
+        "methods": list(args.methods) if args.methods else None,
+        "families": list(args.families),
+        "pairs": list(args.pairs) if args.pairs else None,
+        "max_steps": args.max_steps,
+        "vocab_size": args.vocab_size,
+        "learn": learn.model_dump(mode="json"),
+        "learn_changed": learn.model_dump(mode="json", exclude_defaults=True),
+        "fitting": dataclasses.asdict(fitting),
+    }
+
+
+def ratios_to_vanilla(barriers: dict[str, float]) -> dict[str, float]:
+    """Each method's barrier over vanilla averaging's on the same pair (none without a vanilla row)."""
+    vanilla = barriers.get("vanilla", 0)
+    return {label: value / vanilla for label, value in barriers.items()} if vanilla > 0 else {}
+
+
+def pairs_record(results: Sequence[PairResult], settings: dict, date=None) -> dict:
+    """The run's record: per pair its family, name, what it varies, its members' training and,
+    per method, the barrier, the ratio to vanilla and the seconds."""
+    record = new_record("suite", settings, date=date)
+    record["pairs"] = [{**r.__dict__, "ratio_to_vanilla": ratios_to_vanilla(r.barriers)} for r in results]
+    return record
+
+
+def triples_record(results: Sequence[TripleResult], settings: dict, date=None) -> dict:
+    """The ``--triples`` run's record: per triple, per method, the excess at the worst grid point
+    and its mean over the grid, and the seconds."""
+    record = new_record("suite_triples", settings, date=date)
+    record["triples"] = [dict(r.__dict__) for r in results]
+    return record
+
+
+def read_results(paths: Sequence[Path], kind: type) -> list:
+    """The pair (``PairResult``) or triple (``TripleResult``) results of saved runs: records, or
+    the bare lists that ``--json`` wrote before records."""
+    results = []
+    for path in paths:
+        saved = json.loads(path.read_text())
+        items = saved if isinstance(saved, list) else saved["pairs" if kind is PairResult else "triples"]
+        fields = {field.name for field in dataclasses.fields(kind)}
+        results += [kind(**{k: v for k, v in item.items() if k in fields}) for item in items]
+    return results
+
+
 def tier_pairs(tier: str, families: Sequence[str] = FAMILIES, names: Sequence[str] | None = None) -> list[SuitePair]:
     """The pairs of ``tier`` in ``families``, and only those called ``names`` when given (a name
     the tier does not have is an error)."""
@@ -518,7 +573,7 @@ def pair_named(name: str) -> SuitePair:
 def with_vocabulary(pair: SuitePair, vocab_size: int | None) -> SuitePair:
     """``pair`` with its members reading the plays through a byte-level BPE of ``vocab_size``
     tokens (``zoo.bpe_tokenizer``) in place of characters: a vocabulary larger than the width, so
-    that the embedding spans the stream (docs/benchmarks.md §0.9). ViT pairs are returned as they are."""
+    that the embedding spans the stream, as real vocabularies do. ViT pairs are returned as they are."""
     if vocab_size is None or pair.family == "vit":
         return pair
     entry = dataclasses.replace(pair.entry, name=f"{pair.entry.name}-bpe{vocab_size}", vocab_size=vocab_size)
@@ -563,17 +618,17 @@ def fitting_of(args: argparse.Namespace) -> Fitting:
 
 
 def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
-    """``--triples``: the simplex table of the tier's triples (``--json`` keeps the numbers)."""
+    """``--triples``: the simplex table of the tier's triples, and its record."""
     labels = [label for label in SIMPLEX_LABELS if args.methods is None or label in args.methods]
     if args.report:
-        results = [TripleResult(**record) for path in args.report for record in json.loads(path.read_text())]
+        results = read_results(args.report, TripleResult)
         print("\n".join(triple_rows(results, [label for label in labels if any(label in r.barriers for r in results)])))
         return
     if args.train_only:
         for pair in _triples_of(args.tier, args.families, args.max_steps, args.vocab_size):
             zoo.train(pair.entry, 2, cache=args.cache, progress=args.progress)
         return
-    start, fitting = time.perf_counter(), fitting_of(args)
+    date, start, fitting = started(), time.perf_counter(), fitting_of(args)
     results = run_triples_of(
         args.tier,
         labels=labels,
@@ -593,8 +648,8 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
         + "\n"
     )
     print("\n".join(triple_rows(results, labels)))
-    if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+    path = write(triples_record(results, settings_of(args, learn, fitting), date=date), args.json)
+    print(f"\nwritten to {path}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -617,7 +672,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)"
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write every number to this JSON file")
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/suite-<date>.json)",
+    )
     parser.add_argument("--train-only", action="store_true", help="train (or load) the members and measure nothing")
     parser.add_argument(
         "--report",
@@ -625,7 +686,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=Path,
         default=None,
         metavar="JSON",
-        help="print the tables of results saved with --json (several runs together)",
+        help="print the tables of saved records (several runs together)",
     )
     parser.add_argument("--progress", action="store_true", help="progress bars while training")
     parser.add_argument(
@@ -681,7 +742,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     args.methods = args.methods or list(LABELS)
     if args.report:
-        results = [PairResult(**record) for path in args.report for record in json.loads(path.read_text())]
+        results = read_results(args.report, PairResult)
         labels = [label for label in LABELS if any(label in r.barriers for r in results)]
         print("\n\n".join("\n".join(rows(results, labels)) for rows in (summary_rows, pair_rows, time_rows)))
         return
@@ -695,7 +756,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     file=sys.stderr,
                 )
         return
-    start, fitting = time.perf_counter(), fitting_of(args)
+    date, start, fitting = started(), time.perf_counter(), fitting_of(args)
     results = run(
         args.tier,
         labels=args.methods,
@@ -718,8 +779,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))
-    if args.json:
-        args.json.write_text(json.dumps([r.__dict__ for r in results], indent=2))
+    path = write(pairs_record(results, settings_of(args, learn, fitting), date=date), args.json)
+    print(f"\nwritten to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Models are rewritten exactly into a canonical RMSNorm-absorbed form, aligned by
 function-preserving symmetries, interpolated, and exported as ordinary HF checkpoints.
 
 The public names resolve on first use (PEP 562), so ``import hf_lmc`` and the command line's
-``--help`` load neither torch nor transformers; ``from hf_lmc import DualMatcher`` imports what
-it needs then.
+``--help`` load neither torch nor transformers; ``from hf_lmc import DualPath`` imports what
+it needs then. ``DualMatcher``, ``LearnedMatcher``, ``SimplexMatcher`` and ``MergeSpec`` remain
+aliases of the trainable paths and the merge request they name now.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ _PUBLIC = {
     "InheritanceError": "inherit",
     "UnsafeFileError": "inherit",
     "ActivationMatcher": "matching",
-    "DualMatcher": "matching",
+    "DualPath": "matching",
+    "DualMatcher": "matching",  # the earlier names of the paths and of the merge request: aliases
     "EndpointSharding": "matching",
+    "LearnedPath": "matching",
     "LearnedMatcher": "matching",
+    "SimplexPath": "matching",
     "SimplexMatcher": "matching",
     "TrainedMatcher": "matching",
     "UniverseMatcher": "matching",
@@ -40,6 +44,7 @@ _PUBLIC = {
     "AccelerateOptions": "options",
     "EvalOptions": "options",
     "LearnOptions": "options",
+    "MergeRequest": "options",
     "MergeSpec": "options",
     "OutputOptions": "options",
     "MergeResult": "pipeline",
@@ -64,11 +69,14 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "CanonicalModel",
     "CheckpointError",
     "DualMatcher",
+    "DualPath",
     "EndpointSharding",
     "EvalOptions",
     "InheritanceError",
     "LearnOptions",
     "LearnedMatcher",
+    "LearnedPath",
+    "MergeRequest",
     "MergeResult",
     "MergeSpec",
     "OutputOptions",
@@ -76,6 +84,7 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "RecipeError",
     "RecipeResult",
     "SimplexMatcher",
+    "SimplexPath",
     "TrainedMatcher",
     "Transform",
     "UniverseMatcher",
@@ -118,15 +127,18 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
     from .matching import (
         ActivationMatcher,
         DualMatcher,
+        DualPath,
         EndpointSharding,
         LearnedMatcher,
+        LearnedPath,
         SimplexMatcher,
+        SimplexPath,
         TrainedMatcher,
         UniverseMatcher,
         WeightMatcher,
     )
     from .methods import METHODS
-    from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeSpec, OutputOptions
+    from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeRequest, MergeSpec, OutputOptions
     from .pipeline import MergeResult, merge, merge_models
     from .recipe import Recipe, RecipeError, load_recipe
     from .runner import RecipeResult, run_recipe

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from . import matching
 from .canonical import CanonicalModel
 from .methods import check_method
-from .options import AccelerateOptions, LearnOptions
+from .options import DEFAULT_SYMMETRIES, AccelerateOptions, LearnOptions
 from .symmetry import Transform
 
 
@@ -36,24 +36,26 @@ def matcher_for(
     method: str,
     count: int,
     *,
-    symmetries="full",
+    symmetries=DEFAULT_SYMMETRIES,
     batches=None,
     learn: LearnOptions = LearnOptions(),
     accelerate: AccelerateOptions = AccelerateOptions(),
     progress: bool = True,
     device=None,
 ):
-    """The matcher the registry names for ``method`` and ``count`` models, set up with the same
-    settings a merge passes; its ``fit(models, weights)`` gives the transforms (and a
-    trained method's matcher keeps what its stopping rule reached in ``stopping``)."""
+    """The matcher of ``method`` for ``count`` models, set up with the same settings a merge
+    passes: the registry's matcher class, or for a trained method a
+    :class:`~hf_lmc.matching.TrainedMatcher` of the registry's path. Its ``fit(models, weights)``
+    gives the transforms (and a trained method's keeps what its stopping rule reached in
+    ``stopping``)."""
     entry = check_method(method, batches, count=count)
-    name = entry.pair_matcher if count == 2 else entry.many_matcher
+    name = entry.pair_class if count == 2 else entry.many_class
     if name is None:
         raise ValueError(f"{method} interpolates the stored parameters and has no canonical transforms")
-    matcher_class = getattr(matching, name)
+    named = getattr(matching, name)
     if entry.trained:
         matcher = matching.TrainedMatcher(
-            matcher_class,
+            named,
             batches,
             learn=learn,
             accelerate=accelerate,
@@ -62,9 +64,9 @@ def matcher_for(
             device=device,
         )
     elif entry.needs_data:
-        matcher = matcher_class(batches, symmetries, progress=progress)
+        matcher = named(batches, symmetries, progress=progress)
     else:
-        matcher = matcher_class(symmetries, progress=progress, device=device)
+        matcher = named(symmetries, progress=progress, device=device)
     return matcher
 
 

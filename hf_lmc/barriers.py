@@ -1,7 +1,7 @@
 """Loss along the linear path between two models, and the loss barrier (docs/design.md §1).
 
 ``barrier = max_alpha [ L((1-alpha) A + alpha B) - ((1-alpha) L(A) + alpha L(B)) ]`` over an
-evenly spaced alpha grid (11 points by default). ``average`` interpolates the stock HF
+evenly spaced alpha grid (:data:`~hf_lmc.options.PATH_POINTS` points by default). ``average`` interpolates the stock HF
 parameters as they are (the vanilla baseline); every other method of :mod:`hf_lmc.alignment`
 interpolates canonical forms after aligning the models.
 
@@ -22,12 +22,22 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from .alignment import align_many
+from .batches import fitting_batches, load_batches
 from .canonical import canonicalize, combine, to_hf, weighted_sum
-from .evaluation import evaluate, fitting_batches, load_batches
+from .evaluation import evaluate
 from .grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barrier, simplex_grid
 from .loading import LoadedModel, load_model, revisions_per_model
 from .methods import METHODS, check_method
-from .options import EVAL_OPTIONS, FIT_OPTIONS, AccelerateOptions, EvalOptions, LearnOptions
+from .options import (
+    DEFAULT_SYMMETRIES,
+    EVAL_OPTIONS,
+    FIT_OPTIONS,
+    PATH_POINTS,
+    SIMPLEX_POINTS,
+    AccelerateOptions,
+    EvalOptions,
+    LearnOptions,
+)
 from .progress import bar as progress_bar
 from .symmetry import Transform
 from .widths import check_mergeable, spec_of, to_common_shape
@@ -152,8 +162,8 @@ def barrier(
     data,
     *,
     methods=("average", "weight"),
-    alphas: int | list[float] = 11,
-    symmetries="full",
+    alphas: int | list[float] = PATH_POINTS,
+    symmetries=DEFAULT_SYMMETRIES,
     eval_options: EvalOptions = EVAL_OPTIONS,
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,
@@ -167,7 +177,7 @@ def barrier(
 
     Models are HF model instances, local folders or Hub ids; ``data`` (held-out) and
     ``fit_data`` (calibration / training data for activation, learned and dual matching) are
-    anything :func:`hf_lmc.evaluation.load_batches` accepts.
+    anything :func:`hf_lmc.batches.load_batches` accepts.
     """
     for method in methods:
         check_method(method, fit_data, data_parameter="fit_data")
@@ -242,8 +252,8 @@ def barrier_over_simplex(
     data,
     *,
     methods=("average", "weight"),
-    points: int = 5,
-    symmetries="full",
+    points: int = SIMPLEX_POINTS,
+    symmetries=DEFAULT_SYMMETRIES,
     eval_options: EvalOptions = EVAL_OPTIONS,
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,

@@ -1,7 +1,13 @@
-"""The model card of a merge, rendered by ``huggingface_hub.ModelCard`` from a shipped template."""
+"""The model card of a merge, rendered by ``huggingface_hub.ModelCard`` from a shipped template.
+
+Besides the rendering, the card's text about one merge request: how a trained method's transforms
+were learned (notes and a settings table), how the evaluation data is named, and the settings a
+merge made from Python is reproduced with.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -14,8 +20,10 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from .adapters import ADAPTERS
-from .hub import names_local_path, shown_reference
+from .batches import describe_data, is_sampled, sampled_count
+from .hub import names_local_path, shown_reference, shown_settings
 from .methods import METHODS
+from .options import LearnOptions, MergeRequest
 
 TEMPLATE = resources.files("hf_lmc") / "templates" / "merge.md"
 
@@ -235,3 +243,118 @@ def inherited_license(folders: list[Path]) -> str | None:
             ", ".join(sorted(licenses)),
         )
     return licenses.pop() if len(licenses) == 1 else None
+
+
+# -- the card's text about one merge request ---------------------------------------------------
+
+_HARDENED = (
+    "MLP permutations were learned as Sinkhorn soft permutations and hardened (linear assignment) "
+    "before export, so the merged weights apply exact permutations of each model."
+)
+_ENSEMBLE = (
+    "The transforms were trained toward the models' own predictions mixed at the same weights "
+    "(objective `ensemble`), not toward the training data's labels."
+)
+
+
+def training_notes(method: str, learn: LearnOptions) -> list[str]:
+    """Model-card notes on how a trained method's transforms were learned."""
+    if not METHODS[method].trained:
+        return []
+    notes = [_HARDENED] if learn.permutations == "sinkhorn" else []
+    if learn.objective == "ensemble":
+        notes.append(_ENSEMBLE)
+    if learn.input_noise:
+        notes.append(
+            f"The transforms were trained on images with Gaussian noise of std {learn.input_noise:g} added afresh at every step."
+        )
+    return notes
+
+
+def training_settings(request: MergeRequest, count: int, stopping=None) -> list[tuple[str, str]] | None:
+    """The card's table of how a trained method's transforms were learned: enough to run it again."""
+    if not METHODS[request.method].trained:
+        return None
+    learn, accelerate, data, data_options = request.learn, request.accelerate, request.data, request.data_options
+    shape = f"batches of {data_options.batch_size}" + (
+        f" × {data_options.seq_len} tokens" if data_options.seq_len else ""
+    )
+    if is_sampled(data):
+        shape += f", {sampled_count(data_options)} sequences drawn at temperature 1, an equal share from each model"
+    elif data_options.max_batches:
+        shape += f", at most {data_options.max_batches} of them"
+    schedule = learn.schedule + (f", {learn.warmup_steps} warmup steps" if learn.warmup_steps else "")
+    named = describe_data(shown_reference(data) if isinstance(data, (str, Path)) else data)  # no path of this machine
+    rows = [
+        ("data", f"{named} ({shape})" if is_sampled(data) else f"{named} (split `{data_options.split}`, {shape})"),
+        (
+            "steps",
+            f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)",
+        ),
+        (
+            "optimiser",
+            f"Adam, lr {learn.lr:g}"
+            + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "")
+            + f", schedule `{schedule}`",
+        ),
+        (
+            "parameterisation",
+            f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`",
+        ),
+    ]
+    if count == 2:
+        low, high = learn.lambda_range
+        near = "the path's worst point" if learn.focus == "worst" else "the points above the line, by their excess"
+        rows.append(
+            ("λ draws", f"{1 - learn.worst_fraction:g} from U({low:g}, {high:g}), {learn.worst_fraction:g} near {near}")
+        )
+    else:
+        rows.append(("weight draws", f"Dirichlet({learn.concentration:g} · 1)"))
+    rows.append(
+        (
+            "objective",
+            f"`{learn.objective}`" + (f", input noise std {learn.input_noise:g}" if learn.input_noise else ""),
+        )
+    )
+    rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
+    if accelerate.shard_endpoints:
+        gathered = f", layers gathered in `{accelerate.mixed_precision}`" if accelerate.mixed_precision != "no" else ""
+        rows.append(
+            (
+                "endpoints",
+                "sharded across the processes (FSDP2)"
+                + (", offloaded to CPU memory" if accelerate.offload_endpoints else "")
+                + gathered,
+            )
+        )
+    if stopping is not None:
+        rows.append(("stopping", stopping.describe()))
+    return rows
+
+
+def settings_markdown(request: MergeRequest) -> str:
+    """The card's Reproduce text for a merge made from Python: its settings as JSON (data given
+    as objects described by type)."""
+    card_only = {"data", "eval_data", "made_with", "labels", "repo_hint", "eval_data_name"}
+    settings = request.model_dump(mode="json", exclude_defaults=True, exclude=card_only)
+    for key in ("data", "eval_data"):
+        if getattr(request, key) is not None:
+            value = getattr(request, key)
+            settings[key] = str(value) if isinstance(value, (str, Path)) else f"(passed as a {type(value).__name__})"
+    shown = json.dumps(shown_settings(settings), indent=2)  # local paths by their final component: the card is shared
+    return (
+        "It was made from Python, by `hf_lmc.pipeline.run(hf_lmc.MergeRequest(**settings))` with these settings "
+        f"(defaults left out, local paths reduced to their last part, data passed as objects named by their type):"
+        f"\n\n```json\n{shown}\n```"
+    )
+
+
+def eval_source(request: MergeRequest) -> DataSource | None:
+    """How the card's ``model-index`` names the evaluation data: a Hub dataset id (as
+    ``load_batches`` reads one) with its configuration and split, anything else as local data."""
+    if request.eval_data is None:
+        return None
+    reference = request.eval_data_name or (request.eval_data if isinstance(request.eval_data, (str, Path)) else None)
+    if reference is None:
+        return DataSource(f"data passed as a {type(request.eval_data).__name__}")
+    return DataSource.of(reference, request.eval_options.split, request.eval_options.name)

@@ -1,7 +1,7 @@
 """``hf-lmc``: the command-line interface.
 
 The flags of every option come from the option models (:mod:`hf_lmc.options`, through
-:class:`OptionFlags`) and the method choices from the registry (:mod:`hf_lmc.methods`); library
+:class:`~hf_lmc.flags.OptionFlags`) and the method choices from the registry (:mod:`hf_lmc.methods`); library
 errors that name a parameter are shown with its flag.
 
 Each command imports the modules it runs inside its own function, on purpose: they load torch
@@ -21,29 +21,33 @@ import os
 import signal
 import sys
 import threading
-import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from . import __version__
+from .flags import OptionFlags, flag_for
 from .grids import alpha_grid
 from .methods import METHODS, NAMES, check_method
 from .options import (
+    DEFAULT_ALPHA,
+    DEFAULT_SYMMETRIES,
     EVAL_OPTIONS,
     FIT_OPTIONS,
+    PATH_POINTS,
+    SIMPLEX_POINTS,
     SYMMETRIES,
     AccelerateOptions,
     EvalOptions,
     LearnOptions,
+    MergeRequest,
     OutputExistsError,
     OutputOptions,
     ParameterError,
     UsageError,
     check_orders,
+    flag_of,
 )
-from .preflight import check_spec, merge_spec, pair_weights
+from .preflight import check_request, merge_request, pair_weights
 
 #: Every example, one command line each: ``hf-lmc --help`` shows them all, and each command's
 #: ``--help`` the lines of that command (:func:`_examples`).
@@ -90,128 +94,6 @@ EXIT_USAGE, EXIT_FAILED = 2, 1
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # as a shell reports a process that Ctrl-C ended
 
 
-class OptionFlags:
-    """The command-line flags of one options model (:mod:`hf_lmc.options`), generated from its
-    fields: the flag is the field's name (``worst_fraction`` -> ``--worst-fraction``) unless
-    renamed, the help its description, the choices its ``Literal``, the default the model's own
-    (shown, never copied: an absent flag leaves the field to the model). Bounds are the model's
-    too: :meth:`build` validates, and names the flag of any field it refuses.
-
-    ``defaults`` may also map what the flags apply to onto its defaults (the batching flags of
-    ``--data`` and ``--eval-data``): the help then shows each, and :meth:`given` is the way to
-    read the flags. ``metavars`` names a field's value where the last word of its name does not
-    (``--push-to-hub REPO_ID``)."""
-
-    def __init__(
-        self,
-        model,
-        *,
-        only: tuple[str, ...] | None = None,
-        flags: dict[str, str] | None = None,
-        defaults=None,
-        prefix: str = "",
-        metavars: dict[str, str] | None = None,
-    ):
-        self.model, self.prefix, self.metavars = model, prefix, metavars or {}
-        self.fields = {name: field for name, field in model.model_fields.items() if only is None or name in only}
-        self.flags = {name: (flags or {}).get(name, _flag(name)) for name in self.fields}
-        self.defaults = defaults if defaults is not None else model()
-
-    def add_to(self, group) -> None:
-        """Add one flag per field to ``group`` (a parser or an argument group)."""
-        for name, field in self.fields.items():
-            kind, choices = _argument_type(field.annotation)
-            help_text = field.description or ""
-            if "default" not in help_text:
-                help_text += self._shown_default(name)
-            options = {"dest": self.prefix + name, "default": argparse.SUPPRESS, "help": help_text}
-            if kind is bool:
-                group.add_argument(self.flags[name], action="store_true", **options)
-            elif kind is tuple:
-                group.add_argument(self.flags[name], type=float, nargs=2, metavar=("LOW", "HIGH"), **options)
-            else:
-                named = self.metavars.get(name) or ("N" if kind is int else name.split("_")[-1].upper())
-                metavar = None if choices else named
-                group.add_argument(self.flags[name], type=kind, choices=choices, metavar=metavar, **options)
-
-    def _shown_default(self, name: str) -> str:
-        """`` (default: 8)``, or per use `` (default: 32 for --data, 8 for --eval-data)``; empty for none."""
-        uses = self.defaults if isinstance(self.defaults, Mapping) else {"": self.defaults}
-        shown = {use: _shown(getattr(defaults, name)) for use, defaults in uses.items()}
-        if all(value is None for value in shown.values()):
-            return ""
-        if len(set(shown.values())) == 1:
-            return f" (default: {next(iter(shown.values()))})"
-        return (
-            " (default: " + ", ".join(f"{value} for {use}" for use, value in shown.items() if value is not None) + ")"
-        )
-
-    def given(self, args: argparse.Namespace) -> dict:
-        """The fields set on the command line."""
-        return {name: getattr(args, self.prefix + name) for name in self.fields if hasattr(args, self.prefix + name)}
-
-    def build(self, args: argparse.Namespace, **fixed):
-        """The options model from the flags given (the model's defaults for the rest)."""
-        if isinstance(self.defaults, Mapping):
-            raise TypeError("flags with defaults per use have no one model to build; read them with given()")
-        values = {
-            name: getattr(self.defaults, name)
-            for name in self.model.model_fields
-            if name in self.defaults.model_fields_set
-        }
-        try:
-            return self.model(**{**values, **self.given(args), **fixed})
-        except ValidationError as err:
-            raise UsageError("; ".join(self._flag_message(e) for e in err.errors())) from None
-
-    def _flag_message(self, error: dict) -> str:
-        message = error["msg"].removeprefix("Value error, ")
-        if error["loc"]:
-            name = str(error["loc"][0])
-            if error["type"] != "value_error":  # pydantic's own checks do not say what they refused; ours do
-                message += f", got {error['input']!r}"
-        else:  # a check across fields names its field first ("frame: ...")
-            name, sep, rest = message.partition(": ")
-            if not sep or name not in self.flags:
-                return message
-            message = rest
-        return f"{self.flags.get(name) or _flag(name)}: {message}"
-
-
-#: Library keywords whose flag is not their name: the Python API's ``barrier(..., fit_data=)``
-#: is the command line's ``--data``, which means fitting data in every command.
-_RENAMED = {"fit_data": "--data"}
-
-
-def _shown(default) -> str | None:
-    """A default as its help text shows it (a pair as ``LOW HIGH``)."""
-    if default is None:
-        return None
-    return " ".join(map(str, default)) if isinstance(default, tuple) else str(default)
-
-
-def _flag(parameter: str) -> str:
-    """The flag of a parameter (``seq_len`` -> ``--seq-len``): one name across commands."""
-    return _RENAMED.get(parameter) or "--" + parameter.replace("_", "-")
-
-
-def _argument_type(annotation) -> tuple[type, list[str] | None]:
-    """``(type, choices)`` of a field: ``Literal`` gives choices, ``X | None`` gives X's type."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Literal:
-        return str, list(typing.get_args(annotation))
-    if typing.get_origin(annotation) is tuple or annotation is tuple:
-        return tuple, None
-    if args and annotation not in (int, float, str, bool):
-        literal = next((a for a in args if typing.get_origin(a) is typing.Literal), None)
-        if literal is not None:
-            return str, list(typing.get_args(literal))
-        if int in args and str in args:  # sizes: "5GB" or bytes
-            return str, None
-        return _argument_type(args[0])
-    return annotation, None
-
-
 LEARN = OptionFlags(LearnOptions)
 ACCELERATE = OptionFlags(AccelerateOptions)
 #: One set of batching flags for both data sets; where a flag is absent each keeps its own default.
@@ -237,6 +119,20 @@ EVAL_SOURCE = OptionFlags(
     prefix="eval_",
 )
 OUTPUT = OptionFlags(OutputOptions, metavars={"push_to_hub": "REPO_ID"})
+#: The merge request's own flags (the models are positional, and the output settings are
+#: :data:`OUTPUT`'s); each command offers those it takes.
+REQUEST = OptionFlags(
+    MergeRequest,
+    only=("output", "revisions", "weights", "method", "symmetries", "device", "data", "eval_data", "alphas"),
+    defaults="fields",
+    choices={"method": NAMES},
+    helps={
+        "method": flag_of(MergeRequest.model_fields["method"]).help
+        + ": "
+        + "; ".join(f"{m.name}, {m.when}" for m in METHODS.values())
+        + f" (default: {MergeRequest.model_fields['method'].default})"
+    },
+)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -277,17 +173,18 @@ def _fit_options(args: argparse.Namespace):
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    spec = merge_spec(args.models, args.output, **_merge_settings(args))
-    check_spec(spec)  # every refusal that needs no model, before torch and transformers load
-    spec = spec.model_copy(update={"made_with": _command_markdown(args)})  # imports huggingface_hub: after the checks
+    request = merge_request(args.models, args.output, **_merge_settings(args))
+    check_request(request)  # every refusal that needs no model, before torch and transformers load
+    # the command as the card shows it imports huggingface_hub: after the checks
+    request = request.model_copy(update={"made_with": _command_markdown(args)})
     if args.dry_run:
         from .pipeline import plan
 
-        print(plan(spec).table())
+        print(plan(request).table())
         return 0
     from .pipeline import run
 
-    result = run(spec)
+    result = run(request)
     if not result.wrote:  # one of several launched processes: the main one reports
         return 0
     if result.stopping is not None:
@@ -301,7 +198,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _merge_settings(args: argparse.Namespace) -> dict:
-    """The :class:`~hf_lmc.options.MergeSpec` fields of ``hf-lmc merge``'s flags but the models
+    """The :class:`~hf_lmc.options.MergeRequest` fields of ``hf-lmc merge``'s flags but the models
     and the output, with the checks of how the flags combine (torch-free)."""
     count = len(args.models)
     if count < 2:
@@ -314,7 +211,7 @@ def _merge_settings(args: argparse.Namespace) -> dict:
         )
     weights = args.weights
     if weights is None and count == 2:
-        weights = pair_weights(0.5 if args.alpha is None else args.alpha)
+        weights = pair_weights(DEFAULT_ALPHA if args.alpha is None else args.alpha)
     return {
         "weights": weights,
         "revisions": _revisions(args, count),
@@ -367,7 +264,7 @@ def cmd_barrier(args: argparse.Namespace) -> int:
         result = barrier(
             *models,
             args.eval_data,
-            alphas=11 if args.alphas is None else args.alphas,
+            alphas=PATH_POINTS if args.alphas is None else args.alphas,
             revision_a=revisions[0],
             revision_b=revisions[1],
             **common,
@@ -376,7 +273,11 @@ def cmd_barrier(args: argparse.Namespace) -> int:
             plot(result, args.plot)
     else:
         result = barrier_over_simplex(
-            models, args.eval_data, points=5 if args.alphas is None else args.alphas, revisions=revisions, **common
+            models,
+            args.eval_data,
+            points=SIMPLEX_POINTS if args.alphas is None else args.alphas,
+            revisions=revisions,
+            **common,
         )
         if args.plot:
             plot_simplex(result, args.plot)
@@ -482,30 +383,12 @@ def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, g
     evaluation = parser.add_argument_group(
         "evaluation data" + ("" if eval_required else " (optional: adds the barrier table and plot to the card)")
     )
-    evaluation.add_argument(
-        "--eval-data",
-        required=eval_required,
-        default=None,
-        metavar="DATA",
-        help="held-out data the barrier is measured on: text file or folder, datasets id or saved dataset, .pt tensors for ViT",
-    )
+    REQUEST.add_to(evaluation, ["eval_data"], eval_data=eval_required)
     EVAL_SOURCE.add_to(evaluation)
     if grid:
-        evaluation.add_argument(
-            "--alphas",
-            type=int,
-            default=None,
-            metavar="N",
-            help="points on the alpha grid; for 3+ models per edge of the simplex grid (default: 11; 5)",
-        )
+        REQUEST.add_to(evaluation, ["alphas"])
     fitting = parser.add_argument_group("fitting data (--method activation, learned, dual)")
-    fitting.add_argument(
-        "--data",
-        default=None,
-        metavar="DATA",
-        help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT, "
-        "or 'sampled': text sampled from the language models themselves (--max-batches batches of --batch-size, default 8192 sequences)",
-    )
+    REQUEST.add_to(fitting, ["data"])
     FIT_SOURCE.add_to(fitting)
     BATCHES.add_to(parser.add_argument_group("batching (both data sets)"))
     learn = parser.add_argument_group(
@@ -530,43 +413,17 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False, p
     group = parser.add_argument_group("models")
     group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
     group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
-    group.add_argument(
-        "--revisions",
-        nargs="+",
-        default=None,
-        metavar="REV",
-        help="Hub revision of every model, in order ('-' for the default branch)",
-    )
+    REQUEST.add_to(group, ["revisions"])
     method = parser.add_argument_group("method")
-    method.add_argument(
-        "--method",
-        choices=NAMES,
-        default="weight",
-        help="alignment before interpolation: "
-        + "; ".join(f"{m.name}, {m.when}" for m in METHODS.values())
-        + " (default: weight)",
-    )
-    method.add_argument(
-        "--symmetries", choices=SYMMETRIES, default="full", help="symmetry group the alignment searches (default: full)"
-    )
+    REQUEST.add_to(method, ["method", "symmetries"])
     if weights:
         method.add_argument(
-            "--alpha", type=float, default=None, help="two models: weight of MODEL_B in [0, 1] (default: 0.5)"
-        )
-        method.add_argument(
-            "--weights",
+            "--alpha",
             type=float,
-            nargs="+",
             default=None,
-            metavar="W",
-            help="one weight per model, >= 0, summing to 1 (default: uniform)",
+            help=f"two models: weight of MODEL_B in [0, 1] (default: {DEFAULT_ALPHA})",
         )
-        method.add_argument(
-            "--device",
-            default=None,
-            metavar="DEVICE",
-            help="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch sees one, else cpu)",
-        )
+        REQUEST.add_to(method, ["weights", "device"])
 
 
 def _add_messages(parser: argparse.ArgumentParser) -> None:
@@ -628,9 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_options(merge, weights=True)
     out = merge.add_argument_group("output and hub")
-    out.add_argument(
-        "--output", "-o", required=True, metavar="DIR", help="folder to write (must not exist unless --overwrite)"
-    )
+    REQUEST.add_to(out, ["output"])
     OUTPUT.add_to(out)
     out.add_argument(
         "--dry-run",
@@ -712,7 +567,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     numerics.add_argument("--seed", type=int, default=0, help="seed of the random symmetry and inputs (default: 0)")
     group = check.add_argument_group("symmetry")
-    group.add_argument("--symmetries", choices=SYMMETRIES, default="full", help="group to sample from (default: full)")
+    group.add_argument(
+        "--symmetries",
+        choices=SYMMETRIES,
+        default=DEFAULT_SYMMETRIES,
+        help=f"group to sample from (default: {DEFAULT_SYMMETRIES})",
+    )
     _add_messages(check)
     check.set_defaults(run=cmd_check)
 
@@ -881,7 +741,7 @@ def _return_freed_memory_promptly() -> None:
     """Have glibc serve large blocks with ``mmap`` at a fixed threshold, so freed tensors go back
     to the OS at once. By default the threshold grows with each freed block (up to 32 MB), and the
     layer-sized temporaries of a streamed merge then pile up in malloc arenas, raising the peak
-    memory (docs/benchmarks.md, merge speed). A no-op where glibc is not the allocator."""
+    memory (docs/decisions.md#d-mmap-threshold). A no-op where glibc is not the allocator."""
     try:
         import ctypes
 
@@ -994,7 +854,7 @@ def _report(err: ValueError | OSError) -> int:
     """Print ``err`` as one ``hf-lmc: error:`` line, a parameter the library names shown as its
     flag, and return its exit code: :data:`EXIT_USAGE` for a usage error, else :data:`EXIT_FAILED`."""
     if isinstance(err, (UsageError, OutputExistsError)):
-        named = err.named(_flag(err.parameter)) if isinstance(err, (ParameterError, OutputExistsError)) else err
+        named = err.named(flag_for(err.parameter)) if isinstance(err, (ParameterError, OutputExistsError)) else err
         print(f"hf-lmc: error: {named}", file=sys.stderr)
         return EXIT_USAGE
     print(f"hf-lmc: error: {err}", file=sys.stderr)

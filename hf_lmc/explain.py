@@ -42,11 +42,12 @@ from pathlib import Path
 import torch
 
 from .alignment import align_many
+from .batches import fitting_batches, load_batches
 from .canonical import canonicalize, from_state_dict, to_hf
-from .evaluation import evaluate, fitting_batches, load_batches
+from .evaluation import evaluate
 from .loading import load_model
 from .methods import METHODS, check_method
-from .options import EVAL_OPTIONS, FIT_OPTIONS, EvalOptions, LearnOptions, check_orders
+from .options import DEFAULT_SYMMETRIES, EVAL_OPTIONS, FIT_OPTIONS, EvalOptions, LearnOptions, check_orders
 from .progress import bar as progress_bar
 from .widths import check_mergeable
 
@@ -59,7 +60,7 @@ HOW_TO_READ = (
 )
 
 
-def group_of(name: str) -> str:
+def explanation_group(name: str) -> str:
     """The explanation group of a canonical tensor: ``embeddings``, ``head``, or ``layer i KIND``."""
     layer = re.match(r"layers\.(\d+)\.(.*)", name)
     if layer is None:
@@ -163,7 +164,7 @@ def explain(
     data,
     *,
     method: str = "weight",
-    symmetries="full",
+    symmetries=DEFAULT_SYMMETRIES,
     orders: int = 2,
     eval_options: EvalOptions = EVAL_OPTIONS,
     fit_data=None,
@@ -213,7 +214,7 @@ def explain(
 
     groups: dict[str, list[str]] = {}
     for name in state_a:
-        groups.setdefault(group_of(name), []).append(name)
+        groups.setdefault(explanation_group(name), []).append(name)
     result = Explanation(0.0, 0.0, orders=orders_of(list(groups), orders))
     steps_per_path = 1 + 2 + len(result.orders) * 2 * (len(groups) - 1)
     bar = progress_bar(total=len(ends) * steps_per_path, desc="explaining the barrier", show=progress)

@@ -3,7 +3,7 @@ the Householder frame of ``1/sqrt(d)``, side-by-side small solves, and linear as
 
 Every SVD / eigh / QR in hf_lmc goes through :func:`single_threaded`: on small CPU machines
 multi-threaded LAPACK decompositions are many times slower than single-threaded ones
-(docs/benchmarks.md). :func:`assign` lives here rather than in :mod:`hf_lmc.matching` because the
+(docs/decisions.md#d-single-thread-lapack). :func:`assign` lives here rather than in :mod:`hf_lmc.matching` because the
 symmetry groups harden relaxed permutations with it, and symmetry sits below matching.
 """
 

@@ -1,11 +1,11 @@
 """The alignment methods, one registry entry each.
 
-An entry says what a method needs (data, how many models), what it moves, which matcher class
-fits it, and how the model card and the README describe it. The command line's choices, the
-recipe schema's enum, the README's methods table (``python -m hf_lmc.methods README.md`` writes
-it) and the card's
-wording all read this table; :func:`hf_lmc.alignment.align_many` builds the matcher an entry
-names. Adding a method is adding an entry (and its matcher).
+An entry says what a method needs (data, how many models), what it moves, which class fits it
+(a matcher, or a trainable path that :class:`~hf_lmc.matching.TrainedMatcher` trains), and how
+the model card and the README describe it. The command line's choices, the recipe schema's
+enum, the README's methods table (``python -m hf_lmc.methods README.md`` writes it) and the
+card's wording all read this table; :func:`hf_lmc.alignment.matcher_for` builds the matcher an
+entry names. Adding a method is adding an entry (and its matcher or path).
 
 The module imports neither torch nor transformers, so ``hf-lmc --help`` can list the methods.
 """
@@ -29,11 +29,11 @@ class Method:
         multi: whether it merges more than two models.
         trained: whether its transforms are trained (soft permutations are hardened before export).
         moves: what it moves, two models / three or more.
-        pair_matcher, many_matcher: the class in :mod:`hf_lmc.matching` that fits it for two
+        pair_class, many_class: the class in :mod:`hf_lmc.matching` that fits it for two
             models / for more (``None``: the method has no transforms, or no form for that
-            count). A trained method names its path, which
-            :class:`~hf_lmc.matching.TrainedMatcher` trains (for more than two models in its
-            simplex form, :class:`~hf_lmc.SimplexMatcher`).
+            count). A search method names its matcher; a trained method names its trainable
+            path, which :class:`~hf_lmc.matching.TrainedMatcher` trains under the matcher
+            contract (for more than two models in its simplex form, :class:`~hf_lmc.SimplexPath`).
         pair_card, many_card: how the model card says the models were aligned (two / more).
         when: when to choose it (the README's methods table).
     """
@@ -43,8 +43,8 @@ class Method:
     multi: bool
     trained: bool
     moves: str
-    pair_matcher: str | None
-    many_matcher: str | None
+    pair_class: str | None
+    many_class: str | None
     pair_card: str
     many_card: str
     when: str
@@ -59,8 +59,8 @@ METHODS: dict[str, Method] = {
             multi=True,
             trained=False,
             moves="nothing",
-            pair_matcher=None,
-            many_matcher=None,
+            pair_class=None,
+            many_class=None,
             pair_card="",
             many_card="",
             when="the vanilla baseline: a plain weighted average of the stored weights",
@@ -71,8 +71,8 @@ METHODS: dict[str, Method] = {
             multi=True,
             trained=False,
             moves="B; with 3+ models every model (universe matching)",
-            pair_matcher="WeightMatcher",
-            many_matcher="UniverseMatcher",
+            pair_class="WeightMatcher",
+            many_class="UniverseMatcher",
             pair_card="model B was aligned to model A by data-free weight matching over its function-preserving symmetries, ",
             many_card="aligned to one shared reference by universe weight matching (each model matched without data, over "
             "its function-preserving symmetries, to the weighted average of the others as aligned so far, repeated until "
@@ -85,8 +85,8 @@ METHODS: dict[str, Method] = {
             multi=False,
             trained=False,
             moves="B",
-            pair_matcher="ActivationMatcher",
-            many_matcher=None,
+            pair_class="ActivationMatcher",
+            many_class=None,
             pair_card="model B was aligned to model A by matching their activations on calibration data over the "
             "function-preserving symmetries, ",
             many_card="",
@@ -98,8 +98,8 @@ METHODS: dict[str, Method] = {
             multi=True,
             trained=True,
             moves="B; with 3+ models all but the first",
-            pair_matcher="LearnedMatcher",
-            many_matcher="LearnedMatcher",
+            pair_class="LearnedPath",
+            many_class="LearnedPath",
             pair_card="model B's symmetry transform was learned (from the weight-matching solution) to lower the loss "
             "along the linear path, ",
             many_card="aligned by universe weight matching, and then every model's but the first's symmetry transform was "
@@ -113,8 +113,8 @@ METHODS: dict[str, Method] = {
             multi=True,
             trained=True,
             moves="A and B; with 3+ models every model",
-            pair_matcher="DualMatcher",
-            many_matcher="DualMatcher",
+            pair_class="DualPath",
+            many_class="DualPath",
             pair_card="both models' symmetry transforms were learned (dual matching, from the weight-matching solution) "
             "toward one shared low-loss linear path, ",
             many_card="aligned by universe weight matching, and then every model's symmetry transform was learned to lower "

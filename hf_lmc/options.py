@@ -10,10 +10,12 @@ The module imports neither torch nor transformers: ``hf-lmc --help`` builds its 
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 #: The parameterisations of the residual (orthogonal) maps.
 ORTHOGONAL = ("cayley", "exp", "polar")
@@ -28,8 +30,25 @@ OBJECTIVES = ("labels", "ensemble")
 FOCI = ("worst", "excess")
 #: The symmetry groups an alignment searches.
 SYMMETRIES = ("full", "permutation")
+#: The symmetry group an alignment searches unless told otherwise.
+DEFAULT_SYMMETRIES = "full"
+#: The weight of the second of two models unless told otherwise: the midpoint of the path.
+DEFAULT_ALPHA = 0.5
 #: Dtypes a merge can be written in.
 DTYPES = ("float32", "float16", "bfloat16")
+#: Points of the evaluation grid along the path of two models unless told otherwise
+#: (alpha = 0, 0.1, ..., 1); the learned matchers look for the path's worst point on it too.
+PATH_POINTS = 11
+#: Points per edge of the evaluation grid over the simplex of three or more models unless told otherwise.
+SIMPLEX_POINTS = 5
+#: Where a trained path's transforms start unless given one: weight (or, for three or more
+#: models, universe) matching's solution, or the identity. A Python-only setting: the command
+#: line always starts from weight matching.
+INITS = ("weight", "identity")
+DEFAULT_INIT = "weight"
+#: Training steps between re-locations of a path's worst point (and, with held-out batches,
+#: barrier estimates). A Python-only setting of the training loop.
+LOCATE_EVERY = 50
 #: Where weight matching and the export's products can run.
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*")
@@ -101,6 +120,42 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_Model = TypeVar("_Model", bound=Options)
+
+
+def with_overrides(model: type[_Model], options: _Model | None, overrides: dict[str, Any]) -> _Model:
+    """``options`` (``None``: ``model``'s defaults) with the fields named in ``overrides`` set, and
+    the whole checked again by ``model``: how the Python API takes an options object and
+    keywords beside it, with the one set of checks the command line and recipes run. A keyword
+    that is no field of ``model`` is a ``TypeError``, as for any function; a refused value a
+    :class:`UsageError` in one line naming each refused keyword."""
+    base = model() if options is None else options
+    if not isinstance(base, model):
+        raise TypeError(f"options must be a {model.__name__}, got {type(base).__name__}")
+    unknown = [name for name in overrides if name not in model.model_fields]
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword argument {unknown[0]!r}: not a {model.__name__} field ({', '.join(model.model_fields)})"
+        )
+    if not overrides:
+        return base
+    try:
+        return model(**{**base.model_dump(), **overrides})
+    except ValidationError as err:
+        raise UsageError("; ".join(_keyword_message(error) for error in err.errors())) from None
+
+
+def _keyword_message(error: dict) -> str:
+    """One refused value as ``keyword: what is wrong``; pydantic's own checks (bounds, choices)
+    do not quote the value refused, so it is added (a check across fields names its field first)."""
+    message = error["msg"].removeprefix("Value error, ")
+    if not error["loc"]:
+        return message
+    if error["type"] != "value_error":
+        message += f", got {clipped(error['input'])}"
+    return f"{'.'.join(map(str, error['loc']))}: {message}"
+
+
 def check_orthogonal(orthogonal: str, frame: str = "own") -> None:
     """Refuse an unknown residual-map parameterisation or frame, or a frame the parameterisation
     cannot take: polar projects a free matrix and has no fixed start to put a factor beside."""
@@ -153,7 +208,7 @@ def default_warmup(steps: int) -> int:
 
 
 class LearnOptions(Options):
-    """How learned and dual matching train their transforms (see :class:`hf_lmc.DualMatcher` and
+    """How learned and dual matching train their transforms (see :class:`hf_lmc.DualPath` and
     docs/learned-matching.md). Checked when built, so a conflict fails before any model loads."""
 
     steps: int = Field(
@@ -164,8 +219,8 @@ class LearnOptions(Options):
     target_barrier: float | None = Field(
         0.02,
         ge=0,
-        description="stop learned and dual matching of two models once the path's barrier, estimated every 50 steps on the "
-        "last eighth of the fitting batches (held out of training), is at most this many nats; 0 trains the whole budget",
+        description=f"stop learned and dual matching of two models once the path's barrier, estimated every {LOCATE_EVERY} steps "
+        "on the last eighth of the fitting batches (held out of training), is at most this many nats; 0 trains the whole budget",
     )
     lr: float = Field(
         1e-2, gt=0, description="Adam learning rate of learned and dual matching (the peak of the schedule)"
@@ -205,8 +260,8 @@ class LearnOptions(Options):
         0.5,
         ge=0,
         le=1,
-        description="two models: share of the weights drawn near the path's current worst point instead, re-located every 50 steps "
-        "(0: all from lambda_range)",
+        description="two models: share of the weights drawn near the path's current worst point instead, re-located every "
+        f"{LOCATE_EVERY} steps (0: all from lambda_range)",
     )
     focus: Literal["worst", "excess"] = Field(
         "worst",
@@ -296,6 +351,12 @@ class AccelerateOptions(Options):
         "of processes): the merge is the one an uninterrupted run makes; with no state saved yet, start afresh",
     )
 
+    @field_validator("checkpoint_dir", mode="before")
+    @classmethod
+    def _folder_name(cls, value):
+        """A ``Path`` given from Python, as text."""
+        return os.fspath(value) if isinstance(value, os.PathLike) else value
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.offload_endpoints and not self.shard_endpoints:
@@ -324,8 +385,39 @@ EVAL_OPTIONS = EvalOptions()
 #: the training split, in batches of their own size. Learned and dual matching take one step per
 #: batch: on the same text a larger batch alone changes little, but where the text holds more
 #: than the steps would read in small batches, larger ones lower the barrier they reach
-#: (docs/benchmarks.md, section 0.8), at the activation memory of the larger batch.
+#: (docs/decisions.md#d-fit-batch-32), at the activation memory of the larger batch.
 FIT_OPTIONS = EvalOptions(split="train", batch_size=32)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How the command line offers a field of :class:`MergeRequest` whose flag needs more than
+    the field's type and description say (the flag itself is the field's name, ``eval_data``
+    -> ``--eval-data``, as for every options model). Declared on the field (``Annotated[...,
+    Flag(...)]``), so the flag is generated from the one definition of the field.
+
+    Attributes:
+        help: the flag's help, where it is worded for the command line (default: the description).
+        metavar: the name of its value in the help (default: the field name's last word, in capitals).
+        type: the type of each value on the command line, where the field's own is wider.
+        nargs: how many values it takes (``"+"``: one per model).
+        choices: the values it takes, where the field's type does not list them.
+        aliases: further names of the flag (``-o``).
+        required: whether every command that offers it needs it.
+    """
+
+    help: str | None = None
+    metavar: str | None = None
+    type: type | None = None
+    nargs: str | None = None
+    choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()
+    required: bool = False
+
+
+def flag_of(field) -> Flag:
+    """The :class:`Flag` declared on a pydantic field (an empty one where none is)."""
+    return next((item for item in field.metadata if isinstance(item, Flag)), Flag())
 
 
 #: How ``tokenizer_from`` names the two models of a pair, as messages call them.
@@ -387,7 +479,7 @@ class OutputOptions(Options):
         return value
 
 
-class MergeSpec(OutputOptions):
+class MergeRequest(OutputOptions):
     """Everything one merge needs, frozen: the stages of :mod:`hf_lmc.pipeline` (resolve, align,
     measure, write, push) read it, :func:`hf_lmc.merge` and :func:`hf_lmc.merge_models` build
     it from keywords, and a recipe is a list of them. The output settings are inherited from
@@ -398,32 +490,78 @@ class MergeSpec(OutputOptions):
     models: tuple[str, ...] = Field(
         min_length=2, description="local folders or Hub ids; the first one's config, tokenizer and dtype are used"
     )
-    output: str = Field(description="folder to write")
-    revisions: tuple[str | None, ...] | None = Field(
-        None, description="Hub revision per model (None entries: the default branch)"
-    )
-    weights: tuple[float, ...] | None = Field(
+    output: Annotated[
+        str,
+        Flag(help="folder to write (must not exist unless --overwrite)", metavar="DIR", aliases=("-o",), required=True),
+    ] = Field(description="folder to write")
+    revisions: Annotated[
+        tuple[str | None, ...] | None,
+        Flag(
+            help="Hub revision of every model, in order ('-' for the default branch)",
+            metavar="REV",
+            type=str,
+            nargs="+",
+        ),
+    ] = Field(None, description="Hub revision per model (None entries: the default branch)")
+    weights: Annotated[tuple[float, ...] | None, Flag(metavar="W", type=float, nargs="+")] = Field(
         None, description="one weight per model, >= 0, summing to 1 (default: uniform)"
     )
-    method: str = Field("weight", description="alignment method (hf_lmc.methods)")
-    symmetries: Any = Field(
-        "full", description="symmetry group the alignment searches: full, permutation, or a set of kinds"
+    method: Annotated[str, Flag(help="alignment before interpolation")] = Field(
+        "weight", description="alignment method (hf_lmc.methods)"
     )
-    device: str | None = Field(
+    symmetries: Annotated[Any, Flag(help="symmetry group the alignment searches", type=str, choices=SYMMETRIES)] = (
+        Field(
+            DEFAULT_SYMMETRIES,
+            description="symmetry group the alignment searches: full, permutation, or a set of kinds",
+        )
+    )
+    device: Annotated[
+        str | None,
+        Flag(
+            help="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch "
+            "sees one, else cpu)"
+        ),
+    ] = Field(
         None, description="where weight matching and the export's products run (default: a GPU when torch sees one)"
     )
-    data: Any = Field(
+    data: Annotated[
+        Any,
+        Flag(
+            help="data the alignment fits on: text file or folder, datasets id or saved dataset, .pt tensors for ViT, "
+            "or 'sampled': text sampled from the language models themselves (--max-batches batches of --batch-size, "
+            "default 8192 sequences)",
+            metavar="DATA",
+            type=str,
+        ),
+    ] = Field(
         None,
-        description="fitting data of activation, learned and dual matching (anything hf_lmc.evaluation.load_batches reads)",
+        description="fitting data of activation, learned and dual matching (anything hf_lmc.batches.load_batches reads)",
     )
     data_options: EvalOptions = Field(FIT_OPTIONS, description="how the fitting data is batched")
     learn: LearnOptions = Field(LearnOptions(), description="learned and dual matching")
     accelerate: AccelerateOptions = Field(AccelerateOptions(), description="accelerate settings of the training loop")
-    eval_data: Any = Field(None, description="held-out data: the barrier table and plot go into the card")
+    eval_data: Annotated[
+        Any,
+        Flag(
+            help="held-out data the barrier is measured on: text file or folder, datasets id or saved dataset, .pt "
+            "tensors for ViT",
+            metavar="DATA",
+            type=str,
+        ),
+    ] = Field(None, description="held-out data: the barrier table and plot go into the card")
     eval_options: EvalOptions = Field(EVAL_OPTIONS, description="how the evaluation data is batched")
-    alphas: int | tuple[float, ...] | None = Field(
+    alphas: Annotated[
+        int | tuple[float, ...] | None,
+        Flag(
+            help="points on the alpha grid; for 3+ models per edge of the simplex grid "
+            f"(default: {PATH_POINTS}; {SIMPLEX_POINTS})",
+            metavar="N",
+            type=int,
+        ),
+    ] = Field(
         None,
-        description="evaluation grid: points per edge (default 11 for two models, 5 for more), or the alpha grid itself",
+        description=f"evaluation grid: points per edge (default {PATH_POINTS} for two models, {SIMPLEX_POINTS} for more), or the "
+        "alpha grid itself",
     )
     labels: tuple[str | None, ...] | None = Field(
         None,
@@ -465,3 +603,7 @@ class MergeSpec(OutputOptions):
     def _as_string(cls, value):
         """A ``Path`` or ``torch.device`` given from Python, as text (the device is checked where it is used)."""
         return None if value is None else str(value)
+
+
+#: The merge request's earlier name, kept as an alias for scripts written against it.
+MergeSpec = MergeRequest

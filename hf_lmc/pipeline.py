@@ -4,7 +4,7 @@
 M models ``merged = sum_k w_k T_k(theta_k)`` for weights ``w`` on the simplex; two models
 through :func:`merge_models` are exactly :func:`merge` with ``alpha = w[1]``.
 
-One frozen :class:`~hf_lmc.options.MergeSpec` drives the stages of :func:`run`:
+One frozen :class:`~hf_lmc.options.MergeRequest` drives the stages of :func:`run`:
 
 * :func:`resolve` checks the settings, finds each model's folder and config, loads the evaluation data;
 * :func:`align` aligns the models by the method's registry entry (``average`` of models of one
@@ -17,19 +17,17 @@ One frozen :class:`~hf_lmc.options.MergeSpec` drives the stages of :func:`run`:
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from .adapters import adapter_for, read_config
 from .alignment import matcher_for
+from .average import average_groups, model_name, open_checkpoints
 from .barriers import (
     BarrierResult,
     SimplexBarrierResult,
@@ -38,27 +36,34 @@ from .barriers import (
     plot_simplex,
     simplex_barrier_of_loaded,
 )
+from .batches import describe_data, fitting_batches, is_sampled, load_batches, sampled_count
 from .canonical import (
     block_rows,
     canonicalize,
     combine,
     export_config,
     hf_state_dict_groups,
-    weighted_sum,
 )
-from .card import DataSource, ModelSource, inherited_license, merge_card
+from .card import (
+    ModelSource,
+    eval_source,
+    inherited_license,
+    merge_card,
+    settings_markdown,
+    training_notes,
+    training_settings,
+)
 from .checkpoint import Checkpoint
 from .devices import compute_device, launched_processes, wait_for_others
-from .evaluation import describe_data, fitting_batches, is_sampled, load_batches, sampled_count
 from .export import check_writable, write_checkpoint
 from .grids import simplex_grid
-from .hub import push_folder, resolve_checkpoint, shown_reference, shown_settings
+from .hub import push_folder, resolve_checkpoint, shown_reference
 from .inherit import check_inherited, shown_names
 from .loading import load_model, revisions_per_model
 from .methods import METHODS
-from .options import LearnOptions, MergeSpec
+from .options import DEFAULT_ALPHA, PATH_POINTS, SIMPLEX_POINTS, MergeRequest
 from .outputs import check_apart
-from .preflight import check_spec, merge_spec, pair_weights, simplex_weights
+from .preflight import check_request, merge_request, pair_weights, simplex_weights
 from .symmetry import Transform, resolve_kinds
 from .widths import check_mergeable, to_common_shape
 
@@ -81,91 +86,6 @@ class MergeResult:
     wrote: bool = True  # False on every launched process but the main one, which writes (and reports) the merge
 
 
-_HARDENED = (
-    "MLP permutations were learned as Sinkhorn soft permutations and hardened (linear assignment) "
-    "before export, so the merged weights apply exact permutations of each model."
-)
-_ENSEMBLE = (
-    "The transforms were trained toward the models' own predictions mixed at the same weights "
-    "(objective `ensemble`), not toward the training data's labels."
-)
-
-
-def _training_notes(method: str, learn: LearnOptions) -> list[str]:
-    """Model-card notes on how a trained method's transforms were learned."""
-    if not METHODS[method].trained:
-        return []
-    notes = [_HARDENED] if learn.permutations == "sinkhorn" else []
-    if learn.objective == "ensemble":
-        notes.append(_ENSEMBLE)
-    if learn.input_noise:
-        notes.append(
-            f"The transforms were trained on images with Gaussian noise of std {learn.input_noise:g} added afresh at every step."
-        )
-    return notes
-
-
-def _training_settings(spec: MergeSpec, count: int, stopping=None) -> list[tuple[str, str]] | None:
-    """The card's table of how a trained method's transforms were learned: enough to run it again."""
-    if not METHODS[spec.method].trained:
-        return None
-    learn, accelerate, data, data_options = spec.learn, spec.accelerate, spec.data, spec.data_options
-    shape = f"batches of {data_options.batch_size}" + (
-        f" × {data_options.seq_len} tokens" if data_options.seq_len else ""
-    )
-    if is_sampled(data):
-        shape += f", {sampled_count(data_options)} sequences drawn at temperature 1, an equal share from each model"
-    elif data_options.max_batches:
-        shape += f", at most {data_options.max_batches} of them"
-    schedule = learn.schedule + (f", {learn.warmup_steps} warmup steps" if learn.warmup_steps else "")
-    named = describe_data(shown_reference(data) if isinstance(data, (str, Path)) else data)  # no path of this machine
-    rows = [
-        ("data", f"{named} ({shape})" if is_sampled(data) else f"{named} (split `{data_options.split}`, {shape})"),
-        (
-            "steps",
-            f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)",
-        ),
-        (
-            "optimiser",
-            f"Adam, lr {learn.lr:g}"
-            + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "")
-            + f", schedule `{schedule}`",
-        ),
-        (
-            "parameterisation",
-            f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`",
-        ),
-    ]
-    if count == 2:
-        low, high = learn.lambda_range
-        near = "the path's worst point" if learn.focus == "worst" else "the points above the line, by their excess"
-        rows.append(
-            ("λ draws", f"{1 - learn.worst_fraction:g} from U({low:g}, {high:g}), {learn.worst_fraction:g} near {near}")
-        )
-    else:
-        rows.append(("weight draws", f"Dirichlet({learn.concentration:g} · 1)"))
-    rows.append(
-        (
-            "objective",
-            f"`{learn.objective}`" + (f", input noise std {learn.input_noise:g}" if learn.input_noise else ""),
-        )
-    )
-    rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
-    if accelerate.shard_endpoints:
-        gathered = f", layers gathered in `{accelerate.mixed_precision}`" if accelerate.mixed_precision != "no" else ""
-        rows.append(
-            (
-                "endpoints",
-                "sharded across the processes (FSDP2)"
-                + (", offloaded to CPU memory" if accelerate.offload_endpoints else "")
-                + gathered,
-            )
-        )
-    if stopping is not None:
-        rows.append(("stopping", stopping.describe()))
-    return rows
-
-
 def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
@@ -179,35 +99,6 @@ def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
-def _open_checkpoints(folders: Sequence[Path], configs: Sequence) -> list[Checkpoint]:
-    """The models' checkpoints, each opened once and checked against its own config (every
-    tensor present, of its shape, stored as a float) before any work."""
-    return [Checkpoint(folder, adapter_for(config), config) for folder, config in zip(folders, configs)]
-
-
-def _average_groups(checkpoints: Sequence[Checkpoint], weights: Sequence[float]) -> Iterator[dict[str, Tensor]]:
-    """HF tensors of the plain weighted average, one layer's worth at a time (keys grouped by layer)."""
-    first, *rest = checkpoints
-    for other in rest:
-        missing = set(first) ^ set(other)
-        if missing:
-            raise ValueError(
-                f"the checkpoints hold different tensors (e.g. {min(missing)!r}); merge needs one architecture"
-            )
-    for keys in _by_layer(sorted(first)):
-        out = {}
-        for key in keys:
-            tensors = [first[key]] + [other[key] for other in rest]
-            for k, t in enumerate(tensors[1:], 1):
-                if t.shape != tensors[0].shape:
-                    raise ValueError(
-                        f"{key} has shape {tuple(tensors[0].shape)} in {_model_name(0, len(tensors))} but {tuple(t.shape)} in {_model_name(k, len(tensors))}"
-                    )
-            ta = tensors[0]
-            out[key] = _weighted_rows(tensors, weights) if ta.is_floating_point() else ta
-        yield out
-
-
 def _verified_at_end(groups: Iterator, sources: Sequence[Checkpoint]) -> Iterator:
     """``groups``, then a check that no input file changed while they were computed: it runs as
     the export asks for a group past the last, before the output is put in place, so an input
@@ -217,40 +108,12 @@ def _verified_at_end(groups: Iterator, sources: Sequence[Checkpoint]) -> Iterato
         checkpoint.verify_unchanged()
 
 
-def _model_name(k: int, count: int) -> str:
-    """How messages name model ``k``: A and B for a pair, model 1..M otherwise."""
-    return "AB"[k] if count == 2 else f"model {k + 1}"
-
-
-def _weighted_rows(tensors: list[Tensor], weights, block: int = 16 << 20) -> Tensor:
-    """``sum_k weights[k] tensors[k]`` in float32, stored in the first tensor's dtype, ~``block``
-    elements at a time (a vocabulary-sized matrix never needs float32 copies of itself)."""
-    first = tensors[0]
-    if first.dim() == 0 or first.numel() <= block:
-        return weighted_sum([t.float() for t in tensors], weights).to(first.dtype)
-    out = torch.empty_like(first)
-    rows = max(1, block // max(1, first[0].numel()))
-    for start in range(0, first.shape[0], rows):
-        part = slice(start, start + rows)
-        out[part] = weighted_sum([t[part].float() for t in tensors], weights)
-    return out
-
-
-def _by_layer(keys: list[str]) -> Iterator[list[str]]:
-    """Keys grouped by layer; every key outside the layers (embedding, head, ...) on its own."""
-    groups: dict[str, list[str]] = {}
-    for key in keys:
-        m = re.search(r"\.(\d+)\.", key)
-        groups.setdefault(m.group(0) if m else key, []).append(key)
-    yield from groups.values()
-
-
 def merge(
     model_a: str | Path,
     model_b: str | Path,
     output: str | Path,
     *,
-    alpha: float = 0.5,
+    alpha: float = DEFAULT_ALPHA,
     revision_a: str | None = None,
     revision_b: str | None = None,
     progress: bool = True,
@@ -265,7 +128,7 @@ def merge(
         alpha: interpolation weight of B in [0, 1]: 0 gives A's function, 1 B's.
         progress: show progress bars.
         api: stands in for ``huggingface_hub.HfApi`` when pushing.
-        settings: any field of :class:`hf_lmc.options.MergeSpec` but the models, weights and
+        settings: any field of :class:`hf_lmc.options.MergeRequest` but the models, weights and
             revisions: ``method`` (``"weight"``, the default; see :mod:`hf_lmc.methods`),
             ``symmetries``, ``device``, ``data`` and ``data_options`` (fitting data),
             ``learn`` and ``accelerate`` (learned and dual matching), ``eval_data``,
@@ -291,7 +154,7 @@ def merge_models(
     """Merge M >= 2 checkpoints of one architecture into ``sum_k w_k T_k(theta_k)``, written as a
     stock HF folder to ``output``.
 
-    ``settings`` are the fields of :class:`hf_lmc.options.MergeSpec`: ``weights`` (one per
+    ``settings`` are the fields of :class:`hf_lmc.options.MergeRequest`: ``weights`` (one per
     model, >= 0, summing to 1; default uniform), ``revisions`` (one per model), ``method``
     (``"weight"`` is universe matching for more than two models; ``"learned"`` and ``"dual"``
     refine it on ``data`` at weights ``w ~ Dirichlet(learn.concentration * 1)``, ``learned``
@@ -299,10 +162,10 @@ def merge_models(
     through here are exactly :func:`merge` with ``alpha = weights[1]``. With ``eval_data`` the
     card gets the barrier table (for more than two models: over the simplex grid, its worst point).
     """
-    return run(merge_spec(list(models), output, **settings), progress=progress, api=api)
+    return run(merge_request(list(models), output, **settings), progress=progress, api=api)
 
 
-def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
+def run(request: MergeRequest, *, progress: bool = True, api=None) -> MergeResult:
     """Carry out one merge: resolve → align → measure → write → push.
 
     Measuring comes before writing because the barrier goes into the model card, which is
@@ -314,27 +177,27 @@ def run(spec: MergeSpec, *, progress: bool = True, api=None) -> MergeResult:
     """
     processes = launched_processes()
     main = processes is None or processes.is_main_process
-    inputs = resolve(spec, progress=progress and main)
+    inputs = resolve(request, progress=progress and main)
     wait_for_others(processes)  # every process has checked the output before any writes it
     aligned, measured, url = None, Measured(), None
     try:
-        if main or METHODS[spec.method].trained:  # learned and dual matching train on every process (DDP)
-            aligned = align(spec, inputs, progress=progress and main)
+        if main or METHODS[request.method].trained:  # learned and dual matching train on every process (DDP)
+            aligned = align(request, inputs, progress=progress and main)
         if main:
             with tempfile.TemporaryDirectory() as scratch:
-                measured = measure(spec, inputs, aligned, Path(scratch), progress=progress)
-                write(spec, inputs, aligned, measured, progress=progress)
+                measured = measure(request, inputs, aligned, Path(scratch), progress=progress)
+                write(request, inputs, aligned, measured, progress=progress)
             url = (
-                push_folder(Path(spec.output), spec.push_to_hub, private=spec.private, api=api)
-                if spec.push_to_hub
+                push_folder(Path(request.output), request.push_to_hub, private=request.private, api=api)
+                if request.push_to_hub
                 else None
             )
     finally:  # a failure on the main process still releases the others (the launcher then reports it)
         wait_for_others(processes)
-    count = len(spec.models)
+    count = len(request.models)
     return MergeResult(
-        Path(spec.output),
-        spec.method,
+        Path(request.output),
+        request.method,
         inputs.weights[1] if count == 2 else None,
         measured.result,
         url,
@@ -362,31 +225,33 @@ class Inputs:
     inherited_notes: tuple[str, ...] = ()
 
 
-def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
+def resolve(request: MergeRequest, *, progress: bool = True) -> Inputs:
     """Check the settings, find every model's folder and config, and load the evaluation data:
     every problem a user can fix surfaces here, before any long alignment work."""
-    count = len(spec.models)
-    written = check_spec(spec)  # what the command line checked before importing this module
-    weights = simplex_weights(spec.weights, count)
-    revisions = revisions_per_model(spec.revisions, count)
-    kinds = resolve_kinds(spec.symmetries)
-    out_dtype = _dtype(spec.dtype)
-    device = compute_device(spec.device)
-    output = Path(spec.output)
-    folders, configs, width_notes, inherited_notes = _read_models(spec, revisions, written)
+    count = len(request.models)
+    written = check_request(request)  # what the command line checked before importing this module
+    weights = simplex_weights(request.weights, count)
+    revisions = revisions_per_model(request.revisions, count)
+    kinds = resolve_kinds(request.symmetries)
+    out_dtype = _dtype(request.dtype)
+    device = compute_device(request.device)
+    output = Path(request.output)
+    folders, configs, width_notes, inherited_notes = _read_models(request, revisions, written)
     check_writable(output, _written_bytes(folders, configs, out_dtype))
     eval_batches = (
-        load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options) if spec.eval_data is not None else None
+        load_batches(request.eval_data, configs[0], folders[0], request.eval_options)
+        if request.eval_data is not None
+        else None
     )
-    needs_data = METHODS[spec.method].needs_data
+    needs_data = METHODS[request.method].needs_data
     fit_batches = None
     if needs_data:  # sampled data: each model on the compute device in turn
         models = [lambda folder=folder: load_model(folder).model.to(device) for folder in folders]
         fit_batches = fitting_batches(
-            spec.data, configs[0], folders[0], spec.data_options, models=models, progress=progress
+            request.data, configs[0], folders[0], request.data_options, models=models, progress=progress
         )
     if eval_batches is not None:
-        logger.info("evaluation data %s: %d batches", describe_data(spec.eval_data), len(eval_batches))
+        logger.info("evaluation data %s: %d batches", describe_data(request.eval_data), len(eval_batches))
     return Inputs(
         weights,
         kinds,
@@ -403,44 +268,44 @@ def resolve(spec: MergeSpec, *, progress: bool = True) -> Inputs:
 
 
 def _read_models(
-    spec: MergeSpec, revisions: Sequence[str | None], written: Sequence[tuple[Path, str]], *, weights: bool = True
+    request: MergeRequest, revisions: Sequence[str | None], written: Sequence[tuple[Path, str]], *, weights: bool = True
 ) -> tuple[list[Path], list, list[str], tuple[str, ...]]:
     """Every model's folder (a Hub model downloaded, with its weights unless ``weights`` is
     false) and config, checked apart from the ``written`` folders, mergeable with the first, and
     with what the merge inherits from the first checked: ``(folders, configs, width notes,
     inherited notes)``."""
-    count = len(spec.models)
-    folders = [resolve_checkpoint(m, r, weights=weights) for m, r in zip(spec.models, revisions)]
+    count = len(request.models)
+    folders = [resolve_checkpoint(m, r, weights=weights) for m, r in zip(request.models, revisions)]
     for path, what in written:  # and as resolved (a Hub snapshot)
         check_apart(path, folders, what)
     configs = [read_config(f) for f in folders]
-    for k, (model, folder, config) in enumerate(zip(spec.models, folders, configs)):
+    for k, (model, folder, config) in enumerate(zip(request.models, folders, configs)):
         logger.info(
             "%s: %s (%s)%s",
-            _model_name(k, count),
+            model_name(k, count),
             model,
             config.model_type,
             "" if str(folder) == str(model) else f" from {folder}",
         )
     width_notes = []
     for k in range(1, count):
-        width_notes += check_mergeable(configs[0], configs[k], spec.models[0], spec.models[k])
+        width_notes += check_mergeable(configs[0], configs[k], request.models[0], request.models[k])
     if width_notes and count > 2:
         raise ValueError(f"models of different widths merge two at a time, got {count} models ({width_notes[0]})")
-    names = shown_names(spec.models, spec.labels)
-    tokenizer_from = None if spec.tokenizer_from is None else spec.tokenizer_model
+    names = shown_names(request.models, request.labels)
+    tokenizer_from = None if request.tokenizer_from is None else request.tokenizer_model
     inherited_notes = tuple(
-        check_inherited(folders, configs, names, inherit_from_a=spec.inherit_from_a, tokenizer_from=tokenizer_from)
+        check_inherited(folders, configs, names, inherit_from_a=request.inherit_from_a, tokenizer_from=tokenizer_from)
     )
     return folders, configs, width_notes, inherited_notes
 
 
-#: What the dry run's estimates scale from (docs/benchmarks.md, on 2 CPU cores): the plain
-#: average and weight matching of a Pythia-1B-shaped pair took 17 s and 98 s (§5.1), a forward
-#: and backward pass of Pythia-160M on 4 × 512 tokens 14.1 s (§6.1: about 1.4e11 FLOP/s, a
-#: forward being a third of that) and a learned or dual step 2.65 such passes (§6.1); a streamed
-#: merge peaked at 0.6 (average) to 0.9 (weight) of one checkpoint above 0.42 GB of runtime
-#: (§5.1), and a trained one at twice both models' float32 weights plus a batch's activations (§6.1).
+#: What the dry run's estimates scale from (docs/decisions.md#d-dry-run-estimates, on 2 CPU cores):
+#: the plain average and weight matching of a Pythia-1B-shaped pair took 17 s and 98 s, a forward
+#: and backward pass of Pythia-160M on 4 × 512 tokens 14.1 s (about 1.4e11 FLOP/s, a forward
+#: being a third of that) and a learned or dual step 2.65 such passes; a streamed merge peaked at
+#: 0.6 (average) to 0.9 (weight) of one checkpoint above 0.42 GB of runtime, and a trained one at
+#: twice both models' float32 weights plus a batch's activations.
 _SECONDS_PER_BILLION = {"average": 17.0, "weight": 100.0}
 _FLOPS = 1.4e11
 _STEP_PASSES = 2.65
@@ -449,10 +314,10 @@ _RUNTIME_BYTES = 0.42e9
 
 @dataclass(frozen=True)
 class Plan:
-    """What :func:`run` would do with a spec, as :func:`plan` found it: the models, the data's
+    """What :func:`run` would do with a request, as :func:`plan` found it: the models, the data's
     batches and rough estimates of the output's size, the peak memory and the time."""
 
-    spec: MergeSpec
+    request: MergeRequest
     weights: tuple[float, ...]
     models: list[tuple[str, str, int, str]]  # per model: as given, model type, parameters, stored dtype
     notes: list[str]
@@ -464,32 +329,30 @@ class Plan:
 
     def table(self) -> str:
         """The plan as the command line prints it."""
-        spec, count = self.spec, len(self.models)
+        request, count = self.request, len(self.models)
         lines = ["dry run: configs, tokenizers, tensor headers and data read; no weight read, nothing written"]
         for k, (name, model_type, parameters, dtype) in enumerate(self.models):
-            lines.append(
-                f"  {_model_name(k, count)}: {name} ({model_type}, {_counted(parameters)} parameters, {dtype})"
-            )
+            lines.append(f"  {model_name(k, count)}: {name} ({model_type}, {_counted(parameters)} parameters, {dtype})")
         how = f"alpha {self.weights[1]:g}" if count == 2 else "weights " + " ".join(f"{w:g}" for w in self.weights)
         lines.append(
-            f"  method: {spec.method}"
-            + ("" if spec.method == "average" else f" (symmetries {spec.symmetries})")
+            f"  method: {request.method}"
+            + ("" if request.method == "average" else f" (symmetries {request.symmetries})")
             + f", {how}"
         )
         for what, data, batches in (
-            ("fitting data", spec.data, self.fit_batches),
-            ("evaluation data", spec.eval_data, self.eval_batches),
+            ("fitting data", request.data, self.fit_batches),
+            ("evaluation data", request.eval_data, self.eval_batches),
         ):
             if batches is not None:
                 sampled = " to be sampled" if is_sampled(data) else ""
                 shown = f"{batches[0]} batches, {_counted(batches[1])} tokens{sampled}"
                 lines.append(f"  {what}: {describe_data(data)} ({shown})")
             elif data is not None:
-                lines.append(f"  {what}: {describe_data(data)} (not read: method {spec.method} fits on no data)")
-        output = Path(spec.output)
+                lines.append(f"  {what}: {describe_data(data)} (not read: method {request.method} fits on no data)")
+        output = Path(request.output)
         lines.append(
             f"  output: {output} ({'replaced' if output.exists() else 'new'})"
-            + (f", pushed to {spec.push_to_hub}" if spec.push_to_hub else "")
+            + (f", pushed to {request.push_to_hub}" if request.push_to_hub else "")
         )
         lines += [f"  note: {note}" for note in self.notes]
         lines.append(
@@ -497,27 +360,27 @@ class Plan:
             f"~{_duration(self.seconds)} on 2 CPU cores (a GPU is faster)"
         )
         lines.append(
-            "  (size: the parameters in the written dtype; memory and time scaled from docs/benchmarks.md §5.1, §6.1)"
+            "  (size: the parameters in the written dtype; memory and time scaled from docs/decisions.md#d-dry-run-estimates)"
         )
         return "\n".join(lines)
 
 
-def plan(spec: MergeSpec) -> Plan:
-    """Check ``spec`` as :func:`resolve` does (settings, outputs, every model's config and
+def plan(request: MergeRequest) -> Plan:
+    """Check ``request`` as :func:`resolve` does (settings, outputs, every model's config and
     tensor headers, what the merge inherits, room on disk, the data) without reading any weight
     or writing anything, and estimate what the merge costs (see :data:`_SECONDS_PER_BILLION`).
     A Hub model's config and tokenizer are downloaded, not its weights; ``sampled`` fitting data
     is not sampled."""
-    count = len(spec.models)
-    written = check_spec(spec)
-    weights = simplex_weights(spec.weights, count)
-    revisions = revisions_per_model(spec.revisions, count)
-    resolve_kinds(spec.symmetries)
-    out_dtype = _dtype(spec.dtype)
-    compute_device(spec.device)
-    folders, configs, width_notes, inherited_notes = _read_models(spec, revisions, written, weights=False)
+    count = len(request.models)
+    written = check_request(request)
+    weights = simplex_weights(request.weights, count)
+    revisions = revisions_per_model(request.revisions, count)
+    resolve_kinds(request.symmetries)
+    out_dtype = _dtype(request.dtype)
+    compute_device(request.device)
+    folders, configs, width_notes, inherited_notes = _read_models(request, revisions, written, weights=False)
     models, stored_bytes, float_bytes, written_bytes = [], [], [], []
-    for name, folder, config in zip(spec.models, folders, configs):
+    for name, folder, config in zip(request.models, folders, configs):
         adapter = adapter_for(config)
         if any(next(Path(folder).glob(pattern), None) for pattern in _WEIGHT_FILES):  # headers alone: no tensor is read
             Checkpoint(folder, adapter, config).close()
@@ -531,40 +394,40 @@ def plan(spec: MergeSpec) -> Plan:
         stored_bytes.append(parameters * stored.itemsize)
         float_bytes.append(parameters * 4)
         written_bytes.append((parameters + tied) * (out_dtype or stored).itemsize)
-    check_writable(Path(spec.output), max(written_bytes))
-    entry = METHODS[spec.method]
+    check_writable(Path(request.output), max(written_bytes))
+    entry = METHODS[request.method]
     eval_batches = fit_batches = None
-    if spec.eval_data is not None:
+    if request.eval_data is not None:
         eval_batches = _batches_and_tokens(
-            load_batches(spec.eval_data, configs[0], folders[0], spec.eval_options), configs[0]
+            load_batches(request.eval_data, configs[0], folders[0], request.eval_options), configs[0]
         )
-    if entry.needs_data and not is_sampled(spec.data):
+    if entry.needs_data and not is_sampled(request.data):
         fit_batches = _batches_and_tokens(
-            load_batches(spec.data, configs[0], folders[0], spec.data_options), configs[0]
+            load_batches(request.data, configs[0], folders[0], request.data_options), configs[0]
         )
     elif entry.needs_data:  # as many sequences as would be sampled, each of the fitting sequence length
-        sequences = sampled_count(spec.data_options)
+        sequences = sampled_count(request.data_options)
         fit_batches = (
-            -(-sequences // spec.data_options.batch_size),
-            sequences * _sequence_tokens(configs[0], spec.data_options),
+            -(-sequences // request.data_options.batch_size),
+            sequences * _sequence_tokens(configs[0], request.data_options),
         )
     largest = max(model[2] for model in models)
-    seconds = _SECONDS_PER_BILLION["average" if spec.method == "average" else "weight"] * largest / 1e9 * (count - 1)
+    seconds = _SECONDS_PER_BILLION["average" if request.method == "average" else "weight"] * largest / 1e9 * (count - 1)
     peak = max(stored_bytes)  # streamed layer by layer: under one checkpoint
     if entry.needs_data:
         batches, tokens = fit_batches
         if entry.trained:
-            seconds += spec.learn.steps * _STEP_PASSES * 6 * largest * tokens / max(batches, 1) / _FLOPS
+            seconds += request.learn.steps * _STEP_PASSES * 6 * largest * tokens / max(batches, 1) / _FLOPS
         else:  # one calibration forward of every model over the fitting data
             seconds += count * 2 * largest * tokens / _FLOPS
         peak = max(peak, 2 * sum(float_bytes))
     if eval_batches is not None:  # every model loaded, and the path's model in float32
-        grid = spec.alphas if spec.alphas is not None else (11 if count == 2 else 5)
+        grid = request.alphas if request.alphas is not None else (PATH_POINTS if count == 2 else SIMPLEX_POINTS)
         points = len(grid) if isinstance(grid, tuple) else len(simplex_grid(count, grid))
-        seconds += (1 if spec.method == "average" else 2) * points * 2 * largest * eval_batches[1] / _FLOPS
+        seconds += (1 if request.method == "average" else 2) * points * 2 * largest * eval_batches[1] / _FLOPS
         peak = max(peak, sum(stored_bytes) + max(float_bytes))
     return Plan(
-        spec,
+        request,
         weights,
         models,
         width_notes + list(inherited_notes),
@@ -624,34 +487,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
-def _settings_markdown(spec: MergeSpec) -> str:
-    """The card's Reproduce text for a merge made from Python: its settings as JSON (data given
-    as objects described by type)."""
-    card_only = {"data", "eval_data", "made_with", "labels", "repo_hint", "eval_data_name"}
-    settings = spec.model_dump(mode="json", exclude_defaults=True, exclude=card_only)
-    for key in ("data", "eval_data"):
-        if getattr(spec, key) is not None:
-            value = getattr(spec, key)
-            settings[key] = str(value) if isinstance(value, (str, Path)) else f"(passed as a {type(value).__name__})"
-    shown = json.dumps(shown_settings(settings), indent=2)  # local paths by their final component: the card is shared
-    return (
-        "It was made from Python, by `hf_lmc.pipeline.run(hf_lmc.MergeSpec(**settings))` with these settings "
-        f"(defaults left out, local paths reduced to their last part, data passed as objects named by their type):"
-        f"\n\n```json\n{shown}\n```"
-    )
-
-
-def _eval_source(spec: MergeSpec) -> DataSource | None:
-    """How the card's ``model-index`` names the evaluation data: a Hub dataset id (as
-    ``load_batches`` reads one) with its configuration and split, anything else as local data."""
-    if spec.eval_data is None:
-        return None
-    reference = spec.eval_data_name or (spec.eval_data if isinstance(spec.eval_data, (str, Path)) else None)
-    if reference is None:
-        return DataSource(f"data passed as a {type(spec.eval_data).__name__}")
-    return DataSource.of(reference, spec.eval_options.split, spec.eval_options.name)
-
-
 #: Files whose bytes are a model's weights, in the order a loader prefers them.
 _WEIGHT_FILES = ("*.safetensors", "*.bin")
 
@@ -694,7 +529,7 @@ class Aligned:
     ] = ()  # the inputs' checkpoints, verified unchanged before the output is put in place
 
 
-def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
+def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Aligned:
     """Align the models (unless the method is the plain average of models of one shape) and set
     up the merged tensors. Reading streams layer by layer from the checkpoints (learned and dual
     matching hold the models in memory while they train)."""
@@ -702,14 +537,14 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     logger.info(
         "aligning %d models: %s%s",
         len(inputs.folders),
-        spec.method,
-        "" if spec.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}",
+        request.method,
+        "" if request.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}",
     )
-    if spec.method == "average" and not inputs.width_notes:
-        checkpoints = _open_checkpoints(inputs.folders, inputs.configs)
-        groups = _average_groups(checkpoints, inputs.weights)
+    if request.method == "average" and not inputs.width_notes:
+        checkpoints = open_checkpoints(inputs.folders, inputs.configs)
+        groups = average_groups(checkpoints, inputs.weights)
         return Aligned(config_a, groups, None, False, None, inputs.out_dtype, sources=tuple(checkpoints))
-    needs_data = METHODS[spec.method].needs_data
+    needs_data = METHODS[request.method].needs_data
     # Weight matching reads every layer on the device from the start; the data methods'
     # matchers place their endpoints themselves (accelerate), from the CPU.
     canonical = [
@@ -717,22 +552,22 @@ def align(spec: MergeSpec, inputs: Inputs, *, progress: bool = True) -> Aligned:
     ]
     sources = tuple(c.source for c in canonical)
     if inputs.width_notes:  # models of two widths: exactly into one shape
-        canonical = list(to_common_shape(*canonical, spec.models[0], spec.models[1]))
+        canonical = list(to_common_shape(*canonical, request.models[0], request.models[1]))
     batches = inputs.fit_batches
     stopping = None
-    if spec.method == "average":  # two widths: the embedded models, interpolated as they are
+    if request.method == "average":  # two widths: the embedded models, interpolated as they are
         transforms = [Transform() for _ in canonical]
     else:  # float32 copies replace the float64 transforms: their per-head blocks add up on big models.
         matcher = matcher_for(
-            spec.method,
+            request.method,
             len(canonical),
             symmetries=inputs.kinds,
             batches=batches,
-            learn=spec.learn,
-            accelerate=spec.accelerate,
+            learn=request.learn,
+            accelerate=request.accelerate,
             progress=progress,
             # the learned methods' start, unless asked for, runs where the launch put this process
-            device=spec.device if needs_data else inputs.device,
+            device=request.device if needs_data else inputs.device,
         )
         transforms = [t.to(torch.float32) for t in matcher.fit(canonical, inputs.weights)]
         stopping = getattr(matcher, "stopping", None)
@@ -756,76 +591,80 @@ class Measured:
     plot: Path | None = None
 
 
-def measure(spec: MergeSpec, inputs: Inputs, aligned: Aligned, scratch: Path, *, progress: bool = True) -> Measured:
+def measure(
+    request: MergeRequest, inputs: Inputs, aligned: Aligned, scratch: Path, *, progress: bool = True
+) -> Measured:
     """The barrier along the path (two models) or over the simplex (more), with the merge's own
     transforms, and its plot in ``scratch``; nothing without evaluation data."""
     if inputs.eval_batches is None:
         return Measured()
-    logger.info("measuring the barrier on %s", describe_data(spec.eval_data))
+    logger.info("measuring the barrier on %s", describe_data(request.eval_data))
     loaded = [load_model(f) for f in inputs.folders]
-    method = spec.method
+    method = request.method
     options = {
         "methods": ("average", method) if method != "average" else ("average",),
         "symmetries": inputs.kinds,
-        "eval_options": spec.eval_options,
+        "eval_options": request.eval_options,
         "progress": progress,
         "transforms": {method: aligned.transforms} if aligned.transforms is not None else None,
     }
-    names = [Path(m).name for m in spec.models]
+    names = [Path(m).name for m in request.models]
     if len(loaded) == 2:
         result = barrier_of_loaded(
-            *loaded, inputs.eval_batches, alphas=11 if spec.alphas is None else spec.alphas, **options
+            *loaded, inputs.eval_batches, alphas=PATH_POINTS if request.alphas is None else request.alphas, **options
         )
         return Measured(result, plot(result, scratch / "loss_along_path.png", title=f"{names[0]} ↔ {names[1]}"))
     result = simplex_barrier_of_loaded(
-        loaded, inputs.eval_batches, points=5 if spec.alphas is None else spec.alphas, **options
+        loaded, inputs.eval_batches, points=SIMPLEX_POINTS if request.alphas is None else request.alphas, **options
     )
     if len(loaded) == 3:
         return Measured(result, plot_simplex(result, scratch / "loss_over_simplex.png", names=names))
     return Measured(result)
 
 
-def write(spec: MergeSpec, inputs: Inputs, aligned: Aligned, measured: Measured, *, progress: bool = True) -> Path:
+def write(
+    request: MergeRequest, inputs: Inputs, aligned: Aligned, measured: Measured, *, progress: bool = True
+) -> Path:
     """The model card and the merged checkpoint, written to a temporary folder and renamed onto
-    ``spec.output`` at the end."""
-    count = len(spec.models)
-    labels = spec.labels or [None] * count
+    ``request.output`` at the end."""
+    count = len(request.models)
+    labels = request.labels or [None] * count
     barriers = dict(measured.result.barriers) if measured.result else None
     card = merge_card(
         base_models=[
             ModelSource.of(m, r, f, label)
-            for m, r, f, label in zip(spec.models, inputs.revisions, inputs.folders, labels)
+            for m, r, f, label in zip(request.models, inputs.revisions, inputs.folders, labels)
         ],
-        method=spec.method,
-        symmetries=sorted(inputs.kinds) if spec.method != "average" else [],
-        notes=_training_notes(spec.method, spec.learn) + inputs.width_notes + list(inputs.inherited_notes),
-        training=_training_settings(spec, count, aligned.stopping),
+        method=request.method,
+        symmetries=sorted(inputs.kinds) if request.method != "average" else [],
+        notes=training_notes(request.method, request.learn) + inputs.width_notes + list(inputs.inherited_notes),
+        training=training_settings(request, count, aligned.stopping),
         alpha_or_weights=inputs.weights[1] if count == 2 else list(inputs.weights),
         license=inherited_license(inputs.folders),
         model_type=inputs.configs[0].model_type,
         tied_embeddings_dropped=aligned.untied,
         barrier_table=measured.result.table() if measured.result else None,
         barriers=barriers,
-        eval_data=_eval_source(spec),
-        made_with=spec.made_with or _settings_markdown(spec),
+        eval_data=eval_source(request),
+        made_with=request.made_with or settings_markdown(request),
         canonical=aligned.transforms is not None,
         plot_filename=measured.plot.name if measured.plot else None,
-        repo_hint=spec.repo_hint or spec.push_to_hub or shown_reference(spec.output),  # not the machine's path
+        repo_hint=request.repo_hint or request.push_to_hub or shown_reference(request.output),  # not the machine's path
     )
     extra = {measured.plot.name: measured.plot} if measured.plot else {}
     written = str(aligned.out_dtype).removeprefix("torch.") if aligned.out_dtype else "in A's stored dtypes"  # as read
-    logger.info("writing %s (%s, shards of at most %s)", spec.output, written, spec.shard_size)
+    logger.info("writing %s (%s, shards of at most %s)", request.output, written, request.shard_size)
     return write_checkpoint(
         _verified_at_end(aligned.groups, aligned.sources),
         aligned.config,
-        spec.output,
-        shard_size=spec.shard_size,
+        request.output,
+        shard_size=request.shard_size,
         dtype=aligned.out_dtype,
         source_folder=inputs.folders[0],
-        tokenizer_folder=inputs.folders[spec.tokenizer_model],
+        tokenizer_folder=inputs.folders[request.tokenizer_model],
         card=card,
         extra_files=extra,
-        overwrite=spec.overwrite,
+        overwrite=request.overwrite,
         progress=progress,
         total_groups=aligned.total_groups,
     )

@@ -19,17 +19,17 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .methods import check_method
-from .options import MergeSpec, OutputExistsError, ParameterError, UsageError, check_device, clipped
+from .options import MergeRequest, OutputExistsError, ParameterError, UsageError, check_device, clipped
 from .outputs import check_apart, check_output_path, check_replaceable, clean_stale
 
 
-def merge_spec(models: Sequence, output, **settings) -> MergeSpec:
-    """The :class:`MergeSpec` of ``models`` and ``settings``; a refused setting is a
+def merge_request(models: Sequence, output, **settings) -> MergeRequest:
+    """The :class:`MergeRequest` of ``models`` and ``settings``; a refused setting is a
     :class:`UsageError` in one line naming each refused setting by its keyword."""
     if len(models) < 2:
         raise ParameterError(f"merge needs at least 2 models in {{}}, got {len(models)}", "models")
     try:
-        return MergeSpec(models=models, output=output, **settings)
+        return MergeRequest(models=models, output=output, **settings)
     except ValidationError as err:
         raise UsageError(
             "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in err.errors())
@@ -78,42 +78,42 @@ def revisions_per_model(revisions: Sequence[str | None] | None, count: int) -> l
     return list(revisions)
 
 
-def check_spec(spec: MergeSpec) -> list[tuple[Path, str]]:
-    """Every check of ``spec`` that reads no model: the method against the number of models and
+def check_request(request: MergeRequest) -> list[tuple[Path, str]]:
+    """Every check of ``request`` that reads no model: the method against the number of models and
     the data, the weights, the revisions, the device's name, and every folder the merge writes
     (:func:`check_outputs`). Returns those folders, each with the parameter that names it."""
-    count = len(spec.models)
-    check_method(spec.method, spec.data, count=count)
-    if spec.tokenizer_model >= count:
+    count = len(request.models)
+    check_method(request.method, request.data, count=count)
+    if request.tokenizer_model >= count:
         raise ParameterError(
-            f"{{}} names model {spec.tokenizer_from}, but the merge has {count} models", "tokenizer_from"
+            f"{{}} names model {request.tokenizer_from}, but the merge has {count} models", "tokenizer_from"
         )
-    simplex_weights(spec.weights, count)
-    revisions_per_model(spec.revisions, count)
+    simplex_weights(request.weights, count)
+    revisions_per_model(request.revisions, count)
     try:
-        check_device(spec.device)
+        check_device(request.device)
     except ValueError as err:
         raise ParameterError(f"{{}}: {err}", "device") from None
-    return check_outputs(spec, [*spec.models, *named_paths(spec.data, spec.eval_data)])
+    return check_outputs(request, [*request.models, *named_paths(request.data, request.eval_data)])
 
 
-def check_outputs(spec: MergeSpec, read: Sequence[str | Path]) -> list[tuple[Path, str]]:
+def check_outputs(request: MergeRequest, read: Sequence[str | Path]) -> list[tuple[Path, str]]:
     """Check, before any work, every folder the merge writes (``output``, and the training state
     under ``accelerate.checkpoint_dir``) against every path it ``read``s and against each other,
     and that each is one the run may write or replace (docs/design.md §6). Returns them, each
     with the parameter that names it. A dead run's set-aside output is put back first
     (:func:`hf_lmc.outputs.clean_stale`): it is the user's folder, and judged as such."""
-    output = Path(spec.output)
+    output = Path(request.output)
     check_output_path(output, "output")
     clean_stale(output)
-    if os.path.lexists(output) and not spec.overwrite:
+    if os.path.lexists(output) and not request.overwrite:
         raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
     check_apart(output, read, "output")
-    if spec.overwrite:
+    if request.overwrite:
         check_replaceable(output, "output")
     written = [(output, "output")]
-    if spec.accelerate.checkpoint_dir is not None:
-        state = Path(spec.accelerate.checkpoint_dir)
+    if request.accelerate.checkpoint_dir is not None:
+        state = Path(request.accelerate.checkpoint_dir)
         check_output_path(state, "checkpoint_dir")
         check_apart(state, read, "checkpoint_dir")
         check_apart(state, [output], "checkpoint_dir", role="the output", missing=True)

@@ -43,12 +43,15 @@ from pydantic import (
 from .hub import shown_reference
 from .methods import METHODS, NAMES
 from .options import (
+    DEFAULT_ALPHA,
     EVAL_OPTIONS,
     FIT_OPTIONS,
+    PATH_POINTS,
     SYMMETRIES,
     AccelerateOptions,
     EvalOptions,
     LearnOptions,
+    MergeRequest,
     Options,
     OutputExistsError,
     OutputOptions,
@@ -56,6 +59,7 @@ from .options import (
     UsageError,
     check_device,
     clipped,
+    flag_of,
 )
 from .outputs import MARKER, check_apart, check_output_path, check_replaceable, clean_stale
 from .zoo_entries import ZOO
@@ -72,6 +76,9 @@ _ZOO_MEMBER = re.compile(r"zoo:([A-Za-z0-9_]+)/seed(\d+)")
 _MISSING = object()
 
 Method = Literal[NAMES]  # the registry's names (hf_lmc.methods)
+#: The merge request's fields, whose defaults and descriptions the recipe's settings of the same
+#: name take (a recipe lists its methods, and names its symmetry group by preset).
+_REQUEST = MergeRequest.model_fields
 
 
 class RecipeError(UsageError):
@@ -140,7 +147,7 @@ class ModelRef(_Section):
         return f"{name}+{shown_reference(self.adapter)}" if self.adapter else name
 
 
-class DataSpec(EvalOptions):
+class DataSection(EvalOptions):
     """Where a data set comes from (exactly one of dataset, files, zoo, sampled) and how it is cut
     (the batching fields of :class:`hf_lmc.options.EvalOptions`)."""
 
@@ -202,17 +209,17 @@ class DataSpec(EvalOptions):
         )
 
 
-class EvalSpec(_Section):
+class EvalSection(_Section):
     """Held-out loss along the path: the barrier table in each model card and in the summary."""
 
-    data: DataSpec = Field(description="held-out data (default split: test)")
+    data: DataSection = Field(description="held-out data (default split: test)")
     alphas: int | list[float] = Field(
-        11, description="points on the alpha grid, or the grid itself (from 0 to 1, increasing)"
+        PATH_POINTS, description="points on the alpha grid, or the grid itself (from 0 to 1, increasing)"
     )
 
     @field_validator("data")
     @classmethod
-    def _held_out(cls, value: DataSpec) -> DataSpec:
+    def _held_out(cls, value: DataSection) -> DataSection:
         if value.sampled:
             raise ValueError(
                 "sampled: text sampled from the models is fitting data; the barrier needs held-out data of its own"
@@ -224,7 +231,7 @@ class EvalSpec(_Section):
     def _grid(cls, value):
         if isinstance(value, bool) or not isinstance(value, (int, list)):
             raise ValueError(  # noqa: TRY004 (pydantic reports a validator's ValueError as a ValidationError; a TypeError escapes it)
-                "give a number of points (e.g. 11) or a list of alphas from 0 to 1"
+                f"give a number of points (e.g. {PATH_POINTS}) or a list of alphas from 0 to 1"
             )
         if isinstance(value, int):
             if value < 2:
@@ -237,7 +244,7 @@ class EvalSpec(_Section):
         return value
 
 
-class OutputSpec(OutputOptions):
+class OutputSection(OutputOptions):
     """Where the merged models and the summary go, and how each is written
     (:class:`hf_lmc.options.OutputOptions`); with several runs, push_to_hub may hold {group} and {method}."""
 
@@ -251,7 +258,7 @@ class OutputSpec(OutputOptions):
         return value
 
 
-class LaunchSpec(_Section):
+class LaunchSection(_Section):
     """How many processes the recipe is meant to run as (``torchrun`` / ``accelerate launch``)."""
 
     processes: PositiveInt | None = Field(
@@ -268,7 +275,7 @@ class LaunchSpec(_Section):
         return f"torchrun --nproc_per_node {n} -m hf_lmc run {recipe_path} (CPUs), or accelerate launch --num_processes {n} -m hf_lmc run {recipe_path} (GPUs)"
 
 
-class ZooSpec(_Section):
+class ZooSection(_Section):
     """How zoo members (``zoo:NAME/seedN``) are trained when they are not cached yet."""
 
     steps: PositiveInt | None = Field(None, description="training steps per member (default: the zoo's own)")
@@ -303,18 +310,20 @@ class Recipe(_Section):
         description="groups of models merged one after another, e.g. the sizes of a scaling run",
     )
     method: Annotated[list[Method], WithJsonSchema(_METHOD_SCHEMA)] = Field(
-        ["weight"], description="alignment method, or a list of them (each is one run per group of models)"
+        [_REQUEST["method"].default],
+        description="alignment method, or a list of them (each is one run per group of models)",
     )
-    symmetries: Literal[SYMMETRIES] = Field("full", description="symmetry group the alignment searches")
-    device: str | None = Field(
-        None,
-        description="where weight matching and the export's products run: cpu, cuda or cuda:N (default: a GPU when torch sees one)",
+    symmetries: Literal[SYMMETRIES] = Field(
+        _REQUEST["symmetries"].default, description=flag_of(_REQUEST["symmetries"]).help
     )
-    alpha: float | None = Field(None, ge=0, le=1, description="weight of the second model (two models; default 0.5)")
+    device: str | None = Field(_REQUEST["device"].default, description=flag_of(_REQUEST["device"]).help)
+    alpha: float | None = Field(
+        None, ge=0, le=1, description=f"weight of the second model (two models; default {DEFAULT_ALPHA})"
+    )
     weights: list[float] | None = Field(
-        None, validate_default=True, description="one weight per model, non-negative, summing to 1"
+        _REQUEST["weights"].default, validate_default=True, description=_REQUEST["weights"].description
     )
-    data: DataSpec | None = Field(
+    data: DataSection | None = Field(
         None,
         validate_default=True,
         description="fitting data of activation, learned and dual matching (default split: train)",
@@ -323,13 +332,13 @@ class Recipe(_Section):
     accelerate: AccelerateOptions = Field(
         AccelerateOptions(), description="accelerate settings of the learned / dual training loop"
     )
-    eval: EvalSpec | None = Field(
+    eval: EvalSection | None = Field(
         None, description="held-out evaluation: barrier per run (needed for barriers in the summary)"
     )
-    output: OutputSpec = Field(description="output folder, shards, dtype, Hub target")
-    zoo: ZooSpec = Field(ZooSpec(), description="training of zoo:NAME/seedN members")
-    launch: LaunchSpec = Field(
-        LaunchSpec(), description="the processes the recipe runs as (learned and dual matching train on all)"
+    output: OutputSection = Field(description="output folder, shards, dtype, Hub target")
+    zoo: ZooSection = Field(ZooSection(), description="training of zoo:NAME/seedN members")
+    launch: LaunchSection = Field(
+        LaunchSection(), description="the processes the recipe runs as (learned and dual matching train on all)"
     )
 
     @field_validator("device")
@@ -414,7 +423,7 @@ class Recipe(_Section):
 
     @field_validator("output")
     @classmethod
-    def _push_target_per_run(cls, output: OutputSpec, info: ValidationInfo):
+    def _push_target_per_run(cls, output: OutputSection, info: ValidationInfo):
         if output.push_to_hub is None:
             return output
         try:
@@ -446,7 +455,7 @@ class Recipe(_Section):
 
     def alpha_or_weights(self, count: int) -> float | list[float] | None:
         if count == 2:
-            return self.weights[1] if self.weights else (0.5 if self.alpha is None else self.alpha)
+            return self.weights[1] if self.weights else (DEFAULT_ALPHA if self.alpha is None else self.alpha)
         return self.weights
 
 

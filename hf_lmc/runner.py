@@ -1,7 +1,7 @@
 """Running a recipe: every (group of models, method) is one merge, and one summary covers them all.
 
-A recipe is a list of merges: each (group, method) becomes one :class:`hf_lmc.options.MergeSpec`
-(:func:`merge_specs`) that :func:`hf_lmc.pipeline.run` carries out. Models are resolved once per recipe (zoo members trained or read from
+A recipe is a list of merges: each (group, method) becomes one :class:`hf_lmc.options.MergeRequest`
+(:func:`run_request`) that :func:`hf_lmc.pipeline.run` carries out. Models are resolved once per recipe (zoo members trained or read from
 the cache, PEFT adapters folded into their base model), data sets are loaded once, and every
 merge, model card and summary is written into a staging folder that is renamed onto
 ``output.dir`` only when every run has finished: a failed sweep leaves nothing half-written,
@@ -26,14 +26,14 @@ import yaml
 from peft import PeftModel
 
 from . import pipeline, zoo
+from .batches import SAMPLED, DataError, read_text_file
 from .devices import computed_on_main, launched_count, launched_processes, wait_for_others
-from .evaluation import SAMPLED, DataError, read_text_file
 from .export import PROCESSOR_FILES
 from .hub import push_folder, resolve_checkpoint, shown_settings
 from .inherit import copy_model_file
 from .loading import load_model
 from .methods import METHODS
-from .options import EVAL_OPTIONS, FIT_OPTIONS, MergeSpec, OutputExistsError, UsageError
+from .options import EVAL_OPTIONS, FIT_OPTIONS, PATH_POINTS, MergeRequest, OutputExistsError, UsageError
 from .outputs import (
     discard,
     mark,
@@ -44,7 +44,7 @@ from .progress import bar as progress_bar
 from .recipe import (
     SUMMARY,
     ZOO_PREFIX,
-    DataSpec,
+    DataSection,
     ModelRef,
     Recipe,
     RecipeError,
@@ -173,7 +173,7 @@ def run_recipe(
                 try:
                     with processes.main_process_first() if processes is not None else contextlib.nullcontext():
                         sources = [resolver(ref) for ref in refs]  # zoo members: trained once, then read from the cache
-                    spec = merge_spec(
+                    request = run_request(
                         recipe, method, sources, staging / folder, fit_data, eval_data, folder
                     ).model_copy(
                         update={
@@ -184,7 +184,7 @@ def run_recipe(
                             or (Path(final.name) / folder).as_posix(),
                         }
                     )
-                    merged = pipeline.run(spec, progress=progress)
+                    merged = pipeline.run(request, progress=progress)
                 except (
                     ValueError,
                     OSError,
@@ -234,7 +234,7 @@ def _recipe_markdown(recipe: Recipe, given) -> str:
     )
 
 
-def merge_spec(
+def run_request(
     recipe: Recipe,
     method: str,
     sources: Sequence[_Source],
@@ -242,7 +242,7 @@ def merge_spec(
     fit_data,
     eval_data,
     folder: Path | None = None,
-) -> MergeSpec:
+) -> MergeRequest:
     """The one merge of ``sources`` by ``method`` that ``recipe`` asks for, written to ``output``
     (pushed later, once every run has succeeded); ``folder`` is the run's folder in the recipe's
     output, which names its training state under ``accelerate.checkpoint_dir``."""
@@ -255,7 +255,7 @@ def merge_spec(
         accelerate = accelerate.model_copy(
             update={"checkpoint_dir": str(Path(accelerate.checkpoint_dir) / (folder or output.name))}
         )
-    return MergeSpec(
+    return MergeRequest(
         models=[s.reference for s in sources],
         revisions=[s.revision for s in sources],
         output=output,
@@ -269,7 +269,7 @@ def merge_spec(
         accelerate=accelerate,
         eval_data=eval_data,
         eval_options=recipe.eval.data.options(EVAL_OPTIONS) if recipe.eval else EVAL_OPTIONS,
-        alphas=recipe.eval.alphas if recipe.eval else 11,
+        alphas=recipe.eval.alphas if recipe.eval else PATH_POINTS,
         dtype=out.dtype,
         shard_size=out.shard_size,
         inherit_from_a=out.inherit_from_a,
@@ -278,14 +278,14 @@ def merge_spec(
     )
 
 
-def _data_name(spec: DataSpec) -> str:
+def _data_name(section: DataSection) -> str:
     """How a card's ``model-index`` names a recipe's data: a ``dataset`` as given (a Hub id is
     named as one), files and zoo data as local data."""
-    if spec.dataset is not None:
-        return spec.dataset
-    if spec.files is not None:
-        return ", ".join(shown_settings(spec.files))
-    return f"zoo:{spec.zoo} (text shipped with hf_lmc)" if spec.zoo is not None else SAMPLED
+    if section.dataset is not None:
+        return section.dataset
+    if section.files is not None:
+        return ", ".join(shown_settings(section.files))
+    return f"zoo:{section.zoo} (text shipped with hf_lmc)" if section.zoo is not None else SAMPLED
 
 
 def write_summary(result: RecipeResult, folder: Path) -> None:
@@ -320,30 +320,32 @@ def write_summary(result: RecipeResult, folder: Path) -> None:
 # -- data ------------------------------------------------------------------------------------
 
 
-def load_data(spec: DataSpec, default_split: str):
-    """The data of ``spec`` in a form :func:`hf_lmc.evaluation.load_batches` reads (loaded once
+def load_data(section: DataSection, default_split: str):
+    """The data of ``section`` in a form :func:`hf_lmc.batches.load_batches` reads (loaded once
     per recipe; tokenisation follows per merge, with model A's tokenizer)."""
-    if spec.sampled:
+    if section.sampled:
         return SAMPLED
-    split = spec.split or default_split
-    if spec.zoo is not None:
-        if spec.zoo == "digits":
+    split = section.split or default_split
+    if section.zoo is not None:
+        if section.zoo == "digits":
             return zoo.digits()[0 if split == "train" else 1]
         if split == "train":
             return zoo.shakespeare()[0]
-        size = (spec.samples or 256) * (spec.seq_len or 128)
+        size = (section.samples or 256) * (section.seq_len or 128)
         return zoo.held_out("gpt2", size=max(4096, size))  # excerpts spread over both held-out plays
-    if spec.files is not None:
-        return _files(spec.files, split)
-    if spec.name is None and Path(spec.dataset).exists():
-        return spec.dataset  # a text file / folder or a dataset saved with save_to_disk: load_batches reads it
+    if section.files is not None:
+        return _files(section.files, split)
+    if section.name is None and Path(section.dataset).exists():
+        return section.dataset  # a text file / folder or a dataset saved with save_to_disk: load_batches reads it
     import datasets
 
     try:
-        return datasets.load_dataset(spec.dataset, spec.name, split=split)
+        return datasets.load_dataset(section.dataset, section.name, split=split)
     except Exception as err:  # datasets raises many types; the user needs one clear line
-        config = f" (configuration {spec.name})" if spec.name else ""
-        raise DataError(f"cannot load dataset {spec.dataset!r}{config}, split {split!r}: {_first_line(err)}") from err
+        config = f" (configuration {section.name})" if section.name else ""
+        raise DataError(
+            f"cannot load dataset {section.dataset!r}{config}, split {split!r}: {_first_line(err)}"
+        ) from err
 
 
 _DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}

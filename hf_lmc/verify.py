@@ -19,6 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from .adapters import adapter_for
 from .canonical import canonicalize, to_hf
+from .options import DEFAULT_SYMMETRIES
 from .symmetry import random_symmetry
 
 
@@ -110,7 +111,7 @@ class ExactnessReport:
         return max(self.canonical, self.symmetry, self.reloaded)
 
 
-def check_exactness(model: PreTrainedModel, *, seed: int = 0, symmetries: str = "full") -> ExactnessReport:
+def check_exactness(model: PreTrainedModel, *, seed: int = 0, symmetries: str = DEFAULT_SYMMETRIES) -> ExactnessReport:
     """Compare ``model``'s logits with those of its canonical export, of a random symmetry of
     it, and of that symmetry after ``save_pretrained`` + ``from_pretrained``."""
     model = model.eval()

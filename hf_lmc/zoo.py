@@ -48,7 +48,7 @@ from .adapters import adapter_for
 from .export import GENERATION_CONFIG
 from .outputs import discard, move_into_place, staging_folder
 from .progress import bar as progress_bar
-from .zoo_entries import DATA_VERSION, NARROW, WIDE, ZOO, ZooEntry  # noqa: F401 (declared there, read here by their old names too)
+from .zoo_entries import DATA_VERSION, ZOO, ZooEntry  # noqa: F401 (declared there, read here by their old names too)
 
 logger = logging.getLogger(__name__)
 

@@ -110,27 +110,3 @@ ZOO: dict[str, ZooEntry] = {
         lr=2e-3,
     ),
 }
-
-# Narrower members of the same families (same head size, so fewer heads; residual and MLP width
-# shrink together), for merging models of two widths (:mod:`hf_lmc.widths`).
-ZOO["gpt2-narrow"] = ZOO["gpt2"].scaled(name="gpt2-narrow", config={"n_embd": 96, "n_head": 3})
-ZOO["vit-narrow"] = ZOO["vit"].scaled(
-    name="vit-narrow", config={"hidden_size": 48, "num_attention_heads": 3, "intermediate_size": 96}
-)
-#: Each narrower entry, by the entry it narrows.
-NARROW = {"gpt2": "gpt2-narrow", "vit": "vit-narrow"}
-
-# Twice as wide (same head size, twice the heads and MLP units; depth, data and training as the
-# base entry), for measuring how the merge barrier falls with width (``benchmarks/learned_curve.py``).
-ZOO["pythia-wide"] = ZOO["pythia"].scaled(
-    name="pythia-wide", config={"hidden_size": 256, "num_attention_heads": 8, "intermediate_size": 1024}
-)
-ZOO["llama-wide"] = ZOO["llama"].scaled(
-    name="llama-wide",
-    config={"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 688},
-)
-ZOO["vit-wide"] = ZOO["vit"].scaled(
-    name="vit-wide", config={"hidden_size": 128, "num_attention_heads": 8, "intermediate_size": 256}
-)
-#: Each wider entry, by the entry it widens.
-WIDE = {"pythia": "pythia-wide", "llama": "llama-wide", "vit": "vit-wide"}

@@ -16,7 +16,7 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from hf_lmc import EndpointSharding, LearnedMatcher, WeightMatcher
+from hf_lmc import EndpointSharding, LearnedPath, WeightMatcher
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
@@ -36,7 +36,7 @@ def main(out: str, flags: list[str]) -> None:
     starts = []  # weight matching runs in the main process alone; the others receive its start
     match = WeightMatcher.match
     WeightMatcher.match = lambda self, a, b: starts.append(1) or match(self, a, b)
-    matcher = LearnedMatcher(model_a, model_b, dtype=torch.float64, shard_endpoints=shard)
+    matcher = LearnedPath(model_a, model_b, dtype=torch.float64, shard_endpoints=shard)
     starts = accelerator.gather(torch.tensor([float(len(starts))])).tolist()
     g = torch.Generator().manual_seed(0)
     if family == "vit":
@@ -55,7 +55,14 @@ def main(out: str, flags: list[str]) -> None:
     located = []  # the worst point, re-located after every step (on each process's shards, averaged)
     record = lambda step, m: located.append(float(m.worst_alpha))
     losses = matcher.fit(
-        shards, steps=3, lr=1e-2, accelerator=accelerator, locate_every=1, callback=record, progress=False
+        shards,
+        steps=3,
+        lr=1e-2,
+        target_barrier=None,  # no batches held out: located on the latest shards
+        accelerator=accelerator,
+        locate_every=1,
+        callback=record,
+        progress=False,
     )
     merged = matcher.merge(0.5)  # a collective when the endpoints are sharded: every process calls it
     with torch.no_grad():

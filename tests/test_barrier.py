@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hf_lmc.barriers import alpha_grid, barrier, loss_barrier, plot
-from hf_lmc.evaluation import DataError, EvalOptions, load_batches
+from hf_lmc.batches import DataError, load_batches
+from hf_lmc.options import EvalOptions
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model, char_tokenizer_folder
 

@@ -12,20 +12,20 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from hf_lmc.card import DataSource, merge_card
+from hf_lmc.card import DataSource, eval_source, merge_card
 from hf_lmc.cli import main
 from hf_lmc.demo import run_demo
-from hf_lmc.options import EvalOptions, MergeSpec
-from hf_lmc.pipeline import _eval_source, merge
+from hf_lmc.options import EvalOptions, MergeRequest
+from hf_lmc.pipeline import merge
 from hf_lmc.recipe import load_recipe
-from hf_lmc.runner import _Source, merge_spec, run_recipe
+from hf_lmc.runner import _Source, run_recipe, run_request
 from tests.test_inherited import _pair
 
 TEXT = "abc cab bca. " * 40
 #: Each kind of card: (method, how model-index names the data, words of the Reproduce section, title).
 KINDS = {
     "cli": ("weight", "eval.txt", "hf-lmc merge a b -o cli", "Merge of a and b"),
-    "python": ("weight", "data passed as a list", "hf_lmc.MergeSpec(**settings)", "Merge of a and b"),
+    "python": ("weight", "data passed as a list", "hf_lmc.MergeRequest(**settings)", "Merge of a and b"),
     "average": ("average", "eval.txt", "hf-lmc merge a b -o average -q --method average", "Merge of a and b"),
     "recipe": ("weight", "eval.txt", "hf-lmc run recipe.yaml", "Merge of a and b"),
     "demo": (
@@ -95,7 +95,7 @@ def test_each_kind_of_card_loads_and_says_what_is_so(made, kind):
 
 def test_evaluation_data_is_named_as_a_hub_dataset_only_where_it_is_one():
     def named(eval_data, **options) -> DataSource:
-        return _eval_source(MergeSpec(models=["a", "b"], output="out", eval_data=eval_data, **options))
+        return eval_source(MergeRequest(models=["a", "b"], output="out", eval_data=eval_data, **options))
 
     assert named("plays.txt") == DataSource("plays.txt")
     assert named("/home/someone/data/plays") == DataSource("plays")  # a path: local, by its last part
@@ -112,8 +112,8 @@ def test_evaluation_data_is_named_as_a_hub_dataset_only_where_it_is_one():
         }
     )
     sources = [_Source(name, None, name, False) for name in ("a", "b")]
-    spec = merge_spec(recipe, "weight", sources, Path("out/weight"), None, ["loaded text"])
-    assert _eval_source(spec) == hub  # a recipe's Hub dataset, loaded once, is still named by its id
+    spec = run_request(recipe, "weight", sources, Path("out/weight"), None, ["loaded text"])
+    assert eval_source(spec) == hub  # a recipe's Hub dataset, loaded once, is still named by its id
 
     card = merge_card(
         base_models=["a", "b"],

@@ -283,7 +283,7 @@ def test_every_option_is_described_once_for_flags_recipes_and_the_api():
         options.AccelerateOptions,
         options.EvalOptions,
         options.OutputOptions,
-        options.MergeSpec,
+        options.MergeRequest,
     )
     undescribed = [
         f"{m.__name__}.{name}" for m in models for name, field in m.model_fields.items() if not field.description
@@ -668,3 +668,23 @@ def test_verbose_names_the_dtype_written_and_quiet_hides_the_default_loss_notice
         check=False,
     )
     assert run.returncode == 0 and "loss_type" not in run.stderr, run.stderr
+
+
+def test_the_merge_requests_flags_are_generated_from_its_fields():
+    """``--method``, ``--symmetries``, ``--weights``, ``--device``, ``--output``, ``--revisions``,
+    ``--data``, ``--eval-data`` and ``--alphas`` come from :class:`MergeRequest`'s fields: parsed
+    to the field's default when absent, and helped with the wording the field declares."""
+    from hf_lmc import cli
+    from hf_lmc.options import MergeRequest, flag_of
+
+    parser = cli.build_parser()
+    merge = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["merge"]
+    actions = {action.dest: action for action in merge._actions}
+    for name in cli.REQUEST.fields:
+        field, action = MergeRequest.model_fields[name], actions[name]
+        assert action.default == (None if field.is_required() else field.default), name
+        assert (flag_of(field).help or field.description) in action.help, name
+        assert action.required == flag_of(field).required, name
+    args = parser.parse_args(["merge", "a", "b", "-o", "out"])
+    assert args.method == MergeRequest.model_fields["method"].default
+    assert args.symmetries == MergeRequest.model_fields["symmetries"].default

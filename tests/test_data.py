@@ -14,7 +14,8 @@ import pytest
 import torch
 import transformers as tf
 
-from hf_lmc.evaluation import DataError, EvalOptions, load_batches
+from hf_lmc.batches import DataError, load_batches
+from hf_lmc.options import EvalOptions
 from hf_lmc.verify import tiny_configs
 
 #: Texts whose tokens change when they are joined or split: BPE merges across a boundary

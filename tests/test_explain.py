@@ -10,7 +10,7 @@ import torch
 
 from hf_lmc import canonicalize
 from hf_lmc.cli import main
-from hf_lmc.explain import explain, group_of, kinds_table, plot_explanation
+from hf_lmc.explain import explain, explanation_group, kinds_table, plot_explanation
 from hf_lmc.options import ParameterError
 from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, build_model, twin_folders
@@ -19,7 +19,7 @@ from tests.models import ARCHITECTURES, build_model, twin_folders
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_every_canonical_tensor_has_a_group(arch):
     names = canonicalize(build_model(tiny_configs()[arch])).state_dict()
-    groups = {group_of(name) for name in names}
+    groups = {explanation_group(name) for name in names}
     layers = tiny_configs()[arch].num_hidden_layers
     expected = {"embeddings", "head"} | {f"layer {i} {kind}" for i in range(layers) for kind in ("QK", "OV", "MLP")}
     assert groups == expected

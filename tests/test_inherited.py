@@ -298,12 +298,12 @@ def test_every_family_refuses_a_function_key_and_notes_an_unknown_one(arch, key,
 
 def test_a_recipe_takes_inherit_from_a_as_an_output_key():
     from hf_lmc.recipe import load_recipe
-    from hf_lmc.runner import _Source, merge_spec
+    from hf_lmc.runner import _Source, run_request
 
     recipe = load_recipe({"models": ["a", "b"], "output": {"dir": "out", "inherit_from_a": True}})
     sources = [_Source(name, None, name, False) for name in ("a", "b")]
-    assert merge_spec(recipe, "weight", sources, Path("out/weight"), None, None).inherit_from_a
-    assert not merge_spec(
+    assert run_request(recipe, "weight", sources, Path("out/weight"), None, None).inherit_from_a
+    assert not run_request(
         load_recipe({"models": ["a", "b"], "output": {"dir": "out"}}), "weight", sources, Path("o"), None, None
     ).inherit_from_a
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import pytest
@@ -11,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
+from hf_lmc.alignment import matcher_for
+from hf_lmc.matching import Matcher
 from hf_lmc.matching import weight as weight_matching
 from hf_lmc.matching.solvers import assign, assign_product, match_gl, match_rotary
+from hf_lmc.methods import METHODS
 from hf_lmc.symmetry.sample import random_gl, rotary_block
 from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, CONFIGS, build_model, logits, relative_error, sample_inputs, transform_tensors
@@ -361,12 +365,12 @@ def test_mlp_assignments_on_worker_threads_give_the_in_line_transform_bit_for_bi
     ],
     ids=["llama", "gpt_neox"],
 )
-def test_matching_bound_counts_the_products_weight_matching_runs(config):
-    """benchmarks/matching_bound.py's floor must count what the matcher actually multiplies:
+def test_the_merge_speed_floor_counts_the_products_weight_matching_runs(config):
+    """benchmarks/merge_speed.py's floor (``--floor``) must count what the matcher actually multiplies:
     at least 85 % of the FLOPs torch counts (the rest: per-head moments, self products), never more."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from benchmarks.matching_bound import parts
+    from benchmarks.merge_speed import parts
 
     models = []
     for seed in (0, 1):
@@ -383,3 +387,28 @@ def test_matching_bound_counts_the_products_weight_matching_runs(config):
     counted = counter.get_total_flops() / 1e9
     floor = sum(gflop for part, gflop, _ in parts(config, len(matcher.history) // 2) if "export" not in part)
     assert 0.85 * counted <= floor <= counted
+
+
+def _answers_the_matcher_contract(fit) -> bool:
+    """Whether a bound ``fit`` takes ``(models, weights)``, as :class:`hf_lmc.matching.Matcher`'s does."""
+    return list(inspect.signature(fit).parameters)[:2] == ["models", "weights"]
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("method", [name for name, entry in METHODS.items() if entry.pair_class is not None])
+def test_every_registry_method_builds_a_matcher(method, count):
+    """What the registry builds for a method, trained ones included, is a Matcher: ``fit(models, weights)``."""
+    entry = METHODS[method]
+    if count > 2 and not entry.multi:
+        pytest.skip(f"{method} aligns two models")
+    matcher = matcher_for(method, count, batches=[] if entry.needs_data else None, progress=False)
+    assert isinstance(matcher, Matcher)
+    assert _answers_the_matcher_contract(matcher.fit)
+
+
+@pytest.mark.parametrize("path_class", [hf_lmc.LearnedPath, hf_lmc.DualPath, hf_lmc.SimplexPath])
+def test_the_trainable_paths_are_named_for_what_they_are(path_class):
+    """A path's ``fit`` trains it on batches, so it is called a path, not a matcher; the old names alias it."""
+    assert path_class.__name__.endswith("Path")
+    assert list(inspect.signature(path_class.fit).parameters)[:2] == ["path", "batches"]
+    assert getattr(hf_lmc, path_class.__name__.replace("Path", "Matcher")) is path_class

@@ -315,15 +315,15 @@ def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
 
 
 def test_plain_average_sums_large_tensors_in_row_blocks_exactly():
+    from hf_lmc.average import weighted_rows
     from hf_lmc.canonical import weighted_sum
-    from hf_lmc.pipeline import _weighted_rows
 
     g = torch.Generator().manual_seed(0)
     a, b, c = (torch.randn(17, 3, generator=g).half() for _ in range(3))
     for tensors, weights in (([a, b], [0.7, 0.3]), ([a, b, c], [0.2, 0.5, 0.3])):
         expected = weighted_sum([t.float() for t in tensors], weights).half()
-        assert torch.equal(_weighted_rows(tensors, weights, block=5), expected)  # blocks of one row
-        assert torch.equal(_weighted_rows(tensors, weights), expected)
+        assert torch.equal(weighted_rows(tensors, weights, block=5), expected)  # blocks of one row
+        assert torch.equal(weighted_rows(tensors, weights), expected)
 
 
 @pytest.mark.parametrize("settings", [{"alpha": "half"}, {"alpha": True}, {"alpha": None}])

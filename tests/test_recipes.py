@@ -13,10 +13,10 @@ from huggingface_hub import ModelCard
 
 import hf_lmc
 from hf_lmc import pipeline, zoo
+from hf_lmc.batches import DataError
 from hf_lmc.cli import main
-from hf_lmc.evaluation import DataError
 from hf_lmc.options import EVAL_OPTIONS, FIT_OPTIONS, LearnOptions
-from hf_lmc.recipe import DataSpec, RecipeError, load_recipe
+from hf_lmc.recipe import DataSection, RecipeError, load_recipe
 from hf_lmc.runner import RunFailedError, fold_adapter, load_data, run_recipe
 from hf_lmc.verify import tiny_configs
 from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
@@ -282,28 +282,31 @@ def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
 def test_data_sources(tmp_path):
     (tmp_path / "a.txt").write_text("to be")
     (tmp_path / "b.txt").write_text("or not")
-    assert load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]), "train") == ["to be", "or not"]
-    assert load_data(DataSpec(files=[str(tmp_path)]), "train") == str(
+    assert load_data(DataSection(files=[str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]), "train") == [
+        "to be",
+        "or not",
+    ]
+    assert load_data(DataSection(files=[str(tmp_path)]), "train") == str(
         tmp_path
     )  # a folder of .txt files: load_batches reads it
     (tmp_path / "rows.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
-    rows = load_data(DataSpec(files=[str(tmp_path / "rows.jsonl")]), "train")
+    rows = load_data(DataSection(files=[str(tmp_path / "rows.jsonl")]), "train")
     assert rows["text"] == ["one", "two"]
     with pytest.raises(DataError, match="files mixes kinds"):
-        load_data(DataSpec(files=[str(tmp_path / "a.txt"), str(tmp_path / "rows.jsonl")]), "train")
+        load_data(DataSection(files=[str(tmp_path / "a.txt"), str(tmp_path / "rows.jsonl")]), "train")
     with pytest.raises(DataError, match="missing.txt"):
-        load_data(DataSpec(files=[str(tmp_path / "missing.txt")]), "train")
+        load_data(DataSection(files=[str(tmp_path / "missing.txt")]), "train")
     rows.save_to_disk(str(tmp_path / "saved"))
-    assert load_data(DataSpec(dataset=str(tmp_path / "saved")), "test") == str(tmp_path / "saved")
-    assert load_data(DataSpec(zoo="shakespeare"), "train") == zoo.shakespeare()[0]
-    excerpts = load_data(DataSpec(zoo="shakespeare", samples=64, seq_len=64), "test")
+    assert load_data(DataSection(dataset=str(tmp_path / "saved")), "test") == str(tmp_path / "saved")
+    assert load_data(DataSection(zoo="shakespeare"), "train") == zoo.shakespeare()[0]
+    excerpts = load_data(DataSection(zoo="shakespeare", samples=64, seq_len=64), "test")
     assert sum(map(len, excerpts)) >= 64 * 64 and all(
         any(e in play for play in zoo.shakespeare()[1]) for e in excerpts
     )  # held out
 
 
 def _recording_run(calls: list):
-    """Stands in for :func:`hf_lmc.pipeline.run`: records each merge specification."""
+    """Stands in for :func:`hf_lmc.pipeline.run`: records each merge request."""
 
     def run(spec, **options):
         calls.append(spec)
@@ -354,11 +357,13 @@ def test_fitting_and_evaluation_data_keep_their_own_batch_size(tmp_path, monkeyp
 def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
     seen = {}
 
-    def fit(self, batches, **options):
-        seen.update(options)
+    def fit(
+        self, batches, learn=None, *, accelerate=None, **options
+    ):  # the loop's options objects, as the path receives them
+        seen.update(learn=learn, accelerate=accelerate)
         return []
 
-    monkeypatch.setattr(hf_lmc.DualMatcher, "fit", fit)
+    monkeypatch.setattr(hf_lmc.DualPath, "fit", fit)
     _, a, b = _twins(tmp_path)
     recipe = _recipe(
         models=[str(a), str(b)],
@@ -369,14 +374,15 @@ def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
         output={"dir": str(tmp_path / "out")},
     )
     run_recipe(recipe, progress=False)
-    assert (seen["steps"], seen["lr"], seen["residual_lr"], seen["schedule"], seen["warmup_steps"]) == (
+    learn, accelerate = seen["learn"], seen["accelerate"]
+    assert (learn.steps, learn.lr, learn.residual_lr, learn.schedule, learn.warmup_steps) == (
         7,
         1e-4,
         5e-5,
         "cosine",
         2,
     )
-    assert (seen["mixed_precision"], seen["gradient_accumulation_steps"]) == ("bf16", 4)
+    assert (accelerate.mixed_precision, accelerate.gradient_accumulation_steps) == ("bf16", 4)
 
 
 @pytest.mark.slow

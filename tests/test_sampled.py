@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_lmc.batches import SAMPLED, DataError, fitting_batches, load_batches, sample_batches
 from hf_lmc.cli import main
-from hf_lmc.evaluation import SAMPLED, DataError, EvalOptions, fitting_batches, load_batches, sample_batches
+from hf_lmc.options import EvalOptions
 from hf_lmc.recipe import load_recipe
 from hf_lmc.runner import load_data
 from hf_lmc.verify import tiny_configs

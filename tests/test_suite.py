@@ -5,15 +5,11 @@ the larger tiers)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
-import torch
 
-import hf_lmc
-from benchmarks import suite, width_scaling
-from benchmarks.levers import _haar_residual, _layer_maps_under, _stream_cosine, _subspace_overlap, _tensor_cosines
-from hf_lmc.verify import tiny_configs
-from tests.models import build_model, sample_inputs
+from benchmarks import record, suite
 
 
 @pytest.mark.slow
@@ -42,71 +38,6 @@ def test_learned_simplex_refinement_improves_on_universe_matching(tmp_path):
     assert any(row.startswith("| learned | 1 |") for row in rows), rows
 
 
-@pytest.mark.parametrize("family", list(width_scaling.BASES))
-def test_width_scaling_changes_the_tier_pair_in_its_width_alone(family):
-    base = width_scaling.pair_at(family, 10**6).entry  # any width other than the tier's
-    tier = next(p.entry for p in suite.TIERS["cpu"] if p.entry.name == width_scaling.BASES[family])
-    width_key = width_scaling.WIDTH_KEY[family]
-    assert width_scaling.pair_at(family, tier.config[width_key]).entry == tier  # the tier's width: its cached pair
-    wide = width_scaling.pair_at(family, 256).entry
-    changed = {k for k in tier.config if wide.config.get(k) != tier.config[k]}
-    assert changed == ({width_key, "intermediate_size"} if family == "llama" else {width_key})
-    assert (wide.steps, wide.patience, wide.batch_size, wide.lr, wide.data) == (
-        tier.steps,
-        tier.patience,
-        tier.batch_size,
-        tier.lr,
-        tier.data,
-    )
-    assert wide.name != tier.name != base.name != wide.name  # one zoo cache entry per width
-
-
-def test_stream_cosine_reads_the_residual_map_alone():
-    """benchmarks.levers' stream cosine (docs/benchmarks.md §0.9): 1 for a twin brought back by
-    its inverse, still 1 with any head and unit maps on top (they leave the stream alone), and
-    well below 1 once the residual map turns B's stream."""
-    config = tiny_configs()["llama"]
-    a = hf_lmc.canonicalize(build_model(config, dtype=torch.float32))
-    twin = hf_lmc.random_symmetry(a.spec, seed=1, dtype=torch.float32)
-    b = twin.apply(a).materialize()
-    batches = [sample_inputs(config, seed=s) for s in range(2)]
-    back = twin.inverse()
-    layers_only = hf_lmc.random_symmetry(
-        a.spec, seed=2, kinds={"heads", "qk", "ov", "mlp", "mlp_scale"}, dtype=torch.float32
-    )
-    turned = hf_lmc.random_symmetry(a.spec, seed=3, kinds={"residual"}, dtype=torch.float32)
-    assert _stream_cosine(a, b, back, batches) == pytest.approx(1.0, abs=1e-4)
-    assert _stream_cosine(a, b, layers_only.compose(back), batches) == pytest.approx(1.0, abs=1e-4)
-    assert _stream_cosine(a, b, turned.compose(back), batches) < 0.5
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_residual_structure_measures_tell_a_twin_from_chance(family):
-    """benchmarks.levers residual-structure (docs/benchmarks.md §0.10): a twin brought back by
-    its inverse has every tensor's cosine at 1 and its token subspace sent onto A's; a
-    Haar-random residual map (one fixing the ones vector for LayerNorm models) sends it near the
-    chance share k/d; and weight matching's layer maps re-solved under the twin's own residual
-    map bring the twin back."""
-    config = tiny_configs()[family]
-    a = hf_lmc.canonicalize(build_model(config, dtype=torch.float64))
-    twin = hf_lmc.random_symmetry(a.spec, seed=1, dtype=torch.float64)
-    b = twin.apply(a).materialize()
-    back = twin.inverse()
-    d, k = a.spec.hidden_size, a.spec.hidden_size // 4
-    assert all(c == pytest.approx(1.0, abs=1e-9) for c in _tensor_cosines(a, b, back).values())
-    assert _subspace_overlap(a, b, back, k) == pytest.approx(1.0, abs=1e-6)
-    random = _haar_residual(d, a.spec.centred, seed=0)
-    matrix = random.maps["residual"].matrix
-    assert torch.allclose(matrix @ matrix.T, torch.eye(d, dtype=matrix.dtype), atol=1e-12)
-    if a.spec.centred:
-        ones = torch.ones(d, dtype=matrix.dtype)
-        assert torch.allclose(matrix @ ones, ones, atol=1e-12)
-    overlaps = [_subspace_overlap(a, b, _haar_residual(d, a.spec.centred, seed=s).compose(back), k) for s in range(8)]
-    assert sum(overlaps) / len(overlaps) < 0.5 * (1 + k / d)  # nearer chance than a match
-    resolved = _layer_maps_under(a, b, back)
-    assert all(c == pytest.approx(1.0, abs=1e-6) for c in _tensor_cosines(a, b, resolved).values())
-
-
 def test_with_vocabulary_changes_the_language_pairs_tokens_alone():
     pairs = {pair.family: pair for pair in suite.TIERS["cpu"]}
     for family in ("gpt2", "pythia", "llama"):
@@ -120,7 +51,9 @@ def test_with_vocabulary_changes_the_language_pairs_tokens_alone():
 
 
 @pytest.mark.parametrize("vocab_size", [None, 1024])
-def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(vocab_size, monkeypatch, capsys):
+def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(
+    vocab_size, monkeypatch, capsys, tmp_path
+):
     """``--triples`` hands every flag to the measurement (measure_triple stands in for the
     training and merging: this checks the command's plumbing, not the barriers)."""
     measured = []
@@ -138,7 +71,7 @@ def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(
 
     monkeypatch.setattr(suite, "measure_triple", stand_in)
     argv = ["--tier", "cpu", "--triples", "--methods", "learned", "--learn", "steps=7", "--fit-sequences", "64"]
-    suite.main(argv + (["--vocab-size", str(vocab_size)] if vocab_size else []))
+    suite.main(argv + (["--vocab-size", str(vocab_size)] if vocab_size else []) + ["--json", str(tmp_path / "r.json")])
     expected = [
         suite.with_vocabulary(pair, vocab_size)
         for pair in suite.TIERS["cpu"]
@@ -147,9 +80,15 @@ def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(
     assert [pair for pair, _, _ in measured] == expected and len(expected) == 4
     assert all(learn.steps == 7 and fitting.sequences == 64 for _, learn, fitting in measured)
     assert "| learned | 4 |" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["benchmark"] == "suite_triples" and saved["settings"]["vocab_size"] == vocab_size
+    assert [t["name"] for t in saved["triples"]] == [pair.entry.name for pair in expected]
+    assert saved["triples"][0]["barriers"] == {"learned": 0.5} and saved["triples"][0]["mean_excess"] == {
+        "learned": 0.25
+    }
 
 
-def test_pairs_picks_the_named_pairs_of_the_tier(monkeypatch, capsys):
+def test_pairs_picks_the_named_pairs_of_the_tier(monkeypatch, capsys, tmp_path):
     """``--pairs`` measures the named pairs of the tier alone (in the tier's order); a name the
     tier does not have is a usage error before anything trains."""
     assert [p.entry.name for p in suite.tier_pairs("cpu", suite.FAMILIES, ["suite-llama-b", "suite-gpt2-a"])] == [
@@ -173,9 +112,37 @@ def test_pairs_picks_the_named_pairs_of_the_tier(monkeypatch, capsys):
             )
         ),
     )
-    suite.main(["--tier", "cpu", "--pairs", "suite-pythia-b", "--methods", "dual"])
+    suite.main(["--tier", "cpu", "--pairs", "suite-pythia-b", "--methods", "dual", "--json", str(tmp_path / "r.json")])
     assert measured == ["suite-pythia-b"]
     with pytest.raises(SystemExit) as exit_info:
         suite.main(["--tier", "cpu", "--pairs", "suite-llama-z", "--methods", "dual"])
     assert exit_info.value.code == 2
     assert measured == ["suite-pythia-b"]
+
+
+def test_a_run_writes_one_standard_record_per_run(monkeypatch, tmp_path):
+    """A run of the suite writes its record by default under ``benchmarks/results/`` (here a
+    temporary folder): the provenance of ``record.new_record``, the settings spelled out, and per
+    pair its family, name, what it varies and, per method, the barrier, the ratio to vanilla and
+    the seconds; ``--report`` reads the record back."""
+    monkeypatch.setattr(record, "RESULTS", tmp_path)
+    barriers = {"vanilla": 2.0, "weight": 0.5, "dual": 0.1}
+    monkeypatch.setattr(
+        suite,
+        "measure_pair",
+        lambda pair, labels, **_: suite.PairResult(
+            pair.family, pair.entry.name, pair.varies, {k: barriers[k] for k in labels}, dict.fromkeys(labels, 3.0), []
+        ),
+    )
+    suite.main(["--tier", "ci", "--families", "gpt2", "vit", "--methods", "vanilla", "weight", "dual"])
+    (path,) = tmp_path.glob("suite-*.json")
+    saved = json.loads(path.read_text())
+    assert {"benchmark", "date", "commit", "machine", "settings"} <= set(saved) and saved["benchmark"] == "suite"
+    assert saved["settings"]["tier"] == "ci" and saved["settings"]["learn_changed"] == {}
+    assert saved["settings"]["fitting"] == {"sequences": suite.FIT_SEQUENCES, "batch_size": 32, "sampled": False}
+    assert [(p["family"], p["name"]) for p in saved["pairs"]] == [("gpt2", "ci-gpt2"), ("vit", "ci-vit")]
+    first = saved["pairs"][0]
+    assert first["varies"] == "tiny" and first["barriers"] == barriers and first["seconds"]["dual"] == 3.0
+    assert first["ratio_to_vanilla"] == {"vanilla": 1.0, "weight": 0.25, "dual": 0.05}
+    results = suite.read_results([path], suite.PairResult)
+    assert [r.name for r in results] == ["ci-gpt2", "ci-vit"] and results[1].barriers == barriers

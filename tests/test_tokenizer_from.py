@@ -13,10 +13,10 @@ from pydantic import ValidationError
 
 from hf_lmc.cli import main
 from hf_lmc.inherit import InheritanceError
-from hf_lmc.options import MergeSpec
+from hf_lmc.options import MergeRequest
 from hf_lmc.pipeline import merge
 from hf_lmc.recipe import load_recipe
-from hf_lmc.runner import _Source, merge_spec
+from hf_lmc.runner import _Source, run_request
 from tests.test_inherited import _one_line_error, _pair
 
 
@@ -62,16 +62,16 @@ def test_a_name_that_fits_no_model_or_a_model_without_a_tokenizer_is_refused_by_
         merge(a, b, tmp_path / "out", tokenizer_from="b", progress=False)
     assert not (tmp_path / "out").exists()
     with pytest.raises(ValidationError, match="tokenizer_from"):
-        MergeSpec(models=["a", "b"], output="out", tokenizer_from="c")
+        MergeRequest(models=["a", "b"], output="out", tokenizer_from="c")
 
 
 def test_a_recipe_takes_tokenizer_from_as_an_output_key():
     sources = [_Source(name, None, name, False) for name in ("a", "b")]
     for written, index in (("b", 1), (2, 1), ("1", 0)):
         recipe = load_recipe({"models": ["a", "b"], "output": {"dir": "out", "tokenizer_from": written}})
-        assert merge_spec(recipe, "weight", sources, Path("out/weight"), None, None).tokenizer_model == index
+        assert run_request(recipe, "weight", sources, Path("out/weight"), None, None).tokenizer_model == index
     assert (
-        merge_spec(
+        run_request(
             load_recipe({"models": ["a", "b"], "output": {"dir": "out"}}), "weight", sources, Path("o"), None, None
         ).tokenizer_from
         is None

@@ -9,7 +9,16 @@ transform; the learned paths are ``nn.Module`` s trained by :func:`train`, and
 from .activation import ActivationMatcher
 from .contract import Matcher, PairwiseMatcher
 from .endpoints import EndpointSharding
-from .learned import DualMatcher, LearnedMatcher, PairPath, SimplexMatcher, TrainedPath
+from .learned import (
+    DualMatcher,
+    DualPath,
+    LearnedMatcher,
+    LearnedPath,
+    PairPath,
+    SimplexMatcher,
+    SimplexPath,
+    TrainedPath,
+)
 from .training import TrainedMatcher, train
 from .universe import UniverseMatcher
 from .weight import WeightMatcher
@@ -17,12 +26,15 @@ from .weight import WeightMatcher
 __all__ = [
     "ActivationMatcher",
     "DualMatcher",
+    "DualPath",
     "EndpointSharding",
     "LearnedMatcher",
+    "LearnedPath",
     "Matcher",
     "PairPath",
     "PairwiseMatcher",
     "SimplexMatcher",
+    "SimplexPath",
     "TrainedMatcher",
     "TrainedPath",
     "UniverseMatcher",

@@ -26,9 +26,10 @@ import torch
 from torch import Tensor
 
 from ..adapters import adapter_for
+from ..batches import Batch, EvalOptions, load_batches
 from ..canonical import CanonicalModel, to_hf
-from ..evaluation import Batch, EvalOptions, load_batches
 from ..linalg import solve_side_by_side
+from ..options import DEFAULT_SYMMETRIES
 from ..progress import bar as progress_bar
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, resolve_kinds
@@ -43,7 +44,7 @@ class ActivationMatcher(PairwiseMatcher):
     Args:
         data: calibration batches: an iterable of batch dicts (e.g. a ``DataLoader``), one
             batch dict, a tensor of ``input_ids`` (``pixel_values`` for ViT), or other data
-            :func:`hf_lmc.evaluation.load_batches` reads without a tokenizer (``.pt`` image
+            :func:`hf_lmc.batches.load_batches` reads without a tokenizer (``.pt`` image
             tensors). Text is tokenised by :func:`hf_lmc.merge` and the CLI with A's tokenizer.
         symmetries: ``"full"``, ``"permutation"`` or a set of kinds (as for weight matching).
         max_batches: use at most this many batches.
@@ -57,7 +58,7 @@ class ActivationMatcher(PairwiseMatcher):
     def __init__(
         self,
         data,
-        symmetries="full",
+        symmetries=DEFAULT_SYMMETRIES,
         *,
         max_batches: int | None = None,
         dtype: torch.dtype = torch.float32,

@@ -10,14 +10,20 @@ to A and leave A as it is; their own call is ``match(a, b)``, B's transform.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..canonical import CanonicalModel
 from ..symmetry import Transform
 
 
+@runtime_checkable
 class Matcher(Protocol):
-    """What every search method provides: one transform per model, for merging at ``weights``."""
+    """What every search method provides: one transform per model, for merging at ``weights``.
+
+    Runtime-checkable, so a test can hold every class the method registry builds to it; the
+    trainable paths (:class:`~hf_lmc.matching.TrainedPath`) are not matchers until
+    :class:`~hf_lmc.matching.TrainedMatcher` trains them.
+    """
 
     def fit(self, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None) -> list[Transform]:
         """One transform per model; the merge is ``sum_k weights[k] T_k(models[k])``."""

@@ -2,15 +2,15 @@
 
 The path modules are plain ``nn.Module`` s whose call is the loss at a sampled point of their
 path (:class:`TrainedPath`), so they train in any loop; ``fit`` is the package's loop
-(:func:`hf_lmc.matching.training.train`). Two models share :class:`PairPath`: ``LearnedMatcher``
-trains B's transform only and ``DualMatcher`` both models' transforms, toward one shared linear
+(:func:`hf_lmc.matching.training.train`). Two models share :class:`PairPath`: ``LearnedPath``
+trains B's transform only and ``DualPath`` both models' transforms, toward one shared linear
 path. Both start from weight matching (B's transform) and the identity
 (A's), and evaluate the interpolant with the stock HF class at one ``lambda`` per call: half the
 draws from ``U(0.4, 0.6)``, half near the path's current worst point, which ``fit`` re-locates
 on the latest batches as training moves it. ``merge(alpha)`` hardens the transforms and
 returns a stock model: an exact symmetry of each endpoint at ``alpha = 0`` and ``alpha = 1``.
 
-``SimplexMatcher`` is the same for M models: each carries a transform toward one shared point,
+``SimplexPath`` is the same for M models: each carries a transform toward one shared point,
 starting from universe matching, trained at weights ``w ~ Dirichlet(1)``, uniform over the simplex.
 All three share the loss (:class:`TrainedPath`), the training loop and the interpolant.
 """
@@ -27,7 +27,7 @@ from ..canonical import CanonicalModel, canonicalize, combine, interpolate, simp
 from ..devices import computed_on_main, launch_device
 from ..grids import alpha_grid, excess_over_line
 from ..head_loss import mixture_loss, next_token_loss
-from ..options import FOCI, OBJECTIVES
+from ..options import DEFAULT_INIT, DEFAULT_SYMMETRIES, INITS, PATH_POINTS, LearnOptions, with_overrides
 from ..symmetry import Transform
 from .endpoints import EndpointSharding, sharding_of
 from .interpolant import Interpolant
@@ -36,11 +36,24 @@ from .training import train
 from .universe import UniverseMatcher
 from .weight import WeightMatcher
 
-#: Where a path's transforms start without a given one: weight (or universe) matching's solution, or the identity.
-INITS = ("weight", "identity")
-#: Where the worst point of the path is looked for: the barrier's 11-point grid (docs/design.md §1).
+#: Where the worst point of the path is looked for: the barrier's grid (docs/design.md §1).
 #: Draws near it are uniform within half a grid step of it.
-WORST_GRID = tuple(alpha_grid(11))
+WORST_GRID = tuple(alpha_grid(PATH_POINTS))
+#: The settings of :class:`~hf_lmc.options.LearnOptions` a path reads when it is built; the
+#: rest (steps, learning rates, schedule, stopping rule, seed) are the training loop's.
+PATH_FIELDS = frozenset(
+    {
+        "permutations",
+        "orthogonal",
+        "frame",
+        "objective",
+        "lambda_range",
+        "worst_fraction",
+        "focus",
+        "input_noise",
+        "concentration",
+    }
+)
 
 
 class TrainedPath(nn.Module):
@@ -50,20 +63,25 @@ class TrainedPath(nn.Module):
 
     interpolant: Interpolant
     objective: str
-    label: str  # the progress bar's name for this matcher; each concrete matcher sets it
+    label: str  # the progress bar's name for this path; each concrete path sets it
     seeks_worst = False  # whether fit() re-locates the path's worst point (see PairPath)
     input_noise = 0.0  # std of the Gaussian noise on pixel_values in training mode (see PairPath)
 
-    def _set_input_noise(self, input_noise: float, model: CanonicalModel) -> None:
-        """Set :attr:`input_noise`, refusing a negative std or noise for a model that takes no images."""
-        if not input_noise >= 0:
-            raise ValueError(f"input_noise must be >= 0, got {input_noise}")
-        if input_noise and not model.adapter.takes_images:
+    def _set_options(self, options: LearnOptions | None, overrides: dict) -> LearnOptions:
+        """Set (and return) :attr:`learn`: ``options`` with ``overrides`` (LearnOptions fields),
+        checked before any model is read; :func:`~hf_lmc.matching.training.train` reads the
+        loop's settings from it when ``fit`` is given none."""
+        self.learn = learn = with_overrides(LearnOptions, options, overrides)
+        self.objective, self.input_noise = learn.objective, float(learn.input_noise)
+        return learn
+
+    def _check_images(self, model: CanonicalModel) -> None:
+        """Refuse input noise for a model that takes no images."""
+        if self.input_noise and not model.adapter.takes_images:
             raise ValueError(
                 f"input_noise perturbs images, and {model.adapter.model_class.__name__} takes {model.adapter.input_name}: "
                 "use input_noise=0"
             )
-        self.input_noise = float(input_noise)
 
     def _perturbed(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """``batch`` with fresh Gaussian noise of std ``input_noise`` on its ``pixel_values``, in
@@ -132,8 +150,10 @@ class TrainedPath(nn.Module):
 
     #: The package's training loop as a method: ``path.fit(batches, steps=...)`` is
     #: :func:`hf_lmc.matching.training.train` ``(path, batches, steps=...)``, with the same
-    #: arguments, and returns the loss of every step. The step defaults were chosen with
-    #: batches of :data:`hf_lmc.options.FIT_OPTIONS`' size, what ``hf-lmc merge --data`` gives.
+    #: arguments, and returns the loss of every step. With no settings it trains with the
+    #: path's :attr:`learn`, held-out batches and stopping rule included, as ``hf-lmc merge``
+    #: does; the defaults were chosen with batches of :data:`hf_lmc.options.FIT_OPTIONS`' size,
+    #: what ``hf-lmc merge --data`` gives.
     fit = train
 
 
@@ -143,7 +163,7 @@ def _wide(logits: Tensor) -> Tensor:
 
 
 def _split_fixed(start: Transform | None, permutations: str) -> tuple[Transform | None, Transform | None]:
-    """With fixed assignments, ``start = in_order o assignments``: the matcher applies the
+    """With fixed assignments, ``start = in_order o assignments``: the path applies the
     assignments to its stored copy of the model once, and the trained maps then move tensors
     without a gather (per tensor, per step: on a GPU a kernel launch each, with its backward)."""
     if start is None or permutations != "fixed":
@@ -167,13 +187,6 @@ def _held(shard_endpoints) -> Callable[[CanonicalModel], CanonicalModel]:
     return (lambda model: model) if sharding_of(shard_endpoints) is not None else CanonicalModel.materialize
 
 
-def _check_objective(objective: str) -> str:
-    """``objective`` itself, or a ``ValueError`` naming :data:`OBJECTIVES`."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"unknown objective {objective!r}; choose from {OBJECTIVES}")
-    return objective
-
-
 def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     """``batch`` with labels: a causal LM's are its ``input_ids``."""
     inputs = dict(batch)
@@ -185,7 +198,7 @@ def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 class PairPath(TrainedPath):
     """The linear path ``(1 - a) T_A(A) + a T_B(B)`` between two models, trained at sampled
     ``a``: B's transform always, A's where the class sets ``learns_a``
-    (:class:`DualMatcher`; :class:`LearnedMatcher` keeps A as it is). Instantiate one of those two.
+    (:class:`DualPath`; :class:`LearnedPath` keeps A as it is). Instantiate one of those two.
 
     With A's transform trained, a step evaluates the path as ``(1 - a) A + a T_A^-1 T_B(B)``
     (the same path moved by the symmetry ``T_A^-1``: the same loss and gradients), so it moves
@@ -193,13 +206,22 @@ class PairPath(TrainedPath):
 
     Args:
         model_a, model_b: stock HF models (or checkpoint folders) of one architecture and shape.
+        options: the settings of learned and dual matching (:class:`~hf_lmc.options.LearnOptions`,
+            whose defaults are the command line's), kept as :attr:`learn`: the path reads those
+            below when it is built, and ``fit`` trains with the rest (steps, learning rates,
+            schedule, stopping rule, seed) unless it is given others.
+        **overrides: :class:`~hf_lmc.options.LearnOptions` fields set over ``options``
+            (``DualPath(a, b, orthogonal="exp")``), checked as the options are.
         init: ``"weight"`` (B's transform starts at weight matching's solution), ``"identity"``,
             or B's starting :class:`Transform` itself (e.g. :class:`ActivationMatcher`'s, whose
             unit and head assignments come from what the units compute; with
             ``permutations="fixed"`` the start's assignments are the ones kept).
         symmetries: the group weight matching searches for the initialisation.
+
+    Of the options, the path reads:
+
         permutations: ``"fixed"`` keeps the starting unit and head assignments and trains only
-            the continuous maps (the default; comparisons in docs/benchmarks.md); ``"ste"`` or
+            the continuous maps (the default; docs/decisions.md#d-fixed-permutations); ``"ste"`` or
             ``"sinkhorn"`` train the assignments too (n x n scores per layer).
         orthogonal: ``"cayley"``, ``"exp"`` or ``"polar"`` (the residual map).
         frame: where each continuous map's trained factor sits (:mod:`hf_lmc.matching.params`):
@@ -214,11 +236,11 @@ class PairPath(TrainedPath):
         lambda_range: interpolation weights are drawn uniformly from this range (all of them
             with ``worst_fraction=0``).
         worst_fraction: the share of draws taken instead within 0.05 of the path's current worst
-            point, the alpha of the 11-point grid where the loss stands highest above the line
+            point, the alpha of the evaluation grid (:data:`~hf_lmc.options.PATH_POINTS`) where the loss stands highest above the line
             between the endpoints. ``fit`` re-locates it every ``locate_every`` steps; in a
             loop of your own, call :meth:`locate_worst`. Training only on the middle of the path
             pushes its worst point outward, where the barrier is then measured; these draws
-            follow it there (docs/benchmarks.md).
+            follow it there (docs/decisions.md#d-worst-point-draws).
         focus: where those draws go. ``"worst"``: near the one grid point of highest excess.
             ``"excess"``: near each interior grid point with probability proportional to its
             excess over the line (none where the path is at or below it), so a path with two
@@ -232,7 +254,10 @@ class PairPath(TrainedPath):
             their training images have no loss on them to speak of, so the transforms learn to fit
             those images rather than the path on new ones; noise of about the size at which the
             endpoints' loss on training images reaches their held-out loss restores that
-            (docs/benchmarks.md).
+            (docs/decisions.md#d-input-noise).
+
+    The settings that are not options:
+
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
         checkpoint_layers: rebuild each layer's interpolated weights inside gradient
             checkpointing, so only one layer's transformed weights are alive at a time. A
@@ -248,12 +273,12 @@ class PairPath(TrainedPath):
         init_device: where the weight-matching start runs (``init="weight"``). Default: this
             process's device under ``accelerate launch`` / ``torchrun`` (the CPU under
             ``--cpu``, GPU ``LOCAL_RANK`` with several processes), else a GPU when torch sees
-            one (:func:`hf_lmc.devices.launch_device`). The matcher itself goes where
+            one (:func:`hf_lmc.devices.launch_device`). The path itself goes where
             ``accelerator.prepare`` or ``.to`` puts it.
 
     Under ``torch.distributed`` with several processes, construction is a collective: the main
     process computes the start and sends it to the others (one start for all), so build the
-    matcher on every process.
+    path on every process.
     """
 
     #: Whether A's transform trains too (B's always does); each concrete path sets it.
@@ -263,37 +288,26 @@ class PairPath(TrainedPath):
         self,
         model_a,
         model_b,
+        options: LearnOptions | None = None,
         *,
-        init: str | Transform = "weight",
-        symmetries="full",
-        permutations: str = "fixed",
-        orthogonal: str = "cayley",
-        frame: str = "own",
-        lambda_range: tuple[float, float] = (0.4, 0.6),
-        worst_fraction: float = 0.5,
-        focus: str = "worst",
-        objective: str = "ensemble",
-        input_noise: float = 0.0,
+        init: str | Transform = DEFAULT_INIT,
+        symmetries=DEFAULT_SYMMETRIES,
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool | float = True,
         shard_endpoints: bool | EndpointSharding = False,
         init_device: str | torch.device | None = None,
+        **overrides,
     ):
         super().__init__()
-        self.objective = _check_objective(objective)
+        learn = self._set_options(options, overrides)
         init_device = launch_device(init_device)
-        if not 0.0 <= worst_fraction <= 1.0:
-            raise ValueError(f"worst_fraction must lie in [0, 1], got {worst_fraction}")
-        if focus not in FOCI:
-            raise ValueError(f"unknown focus {focus!r}; choose from {FOCI}")
-        self.worst_fraction, self.focus = float(worst_fraction), focus
+        self.worst_fraction, self.focus = float(learn.worst_fraction), learn.focus
         if not isinstance(init, Transform) and init not in INITS:
             raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass B's starting Transform")
-        low, high = lambda_range
-        if not 0.0 <= low <= high <= 1.0:
-            raise ValueError(f"lambda_range must satisfy 0 <= low <= high <= 1, got {lambda_range}")
+        low, high = learn.lambda_range
         self.lambda_range = (float(low), float(high))
-        # Saved with the matcher's state (accelerate checkpoints), so a resumed run draws alike.
+        focus, permutations = learn.focus, learn.permutations
+        # Saved with the path's state (accelerate checkpoints), so a resumed run draws alike.
         self.register_buffer("worst_alpha", torch.tensor((low + high) / 2, dtype=torch.float64))
         # The excess over the line at every grid point when last located (zero until then); saved
         # only where the draws read it, so "worst" checkpoints keep their earlier layout.
@@ -304,7 +318,7 @@ class PairPath(TrainedPath):
         self.dtype = dtype
         held = _held(shard_endpoints)
         a, b = held(canonicalize(model_a, dtype=dtype)), held(canonicalize(model_b, dtype=dtype))
-        self._set_input_noise(input_noise, a)
+        self._check_images(a)
         if isinstance(init, Transform):
             start = init
         elif init == "weight":
@@ -314,9 +328,8 @@ class PairPath(TrainedPath):
         start, self._assignments = _split_fixed(start, permutations)
         if self._assignments is not None:
             b = held(self._assignments.to(dtype).apply(b))  # B stored in its assigned order
-        options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
-        self.transform_b = TrainableTransform(a.spec, start, **options)
-        self.transform_a = TrainableTransform(a.spec, None, **options) if self.learns_a else None
+        self.transform_b = TrainableTransform(a.spec, start, learn, dtype=dtype)
+        self.transform_a = TrainableTransform(a.spec, None, learn, dtype=dtype) if self.learns_a else None
         self.interpolant = Interpolant(a, b, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)
 
     @property
@@ -351,7 +364,7 @@ class PairPath(TrainedPath):
 
     @torch.no_grad()
     def locate_worst(self, batches: Iterable[dict[str, Tensor]]) -> float:
-        """Set (and return) :attr:`worst_alpha`: the interior alpha of the 11-point grid where the
+        """Set (and return) :attr:`worst_alpha`: the interior alpha of the evaluation grid where the
         path's loss on ``batches`` (labels, whatever the training objective) stands highest above
         the line between the endpoints' losses (each point's excess goes to :attr:`grid_excess`,
         which ``focus="excess"`` draws from). Under ``torch.distributed`` the losses are
@@ -429,44 +442,46 @@ class PairPath(TrainedPath):
         return to_hf(interpolate(*self.aligned(), alpha))
 
     @classmethod
-    def over_simplex(cls, models: Sequence, **options) -> SimplexMatcher:
-        """This matching for three or more models: a :class:`SimplexMatcher` whose first model's
+    def over_simplex(cls, models: Sequence, options: LearnOptions | None = None, **settings) -> SimplexPath:
+        """This matching for three or more models: a :class:`SimplexPath` whose first model's
         transform trains exactly when A's does here (``learns_first=cls.learns_a``)."""
-        return SimplexMatcher(models, learns_first=cls.learns_a, **options)
+        return SimplexPath(models, options, learns_first=cls.learns_a, **settings)
 
 
-class DualMatcher(PairPath):
+class DualPath(PairPath):
     """Both models learn their transforms toward one shared linear path (arguments: :class:`PairPath`)."""
 
     learns_a = True
     label = "dual matching"
 
 
-class LearnedMatcher(PairPath):
+class LearnedPath(PairPath):
     """Only B learns its transform (one-sided learned matching); A stays as it is (arguments: :class:`PairPath`)."""
 
     learns_a = False
     label = "learned matching"
 
 
-class SimplexMatcher(TrainedPath):
+class SimplexPath(TrainedPath):
     """M models learn their transforms toward one shared point: the M-model dual matching.
 
     Every point ``sum_k w_k T_k(theta_k)`` of the simplex the aligned models span should have
     low loss, so each call trains at weights ``w ~ Dirichlet(concentration * 1)``: the default
     1 draws uniformly over the simplex. (Draws near the vertices, as a concentration of 0.1
     gives, train the transforms where they barely change the loss, and on the benchmark
-    suite's triples left the merge above its universe-matching start: docs/benchmarks.md §0.3.)
+    suite's triples left the merge above its universe-matching start: docs/decisions.md#d-simplex-concentration.)
 
     Args:
         models: stock HF models (or checkpoint folders) of one architecture and shape.
         init: ``"weight"`` (start from universe matching, :class:`UniverseMatcher`),
             ``"identity"``, or one :class:`Transform` per model.
         learns_first: ``False`` keeps the first model's starting transform fixed (one model
-            anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
-        concentration: the Dirichlet concentration of the sampled weights.
-        symmetries, permutations, orthogonal, frame, objective, input_noise, dtype, checkpoint_layers, shard_endpoints,
-        init_device: as for :class:`PairPath` (``"ensemble"`` mixes the M endpoints at the sampled weights).
+            anchors the others, as A does in :class:`LearnedPath`); ``True``: all learn.
+        options, overrides: as for :class:`PairPath`; of them the simplex reads ``concentration``
+            (of the Dirichlet the weights are drawn from) where a pair reads ``lambda_range``,
+            ``worst_fraction`` and ``focus`` (``"ensemble"`` mixes the M endpoints at the
+            sampled weights).
+        symmetries, dtype, checkpoint_layers, shard_endpoints, init_device: as for :class:`PairPath`.
     """
 
     label = "simplex matching"
@@ -474,35 +489,29 @@ class SimplexMatcher(TrainedPath):
     def __init__(
         self,
         models: Sequence,
+        options: LearnOptions | None = None,
         *,
-        init: str | Sequence[Transform] = "weight",
+        init: str | Sequence[Transform] = DEFAULT_INIT,
         learns_first: bool = True,
-        symmetries="full",
-        permutations: str = "fixed",
-        orthogonal: str = "cayley",
-        frame: str = "own",
-        concentration: float = 1.0,
-        objective: str = "ensemble",
-        input_noise: float = 0.0,
+        symmetries=DEFAULT_SYMMETRIES,
         dtype: torch.dtype = torch.float32,
         checkpoint_layers: bool | float = True,
         shard_endpoints: bool | EndpointSharding = False,
         init_device: str | torch.device | None = None,
+        **overrides,
     ):
         super().__init__()
-        self.objective = _check_objective(objective)
+        learn = self._set_options(options, overrides)
         init_device = launch_device(init_device)
         if len(models) < 2:
-            raise ValueError(f"SimplexMatcher needs at least 2 models, got {len(models)}")
+            raise ValueError(f"SimplexPath needs at least 2 models, got {len(models)}")
         if isinstance(init, str) and init not in INITS:
             raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass one Transform per model")
-        if not concentration > 0:
-            raise ValueError(f"concentration must be > 0, got {concentration}")
-        self.concentration = float(concentration)
+        self.concentration = float(learn.concentration)
         self.dtype = dtype
         held = _held(shard_endpoints)
         canonical = [held(canonicalize(m, dtype=dtype)) for m in models]
-        self._set_input_noise(input_noise, canonical[0])
+        self._check_images(canonical[0])
         if init == "weight":
             start = list(
                 computed_on_main(lambda: UniverseMatcher(symmetries, progress=False, device=init_device).fit(canonical))
@@ -517,15 +526,16 @@ class SimplexMatcher(TrainedPath):
         self.fixed_first = None if learns_first else start[0]
         if self.fixed_first is not None:
             canonical[0] = held(self.fixed_first.to(dtype).apply(canonical[0]))
-        options = {"permutations": permutations, "orthogonal": orthogonal, "frame": frame, "dtype": dtype}
         first = 0 if learns_first else 1
         self._assignments = []  # per learned model, as ``self.learned``
         for k in range(first, len(canonical)):
-            start[k], assignments = _split_fixed(start[k], permutations)
+            start[k], assignments = _split_fixed(start[k], learn.permutations)
             self._assignments.append(assignments)
             if assignments is not None:  # stored in its assigned order
                 canonical[k] = held(assignments.to(dtype).apply(canonical[k]))
-        self.learned = nn.ModuleList(TrainableTransform(canonical[0].spec, t, **options) for t in start[first:])
+        self.learned = nn.ModuleList(
+            TrainableTransform(canonical[0].spec, t, learn, dtype=dtype) for t in start[first:]
+        )
         self.interpolant = Interpolant(*canonical, checkpoint_layers=checkpoint_layers, shard=shard_endpoints)
 
     @property
@@ -559,3 +569,11 @@ class SimplexMatcher(TrainedPath):
         moved = [models[0] if self.fixed_first is not None else hardened.pop(0).apply(models[0])]
         moved += [t.apply(m) for t, m in zip(hardened, models[1:])]
         return to_hf(combine(moved, weights))
+
+
+# The paths' earlier names, kept as aliases so scripts written against them still run. They are
+# trainable paths, not matchers (a matcher answers ``fit(models, weights) -> list[Transform]``;
+# :class:`~hf_lmc.matching.TrainedMatcher` gives a path that contract).
+DualMatcher = DualPath
+LearnedMatcher = LearnedPath
+SimplexMatcher = SimplexPath

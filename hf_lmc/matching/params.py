@@ -33,8 +33,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..linalg import assign, householder_to_first
-from ..options import FRAMES, PERMUTATIONS, check_orthogonal
+from ..options import FRAMES, PERMUTATIONS, LearnOptions, check_orthogonal
 from ..symmetry.sample import rotary_block
+
+#: The parameterisation and frame of a map built with none given: learned matching's defaults.
+_DEFAULTS = LearnOptions()
 
 #: The trained (relaxed) permutation parameterisations: every entry of ``PERMUTATIONS`` but ``"fixed"``.
 PERMUTATION_METHODS = tuple(p for p in PERMUTATIONS if p != "fixed")
@@ -90,9 +93,9 @@ class OrthogonalParam(nn.Module):
         d: int,
         *,
         init: Tensor | None = None,
-        method: str = "cayley",
+        method: str = _DEFAULTS.orthogonal,
         fix_ones: bool = False,
-        frame: str = "own",
+        frame: str = _DEFAULTS.frame,
         dtype=torch.float32,
     ):
         super().__init__()
@@ -118,7 +121,7 @@ class OrthogonalParam(nn.Module):
         eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
         # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
         # is I + 2A + ...: per Adam step it turns the whole stream twice as far as exp, and trained
-        # to a higher barrier than at half the rate (docs/benchmarks.md).
+        # to a higher barrier than at half the rate (docs/decisions.md#d-cayley-residual).
         return torch.linalg.solve(eye - a / 2, eye + a / 2)
 
     def _inner(self) -> Tensor:
@@ -147,10 +150,12 @@ class GLParam(nn.Module):
     ``init = (M_0, M_0^{-1})`` may carry leading batch dimensions (a layer's KV heads): the
     maps are then trained and returned as one batch, with a single ``matrix_exp`` call per
     forward: on a GPU each call synchronises with the host, so one call per head would stall
-    every step (docs/benchmarks.md).
+    every step (docs/decisions.md#d-batched-head-maps).
     """
 
-    def __init__(self, b: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = "own", dtype=torch.float32):
+    def __init__(
+        self, b: int, *, init: tuple[Tensor, Tensor] | None = None, frame: str = _DEFAULTS.frame, dtype=torch.float32
+    ):
         super().__init__()
         self.step_frame = _check_frame(frame)
         eye = torch.eye(b, dtype=dtype)
@@ -257,7 +262,7 @@ class RotaryParam(nn.Module):
         rotary_dim: int,
         *,
         init: tuple[Tensor, Tensor] | None = None,
-        frame: str = "own",
+        frame: str = _DEFAULTS.frame,
         dtype=torch.float32,
     ):
         super().__init__()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..options import PERMUTATIONS
+from ..options import LearnOptions, with_overrides
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
 from .params import GLParam, OrthogonalParam, PermutationParam, RotaryParam
@@ -204,21 +204,24 @@ class _MlpParams(_TracksOrder):
 
 
 class TrainableTransform(nn.Module):
-    """Trainable parameters for every symmetry of ``spec``, starting at ``init`` (identity if None)."""
+    """Trainable parameters for every symmetry of ``spec``, starting at ``init`` (identity if None).
+
+    Of ``options`` (:class:`~hf_lmc.options.LearnOptions`, with ``overrides`` of its fields set
+    over them) it reads ``permutations``, ``orthogonal`` and ``frame``; ``dtype`` is that of the
+    parameters."""
 
     def __init__(
         self,
         spec: ArchSpec,
         init: Transform | None = None,
+        options: LearnOptions | None = None,
         *,
-        permutations: str = "fixed",
-        orthogonal: str = "cayley",
-        frame: str = "own",
         dtype: torch.dtype = torch.float32,
+        **overrides,
     ):
         super().__init__()
-        if permutations not in PERMUTATIONS:
-            raise ValueError(f"unknown permutation parameterisation {permutations!r}; choose from {PERMUTATIONS}")
+        learn = with_overrides(LearnOptions, options, overrides)
+        permutations, orthogonal, frame = learn.permutations, learn.orthogonal, learn.frame
         maps = init.maps if init is not None else {}
         residual = maps.get("residual")
         self.residual = OrthogonalParam(

@@ -1,4 +1,4 @@
-"""The training loop of the learned matchers, and learned and dual matching under the shared contract.
+"""The training loop of the trainable paths, and learned and dual matching under the shared contract.
 
 :func:`train` runs Adam under :mod:`accelerate` on any path module whose call is the loss at a
 sampled point of its path (:class:`~hf_lmc.matching.learned.TrainedPath`: the modules'
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..canonical import CanonicalModel
 from ..devices import launch_device, launched_processes
-from ..options import AccelerateOptions, LearnOptions, UsageError, default_warmup
+from ..options import DEFAULT_SYMMETRIES, LOCATE_EVERY, AccelerateOptions, LearnOptions, UsageError, with_overrides
 from ..progress import bar as progress_bar
 from ..symmetry import Transform
 from .endpoints import EndpointSharding
@@ -39,12 +39,15 @@ from .trainable import TrainableTransform
 from .universe import UniverseMatcher
 
 logger = logging.getLogger(__name__)
-_DEFAULTS = LearnOptions()  # a path trained with no settings trains as `hf-lmc merge` does with no flags
+#: ``train(holdout=SPLIT)``, the default: hold out what ``hf-lmc merge`` holds out (:func:`holdout_for`).
+SPLIT = "split"
+#: ``train``'s keywords of old that name an options field another way.
+_ALIASES = {"warmup_steps": "warmup"}
 
 #: A held-out estimate above DIVERGING_RISE x the lowest seen + DIVERGING_MARGIN nats means the steps
 #: diverge (a learning rate too high for the models): training goes back to the lowest path at half
 #: the rate, and a run that ends so far up returns the lowest path. Chosen on the benchmark suite so
-#: that the wandering of a healthy run's small-sample estimate stays inside (docs/benchmarks.md §0.5).
+#: that the wandering of a healthy run's small-sample estimate stays inside (docs/decisions.md#d-divergence-guard).
 DIVERGING_RISE, DIVERGING_MARGIN = 2.0, 0.1
 _SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one waits for the device)
 
@@ -52,25 +55,26 @@ _SHOW_EVERY = 10  # steps between the progress bar's loss readings (each one wai
 def train(
     path: nn.Module,
     batches: Iterable[dict[str, Tensor]],
+    options: LearnOptions | None = None,
     *,
-    steps: int = _DEFAULTS.steps,
-    lr: float = _DEFAULTS.lr,
-    residual_lr: float | None = None,
-    schedule: str = _DEFAULTS.schedule,
-    warmup_steps: int | None = None,
+    accelerate: AccelerateOptions | None = None,
     accelerator=None,
-    gradient_accumulation_steps: int = 1,
-    mixed_precision: str = "no",
-    checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int | None = None,
-    resume: bool = False,
-    locate_every: int = 50,
+    holdout: Sequence[dict[str, Tensor]] | str | None = SPLIT,
+    locate_every: int = LOCATE_EVERY,
     progress: bool = True,
     callback: Callable[[int, nn.Module], None] | None = None,
-    holdout: Sequence[dict[str, Tensor]] | None = None,
-    target_barrier: float | None = None,
+    **overrides,
 ) -> list[float]:
-    """Train ``path``'s transforms for ``steps`` batches with Adam under :mod:`accelerate`.
+    """Train ``path``'s transforms with Adam under :mod:`accelerate`, as ``hf-lmc merge`` does.
+
+    ``options`` (:class:`~hf_lmc.options.LearnOptions`; default: the path's own, :attr:`learn`,
+    which it was built with, else the defaults) set the steps, learning rates, schedule,
+    stopping rule and seed, and ``accelerate`` (:class:`~hf_lmc.options.AccelerateOptions`) the
+    accumulation, mixed precision and checkpoints; ``overrides`` set fields of either by name
+    (``path.fit(batches, steps=20, checkpoint_dir=...)``; ``warmup_steps`` names ``warmup``),
+    checked as the command line's flags are. The settings the path was built with (its
+    parameterisation, draws and objective) cannot change here. The same path, batches and
+    settings give the same transforms as ``hf-lmc merge`` with those flags.
 
     ``path(batch)`` is the loss at a sampled point of the path; ``path.label`` names the
     progress bar, and where ``path.seeks_worst`` holds, ``path.locate_worst(batches)`` runs on
@@ -80,13 +84,13 @@ def train(
     ``DataLoader``) is iterated anew on every pass, so a shuffling loader reshuffles and no
     batch is held past its step; a one-shot iterator's batches are kept and replayed. Under
     several processes give each its own shard (``accelerator.prepare(loader)`` does).
-    ``schedule`` is a :func:`transformers.get_scheduler` name of :data:`~hf_lmc.options.SCHEDULES` (``"constant"``,
-    ``"cosine"``, ``"linear"``, …) over the optimizer steps, the first ``warmup_steps`` of
-    them (default: a twentieth) warming up linearly. The defaults are
-    :class:`~hf_lmc.options.LearnOptions`' (chosen on the benchmark suite, docs/benchmarks.md
-    §0). ``residual_lr`` sets the residual (orthogonal) maps' learning rate apart from the rest
-    (default ``lr``): one step of it turns every layer's stream at once. Without ``accelerator``, one is made from ``gradient_accumulation_steps`` and
-    ``mixed_precision``.
+    ``schedule`` is a :func:`transformers.get_scheduler` name of :data:`~hf_lmc.options.SCHEDULES`
+    over the optimizer steps, the first ``warmup`` of them warming up linearly. ``residual_lr``
+    sets the residual (orthogonal) maps' learning rate apart from the rest: one step of it turns
+    every layer's stream at once. Without ``accelerator``, one is made from the accumulation
+    and mixed-precision settings. With a ``seed``, torch's RNG is seeded for the run and the
+    caller's state restored afterwards.
+
     With ``checkpoint_dir`` (a new or empty folder, or one holding a state this function saved),
     the training state is saved there every ``checkpoint_every`` steps (at the next optimizer
     step) and at the end, as tensors and JSON, atomically (:mod:`hf_lmc.matching.state`);
@@ -94,33 +98,94 @@ def train(
     saved state is verified. ``callback(step, path)`` runs after every batch (e.g. to evaluate the
     barrier during training). Returns the loss of every step.
 
-    With ``holdout`` batches (a slice of the data never trained on) and a path that locates its
-    worst point, the worst point is located on them instead, before the first step, every
-    ``locate_every`` steps and after the last, and the largest excess found is the path's barrier estimate; with
-    ``target_barrier``, training stops as soon as the estimate is at most that. Where an
-    estimate diverges (above ``DIVERGING_RISE`` times the lowest plus ``DIVERGING_MARGIN``),
-    training goes back to the lowest path (possibly the start's) at half the learning rate, and
-    a run that ends there returns it. What was reached is left in ``path.stopping`` (a
-    :class:`Stopping`).
+    ``holdout`` batches (a slice of the data never trained on) serve the stopping rule of a path
+    that locates its worst point. By default (:data:`SPLIT`) they are cut from ``batches`` as
+    ``hf-lmc merge`` cuts them (:func:`holdout_for`: with a ``target_barrier``, the last eighth
+    of a list); ``None`` holds none out. With them, the worst point is located on them instead,
+    before the first step, every ``locate_every`` steps and after the last, and the largest
+    excess found is the path's barrier estimate; with ``target_barrier``, training stops as soon
+    as the estimate is at most that. Where an estimate diverges (above ``DIVERGING_RISE`` times
+    the lowest plus ``DIVERGING_MARGIN``), training goes back to the lowest path (possibly the
+    start's) at half the learning rate, and a run that ends there returns it. What was reached
+    is left in ``path.stopping`` (a :class:`Stopping`).
     """
+    learn, accelerate = training_options(path, options, accelerate, overrides)
+    if locate_every < 1:
+        raise ValueError(f"locate_every must be >= 1, got {locate_every}")
+    if isinstance(holdout, str):
+        if holdout != SPLIT:
+            raise ValueError(f"holdout is a list of batches, None or {SPLIT!r}, got {holdout!r}")
+        batches, holdout = holdout_for(path, batches, learn)
+    with seeded(learn.seed):
+        return _train(path, batches, learn, accelerate, accelerator, holdout, locate_every, progress, callback)
+
+
+def training_options(
+    path: nn.Module, options: LearnOptions | None, accelerate: AccelerateOptions | None, overrides: dict
+) -> tuple[LearnOptions, AccelerateOptions]:
+    """The loop's :class:`~hf_lmc.options.LearnOptions` and :class:`~hf_lmc.options.AccelerateOptions`:
+    ``options`` (default: the path's own) and ``accelerate`` with ``overrides`` set by field
+    name, refusing a change to what the path was built with."""
+    from .learned import PATH_FIELDS  # the path module imports this one
+
+    overrides = {_ALIASES.get(name, name): value for name, value in overrides.items()}
+    built = getattr(path, "learn", None)
+    base = options if options is not None else built
+    loop = {name: value for name, value in overrides.items() if name not in AccelerateOptions.model_fields}
+    learn = with_overrides(LearnOptions, base, loop)
+    accelerate = with_overrides(
+        AccelerateOptions,
+        accelerate,
+        {name: value for name, value in overrides.items() if name in AccelerateOptions.model_fields},
+    )
+    if isinstance(built, LearnOptions):
+        changed = [name for name in sorted(PATH_FIELDS) if getattr(learn, name) != getattr(built, name)]
+        if changed:
+            raise UsageError(
+                f"{changed[0]}: the path was built with {changed[0]}={getattr(built, changed[0])!r}; "
+                "build it with the setting instead (it shapes the path, not the training loop)"
+            )
+    return learn, accelerate
+
+
+def holdout_for(path: nn.Module, batches, learn: LearnOptions):
+    """``(training, held-out)`` batches as ``hf-lmc merge`` trains on them: with a
+    ``target_barrier`` (0 included: estimated, not stopped on) and a path that locates its worst
+    point, :func:`holdout_split`; otherwise ``(batches, None)``."""
+    if learn.target_barrier is not None and hasattr(path, "locate_worst"):
+        return holdout_split(batches)
+    return batches, None
+
+
+def _train(
+    path: nn.Module,
+    batches,
+    learn: LearnOptions,
+    accelerate: AccelerateOptions,
+    accelerator,
+    holdout,
+    locate_every: int,
+    progress: bool,
+    callback,
+) -> list[float]:
+    """:func:`train`'s loop, with its settings resolved."""
     from transformers import (
         get_scheduler,  # deferred: transformers.optimization is slow to import, and only training needs it
     )
 
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    warmup_steps = default_warmup(steps) if warmup_steps is None else warmup_steps
-    if not 0 <= warmup_steps <= max(steps, 0):
-        raise ValueError(f"warmup_steps must lie in [0, steps={steps}], got {warmup_steps}")
-    if residual_lr is not None and not residual_lr > 0:
-        raise ValueError(f"residual_lr must be > 0, got {residual_lr}")
-    if locate_every < 1:
-        raise ValueError(f"locate_every must be >= 1, got {locate_every}")
+    steps, schedule, warmup_steps, target_barrier = (
+        learn.steps,
+        learn.schedule,
+        learn.warmup_steps,
+        learn.target_barrier,
+    )
+    checkpoint_dir, checkpoint_every, resume = accelerate.checkpoint_dir, accelerate.checkpoint_every, accelerate.resume
     if accelerator is None:
         accelerator = Accelerator(
-            gradient_accumulation_steps=gradient_accumulation_steps, mixed_precision=mixed_precision
+            gradient_accumulation_steps=accelerate.gradient_accumulation_steps,
+            mixed_precision=accelerate.mixed_precision,
         )
-    optimizer = torch.optim.Adam(_parameter_groups(path, residual_lr), lr=lr)
+    optimizer = torch.optim.Adam(_parameter_groups(path, learn.residual_lr), lr=learn.lr)
     updates = max(math.ceil(steps / accelerator.gradient_accumulation_steps), 1)  # optimizer steps
     if schedule == "constant" and warmup_steps:
         schedule = "constant_with_warmup"  # transformers' "constant" ignores warmup
@@ -417,7 +482,7 @@ def _passes(batches: Iterable[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]
 def seeded(seed: int | None):
     """Run with torch's RNG seeded to ``seed`` and restore the caller's state afterwards
     (``None``: the RNG as it stands). Every process of a launch seeds alike, so all draw the
-    same interpolation weights, as the learned matchers require."""
+    same interpolation weights, as the trainable paths require."""
     if seed is None:
         yield
         return
@@ -444,13 +509,13 @@ class TrainedMatcher:
     ``fit(models, weights) -> list[Transform]``, one transform per model.
 
     Args:
-        path_class: the two-model path to train, :class:`~hf_lmc.DualMatcher` (both models'
-            transforms train) or :class:`~hf_lmc.LearnedMatcher` (B's only). Three or more
+        path_class: the two-model path to train, :class:`~hf_lmc.DualPath` (both models'
+            transforms train) or :class:`~hf_lmc.LearnedPath` (B's only). Three or more
             models train its simplex form, ``path_class.over_simplex``
-            (:class:`~hf_lmc.SimplexMatcher`), whose first model's transform trains as A's
+            (:class:`~hf_lmc.SimplexPath`), whose first model's transform trains as A's
             does in ``path_class``.
         batches: the training batches (as for :func:`train`).
-        learn: the path's and the loop's settings (``seed`` seeds the draws of both).
+        learn: the path's and the loop's settings (``seed`` seeds the training draws).
         accelerate: the loop's ``accelerate.Accelerator`` settings.
         symmetries: the group the weight-matching (or, for 3+ models, universe-matching) start searches.
         progress: show progress bars.
@@ -468,17 +533,17 @@ class TrainedMatcher:
         path_class: type[nn.Module],
         batches: Iterable[dict[str, Tensor]],
         *,
-        learn: LearnOptions = LearnOptions(),
-        accelerate: AccelerateOptions = AccelerateOptions(),
-        symmetries="full",
+        learn: LearnOptions | None = None,
+        accelerate: AccelerateOptions | None = None,
+        symmetries=DEFAULT_SYMMETRIES,
         progress: bool = True,
         device: str | torch.device | None = None,
         **path_kwargs,
     ):
         self.path_class = path_class
         self.batches = batches
-        self.learn = learn
-        self.accelerate = accelerate
+        self.learn = LearnOptions() if learn is None else learn
+        self.accelerate = AccelerateOptions() if accelerate is None else accelerate
         self.symmetries = symmetries
         self.progress = progress
         self.device = device
@@ -493,38 +558,17 @@ class TrainedMatcher:
         change it: the draws cover the path). More train the simplex from universe matching's
         start at ``weights``.
         """
-        learn = self.learn
-        options = {
-            "symmetries": self.symmetries,
-            "permutations": learn.permutations,
-            "orthogonal": learn.orthogonal,
-            "frame": learn.frame,
-            "objective": learn.objective,
-            "input_noise": learn.input_noise,
-            "shard_endpoints": self._endpoint_sharding(),
-            **self.path_kwargs,
-        }
+        settings = {"symmetries": self.symmetries, "shard_endpoints": self._endpoint_sharding(), **self.path_kwargs}
         if len(models) < 2:
             raise ValueError(f"{self.path_class.__name__} aligns two or more models, got {len(models)}")
         if len(models) == 2:
-            with seeded(learn.seed):
-                path = self.path_class(
-                    *models,
-                    lambda_range=learn.lambda_range,
-                    worst_fraction=learn.worst_fraction,
-                    focus=learn.focus,
-                    init_device=self.device,
-                    **options,
-                )
-                self._train(path)
-            return list(path.transforms())
-        device = launch_device(
-            self.device
-        )  # a learned refinement follows: unless asked, start where the launch put this process
-        start = UniverseMatcher(self.symmetries, progress=self.progress, device=device).fit(models, weights)
-        with seeded(learn.seed):
-            path = self.path_class.over_simplex(models, init=start, concentration=learn.concentration, **options)
-            self._train(path)
+            path = self.path_class(*models, self.learn, init_device=self.device, **settings)
+        else:
+            # a learned refinement follows: unless asked, start where the launch put this process
+            device = launch_device(self.device)
+            start = UniverseMatcher(self.symmetries, progress=self.progress, device=device).fit(models, weights)
+            path = self.path_class.over_simplex(models, self.learn, init=start, **settings)
+        self._train(path)
         return list(path.transforms())
 
     def _endpoint_sharding(self) -> EndpointSharding | bool:
@@ -538,27 +582,11 @@ class TrainedMatcher:
         return EndpointSharding(offload=accelerate.offload_endpoints, dtype=dtype)
 
     def _train(self, path: nn.Module) -> None:
-        learn, accelerate = self.learn, self.accelerate
-        batches, holdout = self.batches, None
-        if learn.target_barrier is not None and hasattr(path, "locate_worst"):
-            batches, holdout = holdout_split(self.batches)
+        # The held-out batches of train()'s default, cut here so that under a launch only the
+        # training batches are split across the processes (every process estimates on all of them).
+        batches, holdout = holdout_for(path, self.batches, self.learn)
         processes = launched_processes()
         if processes is not None and isinstance(batches, Sequence):
             batches = [_rows_of_process(b, processes.process_index, processes.num_processes) for b in batches]
-        self.losses = path.fit(
-            batches,
-            steps=learn.steps,
-            lr=learn.lr,
-            residual_lr=learn.residual_lr,
-            schedule=learn.schedule,
-            warmup_steps=learn.warmup_steps,
-            mixed_precision=accelerate.mixed_precision,
-            gradient_accumulation_steps=accelerate.gradient_accumulation_steps,
-            progress=self.progress,
-            holdout=holdout,
-            target_barrier=learn.target_barrier,
-            checkpoint_dir=accelerate.checkpoint_dir,
-            checkpoint_every=accelerate.checkpoint_every,
-            resume=accelerate.resume,
-        )
+        self.losses = path.fit(batches, self.learn, accelerate=self.accelerate, holdout=holdout, progress=self.progress)
         self.stopping = getattr(path, "stopping", None)  # a fit that is not the package loop may leave none

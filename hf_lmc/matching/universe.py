@@ -26,6 +26,7 @@ import torch
 
 from ..canonical import CanonicalModel, combine, simplex_weights
 from ..devices import compute_device
+from ..options import DEFAULT_SYMMETRIES
 from ..progress import bar as progress_bar
 from ..symmetry import Transform
 from .weight import WeightMatcher, _check_compatible
@@ -51,7 +52,9 @@ class UniverseMatcher:
     squared distance of each aligned model to its reference) after the seed and each round.
     """
 
-    def __init__(self, symmetries="full", *, max_rounds: int = 3, tol: float = 1e-2, progress: bool = True, **options):
+    def __init__(
+        self, symmetries=DEFAULT_SYMMETRIES, *, max_rounds: int = 3, tol: float = 1e-2, progress: bool = True, **options
+    ):
         self.symmetries = symmetries
         self.max_rounds = max_rounds
         self.tol = tol

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..canonical import CanonicalModel
 from ..devices import compute_device, full_float32_products
 from ..linalg import solve_side_by_side
+from ..options import DEFAULT_SYMMETRIES
 from ..progress import bar as progress_bar
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
@@ -101,7 +102,7 @@ class WeightMatcher(PairwiseMatcher):
 
     def __init__(
         self,
-        symmetries="full",
+        symmetries=DEFAULT_SYMMETRIES,
         *,
         max_sweeps: int = 6,
         tol: float = 2e-2,
