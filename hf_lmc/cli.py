@@ -42,6 +42,7 @@ from .options import (
     MergeRequest,
     OutputExistsError,
     OutputOptions,
+    PairOptions,
     ParameterError,
     UsageError,
     check_orders,
@@ -119,6 +120,8 @@ EVAL_SOURCE = OptionFlags(
     prefix="eval_",
 )
 OUTPUT = OptionFlags(OutputOptions, metavars={"push_to_hub": "REPO_ID"})
+#: The flags of a merge of two models that name its models by letter (--alpha, --revision-a/-b).
+PAIR = OptionFlags(PairOptions, defaults="fields")
 #: The merge request's own flags (the models are positional, and the output settings are
 #: :data:`OUTPUT`'s); each command offers those it takes.
 REQUEST = OptionFlags(
@@ -411,18 +414,12 @@ def _add_model_options(parser: argparse.ArgumentParser, weights: bool = False, p
             "models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)"
         )
     group = parser.add_argument_group("models")
-    group.add_argument("--revision-a", default=None, metavar="REV", help="Hub revision of MODEL_A")
-    group.add_argument("--revision-b", default=None, metavar="REV", help="Hub revision of MODEL_B")
+    PAIR.add_to(group, ["revision_a", "revision_b"])
     REQUEST.add_to(group, ["revisions"])
     method = parser.add_argument_group("method")
     REQUEST.add_to(method, ["method", "symmetries"])
     if weights:
-        method.add_argument(
-            "--alpha",
-            type=float,
-            default=None,
-            help=f"two models: weight of MODEL_B in [0, 1] (default: {DEFAULT_ALPHA})",
-        )
+        PAIR.add_to(method, ["alpha"])
         REQUEST.add_to(method, ["weights", "device"])
 
 

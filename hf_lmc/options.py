@@ -420,6 +420,19 @@ def flag_of(field) -> Flag:
     return next((item for item in field.metadata if isinstance(item, Flag)), Flag())
 
 
+class PairOptions(Options):
+    """What a merge of exactly two models takes beside its :class:`MergeRequest`: B's weight and
+    each model's Hub revision by letter (:func:`hf_lmc.merge`'s ``alpha``, ``revision_a``,
+    ``revision_b``; ``--alpha``, ``--revision-a``, ``--revision-b``). The request itself holds
+    them as ``weights`` and ``revisions``, which any number of models share."""
+
+    alpha: float | None = Field(
+        None, ge=0, le=1, description=f"two models: weight of MODEL_B in [0, 1] (default: {DEFAULT_ALPHA})"
+    )
+    revision_a: Annotated[str | None, Flag(metavar="REV")] = Field(None, description="Hub revision of MODEL_A")
+    revision_b: Annotated[str | None, Flag(metavar="REV")] = Field(None, description="Hub revision of MODEL_B")
+
+
 #: How ``tokenizer_from`` names the two models of a pair, as messages call them.
 _MODEL_LETTERS = {"a": 0, "b": 1}
 

@@ -18,6 +18,7 @@ command line.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import itertools
 import math
@@ -55,6 +56,7 @@ from .options import (
     Options,
     OutputExistsError,
     OutputOptions,
+    PairOptions,
     ParameterError,
     UsageError,
     check_device,
@@ -317,9 +319,7 @@ class Recipe(_Section):
         _REQUEST["symmetries"].default, description=flag_of(_REQUEST["symmetries"]).help
     )
     device: str | None = Field(_REQUEST["device"].default, description=flag_of(_REQUEST["device"]).help)
-    alpha: float | None = Field(
-        None, ge=0, le=1, description=f"weight of the second model (two models; default {DEFAULT_ALPHA})"
-    )
+    alpha: float | None = copy.copy(PairOptions.model_fields["alpha"])  # its one definition: default, bounds, help
     weights: list[float] | None = Field(
         _REQUEST["weights"].default, validate_default=True, description=_REQUEST["weights"].description
     )
