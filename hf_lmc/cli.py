@@ -30,14 +30,15 @@ from .grids import alpha_grid
 from .methods import METHODS, NAMES, check_method
 from .options import (
     DEFAULT_ALPHA,
-    DEFAULT_SYMMETRIES,
     EVAL_OPTIONS,
     FIT_OPTIONS,
     PATH_POINTS,
     SIMPLEX_POINTS,
-    SYMMETRIES,
     AccelerateOptions,
+    CheckOptions,
+    DemoOptions,
     EvalOptions,
+    ExplainOptions,
     LearnOptions,
     MergeRequest,
     OutputExistsError,
@@ -122,6 +123,10 @@ EVAL_SOURCE = OptionFlags(
 OUTPUT = OptionFlags(OutputOptions, metavars={"push_to_hub": "REPO_ID"})
 #: The flags of a merge of two models that name its models by letter (--alpha, --revision-a/-b).
 PAIR = OptionFlags(PairOptions, defaults="fields")
+#: The own flags of the commands that are not merges.
+DEMO = OptionFlags(DemoOptions, defaults="fields")
+CHECK = OptionFlags(CheckOptions, defaults="fields")
+EXPLAIN = OptionFlags(ExplainOptions, defaults="fields")
 #: The merge request's own flags (the models are positional, and the output settings are
 #: :data:`OUTPUT`'s); each command offers those it takes.
 REQUEST = OptionFlags(
@@ -354,7 +359,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _small_blocks_from_the_heap()
     from .demo import run_demo
 
-    result = run_demo(args.output, steps=args.steps, eval_chars=args.eval_chars, cache=args.cache_dir, train=args.train)
+    cache = None if args.cache_dir is None else Path(args.cache_dir)
+    result = run_demo(args.output, steps=args.steps, eval_chars=args.eval_chars, cache=cache, train=args.train)
     a, b = result.train_loss
     origin = "shipped with hf_lmc; --train trains it here" if result.shipped else "trained here"
     print(f"GPT-2 pair trained from seeds 0 and 1 ({origin}; final training loss {a:.3f} / {b:.3f} nats per character)")
@@ -529,14 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(why, pair=True)
     _add_data_options(why, eval_required=True, grid=False)
     report = why.add_argument_group("report")
-    report.add_argument(
-        "--orders",
-        type=int,
-        default=2,
-        metavar="N",
-        help="orders of moving the groups to average over: 2 is input to output and back, more add random orders "
-        "in reversed pairs; each costs two evaluations per group and path (default: 2)",
-    )
+    EXPLAIN.add_to(report, ["orders"])
     report.add_argument(
         "--plot", default=None, metavar="FILE.png", help="save a signed bar chart of the parts and total excess"
     )
@@ -555,21 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "models", nargs="*", metavar="MODEL", help="local folders or Hub ids (default: tiny built-in models)"
     )
-    numerics = check.add_argument_group("numerics")
-    numerics.add_argument(
-        "--dtype",
-        choices=sorted(TOLERANCE),
-        default="float32",
-        help="compute dtype; float64 checks to 1e-9 (LLaMA's RMSNorm runs without its float32 downcast)",
-    )
-    numerics.add_argument("--seed", type=int, default=0, help="seed of the random symmetry and inputs (default: 0)")
-    group = check.add_argument_group("symmetry")
-    group.add_argument(
-        "--symmetries",
-        choices=SYMMETRIES,
-        default=DEFAULT_SYMMETRIES,
-        help=f"group to sample from (default: {DEFAULT_SYMMETRIES})",
-    )
+    CHECK.add_to(check.add_argument_group("numerics"), ["dtype", "seed"])
+    CHECK.add_to(check.add_argument_group("symmetry"), ["symmetries"])
     _add_messages(check)
     check.set_defaults(run=cmd_check)
 
@@ -583,32 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_examples("demo"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument(
-        "--output", "-o", default="hf-lmc-demo", metavar="DIR", help="where to write the merge (default: ./hf-lmc-demo)"
-    )
-    demo.add_argument(
-        "--train",
-        action="store_true",
-        help="train the pair here from its seeds (minutes) instead of unpacking the pair the package ships, trained the same way",
-    )
-    quick = demo.add_argument_group("quick runs")
-    quick.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        metavar="N",
-        help="training steps per model (default: the zoo's 600; trains the pair here)",
-    )
-    quick.add_argument(
-        "--eval-chars", type=int, default=16384, metavar="N", help="held-out characters to evaluate (default: 16384)"
-    )
-    quick.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)",
-    )
+    DEMO.add_to(demo, ["output", "train"])
+    DEMO.add_to(demo.add_argument_group("quick runs"), ["steps", "eval_chars", "cache_dir"])
     _add_messages(demo)
     demo.set_defaults(run=cmd_demo)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from . import zoo
 from .hub import command_markdown
 from .linalg import single_threaded
-from .options import EvalOptions
+from .options import DemoOptions, EvalOptions
 from .outputs import check_output_path, check_replaceable, mark
 from .pipeline import MergeResult, merge
 
@@ -40,10 +40,10 @@ class DemoResult:
 # be scheduled, which made the loss along the path several times slower than one thread alone.
 @single_threaded
 def run_demo(
-    output: str | Path = "hf-lmc-demo",
+    output: str | Path = DemoOptions.model_fields["output"].default,
     *,
     steps: int | None = None,
-    eval_chars: int = 16384,
+    eval_chars: int = DemoOptions.model_fields["eval_chars"].default,
     cache: Path | None = None,
     progress: bool = True,
     train: bool = False,
@@ -82,12 +82,12 @@ def run_demo(
 def _demo_command(output: Path, steps: int | None, eval_chars: int, train: bool = False) -> list[str]:
     """The ``hf-lmc demo`` command line that runs the demo with these settings again."""
     words = ["hf-lmc", "demo"]
-    if str(output) != "hf-lmc-demo":
+    if str(output) != DemoOptions.model_fields["output"].default:
         words += ["--output", str(output)]
     if train:
         words += ["--train"]
     if steps is not None:
         words += ["--steps", str(steps)]
-    if eval_chars != 16384:
+    if eval_chars != DemoOptions.model_fields["eval_chars"].default:
         words += ["--eval-chars", str(eval_chars)]
     return words

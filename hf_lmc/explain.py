@@ -47,7 +47,15 @@ from .canonical import canonicalize, from_state_dict, to_hf
 from .evaluation import evaluate
 from .loading import load_model
 from .methods import METHODS, check_method
-from .options import DEFAULT_SYMMETRIES, EVAL_OPTIONS, FIT_OPTIONS, EvalOptions, LearnOptions, check_orders
+from .options import (
+    DEFAULT_SYMMETRIES,
+    EVAL_OPTIONS,
+    FIT_OPTIONS,
+    EvalOptions,
+    ExplainOptions,
+    LearnOptions,
+    check_orders,
+)
 from .progress import bar as progress_bar
 from .widths import check_mergeable
 
@@ -165,7 +173,7 @@ def explain(
     *,
     method: str = "weight",
     symmetries=DEFAULT_SYMMETRIES,
-    orders: int = 2,
+    orders: int = ExplainOptions.model_fields["orders"].default,
     eval_options: EvalOptions = EVAL_OPTIONS,
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,

@@ -420,6 +420,47 @@ def flag_of(field) -> Flag:
     return next((item for item in field.metadata if isinstance(item, Flag)), Flag())
 
 
+class DemoOptions(Options):
+    """``hf-lmc demo`` (:func:`hf_lmc.demo.run_demo`): where it writes, and what it trains."""
+
+    output: Annotated[str, Flag(metavar="DIR", aliases=("-o",))] = Field(
+        "hf-lmc-demo", description="where to write the merge (default: ./hf-lmc-demo)"
+    )
+    train: bool = Field(
+        False,
+        description="train the pair here from its seeds (minutes) instead of unpacking the pair the package ships, trained the "
+        "same way",
+    )
+    steps: PositiveInt | None = Field(
+        None, description="training steps per model (default: the zoo's 600; trains the pair here)"
+    )
+    eval_chars: PositiveInt = Field(16384, description="held-out characters to evaluate")
+    cache_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None, description="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)"
+    )
+
+
+class CheckOptions(Options):
+    """``hf-lmc check``: the dtype, seed and symmetry group of the exactness check."""
+
+    dtype: Literal["float32", "float64"] = Field(
+        "float32",
+        description="compute dtype; float64 checks to 1e-9 (LLaMA's RMSNorm runs without its float32 downcast)",
+    )
+    seed: Annotated[int, Flag(metavar="SEED")] = Field(0, description="seed of the random symmetry and inputs")
+    symmetries: Literal[SYMMETRIES] = Field(DEFAULT_SYMMETRIES, description="group to sample from")
+
+
+class ExplainOptions(Options):
+    """``hf-lmc explain`` (:func:`hf_lmc.explain.explain`): how many orders its parts average over."""
+
+    orders: int = Field(
+        2,
+        description="orders of moving the groups to average over: 2 is input to output and back, more add random orders "
+        "in reversed pairs; each costs two evaluations per group and path",
+    )
+
+
 class PairOptions(Options):
     """What a merge of exactly two models takes beside its :class:`MergeRequest`: B's weight and
     each model's Hub revision by letter (:func:`hf_lmc.merge`'s ``alpha``, ``revision_a``,
