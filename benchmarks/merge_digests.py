@@ -2,9 +2,10 @@
 
 A refactor that should change nothing for users (issue 57) is checked by running this before and
 after: each method merges the zoo's GPT-2 pair (the pair the package ships) through the command
-line, with short learned budgets, and the SHA-256 of every written tensor's bytes is kept. The
-record goes under ``benchmarks/results/``; ``--check FILE`` compares against an earlier record
-and exits 1 on the first method whose merge differs. Digests are of one machine's arithmetic:
+line, with short learned budgets, and the SHA-256 of every written weight tensor's bytes is kept
+(the model's weight files only: ``transforms.safetensors``, which aligned merges save beside the
+weights, is left out). The record goes under ``benchmarks/results/``; ``--check FILE`` compares
+against an earlier record and exits 1 on the first method whose merge differs. Digests are of one machine's arithmetic:
 compare records made on the same machine and library versions.
 
     python -m benchmarks.merge_digests                     # record
@@ -41,12 +42,19 @@ RUNS = (
 )
 
 
+#: Safetensors files of a merged folder that are not its model's weights: the transforms an
+#: aligned merge saves beside them (:data:`hf_lmc.pipeline.TRANSFORMS_FILE`), left out of the digest.
+NOT_WEIGHTS = ("transforms.safetensors",)
+
+
 def tensor_digest(folder: Path) -> str:
-    """SHA-256 over every tensor of the folder's safetensors files: names, dtypes, shapes, bytes."""
+    """SHA-256 over every tensor of the folder's weight files (its safetensors files but the saved
+    transforms, :data:`NOT_WEIGHTS`, so records made before transforms were saved still compare):
+    names, dtypes, shapes, bytes."""
     from safetensors import safe_open
 
     digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.safetensors")):
+    for path in sorted(p for p in folder.glob("*.safetensors") if p.name not in NOT_WEIGHTS):
         with safe_open(str(path), "pt") as handle:
             for name in sorted(handle.keys()):
                 tensor = handle.get_tensor(name).contiguous()

@@ -115,6 +115,8 @@ def merge_card(
     repo_hint: str | None = None,
     made_with: str | None = None,
     canonical: bool | None = None,
+    transforms_file: str | None = None,
+    transforms_version: int | None = None,
 ) -> ModelCard:
     """A card with Hub metadata (``base_model`` (Hub repos only), ``base_model_relation:
     merge``, tags, license, and the barrier as ``model-index`` results).
@@ -130,7 +132,9 @@ def merge_card(
     transforms were learned. ``made_with``: the command line or recipe that made the merge,
     shown with the hf_lmc version so that it can be run again. ``canonical``: whether the models
     were rewritten into canonical forms before they were combined (default: every method but the
-    plain ``average``, which combines the stored weights as they are).
+    plain ``average``, which combines the stored weights as they are). ``transforms_file``: the
+    file beside the weights that holds the transforms the merge applied (none saved: ``None``),
+    in the manifest format ``transforms_version`` (docs/transforms.md).
     """
     sources = [m if isinstance(m, ModelSource) else ModelSource.of(m) for m in base_models]
     notes, made_with = [_without_paths(note, sources) for note in notes], _without_paths(made_with, sources)
@@ -176,6 +180,10 @@ def merge_card(
         auto_class=ADAPTERS[model_type].auto_class,
         version=_version(),
         made_with=made_with,
+        transforms_file=transforms_file,
+        transforms_manifest=str(Path(transforms_file).with_suffix(".json")) if transforms_file else None,
+        transforms_version=transforms_version,
+        model_names=[s.label for s in sources],
     )
 
 
@@ -332,16 +340,22 @@ def training_settings(request: MergeRequest, count: int, stopping=None) -> list[
     return rows
 
 
-def settings_markdown(request: MergeRequest) -> str:
-    """The card's Reproduce text for a merge made from Python: its settings as JSON (data given
-    as objects described by type)."""
+def merge_settings(request: MergeRequest) -> dict:
+    """A merge's settings as JSON: defaults left out, local paths by their final component (the
+    card and the saved transforms are shared), data passed as objects named by their type."""
     card_only = {"data", "eval_data", "made_with", "labels", "repo_hint", "eval_data_name"}
     settings = request.model_dump(mode="json", exclude_defaults=True, exclude=card_only)
     for key in ("data", "eval_data"):
         if getattr(request, key) is not None:
             value = getattr(request, key)
             settings[key] = str(value) if isinstance(value, (str, Path)) else f"(passed as a {type(value).__name__})"
-    shown = json.dumps(shown_settings(settings), indent=2)  # local paths by their final component: the card is shared
+    return shown_settings(settings)
+
+
+def settings_markdown(request: MergeRequest) -> str:
+    """The card's Reproduce text for a merge made from Python: its settings as JSON (data given
+    as objects described by type)."""
+    shown = json.dumps(merge_settings(request), indent=2)
     return (
         "It was made from Python, by `hf_lmc.pipeline.run(hf_lmc.MergeRequest(**settings))` with these settings "
         f"(defaults left out, local paths reduced to their last part, data passed as objects named by their type):"

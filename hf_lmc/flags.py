@@ -54,7 +54,7 @@ class OptionFlags:
         self.model, self.prefix, self.metavars = model, prefix, metavars or {}
         self.choices, self.helps = choices or {}, helps or {}
         self.fields = {name: field for name, field in model.model_fields.items() if only is None or name in only}
-        self.flags = {name: (flags or {}).get(name, flag_for(name)) for name in self.fields}
+        self.flags = {name: (flags or {}).get(name, flag_for(name, field)) for name, field in self.fields.items()}
         self.parsed_defaults = defaults == "fields"
         if self.parsed_defaults:
             defaults = types.SimpleNamespace(
@@ -78,7 +78,8 @@ class OptionFlags:
                 options["required"] = True
             names_of_flag = (self.flags[name], *declared.aliases)
             if kind is bool:
-                group.add_argument(*names_of_flag, action="store_true", **options)
+                action = "store_false" if _on_by_default(self.fields[name]) else "store_true"
+                group.add_argument(*names_of_flag, action=action, **options)
             elif kind is tuple:
                 group.add_argument(*names_of_flag, type=float, nargs=2, metavar=("LOW", "HIGH"), **options)
             else:
@@ -146,9 +147,17 @@ def shown_value(default) -> str | None:
     return " ".join(map(str, default)) if isinstance(default, tuple) else str(default)
 
 
-def flag_for(parameter: str) -> str:
-    """The flag of a parameter (``seq_len`` -> ``--seq-len``): one name across commands."""
-    return RENAMED.get(parameter) or "--" + parameter.replace("_", "-")
+def flag_for(parameter: str, field=None) -> str:
+    """The flag of a parameter (``seq_len`` -> ``--seq-len``): one name across commands. A bool
+    field that is on by default is offered as its negation (``save_transforms`` ->
+    ``--no-save-transforms``), the flag turning it off."""
+    flag = RENAMED.get(parameter) or "--" + parameter.replace("_", "-")
+    return "--no-" + flag.removeprefix("--") if field is not None and _on_by_default(field) else flag
+
+
+def _on_by_default(field) -> bool:
+    """Whether a pydantic field is a bool whose default is ``True``."""
+    return field.annotation is bool and field.default is True
 
 
 def argument_type(annotation) -> tuple[type, list[str] | None]:

@@ -488,6 +488,17 @@ class OutputOptions(Options):
     push_to_hub: str | None = Field(None, description="Hub model repo to upload the merged folder to")
     private: bool = Field(False, description="create the Hub repo as private")
     overwrite: bool = Field(False, description="replace an existing output folder")
+    save_transforms: Annotated[
+        bool,
+        Flag(
+            help="do not write the transforms the merge found into the output folder (by default every aligned "
+            "merge writes transforms.safetensors and its manifest transforms.json beside the weights)"
+        ),
+    ] = Field(
+        True,
+        description="write the transforms an aligned merge found (transforms.safetensors and its manifest "
+        "transforms.json) into the output folder",
+    )
     inherit_from_a: bool = Field(
         False,
         description="use the first model's tokenizer, image processor, label names and generation config where another model's "

@@ -17,6 +17,7 @@ One frozen :class:`~hf_lmc.options.MergeRequest` drives the stages of :func:`run
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,7 @@ from .card import (
     eval_source,
     inherited_license,
     merge_card,
+    merge_settings,
     settings_markdown,
     training_notes,
     training_settings,
@@ -64,7 +66,10 @@ from .methods import METHODS
 from .options import DEFAULT_ALPHA, PATH_POINTS, SIMPLEX_POINTS, MergeRequest
 from .outputs import check_apart
 from .preflight import check_request, merge_request, pair_weights, simplex_weights
+from .spec import ArchSpec
 from .symmetry import Transform, resolve_kinds
+from .symmetry.stored import FORMAT as TRANSFORMS_FORMAT
+from .symmetry.stored import manifest_path, save_transforms
 from .widths import check_mergeable, to_common_shape
 
 logger = logging.getLogger(__name__)
@@ -186,7 +191,7 @@ def run(request: MergeRequest, *, progress: bool = True, api=None) -> MergeResul
         if main:
             with tempfile.TemporaryDirectory() as scratch:
                 measured = measure(request, inputs, aligned, Path(scratch), progress=progress)
-                write(request, inputs, aligned, measured, progress=progress)
+                write(request, inputs, aligned, measured, progress=progress, scratch=Path(scratch))
             url = (
                 push_folder(Path(request.output), request.push_to_hub, private=request.private, api=api)
                 if request.push_to_hub
@@ -527,6 +532,7 @@ class Aligned:
     sources: tuple[
         Checkpoint, ...
     ] = ()  # the inputs' checkpoints, verified unchanged before the output is put in place
+    spec: ArchSpec | None = None  # the canonical models' spec, which the transforms act on
 
 
 def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Aligned:
@@ -580,7 +586,9 @@ def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Al
     config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
     groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
     untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
-    return Aligned(config, groups, len(merged.spec.groups()), untied, transforms, out_dtype, stopping, sources)
+    return Aligned(
+        config, groups, len(merged.spec.groups()), untied, transforms, out_dtype, stopping, sources, canonical[0].spec
+    )
 
 
 @dataclass(frozen=True)
@@ -623,18 +631,61 @@ def measure(
 
 
 def write(
-    request: MergeRequest, inputs: Inputs, aligned: Aligned, measured: Measured, *, progress: bool = True
+    request: MergeRequest,
+    inputs: Inputs,
+    aligned: Aligned,
+    measured: Measured,
+    *,
+    progress: bool = True,
+    scratch: Path | None = None,
 ) -> Path:
     """The model card and the merged checkpoint, written to a temporary folder and renamed onto
-    ``request.output`` at the end."""
+    ``request.output`` at the end; with them, for an aligned merge (unless
+    ``request.save_transforms`` is off), the transforms it applied (:func:`save_merge_transforms`,
+    written first into ``scratch``)."""
     count = len(request.models)
     labels = request.labels or [None] * count
     barriers = dict(measured.result.barriers) if measured.result else None
+    sources = [
+        ModelSource.of(m, r, f, label)
+        for m, r, f, label in zip(request.models, inputs.revisions, inputs.folders, labels)
+    ]
+    extra = {measured.plot.name: measured.plot} if measured.plot else {}
+    with contextlib.ExitStack() as stack:
+        if request.save_transforms and request.method != "average" and aligned.transforms is not None:
+            folder = scratch if scratch is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            saved = save_merge_transforms(folder / TRANSFORMS_FILE, request, inputs, aligned, sources)
+            extra |= {TRANSFORMS_FILE: saved, manifest_path(saved).name: manifest_path(saved)}
+        return _write_checkpoint(request, inputs, aligned, measured, sources, barriers, extra, progress)
+
+
+#: The file an aligned merge saves its transforms in (its manifest beside it: ``transforms.json``).
+TRANSFORMS_FILE = "transforms.safetensors"
+
+
+def save_merge_transforms(
+    path: Path, request: MergeRequest, inputs: Inputs, aligned: Aligned, sources: Sequence[ModelSource]
+) -> Path:
+    """Each model's transform, the map that carried it into the merge's basin, saved at ``path``
+    with what it was fitted on: per model its reference as given (a local folder by its last
+    part) and the revision read, and the method, symmetries, weights and settings as JSON."""
+    models = [{"reference": s.hub_id or s.label, "revision": s.revision, "local": s.hub_id is None} for s in sources]
+    fitted = {
+        "method": request.method,
+        "symmetries": sorted(inputs.kinds),
+        "weights": list(inputs.weights),
+        "models": models,
+        "options": merge_settings(request),
+    }
+    return save_transforms(
+        path, aligned.transforms, aligned.spec, names=[s.label for s in sources], sources=models, fitted=fitted
+    )
+
+
+def _write_checkpoint(request, inputs, aligned, measured, sources, barriers, extra, progress) -> Path:
+    count = len(request.models)
     card = merge_card(
-        base_models=[
-            ModelSource.of(m, r, f, label)
-            for m, r, f, label in zip(request.models, inputs.revisions, inputs.folders, labels)
-        ],
+        base_models=sources,
         method=request.method,
         symmetries=sorted(inputs.kinds) if request.method != "average" else [],
         notes=training_notes(request.method, request.learn) + inputs.width_notes + list(inputs.inherited_notes),
@@ -650,8 +701,9 @@ def write(
         canonical=aligned.transforms is not None,
         plot_filename=measured.plot.name if measured.plot else None,
         repo_hint=request.repo_hint or request.push_to_hub or shown_reference(request.output),  # not the machine's path
+        transforms_file=TRANSFORMS_FILE if TRANSFORMS_FILE in extra else None,
+        transforms_version=TRANSFORMS_FORMAT,
     )
-    extra = {measured.plot.name: measured.plot} if measured.plot else {}
     written = str(aligned.out_dtype).removeprefix("torch.") if aligned.out_dtype else "in A's stored dtypes"  # as read
     logger.info("writing %s (%s, shards of at most %s)", request.output, written, request.shard_size)
     return write_checkpoint(

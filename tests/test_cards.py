@@ -134,3 +134,54 @@ def test_evaluation_data_is_named_as_a_hub_dataset_only_where_it_is_one():
         "split": "test",
     }
     assert [(m["name"], m["value"]) for m in result["metrics"]] == [("loss barrier, dual (nats)", 0.01)]
+
+
+def test_an_aligned_merge_saves_its_transforms_and_its_card_says_how_to_load_them(tmp_path):
+    """Beside the weights, one transform per model that moves it exactly as the merge moved it
+    (B's carries B onto the merge's aligned B), what it was fitted on, and a card section naming the files."""
+    import json
+
+    import torch
+
+    import hf_lmc
+    from hf_lmc.symmetry import Transform
+    from hf_lmc.symmetry.stored import load_transforms
+
+    a, b = _pair(tmp_path)
+    out = tmp_path / "out"
+    assert main(["merge", str(a), str(b), "-o", str(out), "-q", "--method", "weight"]) == 0
+    assert {"transforms.safetensors", "transforms.json"} <= {p.name for p in out.iterdir()}
+    canonical_b = hf_lmc.canonicalize(b)
+    transforms, manifest = load_transforms(out / "transforms.safetensors", canonical_b.spec)
+    assert [m.name for m in manifest.models] == ["a", "b"] and manifest.fitted["method"] == "weight"
+    assert [m["reference"] for m in manifest.fitted["models"]] == ["a", "b"]
+    assert str(tmp_path) not in (out / "transforms.json").read_text()  # no path of this machine
+    assert json.loads((out / "transforms.json").read_text())["version"] == 1
+    # the merge is the midpoint of the saved transforms applied to A and B (export's exactness tolerance)
+    moved_a = transforms[0].apply(hf_lmc.canonicalize(a)).state_dict()
+    moved_b = Transform.load(out / "transforms.safetensors", canonical_b.spec, model=1).apply(canonical_b).state_dict()
+    merged = hf_lmc.canonicalize(out).state_dict()
+    assert any(not torch.equal(moved_b[name], tensor) for name, tensor in canonical_b.state_dict().items())
+    d = canonical_b.spec.hidden_size
+    centring = torch.eye(d) - torch.full(
+        (d, d), 1.0 / d
+    )  # GPT-2's stream is centred: a reader's part along ones reads nothing
+    for name, tensor in merged.items():
+        expected = (moved_a[name] + moved_b[name]) / 2
+        if name == "head.weight":
+            tensor, expected = tensor @ centring, expected @ centring
+        torch.testing.assert_close(tensor, expected, rtol=1e-4, atol=1e-4, msg=name)
+    card = ModelCard.load(out / "README.md").text
+    assert "## Transforms" in card and "`transforms.safetensors`" in card and "Transform.load(" in card
+
+
+def test_no_transforms_are_saved_when_opted_out_or_for_the_plain_average(tmp_path):
+    a, b = _pair(tmp_path)
+    for name, flags in (
+        ("opted-out", ["--method", "weight", "--no-save-transforms"]),
+        ("average", ["--method", "average"]),
+    ):
+        out = tmp_path / name
+        assert main(["merge", str(a), str(b), "-o", str(out), "-q", *flags]) == 0
+        assert not {"transforms.safetensors", "transforms.json"} & {p.name for p in out.iterdir()}, name
+        assert "## Transforms" not in ModelCard.load(out / "README.md").text, name
