@@ -112,14 +112,14 @@ def test_a_tensor_missing_from_a_consistent_file_is_refused_by_name(tmp_path):
     """Even where the digest was recomputed to match (a file rewritten without one tensor)."""
     from safetensors.torch import load_file, save_file
 
-    from hf_lmc.symmetry.stored import _sha256
+    from hf_lmc.symmetry.stored import file_sha256
 
     spec, path = _saved(tmp_path)
     tensors = load_file(path)
     del tensors["0/mlp.0/map.blocks"]
     save_file(tensors, path)
     manifest = json.loads(manifest_path(path).read_text())
-    manifest["tensors"] |= {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest["tensors"] |= {"size": path.stat().st_size, "sha256": file_sha256(path)}
     manifest_path(path).write_text(json.dumps(manifest))
     _refused(path, spec, "'0/mlp.0/map.blocks' is missing")
 

@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from ..options import ParameterError, UsageError
 from ..outputs import check_replaceable, clean_stale, discard, move_into_place, staging_folder
+from ..symmetry.stored import file_sha256
 
 MANIFEST = "hf_lmc_state.json"
 FORMAT = 1
@@ -349,7 +350,9 @@ def _write(folder: Path, tensors: dict[str, Tensor], record: dict[str, Any]) -> 
     try:
         save_file(tensors, staging / TENSORS, metadata={"format": "pt", _RECORD_KEY: record.digest()})
         _flush(staging / TENSORS)
-        files = [{"name": TENSORS, "size": (staging / TENSORS).stat().st_size, "sha256": _sha256(staging / TENSORS)}]
+        files = [
+            {"name": TENSORS, "size": (staging / TENSORS).stat().st_size, "sha256": file_sha256(staging / TENSORS)}
+        ]
         manifest = StateManifest.model_validate({**record.model_dump(), "files": files})
         # The manifest last: a folder without it is no state.
         (staging / MANIFEST).write_text(manifest.model_dump_json(), encoding="utf-8")
@@ -390,7 +393,7 @@ def _read(folder: Path) -> tuple[StateManifest, dict[str, Tensor]] | None:
     file = folder / entry.name
     if not file.is_file():
         raise TrainingStateError(f"{_shown(file)} is missing, which {MANIFEST} names; start afresh in another folder")
-    if file.stat().st_size != entry.size or _sha256(file) != entry.sha256:
+    if file.stat().st_size != entry.size or file_sha256(file) != entry.sha256:
         raise TrainingStateError(
             f"{_shown(file)}: its size or sha256 is not what {MANIFEST} records (torn or edited); "
             "start afresh in another folder"
@@ -421,14 +424,6 @@ def _flush(path: Path) -> None:
         os.fsync(handle)
     finally:
         os.close(handle)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _shown(value, most: int = 200) -> str:

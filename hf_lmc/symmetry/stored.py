@@ -166,7 +166,7 @@ def save_transforms(
         spec=spec,
         models=models,
         fitted=fitted or {},
-        tensors=TensorsFile(name=path.name, size=path.stat().st_size, sha256=_sha256(path)),
+        tensors=TensorsFile(name=path.name, size=path.stat().st_size, sha256=file_sha256(path)),
     )
     manifest_path(path).write_text(manifest.model_dump_json(indent=2) + "\n", encoding="utf-8")
     return path
@@ -213,7 +213,7 @@ def load_transforms(path: str | Path, spec: ArchSpec | None = None) -> tuple[lis
         )
     if not path.is_file():
         raise TransformsFileError(f"{path}: the transforms' tensors file is missing")
-    if path.stat().st_size != manifest.tensors.size or _sha256(path) != manifest.tensors.sha256:
+    if path.stat().st_size != manifest.tensors.size or file_sha256(path) != manifest.tensors.sha256:
         raise TransformsFileError(f"{path}: does not match its manifest's size and sha256 (changed after it was saved)")
     try:
         with safe_open(str(path), framework="pt") as opened:  # safetensors: tensors only, nothing to run
@@ -294,7 +294,9 @@ def _is_layer_space(space: str, kind: str, num_layers: int) -> bool:
     return name == kind and layer.isdigit() and int(layer) < num_layers
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB chunks (the manifests of saved transforms and
+    of training states check their tensors files with it)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
