@@ -43,7 +43,7 @@ RUNS = (
 
 
 #: Safetensors files of a merged folder that are not its model's weights: the transforms an
-#: aligned merge saves beside them (:data:`hf_lmc.pipeline.TRANSFORMS_FILE`), left out of the digest.
+#: aligned merge saves beside them (:data:`hf_lmc.symmetry.stored.TRANSFORMS_FILE`), left out of the digest.
 NOT_WEIGHTS = ("transforms.safetensors",)
 
 

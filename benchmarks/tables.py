@@ -29,7 +29,10 @@ from .record import RESULTS
 ROOT = Path(__file__).parent.parent
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 #: The suite's rows in their table order, and the label each row takes in a table.
-METHOD_ORDER = ("vanilla", "activation", "weight", "learned (perm.)", "learned", "dual")
+#: "learned (perm.)" is the label of records made before permutation-only learned matching
+#: existed (a permutation-only start, every group trained); "learned (perm. only)" trains the
+#: permutations alone (benchmarks/suite.py).
+METHOD_ORDER = ("vanilla", "activation", "weight", "learned (perm.)", "learned (perm. only)", "learned", "dual")
 README_LABELS = {"vanilla": "vanilla average"}
 TIER_ORDER = ("cpu", "paper", "ci")
 FAMILY_ORDER = ("gpt2", "pythia", "llama", "vit")
@@ -429,6 +432,43 @@ def cost_sections(records: Sequence[tuple[Path, dict]], root: Path) -> list[str]
     return out
 
 
+def adapter_sections(records: Sequence[tuple[Path, dict]], root: Path) -> list[str]:
+    """A LoRA adapter trained on B, carried into the merge of A and B (benchmarks/adapter_transfer.py)."""
+    out = []
+    for path, record in newest_per_settings(records, "adapter_transfer"):
+        s = record["settings"]
+        adapter = s["adapter"]
+        out += [
+            f"### A LoRA adapter of B carried into the merge: {s['pair']}",
+            "",
+            (
+                f"{s['merge']}. Adapter: rank {adapter['rank']} on {', '.join(adapter['targets'])}, {adapter['steps']} "
+                f"steps on B, trained for {s['adapter_task']}; also evaluated on {s['own_task']}. Held-out loss "
+                f"(nats), mean ± std and worst over {len(s['seeds'])} adapter seeds."
+            ),
+            "",
+            "| model | adapter's task | own task |",
+            "|---|---|---|",
+        ]
+        for name, tasks in record["summary"].items():
+            cells = [
+                f"{v['mean']:.3f} ± {v['std']:.3f} (worst {v['worst']:.3f})"
+                for v in (tasks["adapter task"], tasks["own task"])
+            ]
+            out.append(f"| {name} | {cells[0]} | {cells[1]} |")
+        out += [
+            "",
+            (
+                "`moved B + moved adapter` computes what `B + adapter` computes (largest difference of the losses: "
+                f"{record['largest_moved_vs_original_difference']:.1e})."
+            ),
+            "",
+            f"Source: {_provenance(path, record, root)}.",
+            "",
+        ]
+    return out
+
+
 def results_page(records: Sequence[tuple[Path, dict]], root: Path) -> str:
     """docs/results.md."""
     pairs = merged([(p, r) for p, r in records if r["benchmark"] == "suite"])
@@ -459,6 +499,9 @@ def results_page(records: Sequence[tuple[Path, dict]], root: Path) -> str:
         out += ["## Three models: the simplex of a triple", ""]
         for key in ordered(triples):
             out += triples_section(key, triples[key], root)
+    adapters = adapter_sections(records, root)
+    if adapters:
+        out += ["## Adapters carried across", "", *adapters]
     costs = cost_sections(records, root)
     if costs:
         out += ["## What it costs", "", *costs]

@@ -41,6 +41,7 @@ _PUBLIC = {
     "UniverseMatcher": "matching",
     "WeightMatcher": "matching",
     "METHODS": "methods",
+    "apply_transforms": "moving",
     "AccelerateOptions": "options",
     "EvalOptions": "options",
     "LearnOptions": "options",
@@ -56,6 +57,7 @@ _PUBLIC = {
     "RecipeResult": "runner",
     "run_recipe": "runner",
     "ArchSpec": "spec",
+    "inspect_models": "survey",
     "Transform": "symmetry",
     "random_symmetry": "symmetry",
 }
@@ -92,9 +94,11 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "UnsupportedModelError",
     "WeightMatcher",
     "__version__",
+    "apply_transforms",
     "barrier",
     "canonicalize",
     "export_config",
+    "inspect_models",
     "interpolate",
     "load_recipe",
     "merge",
@@ -138,9 +142,11 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
         WeightMatcher,
     )
     from .methods import METHODS
+    from .moving import apply_transforms
     from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeRequest, MergeSpec, OutputOptions
     from .pipeline import MergeResult, merge, merge_models
     from .recipe import Recipe, RecipeError, load_recipe
     from .runner import RecipeResult, run_recipe
     from .spec import ArchSpec
+    from .survey import inspect_models
     from .symmetry import Transform, random_symmetry

@@ -187,6 +187,41 @@ def merge_card(
     )
 
 
+def moved_card(
+    *, source: ModelSource, merge: str, member_label: str, model_type: str, untied: bool = False
+) -> ModelCard:
+    """The card of a model moved by a merge's saved transform (``hf-lmc apply``): the same function
+    as ``source``, rewritten into the merge's coordinates; ``base_model`` names ``source`` where it
+    is a Hub repo."""
+    data = ModelCardData(
+        base_model=source.hub_id,
+        library_name="transformers",
+        tags=["hf-lmc", "linear-mode-connectivity", model_type],
+    )
+    lines = [
+        f"# `{source.label}`, moved by the transforms of `{merge}`",
+        "",
+        (
+            f"{source.describe()}, rewritten exactly by the function-preserving transform that the merge `{merge}` "
+            f"found for its model `{member_label}` (`hf-lmc apply`): the same function, in the merge's coordinates, "
+            "where it can be interpolated with the merge's other models or given the adapters moved the same way."
+        ),
+        "",
+        "Norm gains and shifts are folded into the weights that read them (canonical form), so the inner norms have "
+        "unit gain and zero shift."
+        + (" The input embeddings and LM head are no longer tied (`tie_word_embeddings=False`)." if untied else ""),
+        "",
+        "```python",
+        f"from transformers import {ADAPTERS[model_type].auto_class}",
+        "",
+        f'model = {ADAPTERS[model_type].auto_class}.from_pretrained("path/to/this-model")',
+        "```",
+        "",
+        f"Made with `hf-lmc` {_version()}.",
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
 def _without_paths(text: str | None, sources: Sequence[ModelSource]) -> str | None:
     """``text`` naming each local model by its label rather than by its path on this machine (a
     bare folder name says nothing of the machine and is left as it is)."""
@@ -279,6 +314,18 @@ def training_notes(method: str, learn: LearnOptions) -> list[str]:
     return notes
 
 
+def _groups_trained(learn: LearnOptions) -> str:
+    """Which symmetry groups a trained method's training moved (the rest stayed at its start)."""
+    if learn.trained == "permutations":
+        return "permutations alone: the residual's dimensions, the MLP units and the heads (no continuous map)"
+    orders = (
+        "the unit and head orders"
+        if learn.permutations != "fixed"
+        else "not the unit and head orders (fixed where weight matching put them)"
+    )
+    return f"the residual rotation, the per-head QK and OV maps and the SwiGLU scales; {orders}"
+
+
 def training_settings(request: MergeRequest, count: int, stopping=None) -> list[tuple[str, str]] | None:
     """The card's table of how a trained method's transforms were learned: enough to run it again."""
     if not METHODS[request.method].trained:
@@ -305,9 +352,11 @@ def training_settings(request: MergeRequest, count: int, stopping=None) -> list[
             + (f", residual maps {learn.residual_lr:g}" if learn.residual_lr else "")
             + f", schedule `{schedule}`",
         ),
+        ("groups trained", _groups_trained(learn)),
         (
             "parameterisation",
-            f"permutations `{learn.permutations}`, residual map `{learn.orthogonal}`, frame `{learn.frame}`",
+            f"permutations `{learn.permutations}`"
+            + (f", residual map `{learn.orthogonal}`, frame `{learn.frame}`" if learn.trained == "all" else ""),
         ),
     ]
     if count == 2:

@@ -35,6 +35,7 @@ from .options import (
     PATH_POINTS,
     SIMPLEX_POINTS,
     AccelerateOptions,
+    ApplyOptions,
     CheckOptions,
     DemoOptions,
     EvalOptions,
@@ -69,8 +70,11 @@ examples:
   hf-lmc barrier ./a ./b --eval-data test.txt --method learned --data train.txt
   hf-lmc barrier ./a ./b ./c --eval-data plays.txt --plot simplex.png # 3+ models: worst point of the simplex
   hf-lmc explain ./a ./b --eval-data plays.txt --plot why.png          # which tensors carry the barrier
+  hf-lmc apply ./merged ./b-later-checkpoint -o ./b-moved              # a model moved by the transform a merge saved
+  hf-lmc apply ./merged ./b-lora -o ./b-lora-moved --base-model ./b   # B's LoRA adapter, carried into the merge's basin
   hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
   hf-lmc check                                                        # the same on tiny built-in models
+  hf-lmc inspect ./a ./b                                              # which merge fits: configs, similarity, costs
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
   hf-lmc run recipes/zoo-offline.yaml                                 # a whole run (or sweep) from a YAML recipe
   hf-lmc run recipes/pythia-scaling-weight.yaml                       # Pythia 14m..410m, seed1 vs seed2
@@ -127,6 +131,14 @@ PAIR = OptionFlags(PairOptions, defaults="fields")
 DEMO = OptionFlags(DemoOptions, defaults="fields")
 CHECK = OptionFlags(CheckOptions, defaults="fields")
 EXPLAIN = OptionFlags(ExplainOptions, defaults="fields")
+APPLY = OptionFlags(ApplyOptions, defaults="fields")
+#: How ``apply`` writes: the merge's output settings that a moved model takes.
+MOVED_OUTPUT = OptionFlags(
+    OutputOptions,
+    only=("dtype", "shard_size", "overwrite"),
+    defaults="fields",
+    helps={"dtype": "dtype of the written weights (default: MODEL's; a moved adapter keeps the adapter's own)"},
+)
 #: The merge request's own flags (the models are positional, and the output settings are
 #: :data:`OUTPUT`'s); each command offers those it takes.
 REQUEST = OptionFlags(
@@ -448,6 +460,39 @@ def _add_messages(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    count = len(args.models)
+    if count < 2:
+        raise UsageError(f"inspect needs at least 2 models, got {count}")
+    revisions = _revisions(args, count)
+    from .survey import inspect_models
+
+    report = inspect_models(args.models, revisions=revisions, symmetries=args.symmetries)
+    print(report.to_json() if args.json else report.table())
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    options = ApplyOptions(**APPLY.given(args))
+    from .moving import apply_transforms
+
+    applied = apply_transforms(
+        args.transforms,
+        args.model,
+        options.output,
+        member=options.member,
+        base_model=options.base_model,
+        adapter_for_base=options.moved_base,
+        revision=options.revision,
+        dtype=args.dtype,
+        shard_size=args.shard_size,
+        overwrite=args.overwrite,
+    )
+    moved = "LoRA adapter" if applied.kind == "adapter" else "model"
+    print(f"{moved} moved by the transform of {applied.label} written to {applied.output}")
+    return 0
+
+
 def cmd_symmetries(args: argparse.Namespace) -> int:
     from .adapters import adapter_for, read_config
     from .hub import resolve_checkpoint
@@ -573,6 +618,54 @@ def build_parser() -> argparse.ArgumentParser:
     DEMO.add_to(demo.add_argument_group("quick runs"), ["steps", "eval_chars", "cache_dir"])
     _add_messages(demo)
     demo.set_defaults(run=cmd_demo)
+
+    survey = commands.add_parser(
+        "inspect",
+        help="before a merge: which merge fits (configs, weight similarity, symmetry groups, each method's cost)",
+        description="Read the models' configs and headers and stream their weights once, a layer at a time (no training,\n"
+        "nothing written), and report: each model's architecture, every difference that refuses the merge, whether\n"
+        "they look like fine-tunes of one base (a plain average fits) or independent trainings (alignment is needed),\n"
+        "the symmetry groups that apply, each method's estimated time and memory, and the command to run.",
+        epilog=_examples("inspect"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    survey.add_argument(
+        "models", nargs="+", metavar="MODEL", help="two or more local folders or Hub ids (MODEL_A MODEL_B ...)"
+    )
+    group = survey.add_argument_group("models")
+    PAIR.add_to(group, ["revision_a", "revision_b"])
+    REQUEST.add_to(group, ["revisions"])
+    REQUEST.add_to(survey.add_argument_group("symmetry"), ["symmetries"])
+    survey.add_argument_group("report").add_argument(
+        "--json", action="store_true", help="print JSON instead of the report"
+    )
+    _add_messages(survey)
+    survey.set_defaults(run=cmd_inspect)
+
+    moved = commands.add_parser(
+        "apply",
+        help="move a model, or a LoRA adapter trained on it, by the transform a merge saved (the same function, in the merge's basin)",
+        description="Apply one of the function-preserving transforms an aligned merge saved (transforms.safetensors) to MODEL:\n"
+        "a checkpoint of the architecture the transforms were made for (the model it was fitted on, or another checkpoint\n"
+        "of the same shape) is written as a stock checkpoint computing the same function in the merge's coordinates; a PEFT\n"
+        "LoRA adapter trained on it is written as the LoRA adapter of the moved model, each target at its own rank, which\n"
+        "also applies to the merge itself.",
+        epilog=_examples("apply"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    moved.add_argument(
+        "transforms",
+        metavar="TRANSFORMS",
+        help="a merge's folder or Hub repo (its transforms.safetensors), or a transforms file",
+    )
+    moved.add_argument("model", metavar="MODEL", help="a model folder or Hub id, or a PEFT LoRA adapter folder")
+    which = moved.add_argument_group("what to move")
+    APPLY.add_to(which, ["member", "revision", "base_model", "moved_base"])
+    written = moved.add_argument_group("output")
+    APPLY.add_to(written, ["output"])
+    MOVED_OUTPUT.add_to(written)
+    _add_messages(moved)
+    moved.set_defaults(run=cmd_apply)
 
     sym = commands.add_parser(
         "symmetries",

@@ -209,13 +209,15 @@ def write_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     total_groups: int | None = None,
+    kind: str = "merge",
 ) -> Path:
     """Write HF state-dict ``groups`` + ``config`` as a stock checkpoint folder, atomically.
 
     ``groups`` are consumed: a ``dict`` group is emptied as its tensors are written. Lazy groups
     (transforms, sums) are computed as they are read, with float32 products at full precision.
     ``source_folder``'s generation config, tokenizer and processor files are copied beside the
-    weights, the tokenizer's from ``tokenizer_folder`` instead where it is given.
+    weights, the tokenizer's from ``tokenizer_folder`` instead where it is given. ``kind`` is what
+    the folder's marker says hf_lmc wrote (:data:`hf_lmc.outputs.KINDS`).
     """
     output = Path(output_dir)
     max_bytes = parse_size(shard_size)
@@ -270,7 +272,7 @@ def write_checkpoint(
             shutil.copy2(path, staging / name)
         if card is not None:
             card.save(staging / "README.md")
-        move_into_place(staging, output, kind="merge", overwrite=overwrite)
+        move_into_place(staging, output, kind=kind, overwrite=overwrite)
     except BaseException:
         writer.close()
         discard(staging)

@@ -117,6 +117,26 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None, *, we
         raise FileNotFoundError(f"could not download {reference} from the Hub and it is not cached: {err}") from err
 
 
+def resolve_transforms(repo_id: str, revision: str | None = None) -> Path:
+    """A local snapshot of the saved transforms of the merge at Hub repo ``repo_id`` (its
+    ``transforms.safetensors`` and manifest alone, not its weights)."""
+    try:
+        folder = Path(_download(repo_id, revision, ["transforms.safetensors", "transforms.json"]))
+    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise FileNotFoundError(
+            f"{repo_id} is neither a local path nor a Hub model repo ({type(err).__name__})"
+        ) from err
+    except (LocalEntryNotFoundError, HfHubHTTPError) as err:
+        raise FileNotFoundError(
+            f"could not download {repo_id}'s transforms from the Hub and they are not cached: {err}"
+        ) from err
+    if not (folder / "transforms.safetensors").is_file():
+        raise FileNotFoundError(
+            f"{repo_id} holds no transforms.safetensors (a merge saves it unless --no-save-transforms)"
+        )
+    return folder
+
+
 def _download(repo_id: str, revision: str | None, patterns: list[str]) -> str:
     logger.info("downloading %s%s (%s)", repo_id, f"@{revision}" if revision else "", ", ".join(patterns))
     return snapshot_download(repo_id, revision=revision, allow_patterns=patterns, ignore_patterns=IGNORED)

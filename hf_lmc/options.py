@@ -46,6 +46,14 @@ SIMPLEX_POINTS = 5
 #: line always starts from weight matching.
 INITS = ("weight", "identity")
 DEFAULT_INIT = "weight"
+#: How weight matching solves each RoPE head's per-frequency-pair scale-rotations (docs/design.md
+#: §4): ``"moments"`` balances each model's pair on its own and takes the angle by Procrustes;
+#: ``"joint"`` is Tran et al.'s appendix G.1, the least-squares map of Q and K together (Brent's
+#: method on one scalar per pair). Both are exact on twins; which is the default is
+#: [D-rotary-solve](decisions.md#d-rotary-solve)'s measurement. A Python-only setting
+#: (``WeightMatcher(rotary_solve=...)``) until a measurement makes it worth a flag.
+ROTARY_SOLVES = ("moments", "joint")
+DEFAULT_ROTARY_SOLVE = "moments"
 #: Training steps between re-locations of a path's worst point (and, with held-out batches,
 #: barrier estimates). A Python-only setting of the training loop.
 LOCATE_EVERY = 50
@@ -241,6 +249,14 @@ class LearnOptions(Options):
         "fixed",
         description="MLP unit and head permutations: fixed at weight matching's, or trained as straight-through Hungarian (ste) or Sinkhorn",
     )
+    trained: Literal["all", "permutations"] = Field(
+        "all",
+        description="which groups learned matching trains: all (the residual rotation, per-head QK and OV maps, SwiGLU "
+        "scales, and the unit and head orders as --permutations says) or permutations alone (the residual's dimensions, the "
+        "MLP units and the heads, straight-through; every other map stays as permutation-only weight matching started "
+        "it): Theus et al.'s 'learned matching (permutation only)'; needs --method learned, --symmetries permutation and "
+        "--permutations ste or sinkhorn",
+    )
     orthogonal: Literal["cayley", "exp", "polar"] = Field("cayley", description="parameterisation of the residual maps")
     frame: Literal["own", "target", "both"] = Field(
         "own",
@@ -307,6 +323,11 @@ class LearnOptions(Options):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.trained == "permutations" and self.permutations == "fixed":
+            raise ValueError(
+                "trained: permutations alone train only as straight-through (ste) or Sinkhorn permutations; "
+                "permutations 'fixed' keeps them where weight matching put them"
+            )
         if self.warmup is not None and self.warmup > self.steps:
             raise ValueError(f"warmup: {self.warmup} warmup steps exceed the {self.steps} training steps")
         try:
@@ -458,6 +479,32 @@ class ExplainOptions(Options):
         2,
         description="orders of moving the groups to average over: 2 is input to output and back, more add random orders "
         "in reversed pairs; each costs two evaluations per group and path",
+    )
+
+
+class ApplyOptions(Options):
+    """``hf-lmc apply`` (:func:`hf_lmc.moving.apply_transforms`): where the moved model or adapter
+    goes, which of the merge's models the transform to apply is, and for an adapter which models
+    it was trained on and is moved for."""
+
+    output: Annotated[str, Flag(metavar="DIR", aliases=("-o",), required=True)] = Field(
+        description="folder to write (must not exist unless --overwrite)"
+    )
+    member: Annotated[str | None, Flag(metavar="NAME")] = Field(
+        None,
+        description="which of the merge's models MODEL is (an adapter: was trained on): a letter (A, B, ...), a number from "
+        "1 or its label (default: the model MODEL is named after, else the one model the merge moved)",
+    )
+    base_model: Annotated[str | None, Flag(metavar="MODEL")] = Field(
+        None, description="an adapter's: the model it was trained on (default: the one its adapter_config.json names)"
+    )
+    moved_base: Annotated[str | None, Flag(metavar="REF")] = Field(
+        None,
+        description="an adapter's: the base model the moved adapter's config records (default: the merge the transforms "
+        "come from)",
+    )
+    revision: Annotated[str | None, Flag(metavar="REV")] = Field(
+        None, description="Hub revision of MODEL (an adapter: of its base model)"
     )
 
 

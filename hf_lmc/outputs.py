@@ -47,7 +47,7 @@ except ImportError:  # not POSIX: no advisory locks, so no debris is ever taken 
 #: The file hf_lmc writes into every folder it writes: who wrote it, and which files are its own.
 MARKER = ".hf-lmc.json"
 #: What kinds of folder carry the marker.
-KINDS = ("merge", "demo", "recipe", "training-state", "zoo")
+KINDS = ("merge", "demo", "recipe", "training-state", "zoo", "moved", "adapter")
 #: Files that marked a folder as hf_lmc's before :data:`MARKER` existed (the demo's record, a
 #: zoo member's training record): such a folder is replaceable while it holds only the files
 #: of a checkpoint folder hf_lmc writes.

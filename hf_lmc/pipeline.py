@@ -69,7 +69,7 @@ from .preflight import check_request, merge_request, pair_weights, simplex_weigh
 from .spec import ArchSpec
 from .symmetry import Transform, resolve_kinds
 from .symmetry.stored import FORMAT as TRANSFORMS_FORMAT
-from .symmetry.stored import manifest_path, save_transforms
+from .symmetry.stored import TRANSFORMS_FILE, manifest_path, save_transforms
 from .widths import check_mergeable, to_common_shape
 
 logger = logging.getLogger(__name__)
@@ -384,7 +384,7 @@ def plan(request: MergeRequest) -> Plan:
     out_dtype = _dtype(request.dtype)
     compute_device(request.device)
     folders, configs, width_notes, inherited_notes = _read_models(request, revisions, written, weights=False)
-    models, stored_bytes, float_bytes, written_bytes = [], [], [], []
+    models, stored_bytes, written_bytes = [], [], []
     for name, folder, config in zip(request.models, folders, configs):
         adapter = adapter_for(config)
         if any(next(Path(folder).glob(pattern), None) for pattern in _WEIGHT_FILES):  # headers alone: no tensor is read
@@ -397,7 +397,6 @@ def plan(request: MergeRequest) -> Plan:
         )  # written twice
         models.append((str(name), config.model_type, parameters, str(stored).removeprefix("torch.")))
         stored_bytes.append(parameters * stored.itemsize)
-        float_bytes.append(parameters * 4)
         written_bytes.append((parameters + tied) * (out_dtype or stored).itemsize)
     check_writable(Path(request.output), max(written_bytes))
     entry = METHODS[request.method]
@@ -416,21 +415,18 @@ def plan(request: MergeRequest) -> Plan:
             -(-sequences // request.data_options.batch_size),
             sequences * _sequence_tokens(configs[0], request.data_options),
         )
-    largest = max(model[2] for model in models)
-    seconds = _SECONDS_PER_BILLION["average" if request.method == "average" else "weight"] * largest / 1e9 * (count - 1)
-    peak = max(stored_bytes)  # streamed layer by layer: under one checkpoint
-    if entry.needs_data:
-        batches, tokens = fit_batches
-        if entry.trained:
-            seconds += request.learn.steps * _STEP_PASSES * 6 * largest * tokens / max(batches, 1) / _FLOPS
-        else:  # one calibration forward of every model over the fitting data
-            seconds += count * 2 * largest * tokens / _FLOPS
-        peak = max(peak, 2 * sum(float_bytes))
-    if eval_batches is not None:  # every model loaded, and the path's model in float32
+    evaluation = None
+    if eval_batches is not None:
         grid = request.alphas if request.alphas is not None else (PATH_POINTS if count == 2 else SIMPLEX_POINTS)
-        points = len(grid) if isinstance(grid, tuple) else len(simplex_grid(count, grid))
-        seconds += (1 if request.method == "average" else 2) * points * 2 * largest * eval_batches[1] / _FLOPS
-        peak = max(peak, sum(stored_bytes) + max(float_bytes))
+        evaluation = (len(grid) if isinstance(grid, tuple) else len(simplex_grid(count, grid)), eval_batches[1])
+    seconds, peak = estimate_cost(
+        request.method,
+        [model[2] for model in models],
+        stored_bytes,
+        fit_batches=fit_batches,
+        steps=request.learn.steps,
+        evaluation=evaluation,
+    )
     return Plan(
         request,
         weights,
@@ -439,9 +435,44 @@ def plan(request: MergeRequest) -> Plan:
         eval_batches,
         fit_batches,
         max(written_bytes),
-        int(peak + _RUNTIME_BYTES),
+        peak,
         seconds,
     )
+
+
+def estimate_cost(
+    method: str,
+    parameters: Sequence[int],
+    stored_bytes: Sequence[int],
+    *,
+    fit_batches: tuple[int, int] | None = None,
+    steps: int = 0,
+    evaluation: tuple[int, int] | None = None,
+    flops: float = _FLOPS,
+) -> tuple[float, int]:
+    """The rough ``(seconds, peak bytes)`` of merging models of these ``parameters`` (one count
+    per model) stored in ``stored_bytes`` with ``method``, as :func:`plan` and ``hf-lmc inspect``
+    estimate it (:data:`_SECONDS_PER_BILLION`): ``fit_batches`` is ``(batches, tokens)`` of the
+    fitting data of a method that reads some, ``steps`` a trained method's steps, ``evaluation``
+    ``(points of the grid, tokens)`` of the barrier measured for the card, ``flops`` the
+    device's rate for the passes over data."""
+    entry = METHODS[method]
+    count, largest = len(parameters), max(parameters)
+    float_bytes = [4 * p for p in parameters]  # float32 copies
+    seconds = _SECONDS_PER_BILLION["average" if method == "average" else "weight"] * largest / 1e9 * (count - 1)
+    peak = max(stored_bytes)  # streamed layer by layer: under one checkpoint
+    if entry.needs_data:
+        batches, tokens = fit_batches
+        if entry.trained:
+            seconds += steps * _STEP_PASSES * 6 * largest * tokens / max(batches, 1) / flops
+        else:  # one calibration forward of every model over the fitting data
+            seconds += count * 2 * largest * tokens / flops
+        peak = max(peak, 2 * sum(float_bytes))
+    if evaluation is not None:  # every model loaded, and the path's model in float32
+        points, tokens = evaluation
+        seconds += (1 if method == "average" else 2) * points * 2 * largest * tokens / flops
+        peak = max(peak, sum(stored_bytes) + max(float_bytes))
+    return seconds, int(peak + _RUNTIME_BYTES)
 
 
 def _stored_dtype(config) -> torch.dtype:
@@ -657,10 +688,6 @@ def write(
             saved = save_merge_transforms(folder / TRANSFORMS_FILE, request, inputs, aligned, sources)
             extra |= {TRANSFORMS_FILE: saved, manifest_path(saved).name: manifest_path(saved)}
         return _write_checkpoint(request, inputs, aligned, measured, sources, barriers, extra, progress)
-
-
-#: The file an aligned merge saves its transforms in (its manifest beside it: ``transforms.json``).
-TRANSFORMS_FILE = "transforms.safetensors"
 
 
 def save_merge_transforms(

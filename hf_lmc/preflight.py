@@ -88,6 +88,14 @@ def check_request(request: MergeRequest) -> list[tuple[Path, str]]:
         raise ParameterError(
             f"{{}} names model {request.tokenizer_from}, but the merge has {count} models", "tokenizer_from"
         )
+    if request.learn.trained == "permutations" and request.method != "learned":
+        raise ParameterError(
+            f"{{}} permutations is a form of learned matching (method learned), not of {request.method}", "trained"
+        )
+    if request.learn.trained == "permutations" and request.symmetries != "permutation":
+        raise ParameterError(
+            "{} permutations starts from permutation-only weight matching: pass --symmetries permutation", "trained"
+        )
     simplex_weights(request.weights, count)
     revisions_per_model(request.revisions, count)
     try:

@@ -1418,3 +1418,45 @@ def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
     assert any(
         not torch.equal(outputs["one", "dual"][k], outputs["one", "weight"][k]) for k in outputs["one", "dual"]
     )  # dual trained
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_permutation_only_learning_trains_the_permutations_and_nothing_else(arch):
+    """``trained="permutations"`` (Theus et al.'s "learned matching (permutation only)"): only
+    permutation scores train, and the hardened transform is a pure permutation (residual dims,
+    heads and units) with every continuous map at permutation-only weight matching's identity."""
+    config = tiny_configs()[arch]
+    model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}]
+    torch.manual_seed(0)
+    matcher = LearnedPath(
+        model_a, model_b, trained="permutations", permutations="ste", symmetries="permutation", dtype=torch.float64
+    )
+    trained = [p for p in matcher.parameters() if p.requires_grad]
+    scores = {id(p) for m in matcher.modules() if isinstance(m, PermutationParam) for p in m.parameters()}
+    assert trained and {id(p) for p in trained} == scores
+    matcher.fit(batches, steps=6, lr=1e-1, progress=False)
+    learned = matcher.transforms()[1]
+    eye = torch.eye(config.hidden_size if arch == "llama" else config.n_embd, dtype=torch.float64)
+    residual = learned.maps["residual"].matrix
+    assert torch.equal(residual, eye[:, residual.argmax(dim=0)])  # a permutation matrix
+    for space, element in learned.maps.items():
+        if space.startswith("mlp."):
+            assert torch.equal(element.map.blocks, torch.ones_like(element.map.blocks))
+        elif space.startswith("attn."):
+            for monomial in (element.qk, element.ov):
+                assert torch.equal(monomial.blocks, torch.eye(monomial.block_size).expand_as(monomial.blocks).double())
+    inputs = sample_inputs(config)
+    assert relative_error(logits(matcher.merge(1.0), inputs), logits(model_b, inputs)) < 1e-6
+
+
+def test_permutation_only_learning_is_refused_where_it_does_not_apply(capsys):
+    from hf_lmc.cli import main
+    from hf_lmc.options import LearnOptions
+
+    with pytest.raises(ValueError, match="trained"):
+        LearnOptions(trained="permutations")  # fixed permutations: nothing would train
+    for extra in (["--method", "dual"], ["--method", "learned"]):  # dual; learned from a full-group start
+        argv = ["merge", "a", "b", "-o", "out", "--data", "x.txt", "--trained", "permutations", "--permutations", "ste"]
+        assert main([*argv, *extra]) == 2
+        assert "--trained" in capsys.readouterr().err

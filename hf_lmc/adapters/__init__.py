@@ -158,8 +158,9 @@ def _not_a_model_folder(folder: Path) -> str:
         return f"{folder / 'config.json'} is not a regular file; put the model's config.json file there"
     if (folder / "adapter_config.json").is_file():
         return (
-            f"{folder} is a PEFT adapter (adapter_config.json, no config.json), not a model: merge its base model "
-            "with the adapter folded in (a recipe's adapter: key, or peft's merge_and_unload)"
+            f"{folder} is a PEFT adapter (adapter_config.json, no config.json), not a model: merge the base models and "
+            "carry the adapter into the merge with hf-lmc apply MERGE ADAPTER, or merge its base with the adapter "
+            "folded in (a recipe's adapter: key)"
         )
     weights = next((f.name for pattern in _WEIGHT_PATTERNS for f in sorted(folder.glob(pattern))), None)
     if weights is not None:

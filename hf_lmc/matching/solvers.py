@@ -7,8 +7,11 @@ data transforms as ``M x`` and "covector" data as ``M^{-T} x``. All math runs in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
+import numpy as np
 import torch
+from scipy.optimize import brentq, minimize_scalar
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 from torch import Tensor
@@ -442,6 +445,117 @@ def match_rotary_moments(moments: Moments, rotary_dim: int) -> tuple[Tensor, Ten
     if head_dim > rotary_dim:
         passthrough = match_gl_moments(moments.sub(slice(rotary_dim, head_dim)))
     return rotary_block(s_b / s_a, angles, rotary_dim, head_dim, passthrough)
+
+
+def match_rotary_joint_moments(moments: Moments, rotary_dim: int) -> tuple[Tensor, Tensor]:
+    """Like :func:`match_rotary_moments`, each frequency pair's scale-rotation solved jointly on
+    Q and K (Tran et al., appendix G.1).
+
+    Per pair ``j``, ``U = r R(theta)`` minimises ``|Q_A - U Q_B|^2 + |K_A - U^{-T} K_B|^2``
+    (``vec`` rows are Q, ``cov`` rows are K; ``U^{-T} = R(theta) / r``). With ``x = r^2`` the
+    angle has a closed form and the scale is the minimiser of one scalar function
+    (:func:`rotary_pair_scale`, Brent's method). The moments solve instead balances each model's
+    pair on its own and takes the angle by Procrustes: both are exact on twins, only this one is
+    the least-squares optimum. Pairs where either B side is zero, or nothing aligns, keep the
+    moments solve's map. The pass-through dims get :func:`match_gl_moments`'s block, as there.
+    """
+    start, start_inv = match_rotary_moments(moments, rotary_dim)
+    half = rotary_dim // 2
+    first = torch.arange(half, device=moments.vec_aa.device)
+    second = first + half
+    eta_q, eta_k, gamma_q, gamma_k = (x.cpu().numpy() for x in rotary_pair_constants(moments, rotary_dim))
+    scales, angles = (
+        start[first, first].hypot(start[second, first]),
+        torch.atan2(start[second, first], start[first, first]),
+    )
+    scales, angles = scales.cpu().numpy().copy(), angles.cpu().numpy().copy()
+    for j in range(half):
+        r = rotary_pair_scale(float(eta_q[j]), float(eta_k[j]), complex(gamma_q[j]), complex(gamma_k[j]))
+        if r is not None:
+            scales[j], angles[j] = r, -np.angle(r * gamma_q[j] + gamma_k[j] / r)
+    passthrough = None
+    if moments.vec_aa.shape[0] > rotary_dim:
+        passthrough = (start[rotary_dim:, rotary_dim:], start_inv[rotary_dim:, rotary_dim:])
+    as_tensor = partial(torch.as_tensor, dtype=start.dtype, device=start.device)
+    return rotary_block(as_tensor(scales), as_tensor(angles), rotary_dim, start.shape[0], passthrough)
+
+
+def rotary_pair_constants(moments: Moments, rotary_dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Appendix G.1's constants of every frequency pair: ``(eta_Q, eta_K, gamma_Q, gamma_K)``.
+
+    ``eta`` is the squared norm of B's pair block; ``gamma = a + i b`` is the projection of
+    A's-by-B's cross block ``P = A B^T`` on the scale-rotations ``[[a, -b], [b, a]]``:
+    ``a = (P_11 + P_22) / 2``, ``b = (P_12 - P_21) / 2``, so that
+    ``tr(P^T r R(theta)) = 2 r Re(gamma e^{i theta})``.
+    """
+    half = rotary_dim // 2
+    first = torch.arange(half, device=moments.vec_aa.device)
+    second = first + half
+
+    def eta(m: Tensor) -> Tensor:
+        return m[first, first] + m[second, second]
+
+    def gamma(p: Tensor) -> Tensor:
+        return torch.complex(p[first, first] + p[second, second], p[first, second] - p[second, first]) / 2
+
+    return eta(moments.vec_bb), eta(moments.cov_bb), gamma(moments.vec_ab), gamma(moments.cov_ab)
+
+
+def rotary_pair_objective(x, eta_q: float, eta_k: float, gamma_q: complex, gamma_k: complex):
+    """Appendix G.1's ``g(x) = x eta_Q + eta_K / x - 4 sqrt(|gamma_Q|^2 x + |gamma_K|^2 / x +
+    2 Re(gamma_Q conj(gamma_K)))``: ``|Q_A - U Q_B|^2 + |K_A - U^{-T} K_B|^2`` at ``|U|^2 = x``
+    and the best angle, less the constant ``|Q_A|^2 + |K_A|^2`` (``x`` a float or an array)."""
+    cross = 2 * (gamma_q * np.conj(gamma_k)).real
+    inside = abs(gamma_q) ** 2 * x + abs(gamma_k) ** 2 / x + cross
+    return x * eta_q + eta_k / x - 4 * np.sqrt(np.maximum(inside, 0.0))
+
+
+def rotary_pair_scale(eta_q: float, eta_k: float, gamma_q: complex, gamma_k: complex) -> float | None:
+    """The scale ``r* = sqrt(x*)`` of appendix G.1: ``x*`` minimises :func:`rotary_pair_objective`
+    over ``x > 0``, by Brent's method (``scipy.optimize.minimize_scalar``) in ``t = log x``.
+
+    ``g`` need not be unimodal, so Brent starts from the best point of a grid that spans the
+    Q-only, K-only and balanced optima (widened until its best point is inside), and the
+    stationary point it lands near is then polished by ``brentq`` on ``g'``, so that a twin's
+    scale is exact to rounding rather than to Brent's ``sqrt(eps)``. ``None`` where the problem
+    says nothing (a zero side of B, or no overlap at all): the caller keeps its other start.
+    """
+    if not (eta_q > 0 and eta_k > 0 and abs(gamma_q) + abs(gamma_k) > 0):
+        return None
+    args = (eta_q, eta_k, gamma_q, gamma_k)
+
+    def objective(t):
+        return rotary_pair_objective(np.exp(t), *args)
+
+    def slope(t):  # d g(e^t) / dt = x g'(x)
+        x = np.exp(t)
+        root = np.sqrt(
+            max(abs(gamma_q) ** 2 * x + abs(gamma_k) ** 2 / x + 2 * (gamma_q * np.conj(gamma_k)).real, 1e-300)
+        )
+        return x * eta_q - eta_k / x - 2 * (abs(gamma_q) ** 2 * x - abs(gamma_k) ** 2 / x) / root
+
+    # Q alone is best at r = 2|gamma_Q| / eta_Q, K alone at r = eta_K / (2|gamma_K|), the norms at x = sqrt(eta_K / eta_Q).
+    marks = [0.5 * np.log(eta_k / eta_q)]
+    marks += [2 * np.log(2 * abs(gamma_q) / eta_q)] if abs(gamma_q) > 0 else []
+    marks += [2 * np.log(eta_k / (2 * abs(gamma_k)))] if abs(gamma_k) > 0 else []
+    low, high = min(marks) - 2.0, max(marks) + 2.0
+    for _ in range(64):
+        grid = np.linspace(low, high, 65)
+        values = objective(grid)
+        best = int(np.argmin(values))
+        if 0 < best < len(grid) - 1:
+            break
+        width = high - low
+        low, high = (low - width, high) if best == 0 else (low, high + width)
+    else:
+        return float(np.exp(grid[best] / 2))
+    bracket = (grid[best - 1], grid[best], grid[best + 1])
+    t = minimize_scalar(objective, bracket=bracket, method="brent").x
+    step = grid[1] - grid[0]
+    lo, hi = t - step, t + step
+    if slope(lo) < 0 < slope(hi):
+        t = brentq(slope, lo, hi, xtol=1e-15, rtol=4 * np.finfo(float).eps)
+    return float(np.exp(t / 2))
 
 
 def _pair_scales(vec_sq: Tensor, cov_sq: Tensor) -> Tensor:

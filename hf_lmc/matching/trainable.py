@@ -203,6 +203,25 @@ class _MlpParams(_TracksOrder):
         return maps
 
 
+class _ResidualPermutation(nn.Module):
+    """The residual stream's dimensions under a trainable permutation (``trained="permutations"``):
+    a :class:`PermutationParam` over them, started at the permutation ``init`` is the matrix of
+    (permutation-only weight matching's; identity if None). Its matrix is orthogonal, so it
+    takes the orthogonal map's place; a permutation fixes the ones vector, as LayerNorm models need."""
+
+    def __init__(self, d: int, init: Tensor | None, method: str, dtype):
+        super().__init__()
+        perm = None
+        if init is not None:
+            perm = init.argmax(dim=0)  # y[perm[h]] = x[h]: column h's one sits in row perm[h]
+            if not torch.equal(init, torch.eye(d, dtype=init.dtype, device=init.device)[:, perm]):
+                raise ValueError("permutation-only learned matching starts from a residual permutation, not a rotation")
+        self.dims = PermutationParam(d, init=perm, method=method, dtype=dtype)
+
+    def forward(self) -> Tensor:
+        return self.dims()
+
+
 class TrainableTransform(nn.Module):
     """Trainable parameters for every symmetry of ``spec``, starting at ``init`` (identity if None).
 
@@ -224,17 +243,24 @@ class TrainableTransform(nn.Module):
         permutations, orthogonal, frame = learn.permutations, learn.orthogonal, learn.frame
         maps = init.maps if init is not None else {}
         residual = maps.get("residual")
-        self.residual = OrthogonalParam(
-            spec.hidden_size,
-            init=residual.matrix if residual is not None else None,
-            method=orthogonal,
-            fix_ones=spec.centred,
-            frame=frame,
-            dtype=dtype,
-        )
+        start = residual.matrix if residual is not None else None
+        if learn.trained == "permutations":  # the residual's dimensions permuted, not rotated
+            self.residual = _ResidualPermutation(spec.hidden_size, start, permutations, dtype)
+        else:
+            self.residual = OrthogonalParam(
+                spec.hidden_size, init=start, method=orthogonal, fix_ones=spec.centred, frame=frame, dtype=dtype
+            )
         layers = range(spec.num_layers)
         self.attention = _AttentionParams(spec, [maps.get(f"attn.{i}") for i in layers], permutations, frame, dtype)
         self.mlp = _MlpParams(spec, [maps.get(f"mlp.{i}") for i in layers], permutations, frame, dtype)
+        if learn.trained == "permutations":  # every continuous map stays where weight matching started it
+            continuous = [*self.attention.qk.parameters(), *self.attention.ov.parameters(), *self.mlp.parameters()]
+            permutation_scores = {
+                id(p) for m in self.modules() if isinstance(m, PermutationParam) for p in m.parameters()
+            }
+            for parameter in continuous:
+                if id(parameter) not in permutation_scores:
+                    parameter.requires_grad_(False)
 
     @property
     def fixed_assignments(self) -> bool:

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..canonical import CanonicalModel
 from ..devices import compute_device, full_float32_products
 from ..linalg import solve_side_by_side
-from ..options import DEFAULT_SYMMETRIES
+from ..options import DEFAULT_ROTARY_SOLVE, DEFAULT_SYMMETRIES, ROTARY_SOLVES
 from ..progress import bar as progress_bar
 from ..spec import ArchSpec, spec_differences
 from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
@@ -40,6 +40,7 @@ from .solvers import (
     assign_similarity,
     balanced_scales,
     match_gl_moments,
+    match_rotary_joint_moments,
     match_rotary_moments,
     polar,
     polar_fixing_ones,
@@ -95,6 +96,10 @@ class WeightMatcher(PairwiseMatcher):
             threads of their own while the next layers' products go on; each holds its layer
             until it is done. Default: half of ``torch.get_num_threads()``, at least 1 and at
             most 4. ``0`` solves each in turn, in line. The result is the same either way.
+        rotary_solve: how a RoPE head's per-pair scale-rotations are solved, one of
+            :data:`hf_lmc.options.ROTARY_SOLVES`: ``"moments"`` (each model's pair balanced on
+            its own, the angle by Procrustes) or ``"joint"`` (Tran et al.'s appendix G.1: the
+            least-squares map of Q and K together). Both recover twins exactly.
 
     ``match(a, b)`` returns a :class:`Transform` ``T`` with ``T.apply(b) ~ a``, on the CPU;
     ``fit([a, b])`` returns ``[Transform(), T]`` (:class:`~hf_lmc.matching.contract.PairwiseMatcher`).
@@ -111,9 +116,13 @@ class WeightMatcher(PairwiseMatcher):
         progress: bool = True,
         device: str | torch.device | None = None,
         solver_threads: int | None = None,
+        rotary_solve: str = DEFAULT_ROTARY_SOLVE,
     ):
         if solver_threads is not None and solver_threads < 0:
             raise ValueError(f"solver_threads must be >= 0, got {solver_threads}")
+        if rotary_solve not in ROTARY_SOLVES:
+            raise ValueError(f"unknown rotary_solve {rotary_solve!r}; choose from {', '.join(ROTARY_SOLVES)}")
+        self.rotary_solve = rotary_solve
         self.kinds = resolve_kinds(symmetries)
         self.device = compute_device(device)
         self.dtype = dtype
@@ -311,6 +320,7 @@ class WeightMatcher(PairwiseMatcher):
 
         # Moments on the device, head by head; then every head's solve at once, side by side.
         qk_jobs, ov_jobs = [], []
+        rotary_solver = match_rotary_joint_moments if self.rotary_solve == "joint" else match_rotary_moments
         for jb in range(kv):
             ia = int(kv_perm[jb])
             b_queries = torch.arange(jb * g, (jb + 1) * g, device="cpu")
@@ -318,7 +328,7 @@ class WeightMatcher(PairwiseMatcher):
             if "qk" in self.kinds:
                 qk_moments = moments(rows(qa, a_queries), ka[ia].double(), rows(qb, b_queries), kb[jb].double())
                 qk_jobs.append(
-                    partial(match_rotary_moments, qk_moments, spec.rotary_dim)
+                    partial(rotary_solver, qk_moments, spec.rotary_dim)
                     if spec.rotary_dim
                     else partial(match_gl_moments, qk_moments)
                 )

@@ -134,17 +134,20 @@ class Transform:
     def save(self, path, spec, **details) -> None:
         """Write this transform, made for architecture ``spec``, to tensors file ``path`` and a
         JSON manifest beside it (:func:`hf_lmc.symmetry.stored.save_transforms`; no pickle)."""
-        from .stored import save_transforms
-
-        save_transforms(path, [self], spec, **details)
+        stored.save_transforms(path, [self], spec, **details)
 
     @staticmethod
     def load(path, spec=None, *, model: int = 0) -> Transform:
         """The transform saved at ``path`` (of the ``model``-th model where a merge saved one per
         model); with ``spec``, one made for another architecture spec is refused in one line."""
-        from .stored import TransformsFileError, load_transforms
-
-        transforms, _ = load_transforms(path, spec)
+        transforms, _ = stored.load_transforms(path, spec)
         if not 0 <= model < len(transforms):
-            raise TransformsFileError(f"{path}: holds {len(transforms)} transform(s), not a model number {model}")
+            raise stored.TransformsFileError(
+                f"{path}: holds {len(transforms)} transform(s), not a model number {model}"
+            )
         return transforms[model]
+
+
+# Saving and loading live in .stored, which builds Transforms: imported last, as a module, so that
+# either module may be imported first (the methods above look it up when they run).
+from . import stored

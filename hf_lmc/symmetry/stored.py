@@ -33,6 +33,8 @@ from .engine import Element, Transform
 from .groups import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap
 
 FORMAT = 1
+#: The file an aligned merge saves its transforms in (its manifest beside it: ``transforms.json``).
+TRANSFORMS_FILE = "transforms.safetensors"
 _KIND = "hf_lmc transforms"
 _LARGEST_MANIFEST = 64 << 20  # bytes: far above a real manifest, so a planted huge file is not read
 
