@@ -473,7 +473,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    options = ApplyOptions(**APPLY.given(args))
+    options = APPLY.build(args)
     from .moving import apply_transforms
 
     applied = apply_transforms(

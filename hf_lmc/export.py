@@ -323,6 +323,30 @@ def _drop_context_max_length(path: Path, config: PretrainedConfig) -> None:
         path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
+def dtype_named(name: str | torch.dtype | None) -> torch.dtype | None:
+    """The floating torch dtype called ``name`` (``"float16"``, ``"torch.bfloat16"``; ``None``
+    stays ``None``); a name that is no floating dtype is refused."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    name = str(name).removeprefix("torch.")
+    try:
+        dtype = getattr(torch, name)
+    except AttributeError:
+        dtype = None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"unknown dtype {name!r}; use float32, float16 or bfloat16")
+    return dtype
+
+
+def stored_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype a model's weights are stored in, as its config says (float32 when it does not
+    say, or names a dtype this check does not know)."""
+    try:
+        return dtype_named(getattr(config, "dtype", None)) or torch.float32
+    except ValueError:
+        return torch.float32
+
+
 def _with_dtype(config: PretrainedConfig, dtype: torch.dtype | None) -> PretrainedConfig:
     if dtype is not None:
         config = config.__class__.from_dict(config.to_dict())

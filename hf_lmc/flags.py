@@ -111,11 +111,10 @@ class OptionFlags:
         """The options model from the flags given (the model's defaults for the rest)."""
         if isinstance(self.defaults, Mapping):
             raise TypeError("flags with defaults per use have no one model to build; read them with given()")
-        values = {
-            name: getattr(self.defaults, name)
-            for name in self.model.model_fields
-            if name in self.defaults.model_fields_set
-        }
+        # Parsed defaults (``defaults="fields"``) arrive with the flags themselves; a model's own
+        # defaults contribute only the fields that were set on it.
+        chosen = () if self.parsed_defaults else self.defaults.model_fields_set
+        values = {name: getattr(self.defaults, name) for name in self.model.model_fields if name in chosen}
         try:
             return self.model(**{**values, **self.given(args), **fixed})
         except ValidationError as err:

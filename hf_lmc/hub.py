@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from huggingface_hub import HfApi, snapshot_download
@@ -102,39 +103,41 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None, *, we
         if not pinned or (revision is not None and revision != pinned):
             raise UsageError(f"{reference} names revision {pinned!r} but {revision!r} was also given; give one")
         revision = pinned
-    try:
+    with _hub_errors(str(reference), "folder"):
         if not weights:
             return Path(_download(repo_id, revision, CHECKPOINT_PATTERNS))
         folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + SAFETENSORS_PATTERNS))
         if not any(folder.glob("*.safetensors")):  # an older repo: its PyTorch pickles instead
             folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + BIN_PATTERNS))
         return folder
-    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise FileNotFoundError(
-            f"{reference} is neither a local folder nor a Hub model repo ({type(err).__name__})"
-        ) from err
-    except (LocalEntryNotFoundError, HfHubHTTPError) as err:
-        raise FileNotFoundError(f"could not download {reference} from the Hub and it is not cached: {err}") from err
 
 
 def resolve_transforms(repo_id: str, revision: str | None = None) -> Path:
     """A local snapshot of the saved transforms of the merge at Hub repo ``repo_id`` (its
     ``transforms.safetensors`` and manifest alone, not its weights)."""
-    try:
+    with _hub_errors(repo_id, "path", what="'s transforms"):
         folder = Path(_download(repo_id, revision, ["transforms.safetensors", "transforms.json"]))
-    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise FileNotFoundError(
-            f"{repo_id} is neither a local path nor a Hub model repo ({type(err).__name__})"
-        ) from err
-    except (LocalEntryNotFoundError, HfHubHTTPError) as err:
-        raise FileNotFoundError(
-            f"could not download {repo_id}'s transforms from the Hub and they are not cached: {err}"
-        ) from err
     if not (folder / "transforms.safetensors").is_file():
         raise FileNotFoundError(
             f"{repo_id} holds no transforms.safetensors (a merge saves it unless --no-save-transforms)"
         )
     return folder
+
+
+@contextlib.contextmanager
+def _hub_errors(reference: str, local: str, what: str = "") -> Iterator[None]:
+    """The Hub's errors on reading ``reference`` (``what`` of it) as one ``FileNotFoundError``
+    line: no such repo or revision (it was no ``local`` path either), or no network and no cache."""
+    try:
+        yield
+    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise FileNotFoundError(
+            f"{reference} is neither a local {local} nor a Hub model repo ({type(err).__name__})"
+        ) from err
+    except (LocalEntryNotFoundError, HfHubHTTPError) as err:
+        raise FileNotFoundError(
+            f"could not download {reference}{what} from the Hub and it is not cached: {err}"
+        ) from err
 
 
 def _download(repo_id: str, revision: str | None, patterns: list[str]) -> str:

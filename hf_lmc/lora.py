@@ -29,12 +29,10 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from .adapters import adapter_for, read_config
 from .canonical import CanonicalModel, canonicalize, export_config
 from .hub import names_local_path, resolve_checkpoint, shown_reference
 from .options import OutputExistsError
 from .outputs import check_replaceable, discard, move_into_place, staging_folder
-from .spec import ArchSpec
 from .symmetry.engine import Transform
 
 logger = logging.getLogger(__name__)
@@ -93,8 +91,8 @@ def read_adapter_config(folder: Path) -> dict:
 
 def write_moved_adapter(
     folder: Path,
-    transform: Transform,
-    spec: ArchSpec,
+    transforms: Path,
+    member: int,
     output: str | Path,
     *,
     base_model: str | Path | None = None,
@@ -105,9 +103,9 @@ def write_moved_adapter(
     overwrite: bool = False,
 ) -> Path:
     """Write the LoRA adapter at ``folder`` (trained on ``base_model``, by default the one its
-    config names) moved by ``transform`` to ``output``: a PEFT adapter folder whose config records
-    ``recorded_base`` as its base model. ``spec`` is the spec the transform was made for; a base
-    model of another spec is refused in one line."""
+    config names) moved by the transform of model ``member`` saved at ``transforms`` to
+    ``output``: a PEFT adapter folder whose config records ``recorded_base`` as its base model.
+    A base model of another spec than the transforms' is refused in one line, as a model is."""
     from peft import PeftModel  # peft loads torch-heavy tuners: only when an adapter is moved
 
     output = Path(output)
@@ -121,12 +119,8 @@ def write_moved_adapter(
         check_replaceable(output, "output")
     base_folder = resolve_checkpoint(base_reference, revision)
     canonical = canonicalize(base_folder, dtype=torch.float64)
-    if canonical.spec != spec:
-        raise AdapterError(
-            f"{shown_reference(base_reference)} is not a model the transforms were made for (another architecture spec)"
-        )
-    model_config = read_config(base_folder)
-    model = adapter_for(model_config).model_class.from_pretrained(base_folder, dtype=torch.float64)
+    transform = Transform.load(transforms, canonical.spec, model=member).to(torch.float64)
+    model = canonical.adapter.model_class.from_pretrained(base_folder, dtype=torch.float64)
     adapted = PeftModel.from_pretrained(model, str(folder), is_trainable=False).eval()
     with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as opened:
         saved = {key: opened.get_tensor(key) for key in opened.keys()}  # noqa: SIM118 - safe_open has no __iter__

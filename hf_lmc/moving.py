@@ -17,15 +17,14 @@ from pathlib import Path
 import torch
 from huggingface_hub.errors import HFValidationError
 
-from .adapters import read_config
 from .canonical import block_rows, canonicalize, export_config, hf_state_dict_groups
 from .card import ModelSource, moved_card
-from .export import write_checkpoint
+from .export import dtype_named, stored_dtype, write_checkpoint
 from .hub import names_local_path, resolve_checkpoint, resolve_transforms, shown_reference
 from .lora import is_lora_adapter, read_adapter_config, write_moved_adapter
 from .options import ParameterError
 from .symmetry.engine import Transform
-from .symmetry.stored import TRANSFORMS_FILE, TransformsFileError, TransformsManifest, load_transforms, read_manifest
+from .symmetry.stored import TRANSFORMS_FILE, TransformsManifest, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +126,10 @@ def apply_transforms(
         folder = Path(model)
         trained_on = base_model or read_adapter_config(folder).get("base_model_name_or_path") or folder
         index = member_index(manifest, member, str(trained_on))
-        transform, _ = _transform_for(path, None, index)
         written = write_moved_adapter(
             folder,
-            transform,
-            manifest.spec,
+            path,
+            index,
             output,
             base_model=base_model,
             revision=revision,
@@ -144,10 +142,10 @@ def apply_transforms(
     folder = resolve_checkpoint(model, revision)
     canonical = canonicalize(folder, dtype=torch.float64)  # float64 algebra, rounded once on writing
     index = member_index(manifest, member, str(model))
-    transform, _ = _transform_for(path, canonical.spec, index)
-    moved = transform.apply(canonical)
-    config = read_config(folder)
-    out_dtype = _written_dtype(dtype, config)
+    transform = Transform.load(path, canonical.spec, model=index)  # another spec: refused in one line
+    moved = transform.to(torch.float64).apply(canonical)
+    config = canonical.config
+    out_dtype = dtype_named(dtype) or stored_dtype(config)
     exported = export_config(moved, dtype=out_dtype)
     label = manifest.models[index].name
     card = moved_card(
@@ -172,17 +170,3 @@ def apply_transforms(
         kind="moved",
     )
     return Applied(written, "model", index, label)
-
-
-def _transform_for(path: Path, spec, index: int) -> tuple[Transform, TransformsManifest]:
-    transforms, manifest = load_transforms(path, spec)  # another spec: refused in one line
-    if not 0 <= index < len(transforms):
-        raise TransformsFileError(f"{path}: holds {len(transforms)} transform(s), not a model number {index + 1}")
-    return transforms[index].to(torch.float64), manifest
-
-
-def _written_dtype(name: str | None, config) -> torch.dtype:
-    """``name`` as a torch dtype; by default the dtype the model is stored in."""
-    chosen = name or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
-    dtype = getattr(torch, chosen, None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32

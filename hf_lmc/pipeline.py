@@ -57,7 +57,7 @@ from .card import (
 )
 from .checkpoint import Checkpoint
 from .devices import compute_device, launched_processes, wait_for_others
-from .export import check_writable, write_checkpoint
+from .export import check_writable, dtype_named, stored_dtype, write_checkpoint
 from .grids import simplex_grid
 from .hub import push_folder, resolve_checkpoint, shown_reference
 from .inherit import check_inherited, shown_names
@@ -89,19 +89,6 @@ class MergeResult:
         None  # learned and dual matching: what the stopping rule reached (matching.training.Stopping)
     )
     wrote: bool = True  # False on every launched process but the main one, which writes (and reports) the merge
-
-
-def _dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    name = str(name).removeprefix("torch.")
-    try:
-        dtype = getattr(torch, name)
-    except AttributeError:
-        dtype = None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"unknown dtype {name!r}; use float32, float16 or bfloat16")
-    return dtype
 
 
 def _verified_at_end(groups: Iterator, sources: Sequence[Checkpoint]) -> Iterator:
@@ -238,7 +225,7 @@ def resolve(request: MergeRequest, *, progress: bool = True) -> Inputs:
     weights = simplex_weights(request.weights, count)
     revisions = revisions_per_model(request.revisions, count)
     kinds = resolve_kinds(request.symmetries)
-    out_dtype = _dtype(request.dtype)
+    out_dtype = dtype_named(request.dtype)
     device = compute_device(request.device)
     output = Path(request.output)
     folders, configs, width_notes, inherited_notes = _read_models(request, revisions, written)
@@ -381,7 +368,7 @@ def plan(request: MergeRequest) -> Plan:
     weights = simplex_weights(request.weights, count)
     revisions = revisions_per_model(request.revisions, count)
     resolve_kinds(request.symmetries)
-    out_dtype = _dtype(request.dtype)
+    out_dtype = dtype_named(request.dtype)
     compute_device(request.device)
     folders, configs, width_notes, inherited_notes = _read_models(request, revisions, written, weights=False)
     models, stored_bytes, written_bytes = [], [], []
@@ -391,7 +378,7 @@ def plan(request: MergeRequest) -> Plan:
             Checkpoint(folder, adapter, config).close()
         with torch.device("meta"):
             parameters = sum(p.numel() for p in adapter.model_class(config).parameters())
-        stored = _stored_dtype(config)
+        stored = stored_dtype(config)
         tied = (
             config.vocab_size * config.hidden_size if getattr(config, "tie_word_embeddings", False) else 0
         )  # written twice
@@ -475,14 +462,6 @@ def estimate_cost(
     return seconds, int(peak + _RUNTIME_BYTES)
 
 
-def _stored_dtype(config) -> torch.dtype:
-    """The dtype a model's weights are stored in, as its config says (float32 when it does not)."""
-    try:
-        return _dtype(getattr(config, "dtype", None)) or torch.float32
-    except ValueError:
-        return torch.float32
-
-
 def _sequence_tokens(config, options) -> int:
     """Tokens a model reads per sequence: an image's patches and class token, or the sequence
     length (``min(128, the context)`` unless set)."""
@@ -533,10 +512,7 @@ def _written_bytes(folders: Sequence[Path], configs: Sequence, out_dtype: torch.
     embedding once more (stored once, it is written twice when the export unties it)."""
     sizes = []
     for folder, config in zip(folders, configs):
-        try:
-            stored = _dtype(getattr(config, "dtype", None)) or torch.float32
-        except ValueError:  # a dtype name this check does not know; the export will say more
-            stored = torch.float32
+        stored = stored_dtype(config)  # a dtype name this check does not know: float32; the export will say more
         written = out_dtype or stored
         files = next((found for pattern in _WEIGHT_FILES if (found := list(Path(folder).glob(pattern)))), [])
         stored_bytes = sum(f.stat().st_size for f in files if f.is_file())
@@ -613,7 +589,7 @@ def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Al
     merged = combine(
         [t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], inputs.weights
     )
-    out_dtype = inputs.out_dtype or _dtype(getattr(config_a, "dtype", None)) or torch.float32
+    out_dtype = inputs.out_dtype or dtype_named(getattr(config_a, "dtype", None)) or torch.float32
     config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
     groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
     untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings

@@ -41,6 +41,7 @@ from .adapters import adapter_for, read_config, setting_differences
 from .batches import sampled_count
 from .canonical import block_rows, canonicalize
 from .checkpoint import Checkpoint
+from .export import stored_dtype
 from .hub import resolve_checkpoint
 from .methods import METHODS
 from .options import DEFAULT_SYMMETRIES, FIT_OPTIONS, LearnOptions, MergeRequest, clipped
@@ -50,7 +51,6 @@ from .pipeline import (
     _gigabytes,
     _read_models,
     _sequence_tokens,
-    _stored_dtype,
     estimate_cost,
 )
 from .preflight import revisions_per_model
@@ -235,7 +235,7 @@ def inspect_models(
         Checkpoint(folder, adapter, config).close()  # every tensor present and shaped as the config says
         with torch.device("meta"):
             parameters = sum(p.numel() for p in adapter.model_class(config).parameters())
-        dtype = str(_stored_dtype(config)).removeprefix("torch.")
+        dtype = str(stored_dtype(config)).removeprefix("torch.")
         facts.append(ModelFacts(model, revision, config.model_type, parameters, dtype, adapter.spec(config)))
     request = MergeRequest(models=models, output="unused", revisions=revisions)
     try:

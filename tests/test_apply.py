@@ -242,3 +242,16 @@ def test_an_update_that_needs_a_higher_rank_is_refused_by_name():
     assert torch.allclose(module.scaling["default"] * up @ down, low)
     with pytest.raises(AdapterError, match="^0: .*rank"):
         _factored("0", module, torch.randn(5, 6, dtype=torch.float64), saved, scale=1.0)
+
+
+def test_an_adapter_of_a_model_of_another_spec_is_refused_as_the_model_is(tmp_path, capsys):
+    _, path = _saved_pair(tmp_path, "gpt2")
+    deeper = TINY["gpt2"].__class__.from_dict({**TINY["gpt2"].to_dict(), "n_layer": 3})
+    build_model(deeper, seed=1).save_pretrained(tmp_path / "deeper")
+    _adapter(build_model(deeper, seed=1), "gpt2", 0, tmp_path / "lora", ["c_attn"])
+    capsys.readouterr()
+    out = tmp_path / "out"
+    args = ["apply", str(path), str(tmp_path / "lora"), "--base-model", str(tmp_path / "deeper"), "--member", "B"]
+    assert main([*args, "-o", str(out), "-q"]) == 1
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "num_layers" in message and not out.exists()
