@@ -265,6 +265,9 @@ def _factored(module: str, layer, update: Tensor, saved: Mapping[str, Tensor], s
     u, s, vh = torch.linalg.svd(matrix / scaling, full_matrices=False)
     root = s[:rank].sqrt()
     up, down = u[:, :rank] * root, root[:, None] * vh[:rank]
+    if up.shape[1] < rank:  # a rank above the layer's smaller side: the factors' spare rank is zeros
+        up = torch.cat([up, up.new_zeros(up.shape[0], rank - up.shape[1])], dim=1)
+        down = torch.cat([down, down.new_zeros(rank - down.shape[0], down.shape[1])], dim=0)
     if not _small(matrix - scaling * (up @ down), scale):
         raise AdapterError(
             f"{module}: its moved update needs a rank above the adapter's {rank}; it cannot be carried at that rank"

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import hf_lmc
@@ -22,7 +26,7 @@ from hf_lmc.cli import main
 from hf_lmc.symmetry import Transform, random_symmetry
 from hf_lmc.symmetry.stored import save_transforms
 from hf_lmc.verify import float64_rmsnorm, relative_error, sample_inputs, tiny_configs
-from tests.models import build_model, logits
+from tests.models import CONFIGS, build_model, logits
 
 TINY = tiny_configs()
 
@@ -255,3 +259,31 @@ def test_an_adapter_of_a_model_of_another_spec_is_refused_as_the_model_is(tmp_pa
     assert main([*args, "-o", str(out), "-q"]) == 1
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert "num_layers" in message and not out.exists()
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_over_random_configs_a_moved_model_and_its_moved_lora_compute_what_they_did(arch, data):
+    """Randomised configs of each family (tests.models' strategies): the moved model, and a LoRA on
+    every target but the embeddings carried with it, compute what the originals compute."""
+    config = data.draw(CONFIGS[arch]())
+    symmetry_seed = data.draw(st.integers(0, 2**16))
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        b = build_model(config, seed=1)
+        b.save_pretrained(folder / "b")
+        spec = hf_lmc.canonicalize(b).spec
+        path = folder / "merge" / "transforms.safetensors"
+        path.parent.mkdir()
+        save_transforms(path, [Transform(), random_symmetry(spec, seed=symmetry_seed)], spec, names=["a", "b"])
+        targets = [t for t in TARGETS[arch] if t not in {"wte", "wpe", "embed_in", "embed_tokens"}]
+        _adapter(build_model(config, seed=1), arch, symmetry_seed, folder / "lora", targets)
+        hf_lmc.apply_transforms(path, folder / "b", folder / "moved", progress=False)
+        hf_lmc.apply_transforms(path, folder / "lora", folder / "moved-lora", base_model=folder / "b")
+        inputs = sample_inputs(config, dtype=torch.float64)
+        moved = adapter_for(config).model_class.from_pretrained(folder / "moved", dtype=torch.float64).eval()
+        assert relative_error(logits(moved, inputs), logits(b, inputs)) < 1e-9
+        expected = logits(PeftModel.from_pretrained(b, folder / "lora").eval(), inputs)
+        got = logits(PeftModel.from_pretrained(moved, folder / "moved-lora").eval(), inputs)
+        assert relative_error(got, expected) < 1e-9
