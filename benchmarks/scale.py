@@ -11,7 +11,8 @@ Memory per GPU (bytes; ``b`` is the endpoints' dtype size, ``N`` the processes):
 * embeddings and heads: ``2 x 2 V d b``, whole on every GPU (the store keeps them whole);
 * layers in flight: sharded, ``2 (2 + b + 2) P`` (per endpoint: the layer gathered in bfloat16
   under ``--mixed-precision bf16``, its copy in the endpoints' dtype, the prefetched next); plus,
-  always, the layer being built: ``3 P x 4`` (T_A(A), T_B(B) and their mix, float32);
+  always, the layer being built: ``3 P x 4`` (T_A(A), T_B(B) and their mix, float32; the sharded
+  build's 1/N of those rows and the all-gathered merged layer are given the same term);
 * transforms and Adam: ``2 (d^2 + L (K hd^2 + F)) x 16`` (dual: two transforms; residual map,
   per-KV-head OV maps, MLP scales; float32 parameter, gradient and two moments);
 * activations (Korthikanti et al. 2022, full recomputation): ``L T d x 2`` at the layer
@@ -31,13 +32,28 @@ recomputation, backward: the endpoints are frozen, so only the maps' gradient is
 computes four times (forward, recomputation, backward at twice the forward). The embedding and
 head add the same with ``P = 2 V d`` (built) and ``V d`` (computed). The ensemble objective
 adds a gradient-free forward of each endpoint, as it is (no build): ``2 x 2 T (L P + V d)``.
-The weight build does not depend on the tokens and is repeated by every
-data-parallel process: more GPUs add tokens per step, not speed per step. Gathers move
-``2 x 2 x (N - 1) / N x L P x 2`` bytes per GPU and step (both endpoints, forward and
-recomputation, in bfloat16; the ensemble objective's endpoint forwards gather every layer once
-more, ``2 x 3`` in all; offloaded shards also cross from the host, ``4 L P b / N``, or
-``6 L P b / N``), at an assumed 300 GB/s within a node (NVLink) and 50 GB/s across nodes
-(400 Gb/s InfiniBand per GPU); with the next layer prefetched they overlap the computation.
+The weight build does not depend on the tokens. On one GPU it is all built ("unsharded build");
+under N > 1 processes (``--shard-endpoints``) the build is sharded: each process computes 1/N
+of the rows of every moved tensor, the embeddings' and heads' included, so its build is the
+unsharded one over N ("build" in "build + tokens"). The token compute per GPU is unchanged.
+
+Traffic per GPU and step (bytes), none on one GPU:
+
+* endpoint gathers (unchanged by the sharded build): ``2 x 2 x (N - 1) / N x L P x 2`` (both
+  endpoints, forward and recomputation, in bfloat16; the ensemble objective's endpoint forwards
+  gather every layer once more, ``2 x 3`` in all; offloaded shards also cross from the host,
+  ``4 L P b / N``, or ``6 L P b / N``, counted at the same bandwidth);
+* merged weights, float32: each layer is assembled by one all-gather of its rows per build
+  (forward, recomputation) and its gradient reduce-scattered in backward,
+  ``3 x (N - 1) / N x L P x 4``; the embeddings and heads, one all-gather and one
+  reduce-scatter, ``2 x (N - 1) / N x 2 V d x 4``;
+
+all at an assumed 300 GB/s per GPU within a node (NVLink, N <= 8) and 50 GB/s across nodes
+(400 Gb/s InfiniBand per GPU). The predicted step assumes full overlap of traffic and compute:
+``max(build + tokens, traffic time)``; "gathers" marks a row the traffic bounds. The merged
+layer's all-gather is on the critical path (the layer waits for it), so the last column gives
+the step with the merged all-gathers exposed and the rest of the traffic (endpoint gathers,
+prefetched; reduce-scatters) overlapped: ``all-gather time + max(build + tokens, rest's time)``.
 
     python benchmarks/scale.py            # the tables of docs/scale.md
     python benchmarks/scale.py --tokens 8192
@@ -160,26 +176,54 @@ def throughput() -> float:
     return (build + compute) / MEASURED["gpu_seconds"]
 
 
-def row(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str) -> str:
-    terms = memory(s, n, tokens, seq, b, offload, objective)
-    total = sum(terms.values()) / GB
+def times(s: Shape, n: int, tokens: int, b: int, offload: bool, objective: str) -> dict[str, float]:
+    """Seconds and bytes of one step per GPU: the build (sharded over ``n`` > 1 processes), the
+    tokens, the traffic by kind, and the predicted step, overlapped and with the merged all-gathers exposed."""
     build, compute = flops(s, tokens, objective)
     rate = throughput()
-    step = (build + compute) / rate
+    lp, heads = s.layers * s.layer_params, 2 * s.vocab * s.d  # the merged model's embedding and head
+    share = (n - 1) / n  # of a collective's bytes that cross to or from one GPU
     gathers = 2 * (
         3 if objective == "ensemble" else 2
     )  # per endpoint: forward, recomputation (and the target's forward)
-    traffic = gathers * (n - 1) / n * s.layers * s.layer_params * 2 if n > 1 else 0.0  # gathered in bf16
+    endpoint = gathers * share * lp * 2  # gathered in bf16; 0 on one GPU
     if offload:  # host-to-device copies of every layer, each time it is gathered
-        traffic += gathers * s.layers * s.layer_params * b / n
+        endpoint += gathers * lp * b / n
+    merged_gather = share * (2 * lp + heads) * 4  # float32: a layer per build (forward, recomputation)
+    merged = merged_gather + share * (lp + heads) * 4  # and the gradients' reduce-scatters
     bandwidth = INTRA_NODE if n <= GPUS_PER_NODE else INTER_NODE
-    gather = traffic / bandwidth
+    # --shard-endpoints (n > 1): each process builds 1/n of every tensor's rows; n = 1 builds it all
+    t_build, t_tokens = build / n / rate, compute / rate
+    t_traffic = (endpoint + merged) / bandwidth
+    t_gather = merged_gather / bandwidth
+    return {
+        "unsharded_build_s": build / rate,
+        "build_s": t_build,
+        "tokens_s": t_tokens,
+        "endpoint_gathers_gb": endpoint / GB,
+        "merged_gb": merged / GB,
+        "traffic_s": t_traffic,
+        "step_s": max(t_build + t_tokens, t_traffic),
+        "step_exposed_s": t_gather + max(t_build + t_tokens, t_traffic - t_gather),
+    }
+
+
+def row(s: Shape, n: int, tokens: int, seq: int, b: int, offload: bool, objective: str) -> str:
+    terms = memory(s, n, tokens, seq, b, offload, objective)
+    total = sum(terms.values()) / GB
+    t = times(s, n, tokens, b, offload, objective)
+    compute = t["build_s"] + t["tokens_s"]
     fits = "yes" if total <= 80 else "no"
     dtype = "fp32" if b == 4 else "bf16"
+    larger = "build" if t["build_s"] > t["tokens_s"] else "tokens"
+    bound = " (gathers)" if t["traffic_s"] > compute else ""
     return (
         f"| {s.name} | {n} | {dtype}{', offloaded' if offload else ''} | {terms['endpoint layers'] / GB:.1f} | "
         f"{terms['embeddings, heads'] / GB:.1f} | {(terms['in flight'] + terms['transforms, Adam'] + terms['activations']) / GB:.1f} | "
-        f"**{total:.1f}** | {fits} | {build / rate:.2f} + {compute / rate:.2f} = {step:.2f} | {traffic / GB:.0f} GB, {gather:.2f} s |"
+        f"**{total:.1f}** | {fits} | {t['unsharded_build_s']:.2f} | "
+        f"{t['build_s']:.2f} + {t['tokens_s']:.2f} = {compute:.2f} | "
+        f"{t['endpoint_gathers_gb']:.0f} + {t['merged_gb']:.0f} GB, {t['traffic_s']:.2f} s | {larger} | "
+        f"{t['step_s']:.2f}{bound} | {t['step_exposed_s']:.2f} |"
     )
 
 
@@ -228,11 +272,14 @@ def main() -> None:
         "layer checkpointing, bf16 autocast.\n"
     )
     print(
-        "| pair | GPUs | endpoints | endpoint layers (GB) | embeddings, heads (GB) | step working set (GB) | total per GPU (GB) | fits 80 GB | step (s): build + tokens | gathers per GPU and step |"
+        "| pair | GPUs | endpoints | endpoint layers (GB) | embeddings, heads (GB) | step working set (GB) "
+        "| total per GPU (GB) | fits 80 GB | unsharded build (s) | step (s): build + tokens "
+        "| gathers per GPU and step: endpoints + merged | larger: build or tokens "
+        "| predicted step (s): max(build + tokens, gathers) | merged all-gathers exposed (s) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     record = new_record("scale", settings_of(args))
-    record.update(calibration_gb=check, measured=MEASURED, rows=[])
+    record.update(calibration_gb=check, measured=MEASURED, rows=[], steps=[], summary=[])
     for key in ("llama-1b", "llama-7b", "llama-70b"):
         s = SHAPES[key]
         for n in (1, 8, 64):
@@ -240,7 +287,28 @@ def main() -> None:
                 if offload and n == 1:
                     continue  # offload needs the FSDP2 shards of a launch of 2 or more processes
                 record["rows"].append(row(s, n, args.tokens, args.seq, b, offload, args.objective))
+                t = times(s, n, args.tokens, b, offload, args.objective)
+                record["steps"].append(dict(pair=s.name, gpus=n, endpoint_bytes=b, offload=offload, **t))
                 print(record["rows"][-1])
+    print("\nSharded build, endpoints kept on the GPUs (fp32 or bf16: the same times):")
+    for key in ("llama-1b", "llama-7b", "llama-70b"):
+        s = SHAPES[key]
+        for n in (8, 64):
+            t = times(s, n, args.tokens, 2, False, args.objective)
+            compute = t["build_s"] + t["tokens_s"]
+            bound = (
+                "the gathers"
+                if t["traffic_s"] > compute
+                else "the build"
+                if t["build_s"] > t["tokens_s"]
+                else "the tokens"
+            )
+            record["summary"].append(
+                f"{s.name}, {n} GPUs: build {t['build_s']:.2f} s (unsharded {t['unsharded_build_s']:.2f}), "
+                f"tokens {t['tokens_s']:.2f} s, traffic {t['traffic_s']:.2f} s; step {t['step_s']:.2f} s "
+                f"({t['step_exposed_s']:.2f} with the merged all-gathers exposed), bound by {bound}"
+            )
+            print(f"- {record['summary'][-1]}")
     print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 

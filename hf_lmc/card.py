@@ -21,6 +21,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from .adapters import ADAPTERS
 from .batches import describe_data, is_sampled, sampled_count
+from .devices import launched_count
 from .hub import names_local_path, shown_reference, shown_settings
 from .methods import METHODS
 from .options import LearnOptions, MergeRequest
@@ -344,7 +345,7 @@ def training_settings(request: MergeRequest, count: int, stopping=None) -> list[
         ("data", f"{named} ({shape})" if is_sampled(data) else f"{named} (split `{data_options.split}`, {shape})"),
         (
             "steps",
-            f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps}, mixed precision `{accelerate.mixed_precision}`)",
+            f"{learn.steps} (gradient accumulation {accelerate.gradient_accumulation_steps})",
         ),
         (
             "optimiser",
@@ -374,19 +375,27 @@ def training_settings(request: MergeRequest, count: int, stopping=None) -> list[
         )
     )
     rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
-    if accelerate.shard_endpoints:
-        gathered = f", layers gathered in `{accelerate.mixed_precision}`" if accelerate.mixed_precision != "no" else ""
-        rows.append(
-            (
-                "endpoints",
-                "sharded across the processes (FSDP2)"
-                + (", offloaded to CPU memory" if accelerate.offload_endpoints else "")
-                + gathered,
-            )
-        )
+    rows.append(("launch", _launch(accelerate)))
     if stopping is not None:
         rows.append(("stopping", stopping.describe()))
     return rows
+
+
+def _launch(accelerate) -> str:
+    """How the training ran: processes, precision, what was sharded and who built the weights."""
+    count = launched_count()
+    text = f"{count} process{'es' if count > 1 else ''}, mixed precision `{accelerate.mixed_precision}`"
+    offloaded = ", offloaded to CPU memory" if accelerate.offload_endpoints else ""
+    if count == 1:
+        return text + (f", endpoints' layers in FSDP2's store{offloaded}" if offloaded else "")
+    if accelerate.shard_endpoints:
+        gathered = f", layers gathered in `{accelerate.mixed_precision}`" if accelerate.mixed_precision != "no" else ""
+        text += f", endpoints sharded across the processes (FSDP2){offloaded}{gathered}"
+    else:
+        text += ", endpoints whole in each process"
+    if accelerate.shard_build:
+        return text + ", each process building 1/N of every interpolated weight (one all-gather per layer)"
+    return text + ", every process building every interpolated weight"
 
 
 def merge_settings(request: MergeRequest) -> dict:

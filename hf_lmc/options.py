@@ -351,6 +351,11 @@ class AccelerateOptions(Options):
         description="under several processes (torchrun, accelerate launch), shard the frozen models' layers across them with "
         "FSDP2: each process keeps 1/N of every layer and gathers a layer when it is built",
     )
+    shard_build: bool = Field(
+        True,
+        description="under several processes, each builds 1/N of the rows of every interpolated weight (layers, embeddings, "
+        "heads) and one all-gather per layer assembles them; --no-shard-build: every process builds all of them",
+    )
     offload_endpoints: bool = Field(
         False,
         description="with --shard-endpoints, keep each process's shards (in one process: the layers) in CPU memory and copy a layer "

@@ -4,10 +4,16 @@ Each process trains on its shard of the same global batches; the trained paramet
 merge's logits and the endpoint elements each process holds are saved by the main process so
 the test can compare the 2-process runs (endpoints whole or sharded) with the 1-process run.
 
-    python tests/distributed_fit.py OUT [--shard-endpoints] [--offload] [--gather-float32] [--family=NAME]
+    python tests/distributed_fit.py OUT [--shard-endpoints | --shared-build] [--offload] [--gather-float32] [--whole-build]
+        [--family=NAME] [--dual] [--objective=NAME] [--resume]
 
 ``--offload`` keeps the shards in CPU memory (FSDP2's CPU offload: on a CPU machine the same
-memory, but the offload code path); ``--gather-float32`` gathers the float64 endpoints in float32; ``--family=`` picks the tiny model (default ``gpt2``).
+memory, but the offload code path); ``--gather-float32`` gathers the float64 endpoints in float32;
+``--whole-build`` has every process build all of every layer (``EndpointSharding(build=False)``);
+``--shared-build`` keeps the endpoints whole and shares only the build (``EndpointSharding(layers=False)``);
+``--family=`` picks the tiny model (default ``gpt2``); ``--dual`` trains a :class:`DualPath`
+(default: :class:`LearnedPath`); ``--objective=`` the loss (default: the library's);
+``--resume`` kills the run after its second step's checkpoint and resumes it in a fresh matcher.
 """
 
 import json
@@ -16,15 +22,21 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from hf_lmc import EndpointSharding, LearnedPath, WeightMatcher
+from hf_lmc import DualPath, EndpointSharding, LearnedPath, WeightMatcher
 from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
 
 def main(out: str, flags: list[str]) -> None:
-    shard = "--shard-endpoints" in flags and EndpointSharding(
-        offload="--offload" in flags, dtype=torch.float32 if "--gather-float32" in flags else None
+    shard = ("--shard-endpoints" in flags or "--shared-build" in flags) and EndpointSharding(
+        layers="--shard-endpoints" in flags,
+        offload="--offload" in flags,
+        dtype=torch.float32 if "--gather-float32" in flags else None,
+        build="--whole-build" not in flags,
     )
+    path_class = DualPath if "--dual" in flags else LearnedPath
+    named = [f.removeprefix("--objective=") for f in flags if f.startswith("--objective=")]
+    objective = {"objective": named[-1]} if named else {}
     accelerator = Accelerator(cpu=True)  # first: sharded endpoints need the process group
     family = next((f.removeprefix("--family=") for f in flags if f.startswith("--family=")), "gpt2")
     config = tiny_configs()[family]
@@ -36,7 +48,7 @@ def main(out: str, flags: list[str]) -> None:
     starts = []  # weight matching runs in the main process alone; the others receive its start
     match = WeightMatcher.match
     WeightMatcher.match = lambda self, a, b: starts.append(1) or match(self, a, b)
-    matcher = LearnedPath(model_a, model_b, dtype=torch.float64, shard_endpoints=shard)
+    matcher = path_class(model_a, model_b, dtype=torch.float64, shard_endpoints=shard, **objective)
     starts = accelerator.gather(torch.tensor([float(len(starts))])).tolist()
     g = torch.Generator().manual_seed(0)
     if family == "vit":
@@ -54,16 +66,34 @@ def main(out: str, flags: list[str]) -> None:
     shards = [{k: v.chunk(count)[rank] for k, v in batch.items()} for batch in global_batches]
     located = []  # the worst point, re-located after every step (on each process's shards, averaged)
     record = lambda step, m: located.append(float(m.worst_alpha))
-    losses = matcher.fit(
-        shards,
-        steps=3,
-        lr=1e-2,
-        target_barrier=None,  # no batches held out: located on the latest shards
-        accelerator=accelerator,
-        locate_every=1,
-        callback=record,
-        progress=False,
-    )
+    options = {
+        "steps": 3,
+        "lr": 1e-2,
+        "target_barrier": None,  # no batches held out: located on the latest shards
+        "accelerator": accelerator,
+        "locate_every": 1,
+        "progress": False,
+    }
+    if "--resume" in flags:  # killed after step 2's checkpoint, resumed by a fresh matcher
+        folder = out + ".state"
+
+        class Killed(Exception):
+            pass
+
+        def kill(step, m):
+            record(step, m)
+            if step == 3:
+                raise Killed
+
+        try:
+            matcher.fit(shards, checkpoint_dir=folder, checkpoint_every=1, callback=kill, **options)
+        except Killed:
+            pass
+        located.pop()  # step 3 is trained again by the resumed run
+        torch.manual_seed(0)
+        matcher = path_class(model_a, model_b, dtype=torch.float64, shard_endpoints=shard, **objective)
+        options |= {"checkpoint_dir": folder, "resume": True}
+    losses = matcher.fit(shards, callback=record, **options)
     merged = matcher.merge(0.5)  # a collective when the endpoints are sharded: every process calls it
     with torch.no_grad():
         logits = merged(**{k: v for k, v in global_batches[0].items() if k != "labels"}).logits

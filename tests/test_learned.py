@@ -632,6 +632,30 @@ def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
 
 
 @pytest.mark.slow
+def test_a_fit_at_info_reports_each_windows_step_time_and_its_shares(caplog):
+    """At INFO (``hf-lmc merge -v``) a fit logs, every 10 steps and at the last, the time a step
+    took and the shares of building weights, gathers and the rest, which add up to the whole;
+    the interpolant's clock runs only while the fit does. At WARNING nothing is timed."""
+    import logging
+    import re
+
+    config = tiny_configs()["llama"]
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
+    path = DualPath(build_model(config, seed=1), build_model(config, seed=2))
+    with caplog.at_level(logging.WARNING, logger="hf_lmc"):
+        path.fit(batches, steps=2, target_barrier=None, progress=False)
+    assert not [r for r in caplog.records if "s a step" in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="hf_lmc"):
+        path.fit(batches, steps=12, target_barrier=None, progress=False)
+    lines = [r.getMessage() for r in caplog.records if "s a step" in r.getMessage()]
+    assert [re.search(r"steps (\d+)-(\d+)", line).groups() for line in lines] == [("1", "10"), ("11", "12")]
+    for line in lines:
+        shares = [float(x) for x in re.findall(r"(-?\d+)%", line)]
+        assert len(shares) == 3 and shares[0] > 0 and abs(sum(shares) - 100) <= 2, line
+    assert not path.interpolant.clock.running
+
+
 def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
@@ -1038,10 +1062,12 @@ def test_a_checkpoint_folder_that_is_not_hf_lmcs_is_refused_and_left_as_it_was(t
 
 @pytest.mark.slow
 def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
-    """DDP over 2 and 4 CPU processes, with the endpoints whole and sharded by FSDP2 (offloaded,
-    gathered in float32), trains and merges as 1 process does on the same global batches (GPT-2;
-    sharded over 2 processes, every other family too); sharded over N, each process holds 1/N
-    of the endpoints' layers."""
+    """DDP over 1, 2 and 4 CPU processes, with the endpoints whole and sharded by FSDP2 (offloaded,
+    gathered in float32) and the build sharded (each process building its rows of every weight) or
+    not, trains and merges as 1 process does on the same global batches: learned matching on
+    GPT-2, and dual matching toward both objectives on every family; a sharded run killed after
+    its second step resumes to the same transforms. Sharded over N, each process holds 1/N of
+    the endpoints' layers."""
     import json
     import os
     import subprocess
@@ -1051,18 +1077,28 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     root = Path(__file__).resolve().parent.parent
     env = os.environ | {"ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     script = str(root / "tests" / "distributed_fit.py")
+    sharded = ["--shard-endpoints"]
     runs = {  # name: (processes, flags)
         "one": (1, []),
         "two": (2, []),
-        "two, sharded": (2, ["--shard-endpoints"]),
-        "four, sharded, offloaded": (4, ["--shard-endpoints", "--offload"]),
-        "two, sharded, float32 gathers": (2, ["--shard-endpoints", "--gather-float32"]),
-        **{
-            f"{family}: {name}": (processes, [*flags, f"--family={family}"])
-            for family in ("gpt_neox", "llama", "vit")
-            for name, processes, flags in (("one", 1, []), ("two, sharded", 2, ["--shard-endpoints"]))
-        },
+        "two, sharded": (2, sharded),
+        "two, sharded, whole build": (2, [*sharded, "--whole-build"]),
+        "two, shared build": (2, ["--shared-build"]),
+        "four, sharded, offloaded": (4, [*sharded, "--offload"]),
+        "two, sharded, float32 gathers": (2, [*sharded, "--gather-float32"]),
     }
+    dual = {}  # dual matching: (family, objective) -> the one-process run's name
+    for family in ("gpt2", "gpt_neox", "llama", "vit"):
+        for objective in ("ensemble", "labels"):
+            flags = ["--dual", f"--family={family}", f"--objective={objective}"]
+            dual[family, objective] = name = f"{family}, dual, {objective}"
+            runs[f"{name}: one"] = (1, flags)
+            runs[f"{name}: two, sharded"] = (2, [*flags, *sharded])
+    flags = runs["gpt2, dual, ensemble: one"][1]
+    runs["gpt2, dual, ensemble: one, sharded, offloaded"] = (1, [*flags, *sharded, "--offload"])
+    runs["gpt2, dual, ensemble: four, sharded"] = (4, [*flags, *sharded])
+    runs["gpt2, dual, ensemble: four, shared build"] = (4, [*flags, "--shared-build"])
+    runs["gpt2, dual, ensemble: two, sharded, resumed"] = (2, [*flags, *sharded, "--resume"])
     for name, (processes, flags) in runs.items():
         out = str(tmp_path / name)
         launch = (
@@ -1075,10 +1111,10 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     assert [info[n]["num_processes"] for n in runs] == [n for n, _ in runs.values()]  # really that many processes
     assert all(info[n]["moved"] for n in runs)  # .float() casts the endpoints, shards included
     assert all(
-        info[n]["starts"] == [1] + [0] * (runs[n][0] - 1) for n in runs
+        info[n]["starts"] == [1] + [0] * (runs[n][0] - 1) for n in runs if "resumed" not in n
     )  # one weight matching, on the main process
     (whole,) = info["one"]["held"]
-    assert info["two"]["held"] == [whole, whole]
+    assert info["two"]["held"] == info["two, shared build"]["held"] == [whole, whole]
     layers = 2 * info["two, sharded"]["layers_per_model"]  # both endpoints' layer tensors
     assert 0 < layers < whole
     for name in (
@@ -1089,9 +1125,24 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
         held = info[name]["held"]
         assert len(held) == processes and sum(held) == processes * (whole - layers) + layers
         assert max(held) <= whole - layers + layers / processes + 2 * 64, name
-    compared = {name: ("one", 1e-7, 1e-9) for name in ("two", "two, sharded", "four, sharded, offloaded")}
+    compared = {
+        name: ("one", 1e-7, 1e-9)
+        for name in (
+            "two",
+            "two, sharded",
+            "two, sharded, whole build",
+            "two, shared build",
+            "four, sharded, offloaded",
+        )
+    }
     compared |= {"two, sharded, float32 gathers": ("one", 1e-4, 1e-5)}
-    compared |= {f"{family}: two, sharded": (f"{family}: one", 1e-7, 1e-9) for family in ("gpt_neox", "llama", "vit")}
+    compared |= {f"{one}: two, sharded": (f"{one}: one", 1e-7, 1e-9) for one in dual.values()}
+    reference = "gpt2, dual, ensemble: one"
+    compared |= {
+        f"{reference.removesuffix(': one')}: {name}": (reference, 1e-7, 1e-9)
+        for name in ("one, sharded, offloaded", "four, sharded", "four, shared build", "two, sharded, resumed")
+    }
+    assert set(compared) | {"one"} | {f"{one}: one" for one in dual.values()} == set(runs)
     for name, (reference, rtol, atol) in compared.items():
         assert rtol > 1e-7 or info[name]["located"] == info[reference]["located"], (
             name
@@ -1103,6 +1154,12 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
                 other["params"][key], single["params"][key], rtol=rtol, atol=atol, msg=f"{name}: {key}"
             )
         torch.testing.assert_close(other["logits"], single["logits"], rtol=10 * rtol, atol=10 * atol, msg=name)
+    for family, objective in dual:  # the objectives train differently: the comparison can tell runs apart
+        if objective == "labels":
+            ensemble, labels = (
+                torch.load(tmp_path / f"{dual[family, o]}: one", weights_only=True) for o in ("ensemble", "labels")
+            )
+            assert not torch.allclose(ensemble["logits"], labels["logits"]), family
 
 
 @pytest.mark.parametrize("count", [2, 3])

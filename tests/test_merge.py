@@ -283,7 +283,8 @@ def test_data_driven_merge_of_a_twin_is_a(method, tmp_path, capsys):
     assert ("## Training" in card) == (method != "activation")
     assert ("| seed | 3 |" in card) == (method == "dual")
     if method == "learned":
-        assert "| steps | 3 (gradient accumulation 1, mixed precision `no`) |" in card
+        assert "| steps | 3 (gradient accumulation 1) |" in card
+        assert "| launch | 1 process, mixed precision `no` |" in card  # the launch it trained in
         assert "fit.pt' (split `train`, batches of 4) |" in card
         assert (
             "Adam, lr 0.0001, residual maps 1e-05, schedule `cosine`" in card and "frame `own`" in card

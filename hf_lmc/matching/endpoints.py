@@ -59,11 +59,18 @@ class EndpointSharding:
             tensors are cast back to the endpoints' dtype, so only their rounding changes.
             ``None``: the endpoints' own dtype.
         prefetch: gather the next layer while the current one computes.
+        build: each of the N processes builds 1/N of the rows of every interpolated weight
+            (layers, embeddings and heads) and one all-gather per group assembles them
+            (:mod:`hf_lmc.matching.sharing`), instead of every process building all of them.
+        layers: shard the endpoints' layers (off: every process keeps them whole, and with
+            ``build`` only the build is shared: no gathers of the endpoints, where memory allows).
     """
 
     offload: bool = False
     dtype: torch.dtype | None = None
     prefetch: bool = True
+    build: bool = True
+    layers: bool = True
 
 
 def sharding_of(shard: bool | EndpointSharding) -> EndpointSharding | None:

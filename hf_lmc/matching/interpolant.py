@@ -22,7 +22,9 @@ device and dtype moves, and with ``shard`` each process keeps only its FSDP2 sha
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ from ..head_loss import vocabulary_head_key
 from ..spec import Group
 from ..symmetry import Transform
 from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
+from .sharing import sharing_mesh
 
 
 @dataclass
@@ -49,6 +52,44 @@ class _Point:
     transforms: tuple[Transform | None, ...] = ()
     weights: tuple[float | Tensor, ...] = ()
     members: tuple[int, ...] | None = None
+
+
+@dataclass
+class BuildClock:
+    """Wall seconds an interpolant spends building weights and blocked in gathers, summed while
+    ``running`` (``hf-lmc merge -v`` reports them per step; ``benchmarks/strong_scaling.py``
+    measures with them).
+
+    ``build``: computing interpolated weights (the maps' arithmetic and the endpoints' mix), in
+    forward and in recomputation; their backward runs inside autograd and is not counted.
+    ``gathers``: waiting for the endpoints' layers (FSDP2's all-gathers) and for the merged rows'
+    all-gather of a sharded build. On CUDA each timed region synchronises the device first and
+    last, so a running clock costs a little overlap; it is off unless asked for.
+    """
+
+    running: bool = False
+    build: float = 0.0
+    gathers: float = 0.0
+
+    def reset(self) -> None:
+        self.build = self.gathers = 0.0
+
+    @contextlib.contextmanager
+    def timing(self, part: str, device: torch.device | None = None):
+        """Add the wall time of the ``with`` body to ``part`` (``"build"`` or ``"gathers"``)."""
+        if not self.running:
+            yield
+            return
+        synchronize = device is not None and device.type == "cuda"
+        if synchronize:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if synchronize:
+                torch.cuda.synchronize(device)
+            setattr(self, part, getattr(self, part) + time.perf_counter() - start)
 
 
 def checkpointed_layers(num_layers: int, checkpoint_layers: bool | float) -> frozenset[int]:
@@ -125,10 +166,13 @@ class Interpolant(nn.Module):
             config.tie_word_embeddings = False
         sharding = sharding_of(shard)
         mesh = shard_mesh(sharding)
+        store_mesh = mesh if sharding is not None and sharding.layers else None
         self.endpoints = [
-            EndpointStore(m, mesh, sharding) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)
+            EndpointStore(m, store_mesh, sharding) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)
         ]
         self.models = tuple(store.canonical() for store in self.endpoints)
+        self._sharing = sharing_mesh(mesh) if sharding is not None and sharding.build else None
+        self.clock = BuildClock()
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
         self.template = skeleton(self.a.adapter.model_class, self.config).eval()
@@ -173,10 +217,35 @@ class Interpolant(nn.Module):
 
     def _group(self, group: Group, point: _Point) -> dict[str, Tensor]:
         """HF tensors of one group of the interpolant at ``point``."""
-        moved = []
         members = point.members if point.members is not None else range(len(self.models))
+        if not self.clock.running:
+            return self._built(group, point, members)
+        gathers = self.clock.gathers
+        with self.clock.timing("build", self._device):
+            built = self._built(group, point, members)
+        self.clock.build -= self.clock.gathers - gathers  # the gathers inside it are counted as gathers
+        return built
+
+    def _load(self, k: int, group: Group) -> dict[str, Tensor]:
+        """Endpoint ``k``'s tensors of ``group`` (a gather when its layers are sharded)."""
+        if not self.clock.running or not self.endpoints[k].sharded(group):
+            return self.models[k].group(group)
+        with self.clock.timing("gathers", self._device):
+            return self.models[k].group(group)
+
+    @property
+    def _device(self) -> torch.device:
+        """Where the step computes: the device of the endpoints' whole groups."""
+        whole = next(iter(self.endpoints[0].tensors.values()))
+        return next(iter(whole.values())).device
+
+    def _built(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
+        if self._sharing is not None and any(t is not None for t in point.transforms):
+            merged = self._shared_build(group, point, members)
+            return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
+        moved = []
         for k, transform in zip(members, point.transforms):
-            tensors = self.models[k].group(group)
+            tensors = self._load(k, group)
             moved.append(
                 {n: transform.apply_tensor(n, t) for n, t in tensors.items()} if transform is not None else tensors
             )
@@ -185,6 +254,22 @@ class Interpolant(nn.Module):
         else:
             merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
+
+    def _shared_build(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
+        """The canonical tensors of ``group`` at ``point``, this process building its rows of
+        each and one all-gather assembling them (:mod:`hf_lmc.matching.sharing`)."""
+        sources = [(self._load(k, group), transform) for k, transform in zip(members, point.transforms)]
+
+        def parts():  # each tensor's rows, computed as the previous one's gather travels
+            for name, whole in sources[0][0].items():
+                rows = self._sharing.rows(whole)
+                moved = [
+                    transform.apply_rows(name, tensors[name], rows) if transform is not None else tensors[name][rows]
+                    for tensors, transform in sources
+                ]
+                yield name, weighted_sum(moved, point.weights), whole.shape
+
+        return self._sharing.gather(parts(), waiting=lambda: self.clock.timing("gathers", self._device))
 
     def state(
         self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None

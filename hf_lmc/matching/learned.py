@@ -184,7 +184,8 @@ def _held(shard_endpoints) -> Callable[[CanonicalModel], CanonicalModel]:
     endpoints; or, when the endpoints are sharded, as they are (a checkpoint folder stays on
     disk), read group by group by the start's sweeps and as the shards are cut, so that no
     process holds a whole model, let alone two."""
-    return (lambda model: model) if sharding_of(shard_endpoints) is not None else CanonicalModel.materialize
+    sharding = sharding_of(shard_endpoints)
+    return (lambda model: model) if sharding is not None and sharding.layers else CanonicalModel.materialize
 
 
 def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from accelerate import Accelerator
 from torch import Tensor, nn
 
 from ..canonical import CanonicalModel
-from ..devices import launch_device, launched_processes
+from ..devices import launch_device, launched_count, launched_processes
 from ..options import DEFAULT_SYMMETRIES, LOCATE_EVERY, AccelerateOptions, LearnOptions, UsageError, with_overrides
 from ..progress import bar as progress_bar
 from ..symmetry import Transform
@@ -218,6 +219,7 @@ def _train(
     if watch and start % locate_every == 0 and best.offer(stopping, start, _estimate(path, holdout, accelerator)):
         steps = start  # the start already reaches the target
     bar = progress_bar(range(start, steps), desc=path.label, show=progress and accelerator.is_local_main_process)
+    timing = _StepTiming.of(path, accelerator)
     for step in bar:
         recent.append(next(stream))
         batch = {k: v.to(accelerator.device) for k, v in recent[-1].items()}
@@ -236,6 +238,8 @@ def _train(
                 _back_off(path, best, stopping, optimizer, scheduler, lambda: _estimate(path, holdout, accelerator))
         elif located and path.seeks_worst:
             path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in recent])
+        if timing is not None:
+            timing.step(step + 1, steps)
         if callback is not None:
             callback(step + 1, path)
         if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
@@ -249,6 +253,8 @@ def _train(
             saved_at = step + 1
         if last:
             break
+    if timing is not None:
+        timing.clock.running = False
     if watch and stopping.steps != start + len(losses):  # the estimate reported is the final path's
         best.offer(stopping, start + len(losses), _estimate(path, holdout, accelerator))
     if watch:
@@ -380,6 +386,50 @@ def _back_off(
     scheduler.base_lrs = [lr / 2 for lr in scheduler.base_lrs]  # the schedule multiplies these
     for group in optimizer.param_groups:
         group["lr"] /= 2
+
+
+class _StepTiming:
+    """Per-step wall time and its shares, logged at INFO (``hf-lmc merge -v``) every
+    ``_SHOW_EVERY`` steps: building the interpolated weights, waiting in gathers (the interpolant's
+    :class:`~hf_lmc.matching.interpolant.BuildClock`), and the rest (the tokens' compute, the
+    build's backward, the gradients' all-reduce, locating the worst point)."""
+
+    def __init__(self, path: nn.Module, clock, accelerator):
+        self.label, self.clock, self.accelerator = path.label, clock, accelerator
+        self.clock.reset()
+        self.clock.running = True
+        self.since, self.started = None, time.perf_counter()
+
+    @staticmethod
+    def of(path: nn.Module, accelerator) -> _StepTiming | None:
+        clock = getattr(getattr(path, "interpolant", None), "clock", None)
+        if clock is None or not logger.isEnabledFor(logging.INFO) or not accelerator.is_main_process:
+            return None
+        return _StepTiming(path, clock, accelerator)
+
+    def step(self, done: int, steps: int) -> None:
+        if self.since is None:
+            self.since = done - 1
+        if done % _SHOW_EVERY and done != steps:
+            return
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize(self.accelerator.device)
+        count, wall = done - self.since, time.perf_counter() - self.started
+        build, gathers = self.clock.build / wall, self.clock.gathers / wall
+        logger.info(
+            "%s: steps %d-%d: %.3f s a step (%d process%s): build %.0f%%, gathers %.0f%%, tokens and the rest %.0f%%",
+            self.label,
+            self.since + 1,
+            done,
+            wall / count,
+            self.accelerator.num_processes,
+            "es" if self.accelerator.num_processes > 1 else "",
+            100 * build,
+            100 * gathers,
+            100 * (1 - build - gathers),
+        )
+        self.clock.reset()
+        self.since, self.started = done, time.perf_counter()
 
 
 def _estimate(path: nn.Module, holdout: Sequence[dict[str, Tensor]], accelerator) -> float:
@@ -575,11 +625,17 @@ class TrainedMatcher:
         """``accelerate``'s endpoint settings as the path takes them: FSDP2 gathers in the
         mixed-precision dtype, as accelerate's own FSDP2 plugin casts parameters."""
         accelerate = self.accelerate
-        if not accelerate.shard_endpoints:
+        shared_build = accelerate.shard_build and launched_count() > 1
+        if not accelerate.shard_endpoints and not shared_build:
             return False
         launched_processes()  # torch.distributed set up (under a launch) before the endpoints are sharded
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerate.mixed_precision)
-        return EndpointSharding(offload=accelerate.offload_endpoints, dtype=dtype)
+        return EndpointSharding(
+            offload=accelerate.offload_endpoints,
+            dtype=dtype,
+            build=accelerate.shard_build,
+            layers=accelerate.shard_endpoints,
+        )
 
     def _train(self, path: nn.Module) -> None:
         # The held-out batches of train()'s default, cut here so that under a launch only the

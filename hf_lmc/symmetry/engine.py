@@ -102,6 +102,26 @@ class Transform:
                 tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
         return tensor
 
+    def apply_rows(self, name: str, tensor: Tensor, rows: slice) -> Tensor:
+        """Rows ``rows`` of ``apply_tensor(name, tensor)``, at their share of its cost.
+
+        The first axis's element computes those rows alone (reading only the input rows they
+        depend on); the other axes act within each row, so they move just those. A sharded build
+        (:mod:`hf_lmc.matching.sharing`) has each of N processes compute 1/N of the rows so.
+        """
+        axes = axes_of(name)
+        first = axes[0] if axes else None
+        if first is not None and first[0] in self.maps:
+            tensor = self.maps[first[0]].act(tensor, 0, first[1], rows)
+        else:
+            tensor = tensor[rows]
+        if tensor.shape[0] == 0:  # no rows here (more processes than rows): the maps are square
+            return tensor
+        for axis, entry in enumerate(axes[1:], start=1):
+            if entry is not None and entry[0] in self.maps:
+                tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
+        return tensor
+
     def apply(self, canonical: CanonicalModel) -> CanonicalModel:
         """``canonical`` with every tensor transformed (a lazy view; ``.materialize()`` to copy)."""
         return canonical.map_tensors(self.apply_tensor)

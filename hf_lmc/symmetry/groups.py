@@ -28,19 +28,32 @@ from torch import Tensor
 from ..linalg import assign
 
 
-def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Tensor | None, transpose: bool) -> Tensor:
+def _apply_blocks(
+    t: Tensor,
+    axis: int,
+    n: int,
+    mats: Tensor | None,
+    source: Tensor | None,
+    transpose: bool,
+    rows: slice | None = None,
+) -> Tensor:
     """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats``, then permute the blocks:
     block ``h`` of the result is block ``source[h]`` (``source = argsort(perm)``; ``None``: the
-    blocks stay in order, no gather)."""
+    blocks stay in order, no gather). ``rows`` (``axis`` 0 only): those rows of the result alone,
+    at their share of the cost (:func:`_block_rows`)."""
+    if rows is not None:
+        return _block_rows(t, n, mats, source, transpose, rows)
     if n == 1:  # one dense block (the residual map): a plain matmul, no permutation to apply
         if mats is None:
             return t
         m = mats.squeeze(0).to(
             dtype=t.dtype, device=t.device
         )  # a view: its gradient is one too (mats[0]'s is a zero-filled copy)
+        # The factor is made contiguous: a product's rounding may depend on its operands' layout
+        # (BLAS kernels differ by CPU), and a loaded map must act bit for bit as the saved one.
         if t.dim() == 2 and axis == 0:  # rows: multiply from the left, the result stays contiguous
-            return (m.T if transpose else m) @ t
-        return (t.movedim(axis, -1) @ (m if transpose else m.T)).movedim(-1, axis)
+            return (m.T if transpose else m).contiguous() @ t
+        return (t.movedim(axis, -1) @ (m if transpose else m.T).contiguous()).movedim(-1, axis)
     if mats is not None and mats.shape[-1] == 1:  # scalar blocks (MLP units): scale, then gather
         scale = mats.reshape(-1).to(dtype=t.dtype, device=t.device)
         shape = [1] * t.dim()
@@ -70,6 +83,34 @@ def _apply_blocks(t: Tensor, axis: int, n: int, mats: Tensor | None, source: Ten
     if source is not None:
         x = x.index_select(-2, source.to(x.device))
     return x.reshape(*lead, -1).movedim(-1, axis)
+
+
+def _block_rows(t: Tensor, n: int, mats: Tensor | None, source: Tensor | None, transpose: bool, rows: slice) -> Tensor:
+    """Rows ``rows`` of :func:`_apply_blocks` along axis 0, reading only the input rows they
+    depend on: a slice of the dense matrix times ``t``, or the few blocks ``source`` sends
+    there. A sharded build (:mod:`hf_lmc.matching.sharing`) computes each process's rows so."""
+    start, stop, _ = rows.indices(t.shape[0])
+    flat = t.reshape(t.shape[0], -1)
+    if n == 1:
+        if mats is None:
+            return t[start:stop]
+        m = mats.squeeze(0).to(dtype=t.dtype, device=t.device)
+        return ((m.T if transpose else m)[start:stop].contiguous() @ flat).reshape(-1, *t.shape[1:])
+    b = t.shape[0] // n
+    first, last = start // b, -(-stop // b)  # the output blocks the rows touch
+    blocks = flat.reshape(n, b, -1)
+    if source is None:
+        index, x = slice(first, last), blocks[first:last]
+    else:
+        index = source[first:last].to(t.device)
+        x = blocks.index_select(0, index)
+    if mats is not None and mats.shape[-1] == 1:  # scalar blocks: scale each unit
+        x = x * mats.reshape(-1)[index].to(dtype=t.dtype, device=t.device)[:, None, None]
+    elif mats is not None:
+        m = mats[index].to(dtype=t.dtype, device=t.device)
+        x = torch.bmm(m.mT if transpose else m, x)
+    offset = first * b
+    return x.reshape(-1, *t.shape[1:])[start - offset : stop - offset]
 
 
 @dataclass(frozen=True)
@@ -161,14 +202,14 @@ class BlockMonomial:
         """
         return BlockMonomial(perm, self.blocks[group], self.inverse_blocks[group], ordered)
 
-    def vector(self, t: Tensor, axis: int) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.source, transpose=False)
+    def vector(self, t: Tensor, axis: int, rows: slice | None = None) -> Tensor:
+        return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.source, False, rows)
 
-    def covector(self, t: Tensor, axis: int) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, self.inverse_blocks, self.source, transpose=True)
+    def covector(self, t: Tensor, axis: int, rows: slice | None = None) -> Tensor:
+        return _apply_blocks(t, axis, self.num_blocks, self.inverse_blocks, self.source, True, rows)
 
-    def permute(self, t: Tensor, axis: int) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, None, self.source, transpose=False)
+    def permute(self, t: Tensor, axis: int, rows: slice | None = None) -> Tensor:
+        return _apply_blocks(t, axis, self.num_blocks, None, self.source, False, rows)
 
     def to(self, dtype=None, device=None) -> BlockMonomial:
         return BlockMonomial(
@@ -200,8 +241,8 @@ class ResidualMap:
         """The d x d matrix ``O`` (a residual map is always a single dense block)."""
         return self.map.blocks[0]
 
-    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
-        return self.map.vector(t, axis) if role == "out" else self.map.covector(t, axis)
+    def act(self, t: Tensor, axis: int, role: str, rows: slice | None = None) -> Tensor:
+        return self.map.vector(t, axis, rows) if role == "out" else self.map.covector(t, axis, rows)
 
     def compose(self, first: ResidualMap) -> ResidualMap:
         return ResidualMap(self.map.compose(first.map))
@@ -233,12 +274,12 @@ class MlpMap:
 
     ROLES = ("up", "gate", "down")
 
-    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+    def act(self, t: Tensor, axis: int, role: str, rows: slice | None = None) -> Tensor:
         if role == "up":
-            return self.map.vector(t, axis)
+            return self.map.vector(t, axis, rows)
         if role == "gate":
-            return self.map.permute(t, axis)
-        return self.map.covector(t, axis)
+            return self.map.permute(t, axis, rows)
+        return self.map.covector(t, axis, rows)
 
     def compose(self, first: MlpMap) -> MlpMap:
         return MlpMap(self.map.compose(first.map))
@@ -297,14 +338,14 @@ class AttentionMap:
         for monomial in (self.qk, self.ov, self._query_qk, self._query_ov):
             monomial.prepare()
 
-    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+    def act(self, t: Tensor, axis: int, role: str, rows: slice | None = None) -> Tensor:
         if role == "q":
-            return self._query_qk.vector(t, axis)
+            return self._query_qk.vector(t, axis, rows)
         if role == "k":
-            return self.qk.covector(t, axis)
+            return self.qk.covector(t, axis, rows)
         if role == "v":
-            return self.ov.vector(t, axis)
-        return self._query_ov.covector(t, axis)
+            return self.ov.vector(t, axis, rows)
+        return self._query_ov.covector(t, axis, rows)
 
     def compose(self, first: AttentionMap) -> AttentionMap:
         ordered = self.ordered and first.ordered
@@ -346,7 +387,7 @@ class DenseMlpMap:
 
     ROLES = ("up", "gate", "down")
 
-    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+    def act(self, t: Tensor, axis: int, role: str, rows: slice | None = None) -> Tensor:
         x = t.movedim(axis, 0)
         shape = x.shape
         x = x.reshape(shape[0], -1)
@@ -355,6 +396,8 @@ class DenseMlpMap:
             x = x * scale
         elif role == "down":
             x = x / scale
+        if rows is not None:  # axis 0: those rows of P x alone
+            return _mixed_rows(x, self.matrix, self.perm, 1, rows).reshape(-1, *shape[1:])
         matrix = self.matrix.to(dtype=x.dtype, device=x.device)
         y = _HardPermute.apply(x, matrix, self.perm.to(x.device)) if self.perm is not None else matrix @ x
         return y.reshape(shape).movedim(0, axis)
@@ -399,9 +442,14 @@ class DenseAttentionMap:
 
     ROLES = AttentionMap.ROLES
 
-    def act(self, t: Tensor, axis: int, role: str) -> Tensor:
+    def act(self, t: Tensor, axis: int, role: str, rows: slice | None = None) -> Tensor:
         x = self.heads.act(t, axis, role).movedim(axis, 0)
         shape = x.shape
+        if rows is not None:  # axis 0: the per-head maps on every row (a head_dim / d share), the mix on ``rows``
+            flat = x.reshape(shape[0], -1)
+            return _mixed_rows(flat, self.matrix, self.perm, shape[0] // self.matrix.shape[0], rows).reshape(
+                -1, *shape[1:]
+            )
         x = x.reshape(self.matrix.shape[0], -1)  # one row of (head_dim x rest) per head
         matrix = self.matrix.to(dtype=x.dtype, device=x.device)
         y = _HardPermute.apply(x, matrix, self.perm.to(x.device)) if self.perm is not None else matrix @ x
@@ -437,21 +485,47 @@ class DenseAttentionMap:
         return DenseAttentionMap(self.heads.to(dtype, device), self.matrix.to(dtype=dtype, device=device), perm)
 
 
+def _mixed_rows(x: Tensor, matrix: Tensor, perm: Tensor | None, b: int, rows: slice) -> Tensor:
+    """Rows ``rows`` of ``(P kron I_b) x`` for ``x`` of ``n b`` rows: the output blocks the rows
+    touch, each a row of ``P`` (or, with ``perm``, the one block it picks, straight-through)."""
+    start, stop, _ = rows.indices(x.shape[0])
+    first, last = start // b, -(-stop // b)
+    blocks = x.reshape(matrix.shape[0], -1)
+    matrix = matrix.to(dtype=x.dtype, device=x.device)
+    if perm is not None:
+        y = _HardPermute.apply(blocks, matrix, perm.to(x.device), slice(first, last))
+    else:
+        y = matrix[first:last] @ blocks
+    offset = first * b
+    return y.reshape(-1, x.shape[1])[start - offset : stop - offset]
+
+
 class _HardPermute(torch.autograd.Function):
     """``y = P x`` where ``P`` (the matrix argument) equals the permutation ``perm``'s matrix.
 
     Forward is a gather, not an ``n x n`` matmul; backward gives ``x`` its exact gradient
     ``P^T dy`` (a gather) and ``P`` the dense ``dy x^T`` a straight-through estimator needs.
+    ``rows``: those rows of ``P x`` alone (the rows of ``P`` outside them get no gradient).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, matrix: Tensor, perm: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, matrix: Tensor, perm: Tensor, rows: slice | None = None) -> Tensor:
         ctx.save_for_backward(x, perm)
-        return x[torch.argsort(perm)]  # y[perm[h]] = x[h]
+        ctx.rows = rows
+        source = torch.argsort(perm)  # y[perm[h]] = x[h]
+        return x[source] if rows is None else x[source[rows]]
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, perm = ctx.saved_tensors
-        dx = dy[perm] if ctx.needs_input_grad[0] else None
-        dmatrix = dy @ x.T if ctx.needs_input_grad[1] else None
-        return dx, dmatrix, None
+        rows, dx, dmatrix = ctx.rows, None, None
+        if rows is None:
+            dx = dy[perm] if ctx.needs_input_grad[0] else None
+            dmatrix = dy @ x.T if ctx.needs_input_grad[1] else None
+            return dx, dmatrix, None, None
+        if ctx.needs_input_grad[0]:
+            dx = torch.zeros_like(x).index_add_(0, torch.argsort(perm)[rows], dy)
+        if ctx.needs_input_grad[1]:
+            dmatrix = x.new_zeros(perm.numel(), perm.numel())
+            dmatrix[rows] = dy @ x.T
+        return dx, dmatrix, None, None

@@ -1,0 +1,206 @@
+"""Strong scaling of a dual-matching step on CPU processes (gloo): 2 processes against 1 at one global batch.
+
+Each configuration runs in its own launch (``torchrun``, one thread per process; 1 process:
+plain ``python``), builds two random GPT-NeoX models of the shape in every process (the same
+seeds: the same pair), and times :class:`hf_lmc.DualPath` steps (forward and backward of the
+default objective, layer checkpointing) on the same global batch, split across the processes:
+
+  * ``one``: 1 process, the step as it runs alone;
+  * ``whole``: 2 processes, endpoints whole in each, every process building all of every
+    weight (``--no-shard-build``; the only multi-process step before the shared build);
+  * ``whole, shared build``: endpoints whole, each process building its rows of every weight
+    and one all-gather per group assembling them (a launch's default now);
+  * ``sharded``: endpoints' layers sharded (FSDP2), every process building everything
+    (``--shard-endpoints --no-shard-build``; ``--shard-endpoints`` before);
+  * ``sharded, shared build``: both (``--shard-endpoints`` now).
+
+Per configuration: 2 warm-up steps, then ``--steps`` timed ones, each started together (a
+barrier); a step's time is its slowest process's, and the figure is their median. The shares of
+a step come from the interpolant's own clock (:class:`hf_lmc.matching.interpolant.BuildClock`):
+``build`` is the time spent computing interpolated weights in forward and recomputation (their
+backward, the maps' gradients, runs inside autograd and counts with the rest), ``gathers`` the
+time blocked in the endpoints' gathers and the merged rows' all-gathers; the rest is the
+tokens' compute, the build's backward, DDP's all-reduce and the optimizer-free remainder.
+
+Shapes: ``160m`` is Pythia-160M's (hidden 768, 12 layers, 12 heads, FFN 3072, vocabulary
+50304), batch 4 x 128 tokens; ``wide`` (hidden 1024, 4 layers, 16 heads, FFN 4096,
+vocabulary 1024), batch 4 x 16 tokens, where the build dominates; ``cpu`` the ``cpu`` tier's
+members' shape (hidden 128, 4 layers, 4 heads, FFN 512, vocabulary 512), batch 32 x 64 tokens.
+With ``--baseline TREE`` (a checkout of an earlier commit, e.g. ``git worktree add /tmp/base
+HEAD~1``) the 1-process step also runs with that tree's ``hf_lmc``, alternating with this one's,
+so a change's effect at N = 1 is measured side by side in one run.
+
+    python -m benchmarks.strong_scaling                         # every shape
+    python -m benchmarks.strong_scaling --shape wide --steps 6
+    python -m benchmarks.strong_scaling --shape cpu --baseline /tmp/base
+
+Issue 59 item 4: at 2 processes, step time <= 0.6x the 1-process step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+try:  # run as a module (python -m benchmarks.strong_scaling) or as a script
+    from benchmarks.record import new_record, settings_of, write
+except ImportError:  # pragma: no cover - script form
+    from record import new_record, settings_of, write
+
+#: shape: (hidden, layers, heads, ffn, vocabulary, global batch, sequence length)
+SHAPES = {
+    "160m": (768, 12, 12, 3072, 50304, 4, 128),
+    "wide": (1024, 4, 16, 4096, 1024, 4, 16),
+    "cpu": (128, 4, 4, 512, 512, 32, 64),
+}
+MODES = ("one", "whole", "whole, shared build", "sharded", "sharded, shared build")
+
+CHILD = r"""
+import json, sys, time
+import torch
+import torch.distributed as dist
+import transformers as tf
+from accelerate import Accelerator
+from hf_lmc import DualPath, EndpointSharding
+
+hidden, layers, heads, ffn, vocab, batch, seq = (int(x) for x in sys.argv[1:8])
+mode, steps = sys.argv[8], int(sys.argv[9])
+accelerator = Accelerator(cpu=True)  # first: sharding needs the process group
+config = tf.GPTNeoXConfig(
+    hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=ffn,
+    vocab_size=vocab, rotary_pct=0.25, max_position_embeddings=2048,
+)
+models = []
+for seed in (0, 1):
+    torch.manual_seed(seed)
+    models.append(tf.GPTNeoXForCausalLM(config))
+shard = mode not in ("one", "whole") and EndpointSharding(build=mode.endswith("shared build"), layers=mode.startswith("sharded"))
+torch.manual_seed(0)
+path = DualPath(*models, init="identity", shard_endpoints=shard)
+del models
+model = accelerator.prepare(path)
+params = [p for p in path.parameters() if p.requires_grad]
+ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+ids = ids.chunk(accelerator.num_processes)[accelerator.process_index]
+clock = getattr(path.interpolant, "clock", None)  # None: a baseline tree from before the clock
+rows = []
+for step in range(2 + steps):
+    if dist.is_initialized():
+        dist.barrier()
+    if clock is not None:
+        clock.reset()
+        clock.running = step >= 2
+    start = time.perf_counter()
+    accelerator.backward(model({"input_ids": ids}))
+    for p in params:
+        p.grad = None
+    wall = time.perf_counter() - start
+    rows.append({"wall": wall, "build": clock.build if clock else 0.0, "gathers": clock.gathers if clock else 0.0})
+rows = rows[2:]
+every = [None] * accelerator.num_processes
+if dist.is_initialized():
+    dist.all_gather_object(every, rows)
+else:
+    every = [rows]
+if accelerator.is_main_process:
+    print("RESULT " + json.dumps(every))
+accelerator.wait_for_everyone()
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+def run(shape: str, mode: str, steps: int, tree: Path) -> dict:
+    """One configuration's steps: the median step (its slowest process) and its shares."""
+    processes = 1 if mode == "one" else 2
+    launch = (
+        [sys.executable]
+        if processes == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    )
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "true",
+        "TQDM_DISABLE": "1",
+        "PYTHONPATH": str(tree),
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(CHILD)
+    args = [str(x) for x in SHAPES[shape]] + [mode, str(steps)]
+    done = subprocess.run([*launch, f.name, *args], env=env, capture_output=True, text=True, check=False, cwd=tree)
+    Path(f.name).unlink()
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{shape}, {mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    every = json.loads(lines[-1].removeprefix("RESULT "))
+    slowest = [max(process[i]["wall"] for process in every) for i in range(steps)]
+    median = statistics.median(slowest)
+    share = {
+        k: statistics.median(process[i][k] for process in every for i in range(steps)) for k in ("build", "gathers")
+    }
+    return {
+        "shape": shape,
+        "mode": mode,
+        "processes": processes,
+        "step_s": median,
+        "steps_s": slowest,
+        "build_s": share["build"],
+        "gathers_s": share["gathers"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), nargs="+", default=["wide", "160m", "cpu"])
+    parser.add_argument(
+        "--modes", choices=MODES, nargs="+", default=list(MODES), help="the runs to time (default: all)"
+    )
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration (after 2 warm-up steps)")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="TREE",
+        help="a checkout of an earlier commit: its 1-process step is measured beside this tree's",
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the run's record to FILE (default: benchmarks/results/strong_scaling-<date>.json)",
+    )
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parent.parent
+    record = new_record("strong_scaling", settings_of(args))
+    record["rows"] = rows = []
+    print("| shape | processes: run | step (s) | vs 1 process | build (s) | gathers (s) |")
+    print("|---|---|---|---|---|---|")
+    for shape in args.shape:
+        runs = [(mode, here) for mode in dict.fromkeys(["one", *args.modes])]
+        if args.baseline is not None:
+            runs.insert(1, ("one", args.baseline.resolve()))
+        one = None
+        for mode, tree in runs:
+            row = run(shape, mode, args.steps, tree) | {"tree": "baseline" if tree != here else "this"}
+            rows.append(row)
+            if mode == "one" and tree == here:
+                one = row["step_s"]
+            label = f"{row['processes']}: {mode}"
+            label = label if row["tree"] == "this" else f"{label} (baseline tree)"
+            print(
+                f"| {shape} | {label} | {row['step_s']:.3f} | {row['step_s'] / one:.2f}x | "
+                f"{row['build_s']:.3f} | {row['gathers_s']:.3f} |",
+                flush=True,
+            )
+    print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The interpolated weights built once per launch, not once per process: each of N processes
+computes 1/N of every group's rows and one all-gather assembles them.
+
+Without it every data-parallel process builds all of every layer's interpolated weights (both
+endpoints' maps applied to every weight, three times a step with layer checkpointing), work
+that does not depend on the tokens, so more processes add tokens per step but no speed. With
+it, for a group of canonical tensors at a point ``sum_k w_k T_k(m_k)``:
+
+1. every process reads the endpoints' tensors whole (FSDP2's gather of the frozen layer, as
+   without it: no gradient, prefetched, in the gather dtype);
+2. it computes only its rows of each merged tensor, ``sum_k w_k T_k(W_k)[rows]``
+   (:meth:`~hf_lmc.Transform.apply_rows`: the first axis's map for those rows, the other axes
+   within them), its share being ``torch.chunk``'s (the rows FSDP2 would hold);
+3. all-gathers assemble the merged tensors, each issued as soon as its rows are computed so
+   that it travels while the next tensor is built, and in backward their adjoints,
+   reduce-scatters summing every process's gradient, hand each process the gradient of its rows.
+
+Each process's transforms then hold the gradient its rows contribute to the *sum* of the
+processes' losses; DDP's mean of those over the processes is the mean of the processes'
+gradients, exactly as when every process builds everything (in exact arithmetic; the sums run
+in another order, so to rounding). The collective is DTensor's: a ``Shard(0)`` tensor made
+``Replicate`` (``full_tensor``), its gradient declared ``Partial`` so that the backward is the
+reduce-scatter DDP's data parallelism needs, rather than the slice a replicated gradient would
+give. Every process must build the same groups in the same order, as the data-parallel loop does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def share_of(size: int, rank: int, count: int) -> slice:
+    """Process ``rank``'s rows of ``size`` split ``count`` ways as ``torch.chunk`` (and FSDP2)
+    split them: ``ceil(size / count)`` each, the last ones shorter or empty."""
+    chunk = -(-size // count)
+    return slice(min(rank * chunk, size), min((rank + 1) * chunk, size))
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather every process's rows of a tensor (padded to ``chunk`` rows each), the
+    collective issued and its handle appended to ``pending`` (the caller waits before reading
+    the result); backward, reduce-scatter the gradient with a sum."""
+
+    @staticmethod
+    def forward(ctx, part: Tensor, group, count: int, pending: list):
+        ctx.group, ctx.count = group, count
+        whole = part.new_empty((count * part.shape[0], *part.shape[1:]))
+        pending.append(dist.all_gather_single(whole, part.contiguous(), group=group, async_op=True))
+        return whole
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        local = grad.new_empty((grad.shape[0] // ctx.count, *grad.shape[1:]))
+        dist.reduce_scatter_single(local, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
+        return local, None, None, None
+
+
+class RowSharing:
+    """Build each process's rows of a group and gather the group whole, over ``mesh``'s processes.
+
+    ``mesh``: a one-dimensional device mesh over the launch's processes (the one the endpoints
+    are sharded over).
+    """
+
+    def __init__(self, mesh):
+        self.group = mesh.get_group()
+        self.rank, self.count = mesh.get_local_rank(), mesh.size()
+
+    def rows(self, tensor: Tensor) -> slice:
+        """This process's rows of ``tensor`` (its first axis)."""
+        return share_of(tensor.shape[0], self.rank, self.count)
+
+    def gather(
+        self, parts: Iterable[tuple[str, Tensor, torch.Size]], waiting=contextlib.nullcontext
+    ) -> dict[str, Tensor]:
+        """The whole tensors from every process's rows of each: ``parts`` yields ``(name, rows,
+        whole shape)``, and each tensor's all-gather is issued as soon as it is yielded, so it
+        travels while the next one is computed (on GPUs, NCCL's stream beside the compute);
+        all are waited on before the tensors are returned. Differentiable: backward, one
+        reduce-scatter per tensor. A tensor whose rows do not split evenly travels padded.
+        ``waiting()``: a context the wait runs in (the interpolant's clock times it)."""
+        pending, wholes = [], {}
+        for name, part, shape in parts:
+            chunk = -(-shape[0] // self.count)
+            if part.shape[0] < chunk:  # the last shares of an uneven split
+                part = torch.cat([part, part.new_zeros((chunk - part.shape[0], *part.shape[1:]))])
+            wholes[name] = (_GatherRows.apply(part, self.group, self.count, pending), shape)
+        with waiting():
+            for work in pending:
+                work.wait()
+        return {
+            name: whole if whole.shape[0] == shape[0] else whole[: shape[0]] for name, (whole, shape) in wholes.items()
+        }
+
+
+def sharing_mesh(mesh) -> RowSharing | None:
+    """The row sharing over ``mesh``, or ``None`` where there is nothing to share (no mesh, or
+    a mesh of one process: an offload-only launch)."""
+    if mesh is None or not dist.is_initialized() or mesh.size() == 1:
+        return None
+    return RowSharing(mesh)

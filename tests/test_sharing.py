@@ -1,0 +1,82 @@
+"""The sharded build's arithmetic, in one process: a process's rows of a move are those rows of
+the whole move, in value and in gradient (the collective part runs under gloo in test_learned)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hf_lmc
+from hf_lmc.matching.sharing import share_of
+from hf_lmc.matching.trainable import TrainableTransform
+from tests.models import ARCHITECTURES, CONFIGS, build_model
+
+
+def test_shares_are_torch_chunks():
+    """A process's rows are ``torch.chunk``'s (FSDP2's shard of the same tensor); shares past
+    the end are empty, and together they cover every row once."""
+    for size in range(12):
+        for count in range(1, 6):
+            rows = torch.arange(size)
+            chunks = list(rows.chunk(count)) if size else []
+            shares = [rows[share_of(size, r, count)] for r in range(count)]
+            assert torch.equal(torch.cat(shares), rows)
+            assert all(torch.equal(s, c) for s, c in zip(shares, chunks))
+            assert all(s.numel() == 0 for s in shares[len(chunks) :])
+
+
+def _transforms(spec, start):
+    """The element kinds a build moves: a random exact symmetry, and trainable transforms with
+    fixed, straight-through and Sinkhorn permutations, and with the permutations alone."""
+    yield "exact", start, None
+    for options in (
+        {"permutations": "fixed"},
+        {"permutations": "ste"},
+        {"permutations": "sinkhorn"},
+        {"permutations": "ste", "trained": "permutations"},
+    ):
+        init = start if options.get("trained") != "permutations" else None
+        trainable = TrainableTransform(spec, init=init, dtype=torch.float64, **options)
+        with torch.no_grad():  # away from the start: every parameter moves the tensors
+            for p in trainable.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        yield str(options), trainable(), trainable
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_rows_of_a_move_are_the_rows_of_the_whole_move_in_value_and_gradient(arch, data):
+    """Over randomised configs and every element kind: ``apply_rows`` over any split of the rows
+    (shares empty included) concatenates to ``apply_tensor``, and the transforms' gradients
+    summed over the shares are the whole move's."""
+    config = data.draw(CONFIGS[arch]())
+    a = hf_lmc.canonicalize(build_model(config, seed=1))
+    torch.manual_seed(0)
+    start = hf_lmc.random_symmetry(a.spec, seed=2)
+    tensors = a.state_dict()
+    upstream = {name: torch.randn(t.shape, dtype=torch.float64) for name, t in tensors.items()}
+    for label, transform, trainable in _transforms(a.spec, start):
+        whole = {name: transform.apply_tensor(name, t) for name, t in tensors.items()}
+        expected = None
+        moved = [name for name, t in whole.items() if t.requires_grad]  # the tensors the transform moves
+        if trainable is not None:
+            torch.autograd.backward([whole[n] for n in moved], [upstream[n] for n in moved], retain_graph=True)
+            expected = [p.grad.clone() for p in trainable.parameters() if p.grad is not None]
+            trainable.zero_grad()
+        for count in (2, 3, 7):
+            got = {}
+            for name, t in tensors.items():
+                shares = [share_of(t.shape[0], r, count) for r in range(count)]
+                parts = [transform.apply_rows(name, t, rows) for rows in shares]
+                got[name] = torch.cat(parts)
+                torch.testing.assert_close(got[name], whole[name], rtol=1e-12, atol=1e-12, msg=f"{label}: {name}")
+            if trainable is not None:
+                torch.autograd.backward([got[n] for n in moved], [upstream[n] for n in moved], retain_graph=True)
+                grads = [p.grad.clone() for p in trainable.parameters() if p.grad is not None]
+                trainable.zero_grad()
+                assert len(grads) == len(expected) > 0
+                for mine, theirs in zip(grads, expected):
+                    torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12, msg=label)
