@@ -43,6 +43,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from ..canonical import CanonicalModel
 from ..devices import launch_device, launched_count
 from ..spec import Group
+from .sharing import SHARED_MIN_NUMEL
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class EndpointSharding:
         build: each of the N processes builds 1/N of the rows of every interpolated weight
             (layers, embeddings and heads) and one all-gather per group assembles them
             (:mod:`hf_lmc.matching.sharing`), instead of every process building all of them.
+        share_from: with ``build``, the groups whose largest tensor has fewer elements are
+            built whole by every process (their collectives would cost more than they save).
         layers: shard the endpoints' layers (off: every process keeps them whole, and with
             ``build`` only the build is shared: no gathers of the endpoints, where memory allows).
     """
@@ -71,6 +74,7 @@ class EndpointSharding:
     prefetch: bool = True
     build: bool = True
     layers: bool = True
+    share_from: int = SHARED_MIN_NUMEL
 
 
 def sharding_of(shard: bool | EndpointSharding) -> EndpointSharding | None:
@@ -151,6 +155,11 @@ class EndpointStore:
                 self.layers[group] = self._shard(tensors)
             else:
                 self.tensors[group] = tensors
+
+    def largest(self, group: Group) -> int:
+        """Elements of ``group``'s largest tensor (the whole tensor's, also when sharded)."""
+        tensors = self.layers[group].parameters() if self.sharded(group) else self.tensors[group].values()
+        return max(t.numel() for t in tensors)
 
     def sharded(self, group: Group) -> bool:
         """Whether FSDP2 keeps ``group``: layers, when sharded across processes (or offloaded)."""

@@ -172,6 +172,7 @@ class Interpolant(nn.Module):
         ]
         self.models = tuple(store.canonical() for store in self.endpoints)
         self._sharing = sharing_mesh(mesh) if sharding is not None and sharding.build else None
+        self._share_from = sharding.share_from if sharding is not None else 0
         self.clock = BuildClock()
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
@@ -240,7 +241,7 @@ class Interpolant(nn.Module):
         return next(iter(whole.values())).device
 
     def _built(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
-        if self._sharing is not None and any(t is not None for t in point.transforms):
+        if self._sharing is not None and self._shares(group) and any(t is not None for t in point.transforms):
             merged = self._shared_build(group, point, members)
             return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
         moved = []
@@ -254,6 +255,11 @@ class Interpolant(nn.Module):
         else:
             merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
+
+    def _shares(self, group: Group) -> bool:
+        """Whether ``group`` is built shared: its largest tensor has at least the sharding's
+        ``share_from`` elements (below, a collective's latency costs more than the build saves)."""
+        return self.endpoints[0].largest(group) >= self._share_from
 
     def _shared_build(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
         """The canonical tensors of ``group`` at ``point``, this process building its rows of

@@ -33,6 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+#: Groups whose largest tensor has fewer elements are built whole by every process: a shared
+#: build's collectives there cost more than the arithmetic they save (docs/decisions.md#d-shared-build).
+SHARED_MIN_NUMEL = 1 << 20
+
 
 def share_of(size: int, rank: int, count: int) -> slice:
     """Process ``rank``'s rows of ``size`` split ``count`` ways as ``torch.chunk`` (and FSDP2)
