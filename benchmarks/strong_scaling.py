@@ -9,7 +9,7 @@ default objective, layer checkpointing) on the same global batch, split across t
   * ``whole``: 2 processes, endpoints whole in each, every process building all of every
     weight (``--no-shard-build``; the only multi-process step before the shared build);
   * ``whole, shared build``: endpoints whole, each process building its rows of every weight
-    and one all-gather per group assembling them (a launch's default now);
+    and all-gathers assembling them (a launch's default now);
   * ``sharded``: endpoints' layers sharded (FSDP2), every process building everything
     (``--shard-endpoints --no-shard-build``; ``--shard-endpoints`` before);
   * ``sharded, shared build``: both (``--shard-endpoints`` now).

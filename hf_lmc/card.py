@@ -394,7 +394,7 @@ def _launch(accelerate) -> str:
     else:
         text += ", endpoints whole in each process"
     if accelerate.shard_build:
-        return text + ", each process building 1/N of every interpolated weight (one all-gather per layer)"
+        return text + ", each process building 1/N of every interpolated weight's rows (all-gathered)"
     return text + ", every process building every interpolated weight"
 
 

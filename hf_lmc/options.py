@@ -354,7 +354,7 @@ class AccelerateOptions(Options):
     shard_build: bool = Field(
         True,
         description="under several processes, each builds 1/N of the rows of every interpolated weight (layers, embeddings, "
-        "heads) and one all-gather per layer assembles them; --no-shard-build: every process builds all of them",
+        "heads) and all-gathers assemble them; off, every process builds all of them",
     )
     offload_endpoints: bool = Field(
         False,

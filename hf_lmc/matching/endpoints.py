@@ -61,7 +61,7 @@ class EndpointSharding:
             ``None``: the endpoints' own dtype.
         prefetch: gather the next layer while the current one computes.
         build: each of the N processes builds 1/N of the rows of every interpolated weight
-            (layers, embeddings and heads) and one all-gather per group assembles them
+            (layers, embeddings and heads) and all-gathers assemble them
             (:mod:`hf_lmc.matching.sharing`), instead of every process building all of them.
         share_from: with ``build``, the groups whose largest tensor has fewer elements are
             built whole by every process (their collectives would cost more than they save).

@@ -172,7 +172,13 @@ class Interpolant(nn.Module):
         ]
         self.models = tuple(store.canonical() for store in self.endpoints)
         self._sharing = sharing_mesh(mesh) if sharding is not None and sharding.build else None
-        self._share_from = sharding.share_from if sharding is not None else 0
+        # The groups built shared: those whose largest tensor has at least ``share_from`` elements
+        # (below, a collective's latency costs more than the arithmetic it saves).
+        self._shared_groups = (
+            frozenset(g for g in a.spec.groups() if self.endpoints[0].largest(g) >= sharding.share_from)
+            if self._sharing is not None
+            else frozenset()
+        )
         self.clock = BuildClock()
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
@@ -241,9 +247,14 @@ class Interpolant(nn.Module):
         return next(iter(whole.values())).device
 
     def _built(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
-        if self._sharing is not None and self._shares(group) and any(t is not None for t in point.transforms):
+        if group in self._shared_groups and any(t is not None for t in point.transforms):
             merged = self._shared_build(group, point, members)
-            return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
+        else:
+            merged = self._merged(group, point, members)
+        return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
+
+    def _merged(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
+        """The canonical tensors of ``group`` at ``point``, built whole by this process."""
         moved = []
         for k, transform in zip(members, point.transforms):
             tensors = self._load(k, group)
@@ -254,16 +265,11 @@ class Interpolant(nn.Module):
             merged = moved[0]  # one endpoint as it is: its own tensors, not a copy (x * 1.0 is x)
         else:
             merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
-        return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
-
-    def _shares(self, group: Group) -> bool:
-        """Whether ``group`` is built shared: its largest tensor has at least the sharding's
-        ``share_from`` elements (below, a collective's latency costs more than the build saves)."""
-        return self.endpoints[0].largest(group) >= self._share_from
+        return merged
 
     def _shared_build(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
         """The canonical tensors of ``group`` at ``point``, this process building its rows of
-        each and one all-gather assembling them (:mod:`hf_lmc.matching.sharing`)."""
+        each and all-gathers assembling them (:mod:`hf_lmc.matching.sharing`)."""
         sources = [(self._load(k, group), transform) for k, transform in zip(members, point.transforms)]
 
         def parts():  # each tensor's rows, computed as the previous one's gather travels

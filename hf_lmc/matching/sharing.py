@@ -1,5 +1,5 @@
 """The interpolated weights built once per launch, not once per process: each of N processes
-computes 1/N of every group's rows and one all-gather assembles them.
+computes 1/N of every group's rows and all-gathers assemble them.
 
 Without it every data-parallel process builds all of every layer's interpolated weights (both
 endpoints' maps applied to every weight, three times a step with layer checkpointing), work
@@ -18,10 +18,10 @@ it, for a group of canonical tensors at a point ``sum_k w_k T_k(m_k)``:
 Each process's transforms then hold the gradient its rows contribute to the *sum* of the
 processes' losses; DDP's mean of those over the processes is the mean of the processes'
 gradients, exactly as when every process builds everything (in exact arithmetic; the sums run
-in another order, so to rounding). The collective is DTensor's: a ``Shard(0)`` tensor made
-``Replicate`` (``full_tensor``), its gradient declared ``Partial`` so that the backward is the
-reduce-scatter DDP's data parallelism needs, rather than the slice a replicated gradient would
-give. Every process must build the same groups in the same order, as the data-parallel loop does.
+in another order, so to rounding). The collectives are c10d's ``all_gather_single`` and
+``reduce_scatter_single`` in a small autograd function: DTensor's ``full_tensor`` with a
+``Partial`` gradient computes the same and was measured slower (docs/decisions.md#d-shared-build).
+Every process must build the same groups in the same order, as the data-parallel loop does.
 """
 
 from __future__ import annotations
