@@ -418,6 +418,7 @@ def cost_sections(records: Sequence[tuple[Path, dict]], root: Path) -> list[str]
             for row in record["steps"]
         ]
         out += ["", f"Source: {_provenance(path, record, root)}.", ""]
+    out += scaling_section(records, root)
     demos = newest_per_settings(records, "demo_time")
     if demos:
         out += ["### `hf-lmc demo`", "", "| settings | run | seconds (process) | CPU seconds |", "|---|---|---|---|"]
@@ -429,6 +430,41 @@ def cost_sections(records: Sequence[tuple[Path, dict]], root: Path) -> list[str]
                     f"| {where} | {run['run']} | {run['process_seconds']:.1f} | {run['process_cpu_seconds']:.1f} |"
                 )
         out += ["", "Source: " + "; ".join(_provenance(path, record, root) for path, record in demos) + ".", ""]
+    return out
+
+
+def scaling_section(records: Sequence[tuple[Path, dict]], root: Path) -> list[str]:
+    """Strong scaling of a dual step (benchmarks/strong_scaling.py): for each shape, the rows of
+    the newest record that measured it, each run against that record's own 1-process step."""
+    newest: dict[str, tuple[Path, dict]] = {}
+    for path, record in records:
+        if record["benchmark"] == "strong_scaling":
+            for row in record["rows"]:
+                newest[row["shape"]] = (path, record)
+    if not newest:
+        return []
+    out = [
+        "### Strong scaling: a dual step on 2 CPU processes against 1 (gloo, one global batch)",
+        "",
+        "The step is its slowest process's, the median of the timed steps; *build* is the time computing",
+        "interpolated weights in forward and recomputation, *gathers* the time waiting in collectives,",
+        "both as shares of the step (`benchmarks/strong_scaling.py` says what each run is).",
+        "",
+        "| shape | processes: run | step (s) | vs 1 process | build | gathers |",
+        "|---|---|---|---|---|---|",
+    ]
+    for shape in sorted(newest, key=lambda s: (s != "cpu", s != "wide", s)):
+        path, record = newest[shape]
+        rows = [row for row in record["rows"] if row["shape"] == shape]
+        one = next(row["step_s"] for row in rows if row["mode"] == "one" and row["tree"] == "this")
+        for row in rows:
+            label = f"{row['processes']}: {row['mode']}" + (" (the commit before)" if row["tree"] != "this" else "")
+            step = row["step_s"]
+            clocked = row["tree"] == "this"  # an earlier tree may predate the interpolant's clock
+            shares = [f"{row[k] / step:.0%}" if clocked else "—" for k in ("build_s", "gathers_s")]
+            out.append(f"| {shape} | {label} | {step:.3f} | {step / one:.2f}× | {shares[0]} | {shares[1]} |")
+    sources = _unique(newest.values())
+    out += ["", "Source: " + "; ".join(_provenance(path, record, root) for path, record in sources) + ".", ""]
     return out
 
 

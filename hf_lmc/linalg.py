@@ -56,6 +56,32 @@ def householder_to_first(d: int, dtype=torch.float64, device=None) -> torch.Tens
     return None if norm < 1e-12 else v / norm
 
 
+class OnesFrame:
+    """The Householder frame of the maps of ``1-perp`` that fix ``u = 1/sqrt(d)``: ``H = I - 2 v
+    v^T`` (:func:`householder_to_first`) swaps ``u`` and ``e_1``, so such a map ``m`` is ``H
+    diag(1, X) H``. ``reduce(m) = (H m H)[1:, 1:]`` and ``expand(X) = H diag(1, X) H``, ``H``
+    applied as the reflection it is, in ``O(d^2)``: never a dense ``d x d`` product. ``v``:
+    the reflection's vector when held elsewhere (a module's buffer, on its device); ``None``
+    computes it, which for ``d == 1`` (the identity the only such map) is ``None`` too."""
+
+    def __init__(self, d: int, dtype: torch.dtype, device=None, v: torch.Tensor | None = None):
+        self.d, self.dtype, self.device = d, dtype, device
+        self.v = householder_to_first(d, dtype, device) if v is None else v
+
+    def _reflect(self, x: torch.Tensor) -> torch.Tensor:  # H x H
+        x = x - 2 * torch.outer(self.v, self.v @ x)
+        return x - 2 * torch.outer(x @ self.v, self.v)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x[1:, 1:] if self.v is None else self._reflect(x)[1:, 1:]
+
+    def expand(self, inner: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(self.d, self.d, dtype=inner.dtype, device=inner.device)
+        full[0, 0] = 1.0
+        full[1:, 1:] = inner
+        return full if self.v is None else self._reflect(full)
+
+
 def solve_side_by_side(jobs: Sequence[Callable[[], T]]) -> list[T]:
     """``[job() for job in jobs]``, up to ``torch.get_num_threads()`` jobs at a time.
 

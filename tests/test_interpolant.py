@@ -119,7 +119,7 @@ def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing
         interpolant = Interpolant(a, b, checkpoint_layers=setting)
         built = []
         group = interpolant._group
-        interpolant._group = lambda g, point, *, built=built, group=group: built.append(g) or group(g, point)
+        interpolant._group = lambda g, point, *rest, built=built, group=group: built.append(g) or group(g, point, *rest)
         out = interpolant(trainable(), 0.37, **inputs)
         out.logits.square().mean().backward()
         layers = [g for g in built if isinstance(g, int)]
@@ -170,3 +170,43 @@ def test_an_endpoint_alone_is_its_stock_model(arch, data):
             assert reads and all(store is interpolant.endpoints[k] for store in reads)
     with pytest.raises(ValueError, match="no endpoint 3"):
         interpolant.endpoint(3, **inputs)
+
+
+@settings(max_examples=6, deadline=None)
+@given(arch=st.sampled_from(["gpt2", "gpt_neox", "llama"]), data=st.data())
+def test_a_point_moving_only_the_tokens_read_is_the_whole_point(arch, data):
+    """A call moves only the token-table rows its batch reads: its logits and the transforms'
+    gradients are those of the whole interpolated state run through the stock class, over
+    randomised configs, for a batch of a few tokens and for one of random tokens."""
+    from torch.func import functional_call
+
+    from hf_lmc.matching.trainable import TrainableTransform
+
+    config = data.draw(CONFIGS[arch]())
+    a, b = (hf_lmc.canonicalize(build_model(config, seed=s)) for s in (1, 2))
+    trainable = TrainableTransform(a.spec, hf_lmc.random_symmetry(a.spec, seed=3), dtype=torch.float64)
+    with torch.no_grad():
+        for p in trainable.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    interpolant = Interpolant(a, b)
+    stock = type(build_model(config))(interpolant.config).double().eval()  # untied, as the interpolant is
+    inputs = sample_inputs(config)
+    few = {**inputs, "input_ids": inputs["input_ids"] % 3}
+    for batch in (few, inputs):
+        results = []
+        for whole in (False, True):
+            trainable.zero_grad()
+            if whole:
+                state = interpolant.state(trainable(), 0.4)
+                out = functional_call(stock, state, args=(), kwargs=batch, tie_weights=False, strict=False)
+            else:
+                out = interpolant(trainable(), 0.4, **batch)
+            out.logits.square().mean().backward()
+            results.append(
+                (out.logits.detach(), [p.grad.clone() for p in trainable.parameters() if p.grad is not None])
+            )
+        (rows, rows_grads), (whole, whole_grads) = results
+        torch.testing.assert_close(rows, whole, rtol=1e-10, atol=1e-12)
+        assert len(rows_grads) == len(whole_grads) > 0
+        for g, h in zip(rows_grads, whole_grads):
+            torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-12)

@@ -369,3 +369,19 @@ def test_in_order_transforms_compose_and_track_their_order(arch):
     assert not TrainableTransform(spec, random_symmetry(spec, 5), dtype=F64).mlp.ordered
     first.load_state_dict(second.state_dict())
     assert first.attention.ordered and first.mlp.ordered
+
+
+def test_a_residual_map_saved_with_its_dense_frame_loads_and_saves_none():
+    """Paths saved when the Householder frame was a d x d buffer ("frame") load as they were
+    saved; the map saves no d x d frame now (its reflection is a function of d)."""
+    d = 6
+    old = OrthogonalParam(d, fix_ones=True, dtype=F64)
+    with torch.no_grad():
+        old.weight.add_(0.1 * torch.randn(old.weight.shape, dtype=F64))
+    state = old.state_dict()
+    assert set(state) == {"base", "weight"}
+    eye = torch.eye(d, dtype=F64)
+    state["frame"] = eye  # what such a checkpoint holds beside the rest
+    new = OrthogonalParam(d, fix_ones=True, dtype=F64)
+    new.load_state_dict(state)
+    torch.testing.assert_close(new(), old(), rtol=0, atol=0)

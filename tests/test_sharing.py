@@ -80,3 +80,79 @@ def test_rows_of_a_move_are_the_rows_of_the_whole_move_in_value_and_gradient(arc
                 assert len(grads) == len(expected) > 0
                 for mine, theirs in zip(grads, expected):
                     torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12, msg=label)
+
+
+# The options whose parameterisation a shared build splits (Cayley's columns in every frame, the
+# head maps' exponentials), and those it leaves whole on every process (exp, relaxed permutations).
+_SHARED_OPTIONS = (
+    {"permutations": "fixed"},
+    {"permutations": "fixed", "frame": "target"},
+    {"permutations": "fixed", "frame": "both"},
+    {"permutations": "fixed", "orthogonal": "exp"},
+    {"permutations": "ste"},
+)
+
+
+def _parameterisations(rank: int, world: int, store: str, configs) -> None:
+    """One of ``world`` gloo processes: every transform of every config computed with the
+    parameterisation shared and whole, compared in value and in the gradient of the processes'
+    summed losses (the shared backward's reduce-scatters against an all-reduce of whole ones)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_lmc.matching.sharing import RowSharing
+    from tests.models import transform_tensors
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        sharing = RowSharing(init_device_mesh("cpu", (world,)))
+        for config in configs:
+            spec = hf_lmc.canonicalize(build_model(config, seed=1)).spec
+            for options in _SHARED_OPTIONS:
+                torch.manual_seed(0)  # one pair of transforms on every process
+                start = hf_lmc.random_symmetry(spec, seed=2)
+                a, b = (TrainableTransform(spec, init=s, dtype=torch.float64, **options) for s in (None, start))
+                with torch.no_grad():
+                    for p in (*a.parameters(), *b.parameters()):
+                        p.add_(0.01 * torch.randn_like(p))
+                params = [p for p in (*a.parameters(), *b.parameters()) if p.requires_grad]
+                generator = torch.Generator().manual_seed(rank)  # each process its own loss
+                results = []
+                for shared in (None, sharing):
+                    moved = [b(shared)]
+                    if a.fixed_assignments and b.fixed_assignments:
+                        moved.append(a.relative(b, shared))
+                    tensors = {f"{k}.{n}": t for k, m in enumerate(moved) for n, t in transform_tensors(m).items()}
+                    generator.manual_seed(rank)
+                    loss = sum(
+                        (t * torch.randn(t.shape, dtype=t.dtype, generator=generator)).sum()
+                        for t in tensors.values()
+                        if t.requires_grad
+                    )
+                    grads = torch.autograd.grad(loss, params, allow_unused=True)
+                    grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+                    for g in grads:
+                        dist.all_reduce(g)
+                    results.append(({n: t.detach() for n, t in tensors.items()}, grads))
+                (whole, whole_grads), (mine, mine_grads) = results
+                assert whole.keys() == mine.keys()
+                for name in whole:
+                    torch.testing.assert_close(mine[name], whole[name], rtol=1e-10, atol=1e-12, msg=f"{options} {name}")
+                for g, h in zip(mine_grads, whole_grads):
+                    torch.testing.assert_close(g, h, rtol=1e-9, atol=1e-11, msg=str(options))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@settings(max_examples=1, deadline=None)
+@given(data=st.data())
+def test_a_shared_parameterisation_is_the_whole_one_in_value_and_gradient(tmp_path_factory, data):
+    """Under gloo at 2 and 3 processes, over a randomised config of every family and every
+    parameterisation: the transforms built with the solves and exponentials shared are those
+    built whole on each process, and the summed gradient of the processes' losses is the same."""
+    configs = [data.draw(CONFIGS[arch]()) for arch in ARCHITECTURES]
+    for world in (2, 3):
+        store = tmp_path_factory.mktemp("store") / "rendezvous"
+        torch.multiprocessing.spawn(_parameterisations, args=(world, str(store), configs), nprocs=world)

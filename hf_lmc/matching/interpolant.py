@@ -35,9 +35,13 @@ from torch.utils.checkpoint import checkpoint
 from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton, weighted_sum
 from ..head_loss import vocabulary_head_key
 from ..spec import Group
-from ..symmetry import Transform
+from ..symmetry import Transform, axes_of
 from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
-from .sharing import sharing_mesh
+from .sharing import RowSharing, sharing_mesh
+
+#: The canonical lookup tables (first axis the vocabulary, moved by no map): a call reads only
+#: its tokens' rows, so only those are moved (the others are left zero).
+TOKEN_TABLES = frozenset({"embed.tokens"})
 
 
 @dataclass
@@ -222,16 +226,25 @@ class Interpolant(nn.Module):
 
         return build
 
-    def _group(self, group: Group, point: _Point) -> dict[str, Tensor]:
-        """HF tensors of one group of the interpolant at ``point``."""
+    def _group(self, group: Group, point: _Point, tokens: Tensor | None = None) -> dict[str, Tensor]:
+        """HF tensors of one group of the interpolant at ``point`` (``tokens``: the batch's
+        ``input_ids``, whose rows of the token table are all a call reads)."""
         members = point.members if point.members is not None else range(len(self.models))
         if not self.clock.running:
-            return self._built(group, point, members)
+            return self._built(group, point, members, tokens)
         gathers = self.clock.gathers
         with self.clock.timing("build", self._device):
-            built = self._built(group, point, members)
+            built = self._built(group, point, members, tokens)
         self.clock.build -= self.clock.gathers - gathers  # the gathers inside it are counted as gathers
         return built
+
+    @property
+    def parameter_sharing(self) -> RowSharing | None:
+        """The row sharing the transforms' parameterisation may split its solves and
+        exponentials over (:meth:`~hf_lmc.matching.trainable.TrainableTransform.forward`):
+        this interpolant's, where it builds some group shared (a model large enough that the
+        collectives pay), else ``None``."""
+        return self._sharing if self._shared_groups else None
 
     def _load(self, k: int, group: Group) -> dict[str, Tensor]:
         """Endpoint ``k``'s tensors of ``group`` (a gather when its layers are sharded)."""
@@ -246,42 +259,87 @@ class Interpolant(nn.Module):
         whole = next(iter(self.endpoints[0].tensors.values()))
         return next(iter(whole.values())).device
 
-    def _built(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
-        if group in self._shared_groups and any(t is not None for t in point.transforms):
-            merged = self._shared_build(group, point, members)
+    def _built(self, group: Group, point: _Point, members, tokens: Tensor | None = None) -> dict[str, Tensor]:
+        moves = any(t is not None for t in point.transforms)
+        # A lookup table is read only at the batch's tokens: only those rows are moved.
+        used = tokens.unique() if tokens is not None and moves and group == "embed" else None
+        if group in self._shared_groups and moves:
+            merged = self._shared_build(group, point, members, used)
         else:
-            merged = self._merged(group, point, members)
+            merged = self._merged(group, point, members, used)
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
 
-    def _merged(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
-        """The canonical tensors of ``group`` at ``point``, built whole by this process."""
+    def _sources(self, group: Group, point: _Point, members) -> list[tuple[dict[str, Tensor], Transform | None]]:
+        """Each endpoint the point mixes: its tensors of ``group`` and what moves them."""
+        return [(self._load(k, group), transform) for k, transform in zip(members, point.transforms)]
+
+    @staticmethod
+    def _mixed(name: str, sources, weights, rows: slice | Tensor | None = None) -> Tensor:
+        """``sum_k w_k T_k(t_k)`` for one tensor: whole (``rows`` None), a share of its rows (a
+        slice: :meth:`~hf_lmc.Transform.apply_rows`), or the rows of a lookup table a batch reads
+        (an index, for a tensor whose first axis no map moves: those rows moved as they are)."""
         moved = []
-        for k, transform in zip(members, point.transforms):
-            tensors = self._load(k, group)
-            moved.append(
-                {n: transform.apply_tensor(n, t) for n, t in tensors.items()} if transform is not None else tensors
-            )
-        if len(moved) == 1 and isinstance(point.weights[0], float) and point.weights[0] == 1.0:
-            merged = moved[0]  # one endpoint as it is: its own tensors, not a copy (x * 1.0 is x)
-        else:
-            merged = {n: weighted_sum([g[n] for g in moved], point.weights) for n in moved[0]}
+        for tensors, transform in sources:
+            t = tensors[name]
+            if isinstance(rows, Tensor):
+                t = t[rows]
+            if transform is None:
+                moved.append(t[rows] if isinstance(rows, slice) else t)
+            elif isinstance(rows, slice):
+                moved.append(transform.apply_rows(name, t, rows))
+            else:
+                moved.append(transform.apply_tensor(name, t))
+        if len(moved) == 1 and isinstance(weights[0], float) and weights[0] == 1.0:
+            return moved[0]  # one endpoint: its moved tensor, not a copy (x * 1.0 is x)
+        return weighted_sum(moved, weights)
+
+    def _lookup(self, name: str, sources, weights, used: Tensor | None) -> Tensor | None:
+        """The token table ``name`` at the point with only the rows ``used`` moved (the others
+        zero: a lookup of the batch never reads them), or ``None`` where it is built whole."""
+        if used is None or name not in TOKEN_TABLES or axes_of(name)[0] is not None:
+            return None
+        whole = sources[0][0][name]
+        rows = self._mixed(name, sources, weights, used)
+        return whole.new_zeros(whole.shape, dtype=rows.dtype).index_copy(0, used, rows)
+
+    def _merged(self, group: Group, point: _Point, members, used: Tensor | None = None) -> dict[str, Tensor]:
+        """The canonical tensors of ``group`` at ``point``, built whole by this process (a token
+        table only at the rows ``used``)."""
+        sources = self._sources(group, point, members)
+        if (
+            len(sources) == 1
+            and sources[0][1] is None
+            and isinstance(point.weights[0], float)
+            and point.weights[0] == 1.0
+        ):
+            return sources[0][0]  # one endpoint as it is: its own tensors, not a copy (x * 1.0 is x)
+        merged = {}
+        for name in sources[0][0]:
+            table = self._lookup(name, sources, point.weights, used)
+            merged[name] = table if table is not None else self._mixed(name, sources, point.weights)
         return merged
 
-    def _shared_build(self, group: Group, point: _Point, members) -> dict[str, Tensor]:
+    def _shared_build(self, group: Group, point: _Point, members, used: Tensor | None = None) -> dict[str, Tensor]:
         """The canonical tensors of ``group`` at ``point``, this process building its rows of
-        each and all-gathers assembling them (:mod:`hf_lmc.matching.sharing`)."""
-        sources = [(self._load(k, group), transform) for k, transform in zip(members, point.transforms)]
+        each matrix and all-gathers assembling them (:mod:`hf_lmc.matching.sharing`). Vectors
+        (biases, gains) are built whole by every process: moving one costs ``O(d^2)`` at most,
+        less than the collective that would share it; a token table, at the rows its own batch
+        reads (``used``)."""
+        sources = self._sources(group, point, members)
+        shapes = {name: whole.shape for name, whole in sources[0][0].items()}
+        local = {}
+        for name, shape in shapes.items():
+            table = self._lookup(name, sources, point.weights, used)
+            if table is not None or len(shape) < 2:
+                local[name] = table if table is not None else self._mixed(name, sources, point.weights)
 
-        def parts():  # each tensor's rows, computed as the previous one's gather travels
-            for name, whole in sources[0][0].items():
-                rows = self._sharing.rows(whole)
-                moved = [
-                    transform.apply_rows(name, tensors[name], rows) if transform is not None else tensors[name][rows]
-                    for tensors, transform in sources
-                ]
-                yield name, weighted_sum(moved, point.weights), whole.shape
+        def parts():  # each matrix's rows, computed as the previous one's gather travels
+            for name, shape in shapes.items():
+                if name not in local:
+                    yield name, self._mixed(name, sources, point.weights, self._sharing.rows(shape[0])), shape
 
-        return self._sharing.gather(parts(), waiting=lambda: self.clock.timing("gathers", self._device))
+        matrices = self._sharing.gather(parts(), waiting=lambda: self.clock.timing("gathers", self._device))
+        return {name: local[name] if name in local else matrices[name] for name in shapes}
 
     def state(
         self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None
@@ -345,7 +403,8 @@ class Interpolant(nn.Module):
         self._point = point
         try:
             # Embeddings, final norm and head here; every layer builds its own weights when called.
-            state = self._group("embed", point) | self._group("head", point)
+            tokens = batch.get("input_ids") if "inputs_embeds" not in batch else None
+            state = self._group("embed", point, tokens) | self._group("head", point)
             if not features:
                 return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
             if self._head_key is None:

@@ -413,11 +413,12 @@ class PairPath(TrainedPath):
         permutations (``ste``, ``sinkhorn``) are not group elements while training, have no
         inverse, and leave the model's function changed: both move.
         """
+        sharing = self.interpolant.parameter_sharing  # every process calls this path, in step
         if self.transform_a is None:
-            return None, self.transform_b()
+            return None, self.transform_b(sharing)
         if not (self.transform_a.fixed_assignments and self.transform_b.fixed_assignments):
-            return self.transform_a(), self.transform_b()
-        return None, self.transform_a.relative(self.transform_b)
+            return self.transform_a(sharing), self.transform_b(sharing)
+        return None, self.transform_a.relative(self.transform_b, sharing)
 
     def _hardened(self) -> tuple[Transform, Transform]:
         """The exact transforms of the stored endpoints (B's stored in its fixed assigned order)."""
@@ -550,7 +551,8 @@ class SimplexPath(TrainedPath):
     def forward(self, batch: dict[str, Tensor], weights: Sequence[float] | Tensor | None = None) -> Tensor:
         """The loss of ``sum_k w_k T_k(theta_k)`` on ``batch`` (``w`` sampled when ``None``)."""
         weights = self.sample_weights() if weights is None else weights
-        current = [t() for t in self.learned]
+        sharing = self.interpolant.parameter_sharing
+        current = [t(sharing) for t in self.learned]
         transforms = current if self.fixed_first is None else [None, *current]
         return self._point_loss(batch, transforms, weights)
 

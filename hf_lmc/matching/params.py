@@ -32,22 +32,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..linalg import assign, householder_to_first
+from ..linalg import OnesFrame, assign, householder_to_first
 from ..options import FRAMES, PERMUTATIONS, LearnOptions, check_orthogonal
 from ..symmetry.sample import rotary_block
+from .sharing import RowSharing
 
 #: The parameterisation and frame of a map built with none given: learned matching's defaults.
 _DEFAULTS = LearnOptions()
 
 #: The trained (relaxed) permutation parameterisations: every entry of ``PERMUTATIONS`` but ``"fixed"``.
 PERMUTATION_METHODS = tuple(p for p in PERMUTATIONS if p != "fixed")
-
-
-def _householder_to_e1(d: int, dtype, device) -> Tensor:
-    """The symmetric orthogonal ``H`` with ``H u = e_1`` for ``u = 1/sqrt(d)``."""
-    eye = torch.eye(d, dtype=dtype, device=device)
-    v = householder_to_first(d, dtype, device)
-    return eye if v is None else eye - 2 * torch.outer(v, v)
 
 
 def _check_frame(frame: str) -> str:
@@ -86,7 +80,13 @@ class _Polar(torch.autograd.Function):
 
 
 class OrthogonalParam(nn.Module):
-    """A trainable orthogonal ``d x d`` map, starting at ``init`` (identity if omitted)."""
+    """A trainable orthogonal ``d x d`` map, starting at ``init`` (identity if omitted).
+
+    ``forward(sharing)`` and :meth:`inverse_then` take a
+    :class:`~hf_lmc.matching.sharing.RowSharing`: each process then solves for its share of
+    the Cayley map's columns (each column its own right-hand side) and an all-gather assembles
+    them, so the one ``d x d`` solve of a step is split across the processes, not repeated.
+    """
 
     def __init__(
         self,
@@ -103,9 +103,13 @@ class OrthogonalParam(nn.Module):
         self.method, self.fix_ones, self.step_frame = method, fix_ones, _check_frame(frame)
         init = torch.eye(d, dtype=dtype) if init is None else init.to(dtype)
         if fix_ones:
-            h = _householder_to_e1(d, dtype, init.device)
-            self.register_buffer("frame", h)
-            init = (h @ init @ h)[1:, 1:]  # the map on 1-perp, in the frame where u is e_1
+            init = OnesFrame(d, dtype, init.device).reduce(init)  # the map on 1-perp, in the frame where u is e_1
+            # The reflection's vector (zero for d == 1, where H is the identity): a buffer, so it
+            # follows the module's moves; not saved, as it is a function of d.
+            v = householder_to_first(d, dtype, init.device)
+            self.register_buffer("reflection", torch.zeros(d, dtype=dtype) if v is None else v, persistent=False)
+            # Paths saved before the reflection kept H itself as the buffer "frame": ignored on load.
+            self.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: state.pop(prefix + "frame", None))
         n = init.shape[0]
         if method == "polar":
             self.weight = nn.Parameter(init.clone())
@@ -115,18 +119,37 @@ class OrthogonalParam(nn.Module):
             self.left = nn.Parameter(torch.zeros(n, n, dtype=dtype)) if frame == "both" else None
 
     def _factor(self, weight: Tensor) -> Tensor:
-        a = _skew(weight)
-        if self.method == "exp":
-            return torch.linalg.matrix_exp(a)
-        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-        # Cayley at half the angle: I + A + A^2/2 + O(A^3), as exp(A). The plain (I - A)^{-1} (I + A)
-        # is I + 2A + ...: per Adam step it turns the whole stream twice as far as exp, and trained
-        # to a higher barrier than at half the rate (docs/decisions.md#d-cayley-residual).
-        return torch.linalg.solve(eye - a / 2, eye + a / 2)
+        return torch.linalg.matrix_exp(_skew(weight))
 
-    def _inner(self) -> Tensor:
+    def _columns(self, cols: slice) -> Tensor:
+        """Columns ``cols`` of the map on the trained space, Cayley's: ``f(A) = (I - A/2)^{-1}
+        (I + A/2)``, so a column of ``M_0 f(A)``, ``f(A) M_0`` or ``f(L) M_0 f(A)`` is one solve
+        with its own right-hand side.
+
+        Cayley at half the angle: ``I + A + A^2/2 + O(A^3)``, as ``exp(A)``. The plain ``(I -
+        A)^{-1} (I + A)`` is ``I + 2A + ...``: per Adam step it turns the whole stream twice as
+        far as ``exp``, and trained to a higher barrier than at half the rate
+        (docs/decisions.md#d-cayley-residual).
+        """
+        a = _skew(self.weight) / 2
+        eye = torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+        if self.step_frame == "target":
+            return torch.linalg.solve(eye - a, (eye + a) @ self.base[:, cols])
+        inner = self.base @ torch.linalg.solve(eye - a, (eye + a)[:, cols])
+        if self.step_frame == "own":
+            return inner
+        left = _skew(self.left) / 2
+        return torch.linalg.solve(eye - left, (eye + left) @ inner)
+
+    def _inner(self, sharing: RowSharing | None = None) -> Tensor:
+        """The map on the trained space (``1-perp`` in the reflected frame under ``fix_ones``)."""
         if self.method == "polar":
             return _Polar.apply(self.weight)
+        if self.method == "cayley":
+            if sharing is None:
+                return self._columns(slice(None))
+            n = self.weight.shape[0]
+            return sharing.gather_rows(self._columns(sharing.rows(n)).mT, n).mT
         factor = self._factor(self.weight)
         if self.step_frame == "own":
             return self.base @ factor
@@ -134,14 +157,40 @@ class OrthogonalParam(nn.Module):
             return factor @ self.base
         return self._factor(self.left) @ self.base @ factor
 
-    def forward(self) -> Tensor:
-        inner = self._inner()
+    def _outer(self, inner: Tensor) -> Tensor:
+        """The ``d x d`` map from the map on the trained space: under ``fix_ones`` ``H diag(1,
+        inner) H``, the reflection applied on each side as ``x - 2 v (v^T x)``."""
         if not self.fix_ones:
             return inner
-        full = torch.zeros(inner.shape[0] + 1, inner.shape[0] + 1, dtype=inner.dtype, device=inner.device)
-        full[0, 0] = 1.0
-        full[1:, 1:] = inner
-        return self.frame @ full @ self.frame
+        return OnesFrame(inner.shape[0] + 1, inner.dtype, inner.device, v=self.reflection).expand(inner)
+
+    def forward(self, sharing: RowSharing | None = None) -> Tensor:
+        """The orthogonal map; ``sharing`` shares the Cayley solve (a collective: every process calls it)."""
+        return self._outer(self._inner(sharing))
+
+    def inverse_then(self, first: OrthogonalParam, sharing: RowSharing | None = None) -> Tensor:
+        """``self()^T @ first()``, dual matching's relative residual map, composed on the trained
+        space: ``H diag(1, X)^T H H diag(1, Y) H = H diag(1, X^T Y) H``, one ``n^3`` product
+        where composing the two ``d x d`` maps takes five. With ``sharing`` each process forms
+        its columns of ``X^T Y`` from its columns of ``Y``."""
+        if self.fix_ones != first.fix_ones:
+            raise ValueError("inverse_then needs two maps of one kind (fix_ones on both or neither)")
+        mine = self._inner(sharing)
+        if sharing is None or first.method != "cayley":
+            return self._outer(mine.mT @ first._inner(sharing))
+        n = mine.shape[0]
+        share = mine.mT @ first._columns(sharing.rows(n))
+        return self._outer(sharing.gather_rows(share.mT, n).mT)
+
+
+def _matrix_exp(generators: Tensor, sharing: RowSharing | None) -> Tensor:
+    """``matrix_exp`` of a batch ``(..., b, b)``; with ``sharing``, each process's share of the
+    flattened batch, all-gathered. Each matrix's exponential is computed alone either way."""
+    if sharing is None:
+        return torch.linalg.matrix_exp(generators)
+    flat = generators.flatten(0, -3)
+    share = torch.linalg.matrix_exp(flat[sharing.rows(flat)])
+    return sharing.gather_rows(share, flat.shape[0]).view(generators.shape)
 
 
 class GLParam(nn.Module):
@@ -169,9 +218,11 @@ class GLParam(nn.Module):
         self.weight = nn.Parameter(torch.zeros_like(self.base))
         self.left = nn.Parameter(torch.zeros_like(self.base)) if frame == "both" else None
 
-    def forward(self) -> tuple[Tensor, Tensor]:
+    def forward(self, sharing: RowSharing | None = None) -> tuple[Tensor, Tensor]:
+        """``(M, M^-1)``. With ``sharing`` each process takes the exponentials of its share of
+        the batch's matrices and an all-gather assembles them (a collective: every process calls it)."""
         generators = [self.weight] if self.left is None else [self.weight, self.left]
-        step, step_inv, *left = torch.linalg.matrix_exp(torch.stack([x for g in generators for x in (g, -g)])).unbind(0)
+        step, step_inv, *left = _matrix_exp(torch.stack([x for g in generators for x in (g, -g)]), sharing).unbind(0)
         if self.step_frame == "own":
             return self.base @ step, step_inv @ self.base_inv
         if self.step_frame == "target":
@@ -285,8 +336,9 @@ class RotaryParam(nn.Module):
             else None
         )
 
-    def forward(self) -> tuple[Tensor, Tensor]:
-        passthrough = self.passthrough() if self.passthrough is not None else None
+    def forward(self, sharing: RowSharing | None = None) -> tuple[Tensor, Tensor]:
+        """``(M, M^-1)``; ``sharing`` shares the pass-through block's exponentials (:class:`GLParam`)."""
+        passthrough = self.passthrough(sharing) if self.passthrough is not None else None
         log_scales, angles = self.log_scales, self.angles
         if self.left_angles is not None:
             log_scales, angles = log_scales + self.left_log_scales, angles + self.left_angles

@@ -19,7 +19,7 @@ Each process's transforms then hold the gradient its rows contribute to the *sum
 processes' losses; DDP's mean of those over the processes is the mean of the processes'
 gradients, exactly as when every process builds everything (in exact arithmetic; the sums run
 in another order, so to rounding). The collectives are c10d's ``all_gather_single`` and
-``reduce_scatter_single`` in a small autograd function: DTensor's ``full_tensor`` with a
+``reduce_scatter_single`` around a small autograd function: DTensor's ``full_tensor`` with a
 ``Partial`` gradient computes the same and was measured slower (docs/decisions.md#d-shared-build).
 Every process must build the same groups in the same order, as the data-parallel loop does.
 """
@@ -45,23 +45,34 @@ def share_of(size: int, rank: int, count: int) -> slice:
     return slice(min(rank * chunk, size), min((rank + 1) * chunk, size))
 
 
-class _GatherRows(torch.autograd.Function):
-    """All-gather every process's rows of a tensor (padded to ``chunk`` rows each), the
-    collective issued and its handle appended to ``pending`` (the caller waits before reading
-    the result); backward, reduce-scatter the gradient with a sum."""
+class _Assembled(torch.autograd.Function):
+    """The whole tensors a group's all-gathers are filling (issued on the rows as each was
+    computed), once they are waited on; backward, a summing reduce-scatter of every tensor's
+    gradient, all issued before any is waited on: one synchronisation per group, not one per
+    tensor, so processes that run a little out of step wait once."""
 
     @staticmethod
-    def forward(ctx, part: Tensor, group, count: int, pending: list):
-        ctx.group, ctx.count = group, count
-        whole = part.new_empty((count * part.shape[0], *part.shape[1:]))
-        pending.append(dist.all_gather_single(whole, part.contiguous(), group=group, async_op=True))
-        return whole
+    def forward(ctx, gathering: dict, *parts: Tensor):
+        ctx.group, ctx.count = gathering["group"], gathering["count"]
+        with gathering["waiting"]():
+            for work in gathering["pending"]:
+                work.wait()
+        return tuple(gathering["wholes"])
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
-        local = grad.new_empty((grad.shape[0] // ctx.count, *grad.shape[1:]))
-        dist.reduce_scatter_single(local, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group)
-        return local, None, None, None
+    def backward(ctx, *grads: Tensor):
+        shares, works = [], []
+        for grad in grads:
+            share = grad.new_empty((grad.shape[0] // ctx.count, *grad.shape[1:]))
+            works.append(
+                dist.reduce_scatter_single(
+                    share, grad.contiguous(), op=dist.ReduceOp.SUM, group=ctx.group, async_op=True
+                )
+            )
+            shares.append(share)
+        for work in works:
+            work.wait()
+        return (None, *shares)
 
 
 class RowSharing:
@@ -75,9 +86,15 @@ class RowSharing:
         self.group = mesh.get_group()
         self.rank, self.count = mesh.get_local_rank(), mesh.size()
 
-    def rows(self, tensor: Tensor) -> slice:
-        """This process's rows of ``tensor`` (its first axis)."""
-        return share_of(tensor.shape[0], self.rank, self.count)
+    def rows(self, tensor: Tensor | int) -> slice:
+        """This process's rows of ``tensor`` (its first axis), or of ``tensor`` rows."""
+        return share_of(tensor if isinstance(tensor, int) else tensor.shape[0], self.rank, self.count)
+
+    def gather_rows(self, part: Tensor, size: int) -> Tensor:
+        """The whole ``size``-row tensor from every process's rows of it (``part``, its
+        :meth:`rows`-share), differentiable as :meth:`gather` is: for the transforms'
+        parameterisation, whose batched maps each process computes a share of."""
+        return self.gather([("", part, torch.Size((size, *part.shape[1:])))])[""]
 
     def gather(
         self, parts: Iterable[tuple[str, Tensor, torch.Size]], waiting=contextlib.nullcontext
@@ -86,19 +103,27 @@ class RowSharing:
         whole shape)``, and each tensor's all-gather is issued as soon as it is yielded, so it
         travels while the next one is computed (on GPUs, NCCL's stream beside the compute);
         all are waited on before the tensors are returned. Differentiable: backward, one
-        reduce-scatter per tensor. A tensor whose rows do not split evenly travels padded.
-        ``waiting()``: a context the wait runs in (the interpolant's clock times it)."""
-        pending, wholes = [], {}
+        reduce-scatter per tensor, all in flight together. A tensor whose rows do not split
+        evenly travels padded. ``waiting()``: a context the wait runs in (the interpolant's
+        clock times it)."""
+        names, shapes, rows, wholes, pending = [], [], [], [], []
         for name, part, shape in parts:
             chunk = -(-shape[0] // self.count)
             if part.shape[0] < chunk:  # the last shares of an uneven split
                 part = torch.cat([part, part.new_zeros((chunk - part.shape[0], *part.shape[1:]))])
-            wholes[name] = (_GatherRows.apply(part, self.group, self.count, pending), shape)
-        with waiting():
-            for work in pending:
-                work.wait()
+            whole = part.new_empty((self.count * chunk, *part.shape[1:]))
+            pending.append(dist.all_gather_single(whole, part.detach().contiguous(), group=self.group, async_op=True))
+            names.append(name)
+            shapes.append(shape)
+            rows.append(part)
+            wholes.append(whole)
+        if not rows:
+            return {}
+        gathering = {"group": self.group, "count": self.count, "pending": pending, "wholes": wholes, "waiting": waiting}
+        assembled = _Assembled.apply(gathering, *rows)
         return {
-            name: whole if whole.shape[0] == shape[0] else whole[: shape[0]] for name, (whole, shape) in wholes.items()
+            name: whole if whole.shape[0] == shape[0] else whole[: shape[0]]
+            for name, whole, shape in zip(names, assembled, shapes)
         }
 
 

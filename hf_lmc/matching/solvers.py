@@ -16,7 +16,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 from torch import Tensor
 
-from ..linalg import assign, householder_to_first, perm_from_pairs, single_threaded, single_threaded_context
+from ..linalg import OnesFrame, assign, perm_from_pairs, single_threaded, single_threaded_context
 from ..symmetry.sample import rotary_block
 
 #: The least singular value a least-squares GL map keeps (and below which a
@@ -38,30 +38,8 @@ def polar_fixing_ones(m: Tensor) -> Tensor:
     ``diag(1, X)``: ``X`` is the polar factor of ``(H m H)[1:, 1:]``. ``H`` acts in O(d^2), so
     this costs one (d-1) x (d-1) polar decomposition and no dense basis products.
     """
-    frame = _OnesFrame(m.shape[0], m.dtype, m.device)
+    frame = OnesFrame(m.shape[0], m.dtype, m.device)
     return frame.expand(polar(frame.reduce(m)))
-
-
-class _OnesFrame:
-    """The Householder frame of :func:`polar_fixing_ones`: ``reduce(x) = (H x H)[1:, 1:]`` and
-    ``expand(X) = H diag(1, X) H`` (for d == 1 the only map fixing ``u`` is the identity)."""
-
-    def __init__(self, d: int, dtype: torch.dtype, device=None):
-        self.d, self.dtype, self.device = d, dtype, device
-        self.v = householder_to_first(d, dtype, device)
-
-    def _reflect(self, x: Tensor) -> Tensor:  # H x H with H = I - 2 v v^T, in O(d^2)
-        x = x - 2 * torch.outer(self.v, self.v @ x)
-        return x - 2 * torch.outer(x @ self.v, self.v)
-
-    def reduce(self, x: Tensor) -> Tensor:
-        return x[1:, 1:] if self.v is None else self._reflect(x)[1:, 1:]
-
-    def expand(self, inner: Tensor) -> Tensor:
-        full = torch.zeros(self.d, self.d, dtype=self.dtype, device=self.device)
-        full[0, 0] = 1.0
-        full[1:, 1:] = inner
-        return full if self.v is None else self._reflect(full)
 
 
 class CompletedPolar:
@@ -83,7 +61,7 @@ class CompletedPolar:
 
     def __init__(self, m: Tensor, *, fixing_ones: bool = False, floor: float = MIN_RELATIVE_SINGULAR_VALUE):
         m = m.double()
-        self._frame = _OnesFrame(m.shape[0], m.dtype, m.device) if fixing_ones else None
+        self._frame = OnesFrame(m.shape[0], m.dtype, m.device) if fixing_ones else None
         with single_threaded_context():  # as in polar: a full-rank m gives its result to the bit
             u, sigma, vh = torch.linalg.svd(self._reduce(m))
         rank = int((sigma > floor * sigma[0]).sum()) if sigma.numel() and sigma[0] > 0 else 0

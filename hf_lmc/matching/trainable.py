@@ -20,6 +20,7 @@ from ..options import LearnOptions, with_overrides
 from ..spec import ArchSpec
 from ..symmetry import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap, Transform
 from .params import GLParam, OrthogonalParam, PermutationParam, RotaryParam
+from .sharing import RowSharing
 
 
 def _inverse_then(perm: Tensor, first: Tensor) -> Tensor:
@@ -104,7 +105,7 @@ class _AttentionParams(_TracksOrder):
             for (qk, qk_inv, ov, ov_inv), perm, query in zip(layers, kv_perm, query_perm)
         ]
 
-    def relative(self, first: _AttentionParams) -> list[AttentionMap]:
+    def relative(self, first: _AttentionParams, sharing: RowSharing | None = None) -> list[AttentionMap]:
         """Every layer's ``self^-1 o first`` (fixed assignments), composed for all layers at once:
         ``BlockMonomial.inverse`` and ``compose`` per layer, batched over the layer axis."""
         ordered = self.ordered and first.ordered
@@ -112,8 +113,8 @@ class _AttentionParams(_TracksOrder):
         query = first.query_perm if ordered else _inverse_then(self.query_perm, first.query_perm)
 
         def composed(mine, theirs):  # (M^-1 o T)_h = M^-1_{idx[h]} T_h, inverse T^-1_h M_{idx[h]}
-            m, m_inv = mine()
-            t, t_inv = theirs()
+            m, m_inv = mine(sharing)
+            t, t_inv = theirs(sharing)
             if not ordered:
                 at = index[:, :, None, None].expand_as(m)
                 m, m_inv = m.gather(1, at), m_inv.gather(1, at)
@@ -121,10 +122,10 @@ class _AttentionParams(_TracksOrder):
 
         return self._maps(index, query, ordered, *composed(self.qk, first.qk), *composed(self.ov, first.ov))
 
-    def forward(self) -> list[AttentionMap | DenseAttentionMap]:
+    def forward(self, sharing: RowSharing | None = None) -> list[AttentionMap | DenseAttentionMap]:
         if self.heads is None:
-            return self._maps(self.kv_perm, self.query_perm, self.ordered, *self.qk(), *self.ov())
-        layers = zip(*(t.unbind(0) for t in (*self.qk(), *self.ov())))
+            return self._maps(self.kv_perm, self.query_perm, self.ordered, *self.qk(sharing), *self.ov(sharing))
+        layers = zip(*(t.unbind(0) for t in (*self.qk(sharing), *self.ov(sharing))))
         fixed = torch.arange(self.kv_perm.shape[1], device=self.kv_perm.device)
         maps = []
         for (qk, qk_inv, ov, ov_inv), heads, within in zip(layers, self.heads, self.within_group):
@@ -218,8 +219,8 @@ class _ResidualPermutation(nn.Module):
                 raise ValueError("permutation-only learned matching starts from a residual permutation, not a rotation")
         self.dims = PermutationParam(d, init=perm, method=method, dtype=dtype)
 
-    def forward(self) -> Tensor:
-        return self.dims()
+    def forward(self, sharing: RowSharing | None = None) -> Tensor:
+        return self.dims()  # the scores' assignment: nothing to share
 
 
 class TrainableTransform(nn.Module):
@@ -267,20 +268,29 @@ class TrainableTransform(nn.Module):
         """Whether the unit and head assignments stay as initialised (``permutations="fixed"``)."""
         return self.attention.heads is None and self.mlp.units is None
 
-    def forward(self) -> Transform:
-        return self._transform(self.residual(), self.attention(), self.mlp())
+    def forward(self, sharing: RowSharing | None = None) -> Transform:
+        """The current transform (differentiable). ``sharing``
+        (:class:`~hf_lmc.matching.sharing.RowSharing`, the interpolant's ``parameter_sharing``)
+        splits the parameterisation's solves and exponentials across the processes of a
+        launch: a collective then, called by every process in the same order."""
+        return self._transform(self.residual(sharing), self.attention(sharing), self.mlp())
 
-    def relative(self, first: TrainableTransform) -> Transform:
+    def relative(self, first: TrainableTransform, sharing: RowSharing | None = None) -> Transform:
         """``self()^-1 o first()``, differentiable in both, with each kind of map composed for all
         layers in a few batched calls (``Transform.inverse().compose()`` takes a few per layer and
         map: dual matching builds this every step, and on a GPU each call is a kernel launch).
-        Needs fixed assignments on both sides: relaxed permutations have no inverse."""
+        Needs fixed assignments on both sides: relaxed permutations have no inverse. ``sharing``:
+        as for :meth:`forward`."""
         if not (self.fixed_assignments and first.fixed_assignments):
             raise ValueError(
                 "relative() needs fixed unit and head assignments (permutations='fixed') on both transforms"
             )
-        residual = self.residual().mT @ first.residual()  # orthogonal: the inverse is the transpose
-        return self._transform(residual, self.attention.relative(first.attention), self.mlp.relative(first.mlp))
+        if isinstance(self.residual, OrthogonalParam) and isinstance(first.residual, OrthogonalParam):
+            residual = self.residual.inverse_then(first.residual, sharing)
+        else:
+            residual = self.residual(sharing).mT @ first.residual(sharing)  # orthogonal: the inverse is the transpose
+        attention = self.attention.relative(first.attention, sharing)
+        return self._transform(residual, attention, self.mlp.relative(first.mlp))
 
     @staticmethod
     def _transform(residual: Tensor, attention, mlp) -> Transform:
