@@ -65,7 +65,7 @@ class OnesFrame:
     computes it, which for ``d == 1`` (the identity the only such map) is ``None`` too."""
 
     def __init__(self, d: int, dtype: torch.dtype, device=None, v: torch.Tensor | None = None):
-        self.d, self.dtype, self.device = d, dtype, device
+        self.d = d
         self.v = householder_to_first(d, dtype, device) if v is None else v
 
     def _reflect(self, x: torch.Tensor) -> torch.Tensor:  # H x H

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
-from hf_lmc.matching.sharing import share_of
+from hf_lmc.matching.sharing import RowSharing, share_of
 from hf_lmc.matching.trainable import TrainableTransform
-from tests.models import ARCHITECTURES, CONFIGS, build_model
+from tests.models import ARCHITECTURES, CONFIGS, build_model, transform_tensors
 
 
 def test_shares_are_torch_chunks():
@@ -99,9 +99,6 @@ def _parameterisations(rank: int, world: int, store: str, configs) -> None:
     summed losses (the shared backward's reduce-scatters against an all-reduce of whole ones)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-
-    from hf_lmc.matching.sharing import RowSharing
-    from tests.models import transform_tensors
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

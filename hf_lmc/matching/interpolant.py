@@ -278,17 +278,15 @@ class Interpolant(nn.Module):
         """``sum_k w_k T_k(t_k)`` for one tensor: whole (``rows`` None), a share of its rows (a
         slice: :meth:`~hf_lmc.Transform.apply_rows`), or the rows of a lookup table a batch reads
         (an index, for a tensor whose first axis no map moves: those rows moved as they are)."""
+        # A table's rows are taken first (no map moves its first axis), then moved as a whole tensor.
+        index, share = (rows, None) if isinstance(rows, Tensor) else (None, rows)
         moved = []
         for tensors, transform in sources:
-            t = tensors[name]
-            if isinstance(rows, Tensor):
-                t = t[rows]
-            if transform is None:
-                moved.append(t[rows] if isinstance(rows, slice) else t)
-            elif isinstance(rows, slice):
-                moved.append(transform.apply_rows(name, t, rows))
+            t = tensors[name] if index is None else tensors[name][index]
+            if share is None:
+                moved.append(t if transform is None else transform.apply_tensor(name, t))
             else:
-                moved.append(transform.apply_tensor(name, t))
+                moved.append(t[share] if transform is None else transform.apply_rows(name, t, share))
         if len(moved) == 1 and isinstance(weights[0], float) and weights[0] == 1.0:
             return moved[0]  # one endpoint: its moved tensor, not a copy (x * 1.0 is x)
         return weighted_sum(moved, weights)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..linalg import OnesFrame, assign, householder_to_first
+from ..linalg import OnesFrame, assign
 from ..options import FRAMES, PERMUTATIONS, LearnOptions, check_orthogonal
 from ..symmetry.sample import rotary_block
 from .sharing import RowSharing
@@ -103,11 +103,12 @@ class OrthogonalParam(nn.Module):
         self.method, self.fix_ones, self.step_frame = method, fix_ones, _check_frame(frame)
         init = torch.eye(d, dtype=dtype) if init is None else init.to(dtype)
         if fix_ones:
-            init = OnesFrame(d, dtype, init.device).reduce(init)  # the map on 1-perp, in the frame where u is e_1
+            ones = OnesFrame(d, dtype, init.device)
+            init = ones.reduce(init)  # the map on 1-perp, in the frame where u is e_1
             # The reflection's vector (zero for d == 1, where H is the identity): a buffer, so it
             # follows the module's moves; not saved, as it is a function of d.
-            v = householder_to_first(d, dtype, init.device)
-            self.register_buffer("reflection", torch.zeros(d, dtype=dtype) if v is None else v, persistent=False)
+            v = torch.zeros(d, dtype=dtype) if ones.v is None else ones.v
+            self.register_buffer("reflection", v, persistent=False)
             # Paths saved before the reflection kept H itself as the buffer "frame": ignored on load.
             self.register_load_state_dict_pre_hook(lambda module, state, prefix, *_: state.pop(prefix + "frame", None))
         n = init.shape[0]
@@ -189,7 +190,7 @@ def _matrix_exp(generators: Tensor, sharing: RowSharing | None) -> Tensor:
     if sharing is None:
         return torch.linalg.matrix_exp(generators)
     flat = generators.flatten(0, -3)
-    share = torch.linalg.matrix_exp(flat[sharing.rows(flat)])
+    share = torch.linalg.matrix_exp(flat[sharing.rows(flat.shape[0])])
     return sharing.gather_rows(share, flat.shape[0]).view(generators.shape)
 
 

@@ -86,9 +86,9 @@ class RowSharing:
         self.group = mesh.get_group()
         self.rank, self.count = mesh.get_local_rank(), mesh.size()
 
-    def rows(self, tensor: Tensor | int) -> slice:
-        """This process's rows of ``tensor`` (its first axis), or of ``tensor`` rows."""
-        return share_of(tensor if isinstance(tensor, int) else tensor.shape[0], self.rank, self.count)
+    def rows(self, size: int) -> slice:
+        """This process's rows of a tensor of ``size`` rows (its first axis)."""
+        return share_of(size, self.rank, self.count)
 
     def gather_rows(self, part: Tensor, size: int) -> Tensor:
         """The whole ``size``-row tensor from every process's rows of it (``part``, its
@@ -106,7 +106,7 @@ class RowSharing:
         reduce-scatter per tensor, all in flight together. A tensor whose rows do not split
         evenly travels padded. ``waiting()``: a context the wait runs in (the interpolant's
         clock times it)."""
-        names, shapes, rows, wholes, pending = [], [], [], [], []
+        names, shapes, shares, wholes, pending = [], [], [], [], []
         for name, part, shape in parts:
             chunk = -(-shape[0] // self.count)
             if part.shape[0] < chunk:  # the last shares of an uneven split
@@ -115,12 +115,12 @@ class RowSharing:
             pending.append(dist.all_gather_single(whole, part.detach().contiguous(), group=self.group, async_op=True))
             names.append(name)
             shapes.append(shape)
-            rows.append(part)
+            shares.append(part)
             wholes.append(whole)
-        if not rows:
+        if not shares:
             return {}
         gathering = {"group": self.group, "count": self.count, "pending": pending, "wholes": wholes, "waiting": waiting}
-        assembled = _Assembled.apply(gathering, *rows)
+        assembled = _Assembled.apply(gathering, *shares)
         return {
             name: whole if whole.shape[0] == shape[0] else whole[: shape[0]]
             for name, whole, shape in zip(names, assembled, shapes)

@@ -285,10 +285,9 @@ class TrainableTransform(nn.Module):
             raise ValueError(
                 "relative() needs fixed unit and head assignments (permutations='fixed') on both transforms"
             )
-        if isinstance(self.residual, OrthogonalParam) and isinstance(first.residual, OrthogonalParam):
-            residual = self.residual.inverse_then(first.residual, sharing)
-        else:
-            residual = self.residual(sharing).mT @ first.residual(sharing)  # orthogonal: the inverse is the transpose
+        # Fixed assignments: the residual is an OrthogonalParam (a permutation-only residual trains
+        # its assignment, which the options allow only relaxed).
+        residual = self.residual.inverse_then(first.residual, sharing)
         attention = self.attention.relative(first.attention, sharing)
         return self._transform(residual, attention, self.mlp.relative(first.mlp))
 
