@@ -20,8 +20,10 @@ autocast, and against a soft target (the endpoints' mixture), hence this version
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 #: The most bytes one slice's float32 logits take: the slice is ``SLICE_BYTES // (4 V)``
@@ -133,11 +135,158 @@ class _SlicedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
-        saved = iter(ctx.saved_tensors)
-        grads = [
-            (next(saved) * grad_output).to(dtype) if wants else None for wants, dtype in zip(ctx.wants, ctx.dtypes)
-        ]
-        return grads[0], grads[1], None, None, None
+        return *_forward_gradients(ctx, grad_output), None, None, None
+
+
+def _forward_gradients(ctx, grad_output: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """The hidden states' and the head's gradients, computed in the forward and saved on ``ctx``
+    (``None`` where not wanted), scaled by ``grad_output`` and cast to their inputs' dtypes."""
+    saved = iter(ctx.saved_tensors)
+    hidden, head = (
+        (next(saved) * grad_output).to(dtype) if wants else None for wants, dtype in zip(ctx.wants, ctx.dtypes)
+    )
+    return hidden, head
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This process's rows of a head whose vocabulary is split over a process group: rows
+    ``start`` to ``start + len(weight)`` of the ``size x d`` head, the others held by the
+    group's other processes (as ``torch.chunk`` splits them).
+
+    A loss given one (:func:`next_token_loss`, :func:`mixture_loss`) is *vocabulary-parallel*:
+    every process takes the logits of its vocabulary rows at every process's positions, the
+    softmax's normalisers are combined across the group, and each process's loss and gradients
+    are those of the whole head on its own positions, while the head itself is never gathered
+    (its rows' gradient is their gradient summed over the processes' losses, as a shared
+    build's reduce-scatter gives it). Every process of ``group`` must call the loss together,
+    with losses the caller scales alike (as data-parallel training does).
+    """
+
+    weight: Tensor
+    start: int
+    size: int
+    group: object
+    rank: int
+    count: int
+
+    def rows_of(self, head: Tensor) -> Tensor:
+        """The same rows of another whole ``size x d`` head (an endpoint's)."""
+        return head[self.start : self.start + self.weight.shape[0]]
+
+    @property
+    def slice_vocabulary(self) -> int:
+        """The most vocabulary rows any process holds: every process slices its positions by it,
+        so all take the same slices (each is a collective)."""
+        return -(-self.size // self.count)
+
+
+def _gather_positions(x: Tensor, longest: int, shard: VocabShard) -> Tensor:
+    """Every process's ``x`` (positions first) stacked in rank order, each padded with zeros to
+    ``longest`` positions: ``count * longest`` rows."""
+    if x.shape[0] < longest:
+        x = torch.cat([x, x.new_zeros((longest - x.shape[0], *x.shape[1:]))])
+    out = x.new_empty((shard.count * longest, *x.shape[1:]))
+    dist.all_gather_single(out, x.contiguous(), group=shard.group)
+    return out
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """:class:`_SlicedCrossEntropy` with the head's vocabulary split over processes
+    (:class:`VocabShard`): each slice of every process's positions against this process's
+    rows, the log-normalisers combined by an all-gather of each row's local ``logsumexp``,
+    the per-process loss sums by one all-reduce, the hidden states' gradient by a
+    reduce-scatter. ``plan(longest, compute, wide)`` gathers what the targets need (every
+    process's labels, or its endpoints' hidden states) and returns ``targets(start, stop,
+    logits)``: the slice's target over this process's vocabulary rows, a distribution (each
+    endpoint normalised over the whole vocabulary) or an index into them (-1 where the label
+    lies in another process's rows)."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, row_weights: Tensor, shard: VocabShard, plan, rows: int | None
+    ) -> Tensor:
+        compute = compute_dtype(hidden, weight)
+        wide = _wide_dtype(compute)
+        wants_hidden, wants_head = ctx.needs_input_grad[:2]
+        sizes = torch.tensor([hidden.shape[0]], device=hidden.device)
+        every = sizes.new_empty(shard.count)
+        dist.all_gather_single(every, sizes, group=shard.group)
+        longest = int(every.max())
+        with torch.autocast(hidden.device.type, enabled=False):
+            h = _gather_positions(hidden.detach().to(compute), longest, shard)
+            m = _gather_positions(row_weights.detach().to(wide), longest, shard)
+            counts = m.view(shard.count, longest).sum(1)
+            owner = torch.arange(shard.count, device=h.device).repeat_interleave(longest)
+            scale = m / counts[owner]  # each position weighed within its own process's loss
+            targets = plan(longest, compute, wide)
+            w = weight.detach().to(compute)
+            grad_h = torch.zeros(h.shape, dtype=wide, device=h.device) if wants_hidden else None
+            grad_head = torch.zeros(weight.shape, dtype=wide, device=weight.device) if wants_head else None
+            losses = torch.zeros(shard.count, dtype=wide, device=h.device)
+            rows = rows or max(1, SLICE_BYTES // (4 * shard.slice_vocabulary))
+            for start in range(0, h.shape[0], rows):
+                stop = min(start + rows, h.shape[0])
+                z = (h[start:stop] @ w.T).to(wide)
+                lse = _combined_logsumexp(z, shard)
+                t = targets(start, stop, z)
+                if t.is_floating_point():
+                    dot = (t.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
+                else:
+                    here = t >= 0
+                    dot = torch.where(here, z.gather(1, t.clamp_min(0)[:, None]).view(-1), 0.0)
+                # each process adds its vocabulary's <t, z>; the normaliser once, by the row's owner
+                own = owner[start:stop] == shard.rank
+                part = scale[start:stop] * (torch.where(own, lse, 0.0) - dot)
+                losses.index_add_(0, owner[start:stop], part)
+                if grad_h is None and grad_head is None:
+                    continue
+                g = z.sub_(lse[:, None]).exp_()  # softmax(z) on this process's rows, in z's memory
+                if t.is_floating_point():
+                    g.sub_(t)
+                else:
+                    rows_here = here.nonzero().view(-1)
+                    g.index_put_(
+                        (rows_here, t[rows_here]), torch.tensor(-1.0, dtype=g.dtype, device=g.device), accumulate=True
+                    )
+                g = g.mul_(scale[start:stop, None]).to(w.dtype)
+                if grad_h is not None:
+                    grad_h[start:stop] = g @ w
+                if grad_head is not None:
+                    if g.dtype == grad_head.dtype:
+                        grad_head.addmm_(g.T, h[start:stop])
+                    else:
+                        grad_head += g.T @ h[start:stop]
+            dist.all_reduce(losses, group=shard.group)
+            if grad_h is not None:  # each process's vocabulary's part of a position's gradient, summed at its owner
+                mine = grad_h.new_empty((longest, *grad_h.shape[1:]))
+                dist.reduce_scatter_single(mine, grad_h, group=shard.group)
+                grad_h = mine[: hidden.shape[0]]
+        ctx.save_for_backward(*(x for x in (grad_h, grad_head) if x is not None))
+        ctx.wants = (wants_hidden, wants_head)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return losses[shard.rank]
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        return *_forward_gradients(ctx, grad_output), None, None, None, None
+
+
+def _combined_logsumexp(z: Tensor, shard: VocabShard) -> Tensor:
+    """Each row's ``logsumexp`` over the whole vocabulary from every process's rows of it (``z``:
+    this process's logits, ``-inf`` where it holds none)."""
+    local = torch.logsumexp(z, -1) if z.shape[1] else z.new_full(z.shape[:1], -torch.inf)
+    every = local.new_empty(shard.count * local.shape[0])
+    dist.all_gather_single(every, local.contiguous(), group=shard.group)
+    return torch.logsumexp(every.view(shard.count, -1), 0)
+
+
+def _vocab_parallel(hidden: Tensor, shard: VocabShard, row_weights: Tensor, plan, rows: int | None) -> Tensor:
+    if hidden.dim() != 2 or shard.weight.dim() != 2 or hidden.shape[1] != shard.weight.shape[1]:
+        raise ValueError(
+            f"hidden (N x d) and head (V x d) must share d; got {tuple(hidden.shape)} and {tuple(shard.weight.shape)}"
+        )
+    return _VocabParallelCrossEntropy.apply(hidden, shard.weight, row_weights, shard, plan, rows)
 
 
 def sliced_cross_entropy(
@@ -164,21 +313,30 @@ def sliced_cross_entropy(
 
 
 def next_token_loss(
-    hidden: Tensor, head: Tensor, labels: Tensor, ignore_index: int = -100, rows: int | None = None
+    hidden: Tensor, head: Tensor | VocabShard, labels: Tensor, ignore_index: int = -100, rows: int | None = None
 ) -> Tensor:
     """A causal LM's loss as its HF class computes it (position i predicts ``labels[i + 1]``;
     ``ignore_index`` labels and the last position count for nothing), from ``B x S x d`` hidden
-    states and the head, a slice of positions at a time."""
+    states and the head (or this process's rows of it: :class:`VocabShard`), a slice of
+    positions at a time."""
     hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     labels = labels[:, 1:].reshape(-1).to(hidden.device)
     keep = labels != ignore_index
     index = labels.clamp_min(0)  # an ignored row's index is never read: its weight is 0
-    return sliced_cross_entropy(hidden, head, lambda start, stop, _: index[start:stop], keep, rows)
+    if not isinstance(head, VocabShard):
+        return sliced_cross_entropy(hidden, head, lambda start, stop, _: index[start:stop], keep, rows)
+
+    def plan(longest: int, compute: torch.dtype, wide: torch.dtype):
+        every = _gather_positions(index, longest, head) - head.start
+        local = torch.where((every >= 0) & (every < head.weight.shape[0]), every, -1)  # -1: another's row
+        return lambda start, stop, _: local[start:stop]
+
+    return _vocab_parallel(hidden, head, keep, plan, rows)
 
 
 def mixture_loss(
     hidden: Tensor,
-    head: Tensor,
+    head: Tensor | VocabShard,
     endpoints: Sequence[tuple[Tensor, Tensor]],
     weights: Sequence[float | Tensor],
     mask: Tensor | None = None,
@@ -189,9 +347,14 @@ def mixture_loss(
     attention mask does), a slice of positions at a time.
 
     ``endpoints``: each endpoint's ``(hidden, head)``, the hidden states ``B x S x d`` as
-    ``hidden``'s; they carry no gradient.
+    ``hidden``'s; they carry no gradient. With ``head`` a :class:`VocabShard` the loss is
+    vocabulary-parallel: the endpoints' heads are whole, and each process takes its rows of them.
     """
     d = hidden.shape[-1]
+    row_weights = torch.ones(hidden.shape[:-1], dtype=torch.bool, device=hidden.device) if mask is None else mask
+    row_weights = row_weights.reshape(-1).to(hidden.device)
+    if isinstance(head, VocabShard):
+        return _vocab_parallel(hidden.reshape(-1, d), head, row_weights, _mixture_plan(head, endpoints, weights), rows)
     compute = compute_dtype(hidden, head)
     flat = [(h.detach().reshape(-1, d), w.detach().to(compute)) for h, w in endpoints]
     mix = [float(w) for w in weights]
@@ -204,8 +367,35 @@ def mixture_loss(
             target = p.mul_(share) if target is None else target.add_(p, alpha=share)
         return target
 
-    row_weights = torch.ones(hidden.shape[:-1], dtype=torch.bool, device=hidden.device) if mask is None else mask
-    return sliced_cross_entropy(hidden.reshape(-1, d), head, mixture, row_weights.reshape(-1).to(hidden.device), rows)
+    return sliced_cross_entropy(hidden.reshape(-1, d), head, mixture, row_weights, rows)
+
+
+def _mixture_plan(shard: VocabShard, endpoints: Sequence[tuple[Tensor, Tensor]], weights: Sequence[float | Tensor]):
+    """The vocabulary-parallel loss's targets: ``sum_k w_k softmax(h_k W_k^T)`` on this
+    process's vocabulary rows, each endpoint's softmax normalised over the whole vocabulary."""
+    mix = [float(w) for w in weights]
+
+    def plan(longest: int, compute: torch.dtype, wide: torch.dtype):
+        d = shard.weight.shape[1]
+        flat = [
+            (
+                _gather_positions(h.detach().reshape(-1, d).to(compute), longest, shard),
+                shard.rows_of(w.detach()).to(compute),
+            )
+            for h, w in endpoints
+        ]
+
+        def mixture(start: int, stop: int, logits: Tensor) -> Tensor:
+            target = None
+            for (h, w), share in zip(flat, mix):
+                z = (h[start:stop] @ w.T).to(logits.dtype)
+                p = z.sub_(_combined_logsumexp(z, shard)[:, None]).exp_()
+                target = p.mul_(share) if target is None else target.add_(p, alpha=share)
+            return target
+
+        return mixture
+
+    return plan
 
 
 def vocabulary_head_key(model: nn.Module) -> str | None:

@@ -166,3 +166,68 @@ def test_evaluation_never_holds_the_tokens_by_vocabulary_logits(monkeypatch):
     with LargestOutput() as watch:
         evaluate(model, [batch])
     assert watch.largest < batch["input_ids"].numel() * config.vocab_size / 4
+
+
+def _vocab_parallel_losses(rank: int, world: int, store: str) -> None:
+    """One of ``world`` gloo processes: each with its own positions (a different number each),
+    the losses on its rows of the head (:class:`VocabShard`) against the whole head's, in value
+    and in the gradients of the processes' summed losses (the head's rows against the rows of
+    the summed whole gradient, the hidden states against their own)."""
+    import torch.distributed as dist
+
+    from hf_lmc.head_loss import VocabShard
+    from hf_lmc.matching.sharing import share_of
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        vocab, d = 37, 8  # split unevenly over 2 and 3 processes
+        shared = torch.Generator().manual_seed(0)  # the head and the endpoints: one on every process
+        head = torch.randn(vocab, d, dtype=torch.float64, generator=shared)
+        ends = [torch.randn(vocab, d, dtype=torch.float64, generator=shared) for _ in range(2)]
+        own = torch.Generator().manual_seed(1 + rank)  # each process its own positions
+        batch, seq = 2, 3 + rank
+        hidden = torch.randn(batch, seq, d, dtype=torch.float64, generator=own)
+        labels = torch.randint(0, vocab, (batch, seq), generator=own)
+        labels[0, 1] = -100  # an ignored position
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        mask[1, -1] = 0
+        end_hidden = [torch.randn(batch, seq, d, dtype=torch.float64, generator=own) for _ in range(2)]
+        rows = share_of(vocab, rank, world)
+        losses = {
+            "labels": lambda h, w: next_token_loss(h, w, labels, rows=2),
+            "mixture": lambda h, w: mixture_loss(h, w, list(zip(end_hidden, ends)), (0.3, 0.7), mask, rows=2),
+        }
+        for name, loss in losses.items():
+            results = []
+            for parallel in (False, True):
+                h, w = hidden.clone().requires_grad_(), head.clone().requires_grad_()
+                part = w[rows] if parallel else w
+                value = loss(
+                    h, VocabShard(part, rows.start, vocab, dist.group.WORLD, rank, world) if parallel else part
+                )
+                value.backward()
+                grad_w = w.grad.clone()
+                dist.all_reduce(grad_w)  # the summed losses' gradient (only this process's rows when parallel)
+                if parallel:
+                    grad_w = w.grad[rows]
+                else:
+                    grad_w = grad_w[rows]
+                results.append((value.detach(), h.grad, grad_w))
+            (value, grad_h, grad_w), (value_p, grad_h_p, grad_w_p) = results
+            torch.testing.assert_close(value_p, value, rtol=1e-12, atol=1e-12, msg=name)
+            torch.testing.assert_close(grad_h_p, grad_h, rtol=1e-10, atol=1e-12, msg=name)
+            torch.testing.assert_close(grad_w_p, grad_w, rtol=1e-10, atol=1e-12, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_vocabulary_parallel_loss_is_the_whole_heads_loss_and_gradients(tmp_path_factory):
+    """Under gloo at 2 and 3 processes (an uneven vocabulary, a different number of positions
+    on each), both losses on each process's rows of the head equal the whole head's on its own
+    positions, and so do the hidden states' gradients and the head rows' share of the summed
+    gradient: the head need never be gathered."""
+    for world in (2, 3):
+        store = tmp_path_factory.mktemp("store") / "rendezvous"
+        torch.multiprocessing.spawn(_vocab_parallel_losses, args=(world, str(store)), nprocs=world)

@@ -119,7 +119,9 @@ def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing
         interpolant = Interpolant(a, b, checkpoint_layers=setting)
         built = []
         group = interpolant._group
-        interpolant._group = lambda g, point, *rest, built=built, group=group: built.append(g) or group(g, point, *rest)
+        interpolant._group = lambda g, point, *rest, built=built, group=group, **kw: (
+            built.append(g) or group(g, point, *rest, **kw)
+        )
         out = interpolant(trainable(), 0.37, **inputs)
         out.logits.square().mean().backward()
         layers = [g for g in built if isinstance(g, int)]

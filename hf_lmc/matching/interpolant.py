@@ -33,7 +33,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from ..canonical import CanonicalModel, export_config, hf_state_dict_groups, interpolate, skeleton, weighted_sum
-from ..head_loss import vocabulary_head_key
+from ..head_loss import VocabShard, vocabulary_head_key
 from ..spec import Group
 from ..symmetry import Transform, axes_of
 from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
@@ -42,6 +42,11 @@ from .sharing import RowSharing, sharing_mesh
 #: The canonical lookup tables (first axis the vocabulary, moved by no map): a call reads only
 #: its tokens' rows, so only those are moved (the others are left zero).
 TOKEN_TABLES = frozenset({"embed.tokens"})
+
+#: The canonical head's tensors whose first axis is the vocabulary (moved by no map): a
+#: vocabulary-parallel loss reads only this process's rows of them, so a shared build of the
+#: head keeps its rows instead of gathering them (:class:`~hf_lmc.head_loss.VocabShard`).
+HEAD_ROWS = frozenset({"head.weight", "head.bias"})
 
 
 @dataclass
@@ -226,15 +231,18 @@ class Interpolant(nn.Module):
 
         return build
 
-    def _group(self, group: Group, point: _Point, tokens: Tensor | None = None) -> dict[str, Tensor]:
+    def _group(
+        self, group: Group, point: _Point, tokens: Tensor | None = None, vocab_rows: bool = False
+    ) -> dict[str, Tensor]:
         """HF tensors of one group of the interpolant at ``point`` (``tokens``: the batch's
-        ``input_ids``, whose rows of the token table are all a call reads)."""
+        ``input_ids``, whose rows of the token table are all a call reads; ``vocab_rows``: the
+        head at this process's vocabulary rows only, where :meth:`_vocab_parallel` holds)."""
         members = point.members if point.members is not None else range(len(self.models))
         if not self.clock.running:
-            return self._built(group, point, members, tokens)
+            return self._built(group, point, members, tokens, vocab_rows)
         gathers = self.clock.gathers
         with self.clock.timing("build", self._device):
-            built = self._built(group, point, members, tokens)
+            built = self._built(group, point, members, tokens, vocab_rows)
         self.clock.build -= self.clock.gathers - gathers  # the gathers inside it are counted as gathers
         return built
 
@@ -259,12 +267,14 @@ class Interpolant(nn.Module):
         whole = next(iter(self.endpoints[0].tensors.values()))
         return next(iter(whole.values())).device
 
-    def _built(self, group: Group, point: _Point, members, tokens: Tensor | None = None) -> dict[str, Tensor]:
+    def _built(
+        self, group: Group, point: _Point, members, tokens: Tensor | None = None, vocab_rows: bool = False
+    ) -> dict[str, Tensor]:
         moves = any(t is not None for t in point.transforms)
         # A lookup table is read only at the batch's tokens: only those rows are moved.
         used = tokens.unique() if tokens is not None and moves and group == "embed" else None
         if group in self._shared_groups and moves:
-            merged = self._shared_build(group, point, members, used)
+            merged = self._shared_build(group, point, members, used, HEAD_ROWS if vocab_rows else frozenset())
         else:
             merged = self._merged(group, point, members, used)
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
@@ -317,16 +327,22 @@ class Interpolant(nn.Module):
             merged[name] = table if table is not None else self._mixed(name, sources, point.weights)
         return merged
 
-    def _shared_build(self, group: Group, point: _Point, members, used: Tensor | None = None) -> dict[str, Tensor]:
+    def _shared_build(
+        self, group: Group, point: _Point, members, used: Tensor | None = None, kept: frozenset[str] = frozenset()
+    ) -> dict[str, Tensor]:
         """The canonical tensors of ``group`` at ``point``, this process building its rows of
         each matrix and all-gathers assembling them (:mod:`hf_lmc.matching.sharing`). Vectors
         (biases, gains) are built whole by every process: moving one costs ``O(d^2)`` at most,
         less than the collective that would share it; a token table, at the rows its own batch
-        reads (``used``)."""
+        reads (``used``); the tensors named in ``kept``, at this process's rows alone (a
+        vocabulary-parallel head: never gathered)."""
         sources = self._sources(group, point, members)
         shapes = {name: whole.shape for name, whole in sources[0][0].items()}
         local = {}
         for name, shape in shapes.items():
+            if name in kept:
+                local[name] = self._mixed(name, sources, point.weights, self._sharing.rows(shape[0]))
+                continue
             table = self._lookup(name, sources, point.weights, used)
             if table is not None or len(shape) < 2:
                 local[name] = table if table is not None else self._mixed(name, sources, point.weights)
@@ -369,11 +385,16 @@ class Interpolant(nn.Module):
         :meth:`features_at` and :meth:`endpoint_features` return instead of applying."""
         return self._head_key is not None
 
-    def features_at(self, transforms, weights, **batch) -> tuple[Tensor, Tensor]:
+    def features_at(self, transforms, weights, **batch) -> tuple[Tensor, Tensor | VocabShard]:
         """``(hidden, head)`` of the point :meth:`at` evaluates: its last hidden states (after
         the final norm, ``B x S x d``) and its output embedding (``V x d``), whose product is
         :meth:`at`'s logits. The path's losses take that product a slice of positions at a time
-        (:mod:`hf_lmc.head_loss`) rather than hold the ``B S x V`` logits."""
+        (:mod:`hf_lmc.head_loss`) rather than hold the ``B S x V`` logits.
+
+        Where the head is built shared (:meth:`_vocab_parallel`) it comes as this process's
+        rows of it, a :class:`~hf_lmc.head_loss.VocabShard`: the head is never gathered, and
+        the losses of :mod:`hf_lmc.head_loss` run vocabulary-parallel on it (every process
+        calls this together, as the shared build's gathers need anyway)."""
         return self._evaluate(self._point_at(transforms, weights), batch, features=True)
 
     def endpoint_features(self, k: int, **batch) -> tuple[Tensor, Tensor]:
@@ -399,10 +420,11 @@ class Interpolant(nn.Module):
             if transform is not None:
                 transform.prepare()  # before the checkpointed layers
         self._point = point
+        vocab_rows = features and self._vocab_parallel(point)
         try:
             # Embeddings, final norm and head here; every layer builds its own weights when called.
             tokens = batch.get("input_ids") if "inputs_embeds" not in batch else None
-            state = self._group("embed", point, tokens) | self._group("head", point)
+            state = self._group("embed", point, tokens) | self._group("head", point, vocab_rows=vocab_rows)
             if not features:
                 return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
             if self._head_key is None:
@@ -412,6 +434,19 @@ class Interpolant(nn.Module):
             hidden = functional_call(
                 self.template.base_model, body, args=(), kwargs=batch, tie_weights=False, strict=False
             )
-            return hidden.last_hidden_state, state[self._head_key]
+            head = state[self._head_key]
+            if vocab_rows:
+                size, sharing = self.template.get_output_embeddings().out_features, self._sharing
+                head = VocabShard(head, sharing.rows(size).start, size, sharing.group, sharing.rank, sharing.count)
+            return hidden.last_hidden_state, head
         finally:
             self._point = _Point()
+
+    def _vocab_parallel(self, point: _Point) -> bool:
+        """Whether the point's head is built shared (a moving point of a causal LM whose head
+        group is large enough to share): then its loss runs vocabulary-parallel."""
+        return (
+            self._head_key is not None
+            and "head" in self._shared_groups
+            and any(t is not None for t in point.transforms)
+        )
