@@ -170,8 +170,13 @@ class VocabShard:
     rank: int
     count: int
 
-    def rows_of(self, head: Tensor) -> Tensor:
-        """The same rows of another whole ``size x d`` head (an endpoint's)."""
+    def rows_of(self, head: Tensor | VocabShard) -> Tensor:
+        """The same rows of another head (an endpoint's): of a whole ``size x d`` one, or of
+        this process's share of it in the same split."""
+        if isinstance(head, VocabShard):
+            if (head.start, head.size, head.weight.shape) != (self.start, self.size, self.weight.shape):
+                raise ValueError("the heads are split differently over the processes")
+            return head.weight
         return head[self.start : self.start + self.weight.shape[0]]
 
     @property
@@ -348,7 +353,8 @@ def mixture_loss(
 
     ``endpoints``: each endpoint's ``(hidden, head)``, the hidden states ``B x S x d`` as
     ``hidden``'s; they carry no gradient. With ``head`` a :class:`VocabShard` the loss is
-    vocabulary-parallel: the endpoints' heads are whole, and each process takes its rows of them.
+    vocabulary-parallel: each process takes its rows of the endpoints' heads (whole, or shards
+    of the same split).
     """
     d = hidden.shape[-1]
     row_weights = torch.ones(hidden.shape[:-1], dtype=torch.bool, device=hidden.device) if mask is None else mask
@@ -380,7 +386,7 @@ def _mixture_plan(shard: VocabShard, endpoints: Sequence[tuple[Tensor, Tensor]],
         flat = [
             (
                 _gather_positions(h.detach().reshape(-1, d).to(compute), longest, shard),
-                shard.rows_of(w.detach()).to(compute),
+                shard.rows_of(w).detach().to(compute),
             )
             for h, w in endpoints
         ]

@@ -179,12 +179,14 @@ def test_an_endpoint_alone_is_its_stock_model(arch, data):
 def test_a_point_moving_only_the_tokens_read_is_the_whole_point(arch, data):
     """A call moves only the token-table rows its batch reads: its logits and the transforms'
     gradients are those of the whole interpolated state run through the stock class, over
-    randomised configs, for a batch of a few tokens and for one of random tokens."""
+    randomised configs, for a batch of a few tokens (the padding token among them) and for one
+    of random tokens."""
     from torch.func import functional_call
 
     from hf_lmc.matching.trainable import TrainableTransform
 
     config = data.draw(CONFIGS[arch]())
+    config.pad_token_id = 1  # read by the few tokens' batch: LLaMA's embedding gives its row no gradient
     a, b = (hf_lmc.canonicalize(build_model(config, seed=s)) for s in (1, 2))
     trainable = TrainableTransform(a.spec, hf_lmc.random_symmetry(a.spec, seed=3), dtype=torch.float64)
     with torch.no_grad():

@@ -40,7 +40,8 @@ from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
 from .sharing import RowSharing, sharing_mesh
 
 #: The canonical lookup tables (first axis the vocabulary, moved by no map): a call reads only
-#: its tokens' rows, so only those are moved (the others are left zero).
+#: its tokens' rows, so a moving point's table holds only those, moved, and the call's
+#: ``input_ids`` are renumbered into it (:meth:`Interpolant._evaluate`).
 TOKEN_TABLES = frozenset({"embed.tokens"})
 
 #: The canonical head's tensors whose first axis is the vocabulary (moved by no map): a
@@ -196,6 +197,10 @@ class Interpolant(nn.Module):
         for module in self.template.modules():  # no weights of its own: every call supplies them
             for name in module._parameters:
                 module._parameters[name] = None
+        # A token embedding's padding row takes no gradient (LLaMA's): in a renumbered table the
+        # row is held back by _lookup instead, the module's own padding index set aside.
+        self._embedding = self.template.get_input_embeddings() if not a.adapter.takes_images else None
+        self._padding = getattr(self._embedding, "padding_idx", None)
         self._point = _Point()
         for i in range(a.spec.num_layers):
             path = self._layer_path(i)
@@ -234,8 +239,9 @@ class Interpolant(nn.Module):
     def _group(
         self, group: Group, point: _Point, tokens: Tensor | None = None, vocab_rows: bool = False
     ) -> dict[str, Tensor]:
-        """HF tensors of one group of the interpolant at ``point`` (``tokens``: the batch's
-        ``input_ids``, whose rows of the token table are all a call reads; ``vocab_rows``: the
+        """HF tensors of one group of the interpolant at ``point`` (``tokens``: the distinct
+        ``input_ids`` of the batch, sorted, the only rows of the token table a moving point
+        builds, in that order; ``vocab_rows``: the
         head at this process's vocabulary rows only, where :meth:`_vocab_parallel` holds)."""
         members = point.members if point.members is not None else range(len(self.models))
         if not self.clock.running:
@@ -271,12 +277,13 @@ class Interpolant(nn.Module):
         self, group: Group, point: _Point, members, tokens: Tensor | None = None, vocab_rows: bool = False
     ) -> dict[str, Tensor]:
         moves = any(t is not None for t in point.transforms)
-        # A lookup table is read only at the batch's tokens: only those rows are moved.
-        used = tokens.unique() if tokens is not None and moves and group == "embed" else None
+        used = tokens if moves and group == "embed" else None
         if group in self._shared_groups and moves:
             merged = self._shared_build(group, point, members, used, HEAD_ROWS if vocab_rows else frozenset())
         else:
             merged = self._merged(group, point, members, used)
+            if vocab_rows:  # an endpoint's own head, at this process's vocabulary rows (views)
+                merged = {n: t[self._sharing.rows(t.shape[0])] if n in HEAD_ROWS else t for n, t in merged.items()}
         return self.a.adapter.hf_group(merged, self.config, self.a.spec, group)
 
     def _sources(self, group: Group, point: _Point, members) -> list[tuple[dict[str, Tensor], Transform | None]]:
@@ -302,13 +309,14 @@ class Interpolant(nn.Module):
         return weighted_sum(moved, weights)
 
     def _lookup(self, name: str, sources, weights, used: Tensor | None) -> Tensor | None:
-        """The token table ``name`` at the point with only the rows ``used`` moved (the others
-        zero: a lookup of the batch never reads them), or ``None`` where it is built whole."""
+        """The rows ``used`` of the token table ``name`` at the point, in that order (the table
+        the renumbered ``input_ids`` read), or ``None`` where it is built whole."""
         if used is None or name not in TOKEN_TABLES or axes_of(name)[0] is not None:
             return None
-        whole = sources[0][0][name]
         rows = self._mixed(name, sources, weights, used)
-        return whole.new_zeros(whole.shape, dtype=rows.dtype).index_copy(0, used, rows)
+        if self._padding is None:
+            return rows
+        return torch.where((used == self._padding)[:, None], rows.detach(), rows)  # the padding row: no gradient
 
     def _merged(self, group: Group, point: _Point, members, used: Tensor | None = None) -> dict[str, Tensor]:
         """The canonical tensors of ``group`` at ``point``, built whole by this process (a token
@@ -397,8 +405,9 @@ class Interpolant(nn.Module):
         calls this together, as the shared build's gathers need anyway)."""
         return self._evaluate(self._point_at(transforms, weights), batch, features=True)
 
-    def endpoint_features(self, k: int, **batch) -> tuple[Tensor, Tensor]:
-        """``(hidden, head)`` of endpoint ``k`` alone, as :meth:`features_at` returns them."""
+    def endpoint_features(self, k: int, **batch) -> tuple[Tensor, Tensor | VocabShard]:
+        """``(hidden, head)`` of endpoint ``k`` alone, as :meth:`features_at` returns them (the
+        head as this process's rows where :meth:`features_at`'s is)."""
         return self._evaluate(self._endpoint_point(k), batch, features=True)
 
     def _point_at(self, transforms, weights) -> _Point:
@@ -423,7 +432,14 @@ class Interpolant(nn.Module):
         vocab_rows = features and self._vocab_parallel(point)
         try:
             # Embeddings, final norm and head here; every layer builds its own weights when called.
-            tokens = batch.get("input_ids") if "inputs_embeds" not in batch else None
+            # A moving point's token table holds only the batch's tokens, which are renumbered
+            # into it: the lookups are the whole table's, and no vocabulary-sized table is built.
+            tokens = None
+            if "input_ids" in batch and "inputs_embeds" not in batch and any(t is not None for t in point.transforms):
+                tokens, renumbered = batch["input_ids"].unique(return_inverse=True)
+                batch = batch | {"input_ids": renumbered}
+                if self._padding is not None:
+                    self._embedding.padding_idx = None  # restored below; its backward has read it by then
             state = self._group("embed", point, tokens) | self._group("head", point, vocab_rows=vocab_rows)
             if not features:
                 return functional_call(self.template, state, args=(), kwargs=batch, tie_weights=False, strict=False)
@@ -441,12 +457,11 @@ class Interpolant(nn.Module):
             return hidden.last_hidden_state, head
         finally:
             self._point = _Point()
+            if self._embedding is not None:
+                self._embedding.padding_idx = self._padding
 
     def _vocab_parallel(self, point: _Point) -> bool:
-        """Whether the point's head is built shared (a moving point of a causal LM whose head
-        group is large enough to share): then its loss runs vocabulary-parallel."""
-        return (
-            self._head_key is not None
-            and "head" in self._shared_groups
-            and any(t is not None for t in point.transforms)
-        )
+        """Whether the head comes as this process's vocabulary rows, and the loss runs
+        vocabulary-parallel: for a causal LM whose head group is built shared (large enough to
+        share), at every point, the endpoints' included (their rows exported alone)."""
+        return self._head_key is not None and "head" in self._shared_groups
