@@ -45,8 +45,11 @@ Traffic per GPU and step (bytes), none on one GPU:
   ``4 L P b / N``, or ``6 L P b / N``, counted at the same bandwidth);
 * merged weights, float32: each layer is assembled by one all-gather of its rows per build
   (forward, recomputation) and its gradient reduce-scattered in backward,
-  ``3 x (N - 1) / N x L P x 4``; the embeddings and heads, one all-gather and one
-  reduce-scatter, ``2 x (N - 1) / N x 2 V d x 4``;
+  ``3 x (N - 1) / N x L P x 4``; the token table is built at the batch's tokens, never
+  gathered; the head either gathered and its gradient reduce-scattered, ``2 x (N - 1) / N x V d
+  x 4``, or kept at each process's vocabulary rows with the last hidden states gathered instead
+  (the point's and both endpoints') and their gradient reduce-scattered, ``4 x (N - 1) x T d x
+  4``, whichever is fewer bytes (as the interpolant chooses);
 
 all at an assumed 300 GB/s per GPU within a node (NVLink, N <= 8) and 50 GB/s across nodes
 (400 Gb/s InfiniBand per GPU). The predicted step assumes full overlap of traffic and compute:
@@ -181,7 +184,7 @@ def times(s: Shape, n: int, tokens: int, b: int, offload: bool, objective: str) 
     tokens, the traffic by kind, and the predicted step, overlapped and with the merged all-gathers exposed."""
     build, compute = flops(s, tokens, objective)
     rate = throughput()
-    lp, heads = s.layers * s.layer_params, 2 * s.vocab * s.d  # the merged model's embedding and head
+    lp = s.layers * s.layer_params
     share = (n - 1) / n  # of a collective's bytes that cross to or from one GPU
     gathers = 2 * (
         3 if objective == "ensemble" else 2
@@ -189,8 +192,15 @@ def times(s: Shape, n: int, tokens: int, b: int, offload: bool, objective: str) 
     endpoint = gathers * share * lp * 2  # gathered in bf16; 0 on one GPU
     if offload:  # host-to-device copies of every layer, each time it is gathered
         endpoint += gathers * lp * b / n
-    merged_gather = share * (2 * lp + heads) * 4  # float32: a layer per build (forward, recomputation)
-    merged = merged_gather + share * (lp + heads) * 4  # and the gradients' reduce-scatters
+    # float32: a layer per build (forward, recomputation), and the gradients' reduce-scatters; the
+    # token table is built at the batch's tokens, never gathered
+    merged_gather = share * 2 * lp * 4
+    merged = merged_gather + share * lp * 4
+    # the head: gathered and its gradient reduce-scattered, or kept at each process's vocabulary
+    # rows with every process's last hidden states gathered instead (the point's, and the ensemble
+    # target's endpoints'), and their gradient reduce-scattered; the interpolant takes the cheaper
+    positions = (2 + 2) * share * n * tokens * s.d * 4
+    merged += min(2 * share * s.vocab * s.d * 4, positions)
     bandwidth = INTRA_NODE if n <= GPUS_PER_NODE else INTER_NODE
     # --shard-endpoints (n > 1): each process builds 1/n of every tensor's rows; n = 1 builds it all
     t_build, t_tokens = build / n / rate, compute / rate

@@ -34,6 +34,7 @@ def main(out: str, flags: list[str]) -> None:
         dtype=torch.float32 if "--gather-float32" in flags else None,
         build="--whole-build" not in flags,
         share_from=0,  # tiny models: every group shared
+        vocab_parallel="--gather-head" not in flags,  # the head vocabulary-parallel unless told
     )
     path_class = DualPath if "--dual" in flags else LearnedPath
     named = [f.removeprefix("--objective=") for f in flags if f.startswith("--objective=")]

@@ -1099,6 +1099,7 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     runs["gpt2, dual, ensemble: four, sharded"] = (4, [*flags, *sharded])
     runs["gpt2, dual, ensemble: four, shared build"] = (4, [*flags, "--shared-build"])
     runs["gpt2, dual, ensemble: two, sharded, resumed"] = (2, [*flags, *sharded, "--resume"])
+    runs["gpt2, dual, ensemble: two, sharded, head gathered"] = (2, [*flags, *sharded, "--gather-head"])
     for name, (processes, flags) in runs.items():
         out = str(tmp_path / name)
         launch = (
@@ -1140,7 +1141,13 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
     reference = "gpt2, dual, ensemble: one"
     compared |= {
         f"{reference.removesuffix(': one')}: {name}": (reference, 1e-7, 1e-9)
-        for name in ("one, sharded, offloaded", "four, sharded", "four, shared build", "two, sharded, resumed")
+        for name in (
+            "one, sharded, offloaded",
+            "four, sharded",
+            "four, shared build",
+            "two, sharded, resumed",
+            "two, sharded, head gathered",
+        )
     }
     assert set(compared) | {"one"} | {f"{one}: one" for one in dual.values()} == set(runs)
     for name, (reference, rtol, atol) in compared.items():

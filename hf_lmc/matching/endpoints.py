@@ -67,6 +67,11 @@ class EndpointSharding:
             built whole by every process (their collectives would cost more than they save).
         layers: shard the endpoints' layers (off: every process keeps them whole, and with
             ``build`` only the build is shared: no gathers of the endpoints, where memory allows).
+        vocab_parallel: with ``build``, a causal LM's head stays in each process's vocabulary
+            rows and the loss runs vocabulary-parallel (:class:`~hf_lmc.head_loss.VocabShard`)
+            instead of the head being gathered: ``None`` decides per batch by which moves fewer
+            bytes (:meth:`~hf_lmc.matching.interpolant.Interpolant._vocab_parallel`), ``True``
+            and ``False`` always and never.
     """
 
     offload: bool = False
@@ -75,6 +80,7 @@ class EndpointSharding:
     build: bool = True
     layers: bool = True
     share_from: int = SHARED_MIN_NUMEL
+    vocab_parallel: bool | None = None
 
 
 def sharding_of(shard: bool | EndpointSharding) -> EndpointSharding | None:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
@@ -189,6 +190,7 @@ class Interpolant(nn.Module):
             if self._sharing is not None
             else frozenset()
         )
+        self._vocab_choice = sharding.vocab_parallel if sharding is not None else False
         self.clock = BuildClock()
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
@@ -429,7 +431,7 @@ class Interpolant(nn.Module):
             if transform is not None:
                 transform.prepare()  # before the checkpointed layers
         self._point = point
-        vocab_rows = features and self._vocab_parallel(point)
+        vocab_rows = features and self._vocab_parallel(batch)
         try:
             # Embeddings, final norm and head here; every layer builds its own weights when called.
             # A moving point's token table holds only the batch's tokens, which are renumbered
@@ -460,8 +462,25 @@ class Interpolant(nn.Module):
             if self._embedding is not None:
                 self._embedding.padding_idx = self._padding
 
-    def _vocab_parallel(self, point: _Point) -> bool:
-        """Whether the head comes as this process's vocabulary rows, and the loss runs
-        vocabulary-parallel: for a causal LM whose head group is built shared (large enough to
-        share), at every point, the endpoints' included (their rows exported alone)."""
-        return self._head_key is not None and "head" in self._shared_groups
+    def _vocab_parallel(self, batch: dict) -> bool:
+        """Whether the head comes as this process's vocabulary rows and the loss runs
+        vocabulary-parallel, at every point of this batch's loss, the endpoints' included:
+        for a causal LM whose head group is built shared (large enough to share), where that
+        moves fewer bytes than gathering the head. A gathered head costs an all-gather and a
+        reduce-scatter of ``(N - 1) / N x V d``; the vocabulary-parallel loss gathers each
+        process's last hidden states, the point's and (the ensemble target) every endpoint's,
+        and reduce-scatters their gradient, ``(2 + M) x (N - 1) x T d`` for ``T`` positions a
+        process: it pays while ``(2 + M) N T < 2 V`` (docs/design.md §5). ``T`` is the largest
+        process's, agreed by an all-reduce, so every process takes the same path."""
+        if self._head_key is None or "head" not in self._shared_groups or self._vocab_choice is False:
+            return False
+        if self._vocab_choice:
+            return True
+        group = self._sharing.group
+        inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+        positions = inputs.shape[:2].numel() if inputs is not None else 0
+        device = self._device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+        longest = torch.tensor([positions], device=device)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+        size = self.template.get_output_embeddings().out_features
+        return (2 + len(self.models)) * self._sharing.count * int(longest) < 2 * size
