@@ -249,11 +249,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 g = z.sub_(lse[:, None]).exp_()  # softmax(z) on this process's rows, in z's memory
                 if t.is_floating_point():
                     g.sub_(t)
-                else:
-                    rows_here = here.nonzero().view(-1)
-                    g.index_put_(
-                        (rows_here, t[rows_here]), torch.tensor(-1.0, dtype=g.dtype, device=g.device), accumulate=True
-                    )
+                else:  # -1 at the label where this process holds it (a mask, not nonzero(): no device sync)
+                    g.scatter_add_(1, t.clamp_min(0)[:, None], here.to(g.dtype).neg_()[:, None])
                 g = g.mul_(scale[start:stop, None]).to(w.dtype)
                 if grad_h is not None:
                     grad_h[start:stop] = g @ w

@@ -243,8 +243,8 @@ class Interpolant(nn.Module):
     ) -> dict[str, Tensor]:
         """HF tensors of one group of the interpolant at ``point`` (``tokens``: the distinct
         ``input_ids`` of the batch, sorted, the only rows of the token table a moving point
-        builds, in that order; ``vocab_rows``: the
-        head at this process's vocabulary rows only, where :meth:`_vocab_parallel` holds)."""
+        builds, in that order; ``vocab_rows``: the head at this process's vocabulary rows only,
+        where :meth:`_vocab_parallel` holds)."""
         members = point.members if point.members is not None else range(len(self.models))
         if not self.clock.running:
             return self._built(group, point, members, tokens, vocab_rows)
