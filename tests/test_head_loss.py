@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hf_lmc import head_loss
 from hf_lmc.evaluation import evaluate
-from hf_lmc.head_loss import mixture_loss, next_token_loss, sliced_cross_entropy
+from hf_lmc.head_loss import VocabShard, mixture_loss, next_token_loss, sliced_cross_entropy
 from hf_lmc.matching.learned import DualPath, SimplexPath
+from hf_lmc.matching.sharing import share_of
 from hf_lmc.verify import tiny_configs
 from tests.models import LargestOutput, build_model, causal_lm_loss, sample_inputs
 
@@ -173,11 +175,6 @@ def _vocab_parallel_losses(rank: int, world: int, store: str) -> None:
     the losses on its rows of the head (:class:`VocabShard`) against the whole head's, in value
     and in the gradients of the processes' summed losses (the head's rows against the rows of
     the summed whole gradient, the hidden states against their own)."""
-    import torch.distributed as dist
-
-    from hf_lmc.head_loss import VocabShard
-    from hf_lmc.matching.sharing import share_of
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
