@@ -9,7 +9,11 @@ default objective, layer checkpointing) on the same global batch, split across t
   * ``whole``: 2 processes, endpoints whole in each, every process building all of every
     weight (``--no-shard-build``; the only multi-process step before the shared build);
   * ``whole, shared build``: endpoints whole, each process building its rows of every weight
-    and all-gathers assembling them (a launch's default now);
+    (a launch's default now): where that moves fewer bytes, the layers run tensor-parallel on
+    the launch's batch (each linear at the process's rows, its outputs gathered), else
+    all-gathers assemble the weights;
+  * ``whole, shared build, weights gathered``: the same with the weights always gathered
+    (``EndpointSharding(tensor_parallel=False)``: the shared build before tensor-parallel layers);
   * ``sharded``: endpoints' layers sharded (FSDP2), every process building everything
     (``--shard-endpoints --no-shard-build``; ``--shard-endpoints`` before);
   * ``sharded, shared build``: both (``--shard-endpoints`` now).
@@ -59,7 +63,14 @@ SHAPES = {
     "wide": (1024, 4, 16, 4096, 1024, 4, 16),
     "cpu": (128, 4, 4, 512, 512, 32, 64),
 }
-MODES = ("one", "whole", "whole, shared build", "sharded", "sharded, shared build")
+MODES = (
+    "one",
+    "whole",
+    "whole, shared build",
+    "whole, shared build, weights gathered",
+    "sharded",
+    "sharded, shared build",
+)
 
 CHILD = r"""
 import json, sys, time
@@ -80,7 +91,9 @@ models = []
 for seed in (0, 1):
     torch.manual_seed(seed)
     models.append(tf.GPTNeoXForCausalLM(config))
-shard = mode not in ("one", "whole") and EndpointSharding(build=mode.endswith("shared build"), layers=mode.startswith("sharded"))
+shard = mode not in ("one", "whole") and EndpointSharding(
+    build="shared build" in mode, layers=mode.startswith("sharded"), tensor_parallel=False if "weights gathered" in mode else None
+)
 torch.manual_seed(0)
 path = DualPath(*models, init="identity", shard_endpoints=shard)
 del models

@@ -5,7 +5,7 @@ merge's logits and the endpoint elements each process holds are saved by the mai
 the test can compare the 2-process runs (endpoints whole or sharded) with the 1-process run.
 
     python tests/distributed_fit.py OUT [--shard-endpoints | --shared-build] [--offload] [--gather-float32] [--whole-build]
-        [--family=NAME] [--dual] [--objective=NAME] [--resume]
+        [--family=NAME] [--dual] [--objective=NAME] [--resume] [--gather-head] [--tensor-parallel]
 
 ``--offload`` keeps the shards in CPU memory (FSDP2's CPU offload: on a CPU machine the same
 memory, but the offload code path); ``--gather-float32`` gathers the float64 endpoints in float32;
@@ -13,7 +13,9 @@ memory, but the offload code path); ``--gather-float32`` gathers the float64 end
 ``--shared-build`` keeps the endpoints whole and shares only the build (``EndpointSharding(layers=False)``);
 ``--family=`` picks the tiny model (default ``gpt2``); ``--dual`` trains a :class:`DualPath`
 (default: :class:`LearnedPath`); ``--objective=`` the loss (default: the library's);
-``--resume`` kills the run after its second step's checkpoint and resumes it in a fresh matcher.
+``--resume`` kills the run after its second step's checkpoint and resumes it in a fresh matcher;
+``--gather-head`` gathers the head instead of running the loss vocabulary-parallel;
+``--tensor-parallel`` runs the layers tensor-parallel (their outputs gathered, not their weights).
 """
 
 import json
@@ -35,6 +37,7 @@ def main(out: str, flags: list[str]) -> None:
         build="--whole-build" not in flags,
         share_from=0,  # tiny models: every group shared
         vocab_parallel="--gather-head" not in flags,  # the head vocabulary-parallel unless told
+        tensor_parallel="--tensor-parallel" in flags,  # the layers' weights gathered unless told
     )
     path_class = DualPath if "--dual" in flags else LearnedPath
     named = [f.removeprefix("--objective=") for f in flags if f.startswith("--objective=")]

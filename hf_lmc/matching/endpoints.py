@@ -72,6 +72,12 @@ class EndpointSharding:
             instead of the head being gathered: ``None`` decides per batch by which moves fewer
             bytes (:meth:`~hf_lmc.matching.interpolant.Interpolant._vocab_parallel`), ``True``
             and ``False`` always and never.
+        tensor_parallel: with ``build``, a causal LM's layers run tensor-parallel where that
+            moves fewer bytes: each process runs every linear at its built rows alone, on the
+            launch's whole batch, and the linears' outputs are gathered instead of their weights
+            (:mod:`hf_lmc.matching.tensor_parallel`): ``None`` decides per batch by bytes
+            (:meth:`~hf_lmc.matching.interpolant.Interpolant._tensor_parallel`), ``True``
+            wherever the processes' batches have one shape, ``False`` never.
     """
 
     offload: bool = False
@@ -81,6 +87,7 @@ class EndpointSharding:
     layers: bool = True
     share_from: int = SHARED_MIN_NUMEL
     vocab_parallel: bool | None = None
+    tensor_parallel: bool | None = None
 
 
 def sharding_of(shard: bool | EndpointSharding) -> EndpointSharding | None:
@@ -166,6 +173,13 @@ class EndpointStore:
         """Elements of ``group``'s largest tensor (the whole tensor's, also when sharded)."""
         tensors = self.layers[group].parameters() if self.sharded(group) else self.tensors[group].values()
         return max(t.numel() for t in tensors)
+
+    def shapes(self, group: Group) -> dict[str, torch.Size]:
+        """The whole shapes of ``group``'s tensors (also when sharded: no gather)."""
+        if self.sharded(group):
+            layer = self.layers[group]
+            return {name: getattr(layer, slot).shape for name, slot in layer.names.items()}
+        return {name: t.shape for name, t in self.tensors[group].items()}
 
     def sharded(self, group: Group) -> bool:
         """Whether FSDP2 keeps ``group``: layers, when sharded across processes (or offloaded)."""

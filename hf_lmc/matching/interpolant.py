@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from ..spec import Group
 from ..symmetry import Transform, axes_of
 from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
 from .sharing import RowSharing, sharing_mesh
+from .tensor_parallel import LayerPlan, gathered_features, plan_layer
 
 #: The canonical lookup tables (first axis the vocabulary, moved by no map): a call reads only
 #: its tokens' rows, so a moving point's table holds only those, moved, and the call's
@@ -57,12 +59,14 @@ class _Point:
 
     ``transforms[i]`` moves the i-th endpoint the point mixes (``None``: it stays as it is) and
     ``weights`` sum to 1; ``members`` names those endpoints (``None``: all of them, in order), so
-    a point of one endpoint reads (and, sharded, gathers) that endpoint's tensors alone.
+    a point of one endpoint reads (and, sharded, gathers) that endpoint's tensors alone;
+    ``parallel``: its layers run tensor-parallel on the launch's batch (:meth:`Interpolant._tensor_parallel`).
     """
 
     transforms: tuple[Transform | None, ...] = ()
     weights: tuple[float | Tensor, ...] = ()
     members: tuple[int, ...] | None = None
+    parallel: bool = False
 
 
 @dataclass
@@ -120,21 +124,29 @@ def checkpointed_layers(num_layers: int, checkpoint_layers: bool | float) -> fro
 class _RebuiltLayer(nn.Module):
     """A stock layer module whose weights are interpolated on the fly from the canonical endpoints."""
 
-    def __init__(self, layer: nn.Module, build, current, checkpointed: bool):
+    def __init__(self, layer: nn.Module, build, current, running, checkpointed: bool):
         super().__init__()
         self.layer = layer
         self._build = build  # (point) -> {layer-relative HF name: tensor}
         self._current = current  # () -> the point of the call in progress
+        self._running = running  # (point) -> a context the layer's call runs in
         self.checkpointed = checkpointed
 
     def _run(self, point: _Point, *args, **kwargs):
-        return functional_call(self.layer, self._build(point), args, kwargs, tie_weights=False, strict=False)
+        with self._running(point):
+            return functional_call(self.layer, self._build(point), args, kwargs, tie_weights=False, strict=False)
 
     def forward(self, *args, **kwargs):
         point = self._current()  # captured now: backward's recomputation must see the same point
         if self.checkpointed and torch.is_grad_enabled():
             return checkpoint(self._run, point, *args, use_reentrant=False, **kwargs)
         return self._run(point, *args, **kwargs)
+
+
+def _features_of_weight(module: nn.Module, args) -> None:
+    """A ``Conv1D``'s pre-hook: its output has as many features as the weight it runs with has
+    columns (a tensor-parallel call's: this process's share)."""
+    module.nf = module.weight.shape[-1]
 
 
 class Interpolant(nn.Module):
@@ -191,6 +203,10 @@ class Interpolant(nn.Module):
             else frozenset()
         )
         self._vocab_choice = sharding.vocab_parallel if sharding is not None else False
+        self._parallel_choice = sharding.tensor_parallel if sharding is not None else False
+        self._plans: dict[int, LayerPlan | None] = {}  # each layer's, traced at its first use
+        self._constants: dict[tuple, dict[str, Tensor]] = {}  # a planned layer's constants, per dtype and device
+        self._parallel = False  # a tensor-parallel layer is running: its linears gather their features
         self.clock = BuildClock()
         self.a, self.b = self.models[:2]
         self.config = export_config(self.a)
@@ -209,7 +225,9 @@ class Interpolant(nn.Module):
             parent, name = path.rpartition(".")[::2]
             owner = self.template.get_submodule(parent)
             layer = owner.get_submodule(name)
-            rebuilt = _RebuiltLayer(layer, self._layer_builder(i, path + "."), lambda: self._point, i in checkpointed)
+            rebuilt = _RebuiltLayer(
+                layer, self._layer_builder(i, path + "."), lambda: self._point, self._running, i in checkpointed
+            )
             owner.register_module(name, rebuilt)
 
     def _apply(self, fn, recurse: bool = True):
@@ -280,6 +298,8 @@ class Interpolant(nn.Module):
     ) -> dict[str, Tensor]:
         moves = any(t is not None for t in point.transforms)
         used = tokens if moves and group == "embed" else None
+        if point.parallel and moves and self._plans.get(group) is not None:
+            return self._parallel_build(group, point, members)
         if group in self._shared_groups and moves:
             merged = self._shared_build(group, point, members, used, HEAD_ROWS if vocab_rows else frozenset())
         else:
@@ -365,6 +385,74 @@ class Interpolant(nn.Module):
         matrices = self._sharing.gather(parts(), waiting=lambda: self.clock.timing("gathers", self._device))
         return {name: local[name] if name in local else matrices[name] for name in shapes}
 
+    def _parallel_build(self, group: int, point: _Point, members) -> dict[str, Tensor]:
+        """Layer ``group``'s HF tensors for a tensor-parallel call: each linear's at this
+        process's output features, built from its rows of the canonical matrices (and the whole
+        vectors its biases read); the rest, constants of the export (:mod:`hf_lmc.matching.tensor_parallel`)."""
+        plan = self._plans[group]
+        sources = self._sources(group, point, members)
+        local = {}
+        for name in plan.matrices:
+            rows = self._mixed(name, sources, point.weights, self._sharing.rows(sources[0][0][name].shape[0]))
+            local[name] = rows.flatten(1)
+        vectors = {name: self._mixed(name, sources, point.weights) for name in plan.vectors}
+        like = next(iter(sources[0][0].values()))
+        key = (group, like.dtype, like.device)
+        if key not in self._constants:
+            zeros = {name: torch.zeros_like(t) for name, t in sources[0][0].items()}
+            exported = self.a.adapter.hf_group(zeros, self.config, self.a.spec, group)
+            self._constants[key] = {name: exported[name] for name in plan.constants}
+        return plan.assemble(local, vectors, self._constants[key])
+
+    def _plan(self, i: int) -> LayerPlan | None:
+        """Layer ``i``'s tensor-parallel plan, traced from the adapter's export at its first use
+        (its linears then gather their features while :attr:`_parallel` is set), or ``None``
+        where the layer is not built shared or its export is not row for row."""
+        if i not in self._plans:
+            plan = None
+            if i in self._shared_groups:
+                path = self._layer_path(i)
+                layer = self.template.get_submodule(path).layer
+                plan = plan_layer(
+                    lambda t: self.a.adapter.hf_group(t, self.config, self.a.spec, i),
+                    self.endpoints[0].shapes(i),
+                    layer,
+                    path + ".",
+                    self._sharing.rank,
+                    self._sharing.count,
+                )
+                for module, linear in (plan.linears if plan is not None else {}).items():
+                    linear_module = layer.get_submodule(module)
+                    linear_module.register_forward_hook(self._gathering(linear.layout))
+                    if hasattr(linear_module, "nf"):  # Conv1D shapes its output by nf: its weight's columns now
+                        linear_module.register_forward_pre_hook(_features_of_weight)
+            self._plans[i] = plan
+        return self._plans[i]
+
+    def _gathering(self, layout):
+        """The forward hook of a planned linear: in a tensor-parallel call, its output at this
+        process's features becomes the whole output (an all-gather of every process's)."""
+
+        def hook(module, args, output):
+            if not self._parallel:
+                return None
+            if not self.clock.running:
+                return gathered_features(output, layout, self._sharing)
+            with self.clock.timing("gathers", self._device):
+                return gathered_features(output, layout, self._sharing)
+
+        return hook
+
+    @contextlib.contextmanager
+    def _running(self, point: _Point):
+        """The context a layer's call runs in: its planned linears gather their features in a
+        tensor-parallel call (also when checkpointing recomputes it in backward)."""
+        previous, self._parallel = self._parallel, point.parallel
+        try:
+            yield
+        finally:
+            self._parallel = previous
+
     def state(
         self, transform: Transform, alpha: float | Tensor, transform_a: Transform | None = None
     ) -> dict[str, Tensor]:
@@ -430,8 +518,17 @@ class Interpolant(nn.Module):
         for transform in point.transforms:
             if transform is not None:
                 transform.prepare()  # before the checkpointed layers
-        self._point = point
         vocab_rows = features and self._vocab_parallel(batch)
+        own = None  # in a tensor-parallel call: this process's rows of the launch's batch
+        if features and any(t is not None for t in point.transforms) and self._tensor_parallel(batch):
+            size = batch["input_ids"].shape[0]
+            own = slice(self._sharing.rank * size, (self._sharing.rank + 1) * size)
+            batch = {
+                k: self._launch_batch(v) if isinstance(v, Tensor) and v.dim() and v.shape[0] == size else v
+                for k, v in batch.items()
+            }
+            point = dataclasses.replace(point, parallel=True)
+        self._point = point
         try:
             # Embeddings, final norm and head here; every layer builds its own weights when called.
             # A moving point's token table holds only the batch's tokens, which are renumbered
@@ -453,10 +550,11 @@ class Interpolant(nn.Module):
                 self.template.base_model, body, args=(), kwargs=batch, tie_weights=False, strict=False
             )
             head = state[self._head_key]
+            last = hidden.last_hidden_state if own is None else hidden.last_hidden_state[own]
             if vocab_rows:
                 size, sharing = self.template.get_output_embeddings().out_features, self._sharing
                 head = VocabShard(head, sharing.rows(size).start, size, sharing.group, sharing.rank, sharing.count)
-            return hidden.last_hidden_state, head
+            return last, head
         finally:
             self._point = _Point()
             if self._embedding is not None:
@@ -484,3 +582,37 @@ class Interpolant(nn.Module):
         dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
         size = self.template.get_output_embeddings().out_features
         return (2 + len(self.models)) * self._sharing.count * int(longest) < 2 * size
+
+    def _tensor_parallel(self, batch: dict) -> bool:
+        """Whether a moving point's layers run tensor-parallel on this batch
+        (:mod:`hf_lmc.matching.tensor_parallel`): its linears at each process's output
+        features, on the launch's batch, their outputs gathered instead of their weights. For a
+        causal LM's features (:meth:`features_at`) built shared, every process's batch of one
+        shape (an all-reduce compares them), and some layer planned; then where that moves
+        fewer bytes: the launch's ``T`` tokens times the planned linears' output features,
+        below their weights' elements (each crosses three times a step either way). Every
+        process calls this together with the same batch keys."""
+        ids = batch.get("input_ids")
+        if self._parallel_choice is False or self._sharing is None or ids is None or "inputs_embeds" in batch:
+            return False
+        plans = [p for p in (self._plan(i) for i in range(self.a.spec.num_layers)) if p is not None]
+        if not plans:
+            return False
+        shapes = [v.shape for _, v in sorted(batch.items()) if isinstance(v, Tensor)]
+        signature = torch.tensor([d for shape in shapes for d in (len(shape), *shape)], dtype=torch.long)
+        device = self._device if dist.get_backend(self._sharing.group) != "gloo" else torch.device("cpu")
+        bounds = torch.cat([signature, -signature]).to(device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._sharing.group)
+        if not torch.equal(bounds[: len(signature)], -bounds[len(signature) :]):
+            return False  # the processes' batches differ in shape: the weights are gathered
+        if self._parallel_choice:
+            return True
+        tokens = self._sharing.count * ids.numel()
+        return tokens * sum(p.sent for p in plans) < sum(p.weights for p in plans)
+
+    def _launch_batch(self, part: Tensor) -> Tensor:
+        """Every process's ``part`` of one batch tensor, in process order (an all-gather)."""
+        carried = part.to(torch.uint8) if part.dtype == torch.bool else part
+        whole = carried.new_empty((self._sharing.count * part.shape[0], *part.shape[1:]))
+        dist.all_gather_single(whole, carried.contiguous(), group=self._sharing.group)
+        return whole.to(torch.bool) if part.dtype == torch.bool else whole
