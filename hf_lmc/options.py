@@ -354,7 +354,8 @@ class AccelerateOptions(Options):
     shard_build: bool = Field(
         True,
         description="under several processes, each builds 1/N of the rows of every interpolated weight (layers, embeddings, "
-        "heads) and all-gathers assemble them; off, every process builds all of them",
+        "heads) and all-gathers assemble them, or, where the launch's tokens are fewer than a layer's weights, the layers run "
+        "tensor-parallel on the launch's batch and their outputs are gathered instead; off, every process builds all of them",
     )
     offload_endpoints: bool = Field(
         False,
