@@ -187,6 +187,16 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
                         torch.testing.assert_close(
                             grads[key], expected[key], rtol=rtol, atol=atol, msg=f"{message}: {key}"
                         )
+        # Left to the byte rule: tensor-parallel while the launch's tokens times the layers'
+        # rows (GPT-2's tiny layer: 72) are below their elements (768), 2 tokens a process, not 12.
+        path = _paths("gpt2", None)
+        for length, parallel in ((2, True), (12, False)):
+            ids = torch.randint(
+                0, tiny_configs()["gpt2"].vocab_size, (1, length), generator=torch.Generator().manual_seed(1)
+            )
+            before = len(gathers)
+            path({"input_ids": ids}, alpha=0.3).backward()
+            assert (len(gathers) > before) == parallel, length
     finally:
         interpolant_module.gathered_features = gathered_features
         dist.destroy_process_group()
@@ -197,7 +207,8 @@ def test_tensor_parallel_layers_give_the_one_process_loss_and_gradients(tmp_path
     """Under gloo at 2 and 3 processes (uneven shares of GQA's key-value rows at 3), the dual
     path with its layers tensor-parallel gives, on each process's shard of a global batch, the
     loss and the mean gradients of one process on the whole batch, as the gathered build does,
-    for every causal family and both objectives."""
+    for every causal family and both objectives; left to the byte rule, the layers run
+    tensor-parallel on a short batch and not on a long one."""
     for world in (2, 3):
         store = tmp_path_factory.mktemp("store") / "rendezvous"
         torch.multiprocessing.spawn(_tensor_parallel_gradients, args=(world, str(store)), nprocs=world)

@@ -588,15 +588,15 @@ class Interpolant(nn.Module):
         (:mod:`hf_lmc.matching.tensor_parallel`): its linears at each process's output
         features, on the launch's batch, their outputs gathered instead of their weights. For a
         causal LM's features (:meth:`features_at`) built shared, every process's batch of one
-        shape (an all-reduce compares them), and some layer planned; then where that moves
-        fewer bytes: the launch's ``T`` tokens times the planned linears' output features,
-        below their weights' elements (each crosses three times a step either way). Every
-        process calls this together with the same batch keys."""
+        shape (an all-reduce compares them), where that moves fewer bytes (unless forced) and
+        some layer is planned. The bytes: the launch's ``T`` tokens times the shared layers'
+        matrix rows (the linears' output features) against their elements (their weights),
+        each crossing three times a step either way; read off the shapes, so a layer is traced
+        (:meth:`_plan`, a few exports of it on the CPU) only where it would run
+        tensor-parallel. Every process calls this together with the same batch keys."""
         ids = batch.get("input_ids")
-        if self._parallel_choice is False or self._sharing is None or ids is None or "inputs_embeds" in batch:
-            return False
-        plans = [p for p in (self._plan(i) for i in range(self.a.spec.num_layers)) if p is not None]
-        if not plans:
+        layers = [i for i in range(self.a.spec.num_layers) if i in self._shared_groups]
+        if self._parallel_choice is False or not layers or ids is None or "inputs_embeds" in batch:
             return False
         shapes = [v.shape for _, v in sorted(batch.items()) if isinstance(v, Tensor)]
         signature = torch.tensor([d for shape in shapes for d in (len(shape), *shape)], dtype=torch.long)
@@ -605,10 +605,11 @@ class Interpolant(nn.Module):
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._sharing.group)
         if not torch.equal(bounds[: len(signature)], -bounds[len(signature) :]):
             return False  # the processes' batches differ in shape: the weights are gathered
-        if self._parallel_choice:
-            return True
-        tokens = self._sharing.count * ids.numel()
-        return tokens * sum(p.sent for p in plans) < sum(p.weights for p in plans)
+        if self._parallel_choice is None:
+            matrices = [s for i in layers for s in self.endpoints[0].shapes(i).values() if len(s) >= 2]
+            if self._sharing.count * ids.numel() * sum(s[0] for s in matrices) >= sum(s.numel() for s in matrices):
+                return False
+        return any(self._plan(i) is not None for i in layers)
 
     def _launch_batch(self, part: Tensor) -> Tensor:
         """Every process's ``part`` of one batch tensor, in process order (an all-gather)."""

@@ -122,8 +122,6 @@ class LayerPlan:
     vectors: tuple[str, ...]
     linears: dict[str, _Linear]  # by module path, relative to the layer
     constants: tuple[str, ...]
-    sent: int  # numbers an all-gather moves per token: the linears' output features
-    weights: int  # numbers a gathered build moves per gather: the linears' weights
 
     def assemble(self, local: Mapping[str, Tensor], vectors: Mapping[str, Tensor], constants: Mapping[str, Tensor]):
         """The layer's HF tensors: each linear's at this process's features, the constants whole."""
@@ -304,8 +302,6 @@ def plan_layer(
         vectors=tuple(sorted(used_vectors)),
         linears=linears,
         constants=tuple(constants),
-        sent=sum(len(sources) for _, _, sources in weights.values()),
-        weights=sum(codes[hf].numel() for hf, _, _ in weights.values()),
     )
 
 
