@@ -9,14 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
-from hf_lmc.matching.sharing import RowSharing, share_of
+from hf_lmc.matching.sharing import RowSharing, owner_of, share_of
 from hf_lmc.matching.trainable import TrainableTransform
 from tests.models import ARCHITECTURES, CONFIGS, build_model, transform_tensors
 
 
 def test_shares_are_torch_chunks():
     """A process's rows are ``torch.chunk``'s (FSDP2's shard of the same tensor); shares past
-    the end are empty, and together they cover every row once."""
+    the end are empty, together they cover every row once, and ``owner_of`` names the share
+    that holds a row."""
     for size in range(12):
         for count in range(1, 6):
             rows = torch.arange(size)
@@ -25,6 +26,9 @@ def test_shares_are_torch_chunks():
             assert torch.equal(torch.cat(shares), rows)
             assert all(torch.equal(s, c) for s, c in zip(shares, chunks))
             assert all(s.numel() == 0 for s in shares[len(chunks) :])
+            assert [owner_of(row, size, count) for row in range(size)] == [
+                r for r in range(count) for _ in shares[r]
+            ]  # the owner of a row is the process whose share holds it
 
 
 def _transforms(spec, start):

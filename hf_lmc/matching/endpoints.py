@@ -171,8 +171,7 @@ class EndpointStore:
 
     def largest(self, group: Group) -> int:
         """Elements of ``group``'s largest tensor (the whole tensor's, also when sharded)."""
-        tensors = self.layers[group].parameters() if self.sharded(group) else self.tensors[group].values()
-        return max(t.numel() for t in tensors)
+        return max(shape.numel() for shape in self.shapes(group).values())
 
     def shapes(self, group: Group) -> dict[str, torch.Size]:
         """The whole shapes of ``group``'s tensors (also when sharded: no gather)."""

@@ -204,6 +204,10 @@ class Interpolant(nn.Module):
         )
         self._vocab_choice = sharding.vocab_parallel if sharding is not None else False
         self._parallel_choice = sharding.tensor_parallel if sharding is not None else False
+        # The shared layers, and their matrices' rows and elements: what _tensor_parallel weighs.
+        self._shared_layers = [i for i in range(a.spec.num_layers) if i in self._shared_groups]
+        matrices = [s for i in self._shared_layers for s in self.endpoints[0].shapes(i).values() if len(s) >= 2]
+        self._layer_rows, self._layer_elements = sum(s[0] for s in matrices), sum(s.numel() for s in matrices)
         self._plans: dict[int, LayerPlan | None] = {}  # each layer's, traced at its first use
         self._constants: dict[tuple, dict[str, Tensor]] = {}  # a planned layer's constants, per dtype and device
         self._parallel = False  # a tensor-parallel layer is running: its linears gather their features
@@ -298,7 +302,7 @@ class Interpolant(nn.Module):
     ) -> dict[str, Tensor]:
         moves = any(t is not None for t in point.transforms)
         used = tokens if moves and group == "embed" else None
-        if point.parallel and moves and self._plans.get(group) is not None:
+        if point.parallel and self._plans.get(group) is not None:  # only a moving point runs so
             return self._parallel_build(group, point, members)
         if group in self._shared_groups and moves:
             merged = self._shared_build(group, point, members, used, HEAD_ROWS if vocab_rows else frozenset())
@@ -518,9 +522,10 @@ class Interpolant(nn.Module):
         for transform in point.transforms:
             if transform is not None:
                 transform.prepare()  # before the checkpointed layers
+        moves = any(t is not None for t in point.transforms)
         vocab_rows = features and self._vocab_parallel(batch)
         own = None  # in a tensor-parallel call: this process's rows of the launch's batch
-        if features and any(t is not None for t in point.transforms) and self._tensor_parallel(batch):
+        if features and moves and self._tensor_parallel(batch):
             size = batch["input_ids"].shape[0]
             own = slice(self._sharing.rank * size, (self._sharing.rank + 1) * size)
             batch = {
@@ -534,7 +539,7 @@ class Interpolant(nn.Module):
             # A moving point's token table holds only the batch's tokens, which are renumbered
             # into it: the lookups are the whole table's, and no vocabulary-sized table is built.
             tokens = None
-            if "input_ids" in batch and "inputs_embeds" not in batch and any(t is not None for t in point.transforms):
+            if "input_ids" in batch and "inputs_embeds" not in batch and moves:
                 tokens, renumbered = batch["input_ids"].unique(return_inverse=True)
                 batch = batch | {"input_ids": renumbered}
                 if self._padding is not None:
@@ -595,8 +600,7 @@ class Interpolant(nn.Module):
         (:meth:`_plan`, a few exports of it on the CPU) only where it would run
         tensor-parallel. Every process calls this together with the same batch keys."""
         ids = batch.get("input_ids")
-        layers = [i for i in range(self.a.spec.num_layers) if i in self._shared_groups]
-        if self._parallel_choice is False or not layers or ids is None or "inputs_embeds" in batch:
+        if self._parallel_choice is False or not self._shared_layers or ids is None or "inputs_embeds" in batch:
             return False
         shapes = [v.shape for _, v in sorted(batch.items()) if isinstance(v, Tensor)]
         signature = torch.tensor([d for shape in shapes for d in (len(shape), *shape)], dtype=torch.long)
@@ -605,11 +609,12 @@ class Interpolant(nn.Module):
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._sharing.group)
         if not torch.equal(bounds[: len(signature)], -bounds[len(signature) :]):
             return False  # the processes' batches differ in shape: the weights are gathered
-        if self._parallel_choice is None:
-            matrices = [s for i in layers for s in self.endpoints[0].shapes(i).values() if len(s) >= 2]
-            if self._sharing.count * ids.numel() * sum(s[0] for s in matrices) >= sum(s.numel() for s in matrices):
-                return False
-        return any(self._plan(i) is not None for i in layers)
+        if (
+            self._parallel_choice is None
+            and self._sharing.count * ids.numel() * self._layer_rows >= self._layer_elements
+        ):
+            return False
+        return any(self._plan(i) is not None for i in self._shared_layers)
 
     def _launch_batch(self, part: Tensor) -> Tensor:
         """Every process's ``part`` of one batch tensor, in process order (an all-gather)."""

@@ -45,6 +45,11 @@ def share_of(size: int, rank: int, count: int) -> slice:
     return slice(min(rank * chunk, size), min((rank + 1) * chunk, size))
 
 
+def owner_of(row: int, size: int, count: int) -> int:
+    """The process whose :func:`share_of` of ``size`` rows split ``count`` ways holds ``row``."""
+    return row // -(-size // count)
+
+
 class _Assembled(torch.autograd.Function):
     """The whole tensors a group's all-gathers are filling (issued on the rows as each was
     computed), once they are waited on; backward, a summing reduce-scatter of every tensor's

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from .sharing import RowSharing, share_of
+from .sharing import RowSharing, owner_of, share_of
 
 #: Rows carry ``code * _BASE + row + 1`` in the traced export: float64 holds it exactly.
 _BASE = 1 << 24
@@ -260,8 +260,7 @@ def plan_layer(
         return None  # a matrix no linear reads, or a bias of a module that is no linear run here
     linears, used_vectors = {}, set()
     for path, (hf, axis, sources) in weights.items():
-        # Process q builds rows [q c, (q + 1) c) of a tensor of n rows, c = ceil(n / count).
-        owners = [r // -(-shapes[n][0] // count) for n, r in sources]
+        owners = [owner_of(r, shapes[n][0], count) for n, r in sources]
         own = [j for j, q in enumerate(owners) if q == rank]
         sizes = tuple(owners.count(q) for q in range(count))
         seen, order = [0] * count, []
