@@ -135,6 +135,14 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
     gathers = []  # the linears' output gathers: none unless tensor parallel
     gathered_features = interpolant_module.gathered_features
     interpolant_module.gathered_features = lambda *args: gathers.append(1) or gathered_features(*args)
+    weights_gathered = set()  # the layers whose weights a call gathered: none while tensor parallel
+    shared_build = interpolant_module.Interpolant._shared_build
+
+    def recording_shared_build(self, group, *args, **kwargs):
+        weights_gathered.add(group)
+        return shared_build(self, group, *args, **kwargs)
+
+    interpolant_module.Interpolant._shared_build = recording_shared_build
     try:
         for family in LANGUAGE_MODELS:
             vocab = tiny_configs()[family].vocab_size
@@ -162,9 +170,13 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
                                     )
                                 )
                     before = len(gathers)
+                    weights_gathered.clear()
                     loss = path(batch, alpha=0.3)
                     loss.backward()
                     assert (len(gathers) > before) == (name == "tensor parallel"), name
+                    layers = set(range(tiny_configs()[family].num_hidden_layers))
+                    if name != "whole":  # every layer tensor parallel, or every layer's weights gathered
+                        assert layers & weights_gathered == (set() if name == "tensor parallel" else layers), name
                     grads = {n: p.grad.clone() for n, p in path.named_parameters() if p.grad is not None}
                     if name != "whole":
                         for g in grads.values():
@@ -199,6 +211,7 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
             assert (len(gathers) > before) == parallel, length
     finally:
         interpolant_module.gathered_features = gathered_features
+        interpolant_module.Interpolant._shared_build = shared_build
         dist.destroy_process_group()
 
 

@@ -302,7 +302,7 @@ class Interpolant(nn.Module):
     ) -> dict[str, Tensor]:
         moves = any(t is not None for t in point.transforms)
         used = tokens if moves and group == "embed" else None
-        if point.parallel and self._plans.get(group) is not None:  # only a moving point runs so
+        if point.parallel and isinstance(group, int) and self._plan(group) is not None:  # a moving point
             return self._parallel_build(group, point, members)
         if group in self._shared_groups and moves:
             merged = self._shared_build(group, point, members, used, HEAD_ROWS if vocab_rows else frozenset())
@@ -614,7 +614,8 @@ class Interpolant(nn.Module):
             and self._sharing.count * ids.numel() * self._layer_rows >= self._layer_elements
         ):
             return False
-        return any(self._plan(i) is not None for i in self._shared_layers)
+        plans = [self._plan(i) for i in self._shared_layers]  # every layer's now: no short cut past one
+        return any(plan is not None for plan in plans)
 
     def _launch_batch(self, part: Tensor) -> Tensor:
         """Every process's ``part`` of one batch tensor, in process order (an all-gather)."""
