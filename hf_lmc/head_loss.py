@@ -233,20 +233,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             for start in range(0, h.shape[0], rows):
                 stop = min(start + rows, h.shape[0])
                 z = (h[start:stop] @ w.T).to(wide)
-                lse = _combined_logsumexp(z, shard)
                 t = targets(start, stop, z)
                 if t.is_floating_point():
                     dot = (t.unsqueeze(1) @ z.unsqueeze(2)).view(-1)
                 else:
                     here = t >= 0
                     dot = torch.where(here, z.gather(1, t.clamp_min(0)[:, None]).view(-1), 0.0)
+                e, lse, top = _combined_shifted_exp_(z, shard)  # z's memory, read by dot already
                 # each process adds its vocabulary's <t, z>; the normaliser once, by the row's owner
                 own = owner[start:stop] == shard.rank
                 part = scale[start:stop] * (torch.where(own, lse, 0.0) - dot)
                 losses.index_add_(0, owner[start:stop], part)
                 if grad_h is None and grad_head is None:
                     continue
-                g = z.sub_(lse[:, None]).exp_()  # softmax(z) on this process's rows, in z's memory
+                g = e.mul_((top - lse[:, None]).exp_())  # softmax(z) on this process's rows, in z's memory
                 if t.is_floating_point():
                     g.sub_(t)
                 else:  # -1 at the label where this process holds it (a mask, not nonzero(): no device sync)
@@ -274,13 +274,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return *_forward_gradients(ctx, grad_output), None, None, None, None
 
 
-def _combined_logsumexp(z: Tensor, shard: VocabShard) -> Tensor:
-    """Each row's ``logsumexp`` over the whole vocabulary from every process's rows of it (``z``:
-    this process's logits, ``-inf`` where it holds none)."""
-    local = torch.logsumexp(z, -1) if z.shape[1] else z.new_full(z.shape[:1], -torch.inf)
+def _combined_shifted_exp_(z: Tensor, shard: VocabShard) -> tuple[Tensor, Tensor, Tensor]:
+    """``(e, lse, top)`` for this process's logits ``z`` (its vocabulary rows): ``e = exp(z -
+    top)`` in ``z``'s memory, ``top`` the rows' local maxima, and ``lse`` each row's
+    ``logsumexp`` over the whole vocabulary, combined from every process's (one all-gather).
+    The softmax over the whole vocabulary at this process's rows is ``e * exp(top - lse)``: one
+    exponential of the logits, where ``logsumexp`` and then the softmax would take two."""
+    if z.shape[1]:
+        e, sums, top = _shifted_exp_(z)
+        local = (sums.log_() + top).view(-1)
+    else:  # no vocabulary rows here
+        e, top = z, z.new_full((z.shape[0], 1), -torch.inf)
+        local = top.view(-1)
     every = local.new_empty(shard.count * local.shape[0])
     dist.all_gather_single(every, local.contiguous(), group=shard.group)
-    return torch.logsumexp(every.view(shard.count, -1), 0)
+    return e, torch.logsumexp(every.view(shard.count, -1), 0), top
 
 
 def _vocab_parallel(hidden: Tensor, shard: VocabShard, row_weights: Tensor, plan, rows: int | None) -> Tensor:
@@ -392,7 +400,8 @@ def _mixture_plan(shard: VocabShard, endpoints: Sequence[tuple[Tensor, Tensor]],
             target = None
             for (h, w), share in zip(flat, mix):
                 z = (h[start:stop] @ w.T).to(logits.dtype)
-                p = z.sub_(_combined_logsumexp(z, shard)[:, None]).exp_()
+                e, lse, top = _combined_shifted_exp_(z, shard)
+                p = e.mul_((top - lse[:, None]).exp_())
                 target = p.mul_(share) if target is None else target.add_(p, alpha=share)
             return target
 
