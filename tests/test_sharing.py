@@ -55,7 +55,8 @@ def _transforms(spec, start):
 def test_rows_of_a_move_are_the_rows_of_the_whole_move_in_value_and_gradient(arch, data):
     """Over randomised configs and every element kind: ``apply_rows`` over any split of the rows
     (shares empty included) concatenates to ``apply_tensor``, and the transforms' gradients
-    summed over the shares are the whole move's."""
+    summed over the shares are the whole move's; ``apply_columns`` the same over a matrix's
+    columns."""
     config = data.draw(CONFIGS[arch]())
     a = hf_lmc.canonicalize(build_model(config, seed=1))
     torch.manual_seed(0)
@@ -77,6 +78,20 @@ def test_rows_of_a_move_are_the_rows_of_the_whole_move_in_value_and_gradient(arc
                 parts = [transform.apply_rows(name, t, rows) for rows in shares]
                 got[name] = torch.cat(parts)
                 torch.testing.assert_close(got[name], whole[name], rtol=1e-12, atol=1e-12, msg=f"{label}: {name}")
+                if t.dim() >= 2:  # a matrix's columns too: the tensor-parallel output projections' shares
+                    shares = [share_of(t.shape[1], r, count) for r in range(count)]
+                    columns = torch.cat([transform.apply_columns(name, t, c) for c in shares], 1)
+                    torch.testing.assert_close(columns, whole[name], rtol=1e-12, atol=1e-12, msg=f"{label}: {name}")
+                    if trainable is not None and name in moved:
+                        columns.backward(upstream[name], retain_graph=True)
+                        by_columns = [p.grad.clone() for p in trainable.parameters() if p.grad is not None]
+                        trainable.zero_grad()
+                        whole[name].backward(upstream[name], retain_graph=True)
+                        by_whole = [p.grad.clone() for p in trainable.parameters() if p.grad is not None]
+                        trainable.zero_grad()
+                        assert len(by_columns) == len(by_whole) > 0, name
+                        for mine, theirs in zip(by_columns, by_whole):
+                            torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12, msg=f"{label}: {name}")
             if trainable is not None:
                 torch.autograd.backward([got[n] for n in moved], [upstream[n] for n in moved], retain_graph=True)
                 grads = [p.grad.clone() for p in trainable.parameters() if p.grad is not None]

@@ -39,9 +39,9 @@ def _layer(model, i: int = 0):
     return tensors, exported, export, layer, path + "."
 
 
-def _plans(export, tensors, layer, prefix, count):
+def _plans(export, tensors, layer, prefix, count, pairable=False):
     shapes = {name: t.shape for name, t in tensors.items()}
-    return [plan_layer(export, shapes, layer, prefix, rank, count) for rank in range(count)]
+    return [plan_layer(export, shapes, layer, prefix, rank, count, pairable) for rank in range(count)]
 
 
 def _assembled(plan, tensors, exported, rank, count):
@@ -49,7 +49,45 @@ def _assembled(plan, tensors, exported, rank, count):
         name: tensors[name][share_of(tensors[name].shape[0], rank, count)].reshape(-1, tensors[name][0].numel())
         for name in plan.matrices
     }
+    local |= {name: tensors[name][:, share_of(tensors[name].shape[1], rank, count)].T for name in plan.columns}
     return plan.assemble(local, {n: tensors[n] for n in plan.vectors}, {n: exported[n] for n in plan.constants})
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+@settings(max_examples=3, deadline=None)
+@given(data=st.data())
+def test_a_paired_plan_splits_each_output_projection_by_its_input_features(arch, data):
+    """Where the attention reads its heads off its projections' widths and the key-value heads
+    split evenly, the linears pair: those opening the heads and units run at each process's
+    output features, as in an unpaired plan; the output projections at its input features,
+    every input feature on one process, the bias on the first alone (the all-reduce adds it
+    once); every process builds the projections' columns, the rest's rows."""
+    model = build_model(data.draw(CONFIGS[arch]()))
+    tensors, exported, export, layer, prefix = _layer(model)
+    kv = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    for count in [c for c in range(1, 6) if kv % c == 0]:
+        plans = _plans(export, tensors, layer, prefix, count, pairable=True)
+        assert all(plan is not None and plan.paired for plan in plans)
+        assert set(plans[0].columns) == {n for n in tensors if n.endswith(("attn.o.weight", "mlp.down.weight"))}
+        built = [_assembled(plan, tensors, exported, rank, count) for rank, plan in enumerate(plans)]
+        for path, linear in plans[0].linears.items():
+            seen = []
+            for rank, plan in enumerate(plans):
+                mine = plan.linears[path]
+                weight = built[rank][mine.weight].movedim(mine.out_axis, 0)
+                whole = exported[mine.weight].movedim(mine.out_axis, 0)
+                if linear.split == "out":
+                    assert torch.equal(weight, whole[mine.own])
+                    if mine.bias is not None:
+                        assert torch.equal(built[rank][mine.bias], exported[mine.bias][mine.own])
+                    continue
+                assert torch.equal(weight, whole[:, mine.inputs])
+                seen += mine.inputs.tolist()
+                if mine.bias is not None:
+                    bias = built[rank][mine.bias]
+                    assert torch.equal(bias, exported[mine.bias] if rank == 0 else torch.zeros_like(bias))
+            if linear.split == "in":
+                assert sorted(seen) == list(range(exported[linear.weight].movedim(linear.out_axis, 0).shape[1]))
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -132,9 +170,10 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
     for every causal family and both objectives (float64)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    gathers = []  # the linears' output gathers: none unless tensor parallel
-    gathered_features = interpolant_module.gathered_features
-    interpolant_module.gathered_features = lambda *args: gathers.append(1) or gathered_features(*args)
+    gathers = []  # the linears' output collectives (gathers, or a pair's sums): none unless tensor parallel
+    gathered_features, summed_features = interpolant_module.gathered_features, interpolant_module.summed_features
+    interpolant_module.gathered_features = lambda *args: gathers.append("gathered") or gathered_features(*args)
+    interpolant_module.summed_features = lambda *args: gathers.append("summed") or summed_features(*args)
     weights_gathered = set()  # the layers whose weights a call gathered: none while tensor parallel
     shared_build = interpolant_module.Interpolant._shared_build
 
@@ -174,6 +213,13 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
                     loss = path(batch, alpha=0.3)
                     loss.backward()
                     assert (len(gathers) > before) == (name == "tensor parallel"), name
+                    if (
+                        name == "tensor parallel"
+                    ):  # paired where the heads split evenly and the attention reads its width
+                        config = tiny_configs()[family]
+                        kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+                        paired = family != "gpt2" and kv % world == 0
+                        assert set(gathers[before:]) == ({"summed"} if paired else {"gathered"}), (family, world)
                     layers = set(range(tiny_configs()[family].num_hidden_layers))
                     if name != "whole":  # every layer tensor parallel, or every layer's weights gathered
                         assert layers & weights_gathered == (set() if name == "tensor parallel" else layers), name
@@ -210,7 +256,7 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
             path({"input_ids": ids}, alpha=0.3).backward()
             assert (len(gathers) > before) == parallel, length
     finally:
-        interpolant_module.gathered_features = gathered_features
+        interpolant_module.gathered_features, interpolant_module.summed_features = gathered_features, summed_features
         interpolant_module.Interpolant._shared_build = shared_build
         dist.destroy_process_group()
 

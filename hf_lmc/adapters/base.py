@@ -63,6 +63,10 @@ class Adapter:
     heads_input: str = ""
     #: ... and the MLP down projection (its input is the MLP units).
     mlp_input: str = ""
+    #: Whether the attention reads its number of heads off its projections' widths (the rows
+    #: it is given), so that a tensor-parallel layer can run on each process's share of them
+    #: (:mod:`hf_lmc.matching.tensor_parallel`); GPT-2 splits its fused projection by the full width.
+    heads_by_width: bool = False
     #: Checkpoint keys with one row per vocabulary token (embedding, LM head): the only large
     #: tensors of the embed / head groups, whose algebra is row by row, so export can stream
     #: them in blocks of rows.

@@ -50,6 +50,7 @@ class GPTNeoXAdapter(Adapter):
     model_class = GPTNeoXForCausalLM
     config_schema = GPTNeoXConfigSchema
     heads_input = "gpt_neox.layers.{i}.attention.dense"
+    heads_by_width = True
     mlp_input = "gpt_neox.layers.{i}.mlp.dense_4h_to_h"
     width_keys: ClassVar[dict[str, str]] = {
         "hidden_size": "hidden_size",

@@ -47,6 +47,7 @@ class LlamaAdapter(Adapter):
     model_class = LlamaForCausalLM
     config_schema = LlamaConfigSchema
     heads_input = "model.layers.{i}.self_attn.o_proj"
+    heads_by_width = True
     mlp_input = "model.layers.{i}.mlp.down_proj"
     width_keys: ClassVar[dict[str, str]] = {
         "hidden_size": "hidden_size",

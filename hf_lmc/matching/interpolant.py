@@ -40,7 +40,7 @@ from ..spec import Group
 from ..symmetry import Transform, axes_of
 from .endpoints import EndpointSharding, EndpointStore, shard_mesh, sharding_of
 from .sharing import RowSharing, sharing_mesh
-from .tensor_parallel import LayerPlan, gathered_features, plan_layer
+from .tensor_parallel import LayerPlan, gathered_features, plan_layer, summed_features
 
 #: The canonical lookup tables (first axis the vocabulary, moved by no map): a call reads only
 #: its tokens' rows, so a moving point's table holds only those, moved, and the call's
@@ -317,16 +317,19 @@ class Interpolant(nn.Module):
         return [(self._load(k, group), transform) for k, transform in zip(members, point.transforms)]
 
     @staticmethod
-    def _mixed(name: str, sources, weights, rows: slice | Tensor | None = None) -> Tensor:
+    def _mixed(name: str, sources, weights, rows: slice | Tensor | None = None, columns: slice | None = None) -> Tensor:
         """``sum_k w_k T_k(t_k)`` for one tensor: whole (``rows`` None), a share of its rows (a
         slice: :meth:`~hf_lmc.Transform.apply_rows`), or the rows of a lookup table a batch reads
-        (an index, for a tensor whose first axis no map moves: those rows moved as they are)."""
+        (an index, for a tensor whose first axis no map moves: those rows moved as they are);
+        ``columns``: a share of a matrix's columns (:meth:`~hf_lmc.Transform.apply_columns`)."""
         # A table's rows are taken first (no map moves its first axis), then moved as a whole tensor.
         index, share = (rows, None) if isinstance(rows, Tensor) else (None, rows)
         moved = []
         for tensors, transform in sources:
             t = tensors[name] if index is None else tensors[name][index]
-            if share is None:
+            if columns is not None:
+                moved.append(t[:, columns] if transform is None else transform.apply_columns(name, t, columns))
+            elif share is None:
                 moved.append(t if transform is None else transform.apply_tensor(name, t))
             else:
                 moved.append(t[share] if transform is None else transform.apply_rows(name, t, share))
@@ -399,6 +402,9 @@ class Interpolant(nn.Module):
         for name in plan.matrices:
             rows = self._mixed(name, sources, point.weights, self._sharing.rows(sources[0][0][name].shape[0]))
             local[name] = rows.flatten(1)
+        for name in plan.columns:  # a paired "in" linear's: its columns as rows
+            share = self._sharing.rows(sources[0][0][name].shape[1])
+            local[name] = self._mixed(name, sources, point.weights, columns=share).T
         vectors = {name: self._mixed(name, sources, point.weights) for name in plan.vectors}
         like = next(iter(sources[0][0].values()))
         key = (group, like.dtype, like.device)
@@ -424,10 +430,14 @@ class Interpolant(nn.Module):
                     path + ".",
                     self._sharing.rank,
                     self._sharing.count,
+                    pairable=self.a.adapter.heads_by_width and self.a.spec.num_kv_heads % self._sharing.count == 0,
                 )
                 for module, linear in (plan.linears if plan is not None else {}).items():
                     linear_module = layer.get_submodule(module)
-                    linear_module.register_forward_hook(self._gathering(linear.layout))
+                    if not plan.paired:
+                        linear_module.register_forward_hook(self._gathering(linear.layout))
+                    elif linear.split == "in":
+                        linear_module.register_forward_hook(self._summing())
                     if hasattr(linear_module, "nf"):  # Conv1D shapes its output by nf: its weight's columns now
                         linear_module.register_forward_pre_hook(_features_of_weight)
             self._plans[i] = plan
@@ -444,6 +454,20 @@ class Interpolant(nn.Module):
                 return gathered_features(output, layout, self._sharing)
             with self.clock.timing("gathers", self._device):
                 return gathered_features(output, layout, self._sharing)
+
+        return hook
+
+    def _summing(self):
+        """The forward hook of a paired "in" linear: in a tensor-parallel call, its partial
+        output (this process's input features) becomes the whole output (an all-reduce)."""
+
+        def hook(module, args, output):
+            if not self._parallel:
+                return None
+            if not self.clock.running:
+                return summed_features(output, self._sharing)
+            with self.clock.timing("gathers", self._device):
+                return summed_features(output, self._sharing)
 
         return hook
 

@@ -16,7 +16,19 @@ than a layer's input features, which is where the build (``d^3`` per matrix) and
 
 Norms, attention and activations run on the whole batch in every process (replicated: each
 process's backward carries its own loss's share of their gradient, which the next
-reduce-scatter sums). After the last layer each process keeps its own tokens' hidden states, so
+reduce-scatter sums).
+
+Where the attention reads its number of heads off its projections' widths (the adapter's
+``heads_by_width``) and the key-value heads split evenly, the linears pair instead (Megatron's
+column-then-row pairs): the query, key, value, up and gate projections run at the process's
+output features as above, but their outputs stay there, so the attention runs on the
+process's heads and the activation on its units; the output projections (attention and MLP)
+run at the matching input features, built by columns
+(:meth:`~hf_lmc.Transform.apply_columns`), and an all-reduce sums their partial outputs
+(the bias added by one process). Backward, the all-reduce of the processes' shares of the
+output's gradient hands every process the whole of it for its features. That moves two
+``T x d`` sums a layer instead of every linear's output, and replicates neither attention nor
+activation. After the last layer each process keeps its own tokens' hidden states, so
 the head, the loss and DDP see what they see without this. Every built tensor's gradient is
 then that of the processes' summed losses, as in a shared build that gathers the weights:
 the same transforms, to rounding.
@@ -43,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
+from ..symmetry import axes_of
 from .sharing import RowSharing, owner_of, share_of
 
 #: Rows carry ``code * _BASE + row + 1`` in the traced export: float64 holds it exactly.
@@ -110,6 +123,12 @@ class _Linear:
     bias_index: Tensor | None  # this process's entries of the bias in those vectors, concatenated
     own: Tensor  # this process's output features (indices into the module's)
     layout: FeatureLayout
+    #: "out": the linear runs at this process's output features (its outputs gathered, or left
+    #: at those features where a paired linear reads them); "in": at its input features, the
+    #: output a partial sum that an all-reduce completes (``rows`` then holds its columns)
+    split: str = "out"
+    bias_here: bool = True  # an "in" linear's bias is added by one process, before the sum
+    inputs: Tensor | None = None  # an "in" linear's input features here (indices into the module's)
 
 
 @dataclass(frozen=True)
@@ -122,18 +141,30 @@ class LayerPlan:
     vectors: tuple[str, ...]
     linears: dict[str, _Linear]  # by module path, relative to the layer
     constants: tuple[str, ...]
+    #: the matrices built by this process's columns (the paired "in" linears' weights), their
+    #: columns as rows (``columns x rows``); ``matrices`` holds the rest, built by rows
+    columns: tuple[str, ...] = ()
+
+    @property
+    def paired(self) -> bool:
+        """Whether the layer's linears pair: each "out" linear's features stay on their process
+        for the "in" linear that reads them (the layer runs on each process's heads and units)."""
+        return bool(self.columns)
 
     def assemble(self, local: Mapping[str, Tensor], vectors: Mapping[str, Tensor], constants: Mapping[str, Tensor]):
         """The layer's HF tensors: each linear's at this process's features, the constants whole."""
         out = {name: constants[name] for name in self.constants}
         for linear in self.linears.values():
-            rows = linear.rows.take(local)
-            out[linear.weight] = rows if linear.out_axis == 0 else rows.T
+            taken = linear.rows.take(local)
+            by_output = taken if linear.split == "out" else taken.T  # output features x input features
+            out[linear.weight] = by_output if linear.out_axis == 0 else by_output.T
             if linear.bias is not None and linear.bias_names:
                 whole = torch.cat([vectors[name] for name in linear.bias_names])
                 out[linear.bias] = whole[linear.bias_index.to(whole.device)]
             elif linear.bias is not None:
                 out[linear.bias] = constants[linear.bias][linear.own.to(constants[linear.bias].device)]
+            if linear.bias is not None and not linear.bias_here:
+                out[linear.bias] = torch.zeros_like(out[linear.bias])
         return out
 
 
@@ -145,14 +176,18 @@ def _out_axis(module: nn.Module | None) -> int | None:
     return None
 
 
-def _rows(sources: list[tuple[str, int]], own: list[int], shapes, rank: int, count: int) -> _Rows | None:
+def _rows(
+    sources: list[tuple[str, int]], own: list[int], sizes: Mapping[str, int], rank: int, count: int
+) -> _Rows | None:
     """This process's rows of a linear whose feature ``j`` is row ``sources[j]`` of a canonical
-    matrix (``own``: its features): the concatenation of its whole shares of the matrices the
-    linear reads, reordered, or ``None`` where its features are not exactly those rows once each."""
+    matrix (of ``sizes[name]`` rows; ``own``: its features): the concatenation of its whole
+    shares of the matrices the linear reads, reordered, or ``None`` where its features are not
+    exactly those rows once each. (An "in" linear's features are its input features, the
+    matrices' columns as rows.)"""
     names = tuple(dict.fromkeys(name for name, _ in sources))
     offsets, total = {}, 0
     for name in names:
-        share = share_of(shapes[name][0], rank, count)
+        share = share_of(sizes[name], rank, count)
         offsets[name] = total - share.start
         total += share.stop - share.start
     order = [offsets[sources[j][0]] + sources[j][1] for j in own]
@@ -182,6 +217,7 @@ def plan_layer(
     prefix: str,
     rank: int,
     count: int,
+    pairable: bool = False,
 ) -> LayerPlan | None:
     """The tensor-parallel plan of one layer for process ``rank`` of ``count``, read off
     ``export`` (the adapter's canonical-to-HF export of the layer, HF names starting with
@@ -194,6 +230,12 @@ def plan_layer(
     one vector entry per feature, or a constant; every other HF tensor the same on both random
     exports. Every canonical matrix must feed some linear. A family whose export refuses
     non-zero vectors (LLaMA's checks of absent biases) is traced with zero vectors.
+
+    ``pairable``: the caller's word that the layer's attention runs on any share of whole heads
+    this split gives. The linears then pair where each either opens a layer's own space (reads
+    matrices whose rows are heads or units: "out") or closes it (one matrix whose rows are the
+    residual, in order, and whose columns are heads or units: "in", traced a fourth time with
+    the columns carrying the codes); otherwise, or with no "in" linear, the plan gathers.
     """
     names = list(shapes)
     matrices = [n for n in names if len(shapes[n]) >= 2]
@@ -211,6 +253,11 @@ def plan_layer(
                 code = torch.arange(shape[0], dtype=torch.float64) + (k * _BASE + 1)
                 code = code if len(shape) >= 2 else -code
                 tensors[name] = code.reshape(-1, *[1] * (len(shape) - 1)).expand(shape).clone()
+            elif kind == "columns":  # a matrix's columns carry the codes; vectors zero
+                code = torch.arange(shape[1], dtype=torch.float64) + (k * _BASE + 1) if len(shape) == 2 else None
+                tensors[name] = (
+                    code.expand(shape).clone() if code is not None else torch.zeros(shape, dtype=torch.float64)
+                )
             else:
                 tensors[name] = torch.randn(shape, dtype=torch.float64, generator=generator)
         try:
@@ -227,6 +274,8 @@ def plan_layer(
     second = probe("random", vectors, seed=1)[1]
     if codes is None or first is None or second is None:
         return None
+    columns = probe("columns", vectors)[1] if pairable else None
+    pairable = pairable and columns is not None
 
     def module_of(hf: str) -> tuple[str, str, nn.Module | None]:
         path, _, param = hf.removeprefix(prefix).rpartition(".")
@@ -258,18 +307,82 @@ def plan_layer(
             return None
     if {n for _, _, sources in weights.values() for n, _ in sources} != set(matrices) or set(biases) - set(weights):
         return None  # a matrix no linear reads, or a bias of a module that is no linear run here
-    linears, used_vectors = {}, set()
+
+    def inner(name: str, axis: int) -> bool:  # the axis is a layer's own space (heads, units), not the residual
+        entry = axes_of(name)[axis]
+        return entry is not None and entry[0] != "residual"
+
+    splits, inputs_of = {}, {}  # each linear's split in a paired plan, and an "in" linear's input features
+    for path, (hf, axis, sources) in weights.items() if pairable else ():
+        read = {n for n, _ in sources}
+        if all(inner(n, 0) for n in read):
+            splits[path] = "out"
+            continue
+        (name,) = read if len(read) == 1 else (None,)
+        if name is None or inner(name, 0) or not inner(name, 1) or sources != [(name, r) for r in range(len(sources))]:
+            break  # a linear that neither opens nor closes a layer's own space: no pairs
+        by_input = columns[hf].movedim(1 - axis, 0)
+        if not bool((by_input == by_input[:, :1]).all()):
+            break
+        read_in = _decode(by_input[:, 0], names)
+        if read_in is None or {n for n, _ in read_in} != {name}:
+            break
+        if not torch.equal(first[hf].movedim(1 - axis, 0), inputs[name][:, [c for _, c in read_in]].T):
+            break
+        splits[path], inputs_of[path] = "in", read_in
+    else:
+        if "in" in splits.values():
+            plan = _build_plan(
+                weights,
+                biases,
+                constants,
+                splits,
+                inputs_of,
+                codes,
+                inputs,
+                first,
+                second,
+                vectors,
+                shapes,
+                names,
+                rank,
+                count,
+            )
+            if plan is not None:
+                return plan
+    return _build_plan(
+        weights, biases, constants, {}, {}, codes, inputs, first, second, vectors, shapes, names, rank, count
+    )
+
+
+def _build_plan(
+    weights, biases, constants, splits, inputs_of, codes, inputs, first, second, vectors, shapes, names, rank, count
+):
+    """The plan from :func:`plan_layer`'s traces: every linear at this process's output
+    features (``splits`` empty: their outputs gathered), or paired, each linear at the split
+    ``splits`` names ("in": at the input features ``inputs_of`` reads), or ``None``."""
+    linears, used_vectors, constants = {}, set(), list(constants)
     for path, (hf, axis, sources) in weights.items():
-        owners = [owner_of(r, shapes[n][0], count) for n, r in sources]
+        split = splits.get(path, "out")
+        if split == "in":  # every output feature here, this process's input features
+            by_input = inputs_of[path]
+            owners = [owner_of(c, shapes[n][1], count) for n, c in by_input]
+            own_in = [j for j, q in enumerate(owners) if q == rank]
+            rows = _rows(by_input, own_in, {n: shapes[n][1] for n in shapes if len(shapes[n]) >= 2}, rank, count)
+            owners = [rank] * len(sources)
+        else:
+            owners = [owner_of(r, shapes[n][0], count) for n, r in sources]
+            rows = _rows(
+                sources, [j for j, q in enumerate(owners) if q == rank], {n: shapes[n][0] for n in shapes}, rank, count
+            )
+        if rows is None:
+            return None
         own = [j for j, q in enumerate(owners) if q == rank]
         sizes = tuple(owners.count(q) for q in range(count))
         seen, order = [0] * count, []
         for q in owners:
             order.append(q * max(sizes) + seen[q])
             seen[q] += 1
-        rows = _rows(sources, own, shapes, rank, count)
-        if rows is None:
-            return None
         bias, bias_names, bias_index = biases.get(path), (), None
         if bias is not None:
             bias_sources = _decode(-codes[bias], names) if vectors else None
@@ -295,12 +408,18 @@ def plan_layer(
             bias_index=bias_index,
             own=torch.tensor(own, dtype=torch.long),
             layout=FeatureLayout(sizes, None if order == list(range(count * max(sizes))) else torch.tensor(order)),
+            split=split,
+            bias_here=split == "out" or rank == 0,
+            inputs=torch.tensor(own_in, dtype=torch.long) if split == "in" else None,
         )
+    by_columns = {n for path, read in inputs_of.items() for n, _ in read}
+    matrices = [n for n in shapes if len(shapes[n]) >= 2]
     return LayerPlan(
-        matrices=tuple(matrices),
+        matrices=tuple(n for n in matrices if n not in by_columns),
         vectors=tuple(sorted(used_vectors)),
         linears=linears,
         constants=tuple(constants),
+        columns=tuple(n for n in matrices if n in by_columns),
     )
 
 
@@ -341,3 +460,28 @@ def gathered_features(local: Tensor, layout: FeatureLayout, sharing: RowSharing)
     """The whole output of a linear from this process's features of it (``local``, ``... x
     layout.sizes[rank]``), in the module's feature order; differentiable."""
     return _GatheredFeatures.apply(local, layout, sharing, layout.sizes[sharing.rank])
+
+
+class _Summed(torch.autograd.Function):
+    """The sum over the processes of a paired "in" linear's partial outputs (an all-reduce);
+    backward, the all-reduce of the processes' gradients: each holds its own loss's share of
+    the replicated output's gradient, and the partial output of its features takes the sum."""
+
+    @staticmethod
+    def forward(ctx, partial: Tensor, sharing: RowSharing) -> Tensor:
+        ctx.sharing = sharing
+        total = partial.contiguous().clone()
+        dist.all_reduce(total, group=sharing.group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.sharing.group)
+        return total, None
+
+
+def summed_features(partial: Tensor, sharing: RowSharing) -> Tensor:
+    """The whole output of a paired "in" linear from this process's partial output (its input
+    features' share of the product, the bias added by one process); differentiable."""
+    return _Summed.apply(partial, sharing)

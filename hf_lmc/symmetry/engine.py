@@ -122,6 +122,27 @@ class Transform:
                 tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
         return tensor
 
+    def apply_columns(self, name: str, tensor: Tensor, columns: slice) -> Tensor:
+        """Columns ``columns`` (of the second axis) of ``apply_tensor(name, tensor)``, at their
+        share of its cost: :meth:`apply_rows` of the tensor with its first two axes swapped.
+
+        The second axis's element computes those columns alone; the others act within them. A
+        tensor-parallel output projection is built so: each process its columns, the input
+        features of its heads or units.
+        """
+        axes = axes_of(name)
+        swapped = (axes[1], axes[0], *axes[2:])
+        tensor = tensor.movedim(1, 0)
+        if swapped[0] is not None and swapped[0][0] in self.maps:
+            tensor = self.maps[swapped[0][0]].act(tensor, 0, swapped[0][1], columns)
+        else:
+            tensor = tensor[columns]
+        if tensor.shape[0]:  # some columns here (more processes than columns leave none)
+            for axis, entry in enumerate(swapped[1:], start=1):
+                if entry is not None and entry[0] in self.maps:
+                    tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
+        return tensor.movedim(0, 1)
+
     def apply(self, canonical: CanonicalModel) -> CanonicalModel:
         """``canonical`` with every tensor transformed (a lazy view; ``.materialize()`` to copy)."""
         return canonical.map_tensors(self.apply_tensor)
