@@ -355,7 +355,8 @@ class AccelerateOptions(Options):
         True,
         description="under several processes, each builds 1/N of the rows of every interpolated weight (layers, embeddings, "
         "heads) and all-gathers assemble them, or, where the launch's tokens are fewer than a layer's weights, the layers run "
-        "tensor-parallel on the launch's batch and their outputs are gathered instead; off, every process builds all of them",
+        "tensor-parallel on the launch's batch (each process's heads and units, or its rows with the outputs gathered) instead; "
+        "off, every process builds all of them",
     )
     offload_endpoints: bool = Field(
         False,

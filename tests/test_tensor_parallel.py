@@ -53,7 +53,17 @@ def _assembled(plan, tensors, exported, rank, count):
     return plan.assemble(local, {n: tensors[n] for n in plan.vectors}, {n: exported[n] for n in plan.constants})
 
 
-@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
+def _assert_output_features(built, exported, linear):
+    """A process's weight and bias of a linear run at its output features are the exported
+    ones at those features; the weight, output features first."""
+    weight = built[linear.weight].movedim(linear.out_axis, 0)
+    assert torch.equal(weight, exported[linear.weight].movedim(linear.out_axis, 0)[linear.own])
+    if linear.bias is not None:
+        assert torch.equal(built[linear.bias], exported[linear.bias][linear.own])
+    return weight
+
+
+@pytest.mark.parametrize("arch", LANGUAGE_MODELS)
 @settings(max_examples=3, deadline=None)
 @given(data=st.data())
 def test_a_paired_plan_splits_each_output_projection_by_its_input_features(arch, data):
@@ -77,9 +87,7 @@ def test_a_paired_plan_splits_each_output_projection_by_its_input_features(arch,
                 weight = built[rank][mine.weight].movedim(mine.out_axis, 0)
                 whole = exported[mine.weight].movedim(mine.out_axis, 0)
                 if linear.split == "out":
-                    assert torch.equal(weight, whole[mine.own])
-                    if mine.bias is not None:
-                        assert torch.equal(built[rank][mine.bias], exported[mine.bias][mine.own])
+                    _assert_output_features(built[rank], exported, mine)
                     continue
                 assert torch.equal(weight, whole[:, mine.inputs])
                 seen += mine.inputs.tolist()
@@ -109,10 +117,7 @@ def test_a_layer_plan_rebuilds_every_linear_from_the_processes_rows(arch, data):
             parts = []
             for rank, plan in enumerate(plans):
                 mine = plan.linears[path]
-                weight = built[rank][mine.weight].movedim(mine.out_axis, 0)
-                assert torch.equal(weight, exported[mine.weight].movedim(mine.out_axis, 0)[mine.own])
-                if mine.bias is not None:
-                    assert torch.equal(built[rank][mine.bias], exported[mine.bias][mine.own])
+                weight = _assert_output_features(built[rank], exported, mine)
                 parts.append(torch.cat([weight, weight.new_zeros(linear.layout.width - len(weight), weight.shape[1])]))
             whole = torch.cat(parts)
             order = linear.layout.order
@@ -218,7 +223,7 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
                     ):  # paired where the heads split evenly and the attention reads its width
                         config = tiny_configs()[family]
                         kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-                        paired = family != "gpt2" and kv % world == 0
+                        paired = kv % world == 0
                         assert set(gathers[before:]) == ({"summed"} if paired else {"gathered"}), (family, world)
                     layers = set(range(tiny_configs()[family].num_hidden_layers))
                     if name != "whole":  # every layer tensor parallel, or every layer's weights gathered

@@ -63,9 +63,9 @@ class Adapter:
     heads_input: str = ""
     #: ... and the MLP down projection (its input is the MLP units).
     mlp_input: str = ""
-    #: Whether the attention reads its number of heads off its projections' widths (the rows
-    #: it is given), so that a tensor-parallel layer can run on each process's share of them
-    #: (:mod:`hf_lmc.matching.tensor_parallel`); GPT-2 splits its fused projection by the full width.
+    #: Whether a layer's attention can read its number of heads off the projections it is given
+    #: (natively, or once :meth:`share_heads` has hooked it), so that a tensor-parallel layer
+    #: runs on each process's share of them (:mod:`hf_lmc.matching.tensor_parallel`).
     heads_by_width: bool = False
     #: Checkpoint keys with one row per vocabulary token (embedding, LM head): the only large
     #: tensors of the embed / head groups, whose algebra is row by row, so export can stream
@@ -83,6 +83,12 @@ class Adapter:
     shape_keys: frozenset[str] = frozenset({"vocab_size"})
     #: The ``config.json`` keys this adapter (its ``spec`` and conversions) reads, typed.
     config_schema: ClassVar[type[ConfigSchema]] = ConfigSchema
+
+    def share_heads(self, layer: torch.nn.Module) -> None:
+        """Prepare the stock layer module ``layer`` to run on the share of its heads that its
+        projections' weights hold (where :attr:`heads_by_width`): called once, after every other
+        hook on its modules. Nothing to do where the attention reads its heads off its
+        projections' outputs, as GPT-NeoX's and LLaMA's do."""
 
     @property
     def takes_images(self) -> bool:

@@ -46,6 +46,7 @@ class GPT2Adapter(Adapter):
     config_schema = GPT2ConfigSchema
     heads_input = "transformer.h.{i}.attn.c_proj"
     mlp_input = "transformer.h.{i}.mlp.c_proj"
+    heads_by_width = True  # once share_heads has hooked the fused projection
     width_keys: ClassVar[dict[str, str]] = {
         "hidden_size": "n_embd",
         "intermediate_size": "n_inner",
@@ -66,6 +67,20 @@ class GPT2Adapter(Adapter):
     vocab_keys = ("transformer.wte.weight", "lm_head.weight")
     # Causal-mask buffers that transformers 4.x wrote into some checkpoints.
     ignored_keys = (r"\.attn\.(masked_)?bias$",)
+
+    def share_heads(self, layer: torch.nn.Module) -> None:
+        """GPT-2's attention splits its fused query-key-value output by ``split_size``, the full
+        width: a hook on the projection sets it to a third of the output it returns (after the
+        projection's other hooks), which is the full width unless the layer runs on a share of
+        its heads."""
+        attention = layer.attn
+        if attention.is_cross_attention:
+            return
+
+        def follow(module, args, output):
+            attention.split_size = output.shape[-1] // 3
+
+        attention.c_attn.register_forward_hook(follow)
 
     def validate_config(self, config: GPT2Config) -> None:
         if getattr(config, "add_cross_attention", False):

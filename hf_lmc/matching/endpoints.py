@@ -74,7 +74,9 @@ class EndpointSharding:
             and ``False`` always and never.
         tensor_parallel: with ``build``, a causal LM's layers run tensor-parallel where that
             moves fewer bytes: each process runs every linear at its built rows alone, on the
-            launch's whole batch, and the linears' outputs are gathered instead of their weights
+            launch's whole batch, and the attention on its heads and the MLP on its units with
+            one sum after each (where the heads split evenly and the family allows), or the
+            linears' outputs gathered instead of their weights
             (:mod:`hf_lmc.matching.tensor_parallel`): ``None`` decides per batch by bytes
             (:meth:`~hf_lmc.matching.interpolant.Interpolant._tensor_parallel`), ``True``
             wherever the processes' batches have one shape, ``False`` never.

@@ -440,6 +440,8 @@ class Interpolant(nn.Module):
                         linear_module.register_forward_hook(self._summing())
                     if hasattr(linear_module, "nf"):  # Conv1D shapes its output by nf: its weight's columns now
                         linear_module.register_forward_pre_hook(_features_of_weight)
+                if plan is not None and plan.paired:  # the attention then runs on this process's heads
+                    self.a.adapter.share_heads(layer)
             self._plans[i] = plan
         return self._plans[i]
 

@@ -210,6 +210,25 @@ def _decode(codes: Tensor, names: list[str]) -> list[tuple[str, int]] | None:
     return [(names[k], r) for k, r in zip(index, rows)]
 
 
+@dataclass(frozen=True)
+class _Trace:
+    """What :func:`plan_layer` read off a layer's export: the canonical tensors' names and
+    shapes, whether vectors were traced, the coded export and the random inputs with their two
+    exports, and the HF tensors found: each linear's weight (``path: (HF name, output axis,
+    canonical row of each output feature)``), its bias's name, and the constants."""
+
+    names: list[str]
+    shapes: Mapping[str, torch.Size]
+    vectors: bool
+    codes: dict[str, Tensor]
+    inputs: dict[str, Tensor]
+    first: dict[str, Tensor]
+    second: dict[str, Tensor]
+    weights: dict[str, tuple[str, int, list[tuple[str, int]]]]
+    biases: dict[str, str]
+    constants: list[str]
+
+
 def plan_layer(
     export: Callable[[dict[str, Tensor]], dict[str, Tensor]],
     shapes: Mapping[str, torch.Size],
@@ -307,6 +326,7 @@ def plan_layer(
             return None
     if {n for _, _, sources in weights.values() for n, _ in sources} != set(matrices) or set(biases) - set(weights):
         return None  # a matrix no linear reads, or a bias of a module that is no linear run here
+    trace = _Trace(names, shapes, vectors, codes, inputs, first, second, weights, biases, constants)
 
     def inner(name: str, axis: int) -> bool:  # the axis is a layer's own space (heads, units), not the residual
         entry = axes_of(name)[axis]
@@ -332,37 +352,19 @@ def plan_layer(
         splits[path], inputs_of[path] = "in", read_in
     else:
         if "in" in splits.values():
-            plan = _build_plan(
-                weights,
-                biases,
-                constants,
-                splits,
-                inputs_of,
-                codes,
-                inputs,
-                first,
-                second,
-                vectors,
-                shapes,
-                names,
-                rank,
-                count,
-            )
+            plan = _build_plan(trace, splits, inputs_of, rank, count)
             if plan is not None:
                 return plan
-    return _build_plan(
-        weights, biases, constants, {}, {}, codes, inputs, first, second, vectors, shapes, names, rank, count
-    )
+    return _build_plan(trace, {}, {}, rank, count)
 
 
-def _build_plan(
-    weights, biases, constants, splits, inputs_of, codes, inputs, first, second, vectors, shapes, names, rank, count
-):
+def _build_plan(trace: _Trace, splits: dict[str, str], inputs_of, rank: int, count: int) -> LayerPlan | None:
     """The plan from :func:`plan_layer`'s traces: every linear at this process's output
     features (``splits`` empty: their outputs gathered), or paired, each linear at the split
     ``splits`` names ("in": at the input features ``inputs_of`` reads), or ``None``."""
-    linears, used_vectors, constants = {}, set(), list(constants)
-    for path, (hf, axis, sources) in weights.items():
+    shapes, names, codes, inputs, first = trace.shapes, trace.names, trace.codes, trace.inputs, trace.first
+    linears, used_vectors, constants = {}, set(), list(trace.constants)
+    for path, (hf, axis, sources) in trace.weights.items():
         split = splits.get(path, "out")
         if split == "in":  # every output feature here, this process's input features
             by_input = inputs_of[path]
@@ -383,9 +385,9 @@ def _build_plan(
         for q in owners:
             order.append(q * max(sizes) + seen[q])
             seen[q] += 1
-        bias, bias_names, bias_index = biases.get(path), (), None
+        bias, bias_names, bias_index = trace.biases.get(path), (), None
         if bias is not None:
-            bias_sources = _decode(-codes[bias], names) if vectors else None
+            bias_sources = _decode(-codes[bias], names) if trace.vectors else None
             if bias_sources is not None and len(bias_sources) == len(sources):
                 if not torch.equal(first[bias], torch.stack([inputs[n][r] for n, r in bias_sources])):
                     return None
@@ -395,7 +397,7 @@ def _build_plan(
                     [starts[bias_sources[j][0]] + bias_sources[j][1] for j in own], dtype=torch.long
                 )
                 used_vectors.update(bias_names)
-            elif torch.equal(first[bias], second[bias]):
+            elif torch.equal(first[bias], trace.second[bias]):
                 constants.append(bias)  # sliced to this process's features when assembled
             else:
                 return None
