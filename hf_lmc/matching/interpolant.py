@@ -435,9 +435,12 @@ class Interpolant(nn.Module):
                 for module, linear in (plan.linears if plan is not None else {}).items():
                     linear_module = layer.get_submodule(module)
                     if not plan.paired:
-                        linear_module.register_forward_hook(self._gathering(linear.layout))
+                        gather = lambda output, layout=linear.layout: gathered_features(output, layout, self._sharing)
+                        linear_module.register_forward_hook(self._collecting(gather))
                     elif linear.split == "in":
-                        linear_module.register_forward_hook(self._summing())
+                        linear_module.register_forward_hook(
+                            self._collecting(lambda output: summed_features(output, self._sharing))
+                        )
                     if hasattr(linear_module, "nf"):  # Conv1D shapes its output by nf: its weight's columns now
                         linear_module.register_forward_pre_hook(_features_of_weight)
                 if plan is not None and plan.paired:  # the attention then runs on this process's heads
@@ -445,31 +448,18 @@ class Interpolant(nn.Module):
             self._plans[i] = plan
         return self._plans[i]
 
-    def _gathering(self, layout):
+    def _collecting(self, collect):
         """The forward hook of a planned linear: in a tensor-parallel call, its output at this
-        process's features becomes the whole output (an all-gather of every process's)."""
+        process's features becomes the whole output, ``collect(output)`` (an all-gather of every
+        process's features, or a paired "in" linear's all-reduce of the partial outputs)."""
 
         def hook(module, args, output):
             if not self._parallel:
                 return None
             if not self.clock.running:
-                return gathered_features(output, layout, self._sharing)
+                return collect(output)
             with self.clock.timing("gathers", self._device):
-                return gathered_features(output, layout, self._sharing)
-
-        return hook
-
-    def _summing(self):
-        """The forward hook of a paired "in" linear: in a tensor-parallel call, its partial
-        output (this process's input features) becomes the whole output (an all-reduce)."""
-
-        def hook(module, args, output):
-            if not self._parallel:
-                return None
-            if not self.clock.running:
-                return summed_features(output, self._sharing)
-            with self.clock.timing("gathers", self._device):
-                return summed_features(output, self._sharing)
+                return collect(output)
 
         return hook
 

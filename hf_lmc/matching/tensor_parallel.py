@@ -363,23 +363,23 @@ def _build_plan(trace: _Trace, splits: dict[str, str], inputs_of, rank: int, cou
     features (``splits`` empty: their outputs gathered), or paired, each linear at the split
     ``splits`` names ("in": at the input features ``inputs_of`` reads), or ``None``."""
     shapes, names, codes, inputs, first = trace.shapes, trace.names, trace.codes, trace.inputs, trace.first
+    row_counts = {n: shape[0] for n, shape in shapes.items()}
+    column_counts = {n: shape[1] for n, shape in shapes.items() if len(shape) >= 2}
     linears, used_vectors, constants = {}, set(), list(trace.constants)
     for path, (hf, axis, sources) in trace.weights.items():
         split = splits.get(path, "out")
         if split == "in":  # every output feature here, this process's input features
             by_input = inputs_of[path]
-            owners = [owner_of(c, shapes[n][1], count) for n, c in by_input]
-            own_in = [j for j, q in enumerate(owners) if q == rank]
-            rows = _rows(by_input, own_in, {n: shapes[n][1] for n in shapes if len(shapes[n]) >= 2}, rank, count)
+            own_in = [j for j, (n, c) in enumerate(by_input) if owner_of(c, column_counts[n], count) == rank]
+            rows = _rows(by_input, own_in, column_counts, rank, count)
             owners = [rank] * len(sources)
         else:
-            owners = [owner_of(r, shapes[n][0], count) for n, r in sources]
-            rows = _rows(
-                sources, [j for j, q in enumerate(owners) if q == rank], {n: shapes[n][0] for n in shapes}, rank, count
-            )
+            owners = [owner_of(r, row_counts[n], count) for n, r in sources]
+        own = [j for j, q in enumerate(owners) if q == rank]
+        if split == "out":
+            rows = _rows(sources, own, row_counts, rank, count)
         if rows is None:
             return None
-        own = [j for j, q in enumerate(owners) if q == rank]
         sizes = tuple(owners.count(q) for q in range(count))
         seen, order = [0] * count, []
         for q in owners:

@@ -109,18 +109,7 @@ class Transform:
         depend on); the other axes act within each row, so they move just those. A sharded build
         (:mod:`hf_lmc.matching.sharing`) has each of N processes compute 1/N of the rows so.
         """
-        axes = axes_of(name)
-        first = axes[0] if axes else None
-        if first is not None and first[0] in self.maps:
-            tensor = self.maps[first[0]].act(tensor, 0, first[1], rows)
-        else:
-            tensor = tensor[rows]
-        if tensor.shape[0] == 0:  # no rows here (more processes than rows): the maps are square
-            return tensor
-        for axis, entry in enumerate(axes[1:], start=1):
-            if entry is not None and entry[0] in self.maps:
-                tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
-        return tensor
+        return self._first_axis_share(axes_of(name), tensor, rows)
 
     def apply_columns(self, name: str, tensor: Tensor, columns: slice) -> Tensor:
         """Columns ``columns`` (of the second axis) of ``apply_tensor(name, tensor)``, at their
@@ -132,16 +121,22 @@ class Transform:
         """
         axes = axes_of(name)
         swapped = (axes[1], axes[0], *axes[2:])
-        tensor = tensor.movedim(1, 0)
-        if swapped[0] is not None and swapped[0][0] in self.maps:
-            tensor = self.maps[swapped[0][0]].act(tensor, 0, swapped[0][1], columns)
+        return self._first_axis_share(swapped, tensor.movedim(1, 0), columns).movedim(0, 1)
+
+    def _first_axis_share(self, axes: tuple[Axis, ...], tensor: Tensor, share: slice) -> Tensor:
+        """Entries ``share`` of the first axis of ``tensor`` moved along ``axes``: that axis's
+        element computes them alone, the others act within them."""
+        first = axes[0] if axes else None
+        if first is not None and first[0] in self.maps:
+            tensor = self.maps[first[0]].act(tensor, 0, first[1], share)
         else:
-            tensor = tensor[columns]
-        if tensor.shape[0]:  # some columns here (more processes than columns leave none)
-            for axis, entry in enumerate(swapped[1:], start=1):
-                if entry is not None and entry[0] in self.maps:
-                    tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
-        return tensor.movedim(0, 1)
+            tensor = tensor[share]
+        if tensor.shape[0] == 0:  # none here (more processes than entries): the maps are square
+            return tensor
+        for axis, entry in enumerate(axes[1:], start=1):
+            if entry is not None and entry[0] in self.maps:
+                tensor = self.maps[entry[0]].act(tensor, axis, entry[1])
+        return tensor
 
     def apply(self, canonical: CanonicalModel) -> CanonicalModel:
         """``canonical`` with every tensor transformed (a lazy view; ``.materialize()`` to copy)."""
