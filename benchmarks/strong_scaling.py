@@ -6,6 +6,10 @@ seeds: the same pair), and times :class:`hf_lmc.DualPath` steps (forward and bac
 default objective, layer checkpointing) on the same global batch, split across the processes:
 
   * ``one``: 1 process, the step as it runs alone;
+  * ``one, two at once``: two such 1-process steps at once, independent (nothing shared but the
+    machine): their slowdown against ``one`` is the machine's own (shared caches and memory
+    bandwidth, clocks under load), so half this row's ratio is the best a 2-process step can
+    reach here, its work split perfectly;
   * ``whole``: 2 processes, endpoints whole in each, every process building all of every
     weight (``--no-shard-build``; the only multi-process step before the shared build);
   * ``whole, shared build``: endpoints whole, each process building its rows of every weight
@@ -32,11 +36,15 @@ vocabulary 1024), batch 4 x 16 tokens, where the build dominates; ``cpu`` the ``
 members' shape (hidden 128, 4 layers, 4 heads, FFN 512, vocabulary 512), batch 32 x 64 tokens.
 With ``--baseline TREE`` (a checkout of an earlier commit, e.g. ``git worktree add /tmp/base
 HEAD~1``) the 1-process step also runs with that tree's ``hf_lmc``, alternating with this one's,
-so a change's effect at N = 1 is measured side by side in one run.
+so a change's effect at N = 1 is measured side by side in one run. With ``--rounds R`` every
+shape's runs repeat R times in turn (one, baseline, each mode; then again), each row naming its
+round, and a run's ratio is read against its own round's 1-process step: on a machine whose
+speed drifts over minutes, runs compared within a round see the same machine.
 
     python -m benchmarks.strong_scaling                         # every shape
     python -m benchmarks.strong_scaling --shape wide --steps 6
     python -m benchmarks.strong_scaling --shape cpu --baseline /tmp/base
+    python -m benchmarks.strong_scaling --shape wide 160m --rounds 3 --modes "whole, shared build"
 
 Issue 59 item 4: at 2 processes, step time <= 0.6x the 1-process step.
 """
@@ -65,6 +73,7 @@ SHAPES = {
 }
 MODES = (
     "one",
+    "one, two at once",
     "whole",
     "whole, shared build",
     "whole, shared build, weights gathered",
@@ -91,7 +100,7 @@ models = []
 for seed in (0, 1):
     torch.manual_seed(seed)
     models.append(tf.GPTNeoXForCausalLM(config))
-shard = mode not in ("one", "whole") and EndpointSharding(
+shard = not mode.startswith("one") and mode != "whole" and EndpointSharding(
     build="shared build" in mode, layers=mode.startswith("sharded"), tensor_parallel=False if "weights gathered" in mode else None
 )
 torch.manual_seed(0)
@@ -134,7 +143,7 @@ def run(shape: str, mode: str, steps: int, tree: Path) -> dict:
     processes = 1 if mode == "one" else 2
     launch = (
         [sys.executable]
-        if processes == 1
+        if mode.startswith("one")
         else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
     )
     env = os.environ | {
@@ -146,12 +155,21 @@ def run(shape: str, mode: str, steps: int, tree: Path) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(CHILD)
     args = [str(x) for x in SHAPES[shape]] + [mode, str(steps)]
-    done = subprocess.run([*launch, f.name, *args], env=env, capture_output=True, text=True, check=False, cwd=tree)
+    # "one, two at once": two independent launches, started together; otherwise one launch.
+    started = [
+        subprocess.Popen(
+            [*launch, f.name, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tree
+        )
+        for _ in range(2 if mode == "one, two at once" else 1)
+    ]
+    every = []
+    for child in started:
+        stdout, stderr = child.communicate()
+        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+        if child.returncode or not lines:
+            raise RuntimeError(f"{shape}, {mode}: exit {child.returncode}\n{stderr[-3000:]}")
+        every += json.loads(lines[-1].removeprefix("RESULT "))
     Path(f.name).unlink()
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"{shape}, {mode}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    every = json.loads(lines[-1].removeprefix("RESULT "))
     slowest = [max(process[i]["wall"] for process in every) for i in range(steps)]
     median = statistics.median(slowest)
     share = {
@@ -176,6 +194,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration (after 2 warm-up steps)")
     parser.add_argument(
+        "--rounds", type=int, default=1, help="repeat every shape's runs this many times in turn (default: 1)"
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         default=None,
@@ -199,19 +220,20 @@ def main() -> None:
         runs = [(mode, here) for mode in dict.fromkeys(["one", *args.modes])]
         if args.baseline is not None:
             runs.insert(1, ("one", args.baseline.resolve()))
-        one = None
-        for mode, tree in runs:
-            row = run(shape, mode, args.steps, tree) | {"tree": "baseline" if tree != here else "this"}
-            rows.append(row)
-            if mode == "one" and tree == here:
-                one = row["step_s"]
-            label = f"{row['processes']}: {mode}"
-            label = label if row["tree"] == "this" else f"{label} (baseline tree)"
-            print(
-                f"| {shape} | {label} | {row['step_s']:.3f} | {row['step_s'] / one:.2f}x | "
-                f"{row['build_s']:.3f} | {row['gathers_s']:.3f} |",
-                flush=True,
-            )
+        for round_ in range(args.rounds):
+            one = None
+            for mode, tree in runs:
+                row = run(shape, mode, args.steps, tree) | {"tree": "baseline" if tree != here else "this"}
+                rows.append(row | {"round": round_})
+                if mode == "one" and tree == here:
+                    one = row["step_s"]
+                label = f"{row['processes']}: {mode}"
+                label = label if row["tree"] == "this" else f"{label} (baseline tree)"
+                print(
+                    f"| {shape} | {label} | {row['step_s']:.3f} | {row['step_s'] / one:.2f}x | "
+                    f"{row['build_s']:.3f} | {row['gathers_s']:.3f} |",
+                    flush=True,
+                )
     print(f"\nwritten to {write(record, args.json)}", file=sys.stderr)
 
 

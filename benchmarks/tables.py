@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .record import RESULTS
+from .strong_scaling import MODES
 
 ROOT = Path(__file__).parent.parent
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
@@ -434,13 +435,15 @@ def cost_sections(records: Sequence[tuple[Path, dict]], root: Path) -> list[str]
 
 
 def scaling_section(records: Sequence[tuple[Path, dict]], root: Path) -> list[str]:
-    """Strong scaling of a dual step (benchmarks/strong_scaling.py): for each shape, the rows of
-    the newest record that measured it, each run against that record's own 1-process step."""
-    newest: dict[str, tuple[Path, dict]] = {}
+    """Strong scaling of a dual step (benchmarks/strong_scaling.py): for each shape and run, the
+    newest record that measured it (a later run of some modes keeps the others' rows), each run
+    against the 1-process step of its own record and round (``--rounds``: the runs repeated in
+    turn); over several rounds, the median and the range."""
+    newest: dict[tuple[str, str, str], tuple[Path, dict]] = {}
     for path, record in records:
         if record["benchmark"] == "strong_scaling":
             for row in record["rows"]:
-                newest[row["shape"]] = (path, record)
+                newest[row["shape"], row["mode"], row["tree"]] = (path, record)
     if not newest:
         return []
     out = [
@@ -448,21 +451,33 @@ def scaling_section(records: Sequence[tuple[Path, dict]], root: Path) -> list[st
         "",
         "The step is its slowest process's, the median of the timed steps; *build* is the time computing",
         "interpolated weights in forward and recomputation, *gathers* the time waiting in collectives,",
-        "both as shares of the step (`benchmarks/strong_scaling.py` says what each run is).",
+        "both as shares of the step (`benchmarks/strong_scaling.py` says what each run is). Each run comes",
+        "from the newest record that measured it and is read against that record's 1-process step of the",
+        "same round; where the runs repeated in rounds, the cells give the median over the rounds (the",
+        "range in brackets).",
         "",
         "| shape | processes: run | step (s) | vs 1 process | build | gathers |",
         "|---|---|---|---|---|---|",
     ]
-    for shape in sorted(newest, key=lambda s: (s != "cpu", s != "wide", s)):
-        path, record = newest[shape]
+    order = {mode: i for i, mode in enumerate(MODES)}
+    runs = sorted(newest, key=lambda k: (k[0] != "cpu", k[0] != "wide", k[0], order.get(k[1], len(order)), k[2]))
+    for shape, mode, tree in runs:
+        path, record = newest[shape, mode, tree]
         rows = [row for row in record["rows"] if row["shape"] == shape]
-        one = next(row["step_s"] for row in rows if row["mode"] == "one" and row["tree"] == "this")
-        for row in rows:
-            label = f"{row['processes']}: {row['mode']}" + (" (the commit before)" if row["tree"] != "this" else "")
-            step = row["step_s"]
-            clocked = row["tree"] == "this"  # an earlier tree may predate the interpolant's clock
-            shares = [f"{row[k] / step:.0%}" if clocked else "—" for k in ("build_s", "gathers_s")]
-            out.append(f"| {shape} | {label} | {step:.3f} | {step / one:.2f}× | {shares[0]} | {shares[1]} |")
+        one = {row.get("round", 0): row["step_s"] for row in rows if row["mode"] == "one" and row["tree"] == "this"}
+        repeats = [row for row in rows if row["mode"] == mode and row["tree"] == tree]
+        label = f"{repeats[0]['processes']}: {mode}" + (" (the commit before)" if tree != "this" else "")
+        step = statistics.median(row["step_s"] for row in repeats)
+        ratios = [row["step_s"] / one[row.get("round", 0)] for row in repeats]
+        ratio = f"{statistics.median(ratios):.2f}×"
+        if len(ratios) > 1:
+            ratio += f" ({min(ratios):.2f}–{max(ratios):.2f})"
+        clocked = tree == "this"  # an earlier tree may predate the interpolant's clock
+        shares = [
+            f"{statistics.median(row[k] / row['step_s'] for row in repeats):.0%}" if clocked else "—"
+            for k in ("build_s", "gathers_s")
+        ]
+        out.append(f"| {shape} | {label} | {step:.3f} | {ratio} | {shares[0]} | {shares[1]} |")
     sources = _unique(newest.values())
     out += ["", "Source: " + "; ".join(_provenance(path, record, root) for path, record in sources) + ".", ""]
     return out

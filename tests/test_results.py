@@ -79,3 +79,34 @@ def test_the_newest_record_of_a_method_wins_and_the_others_keep_theirs(tmp_path)
     assert "| vanilla average | 1.500 ± 0.707 | 2.000 | 1.00 |" in table
     assert "| dual | 0.200 ± 0.141 | 0.300 | 0.17 (0.30) |" in table
     assert "suite-a.json" in table and "suite-b.json" in table
+
+
+def test_a_strong_scaling_run_is_read_against_its_own_rounds_one_process_step(tmp_path):
+    """With ``--rounds`` a machine that slows between rounds slows both of a round's runs: each
+    run's ratio is taken within its round, and the cell gives the rounds' median and range."""
+
+    def row(mode, processes, step, round_):
+        return {
+            "shape": "wide",
+            "mode": mode,
+            "processes": processes,
+            "tree": "this",
+            "step_s": step,
+            "build_s": step / 2,
+            "gathers_s": 0.0,
+            "round": round_,
+        }
+
+    record = {
+        "benchmark": "strong_scaling",
+        "date": "2026-01-01T00:00:00+00:00",
+        "commit": "abc",
+        "machine": "m",
+        "settings": {},
+        "rows": [row("one", 1, 4.0, 0), row("paired", 2, 2.0, 0), row("one", 1, 8.0, 1), row("paired", 2, 4.8, 1)],
+    }
+    path = tmp_path / "strong_scaling-a.json"
+    path.write_text(json.dumps(record))
+    section = "\n".join(tables.scaling_section([(path, record)], tmp_path))
+    assert "| wide | 2: paired | 3.400 | 0.55× (0.50–0.60) | 50% | 0% |" in section
+    assert "| wide | 1: one | 6.000 | 1.00× (1.00–1.00) |" in section

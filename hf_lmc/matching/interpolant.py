@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -539,9 +541,10 @@ class Interpolant(nn.Module):
             if transform is not None:
                 transform.prepare()  # before the checkpointed layers
         moves = any(t is not None for t in point.transforms)
-        vocab_rows = features and self._vocab_parallel(batch)
+        agreed = functools.cache(lambda: self._agree_shapes(batch))  # at most one all-reduce a call
+        vocab_rows = features and self._vocab_parallel(agreed)
         own = None  # in a tensor-parallel call: this process's rows of the launch's batch
-        if features and moves and self._tensor_parallel(batch):
+        if features and moves and self._tensor_parallel(batch, agreed):
             size = batch["input_ids"].shape[0]
             own = slice(self._sharing.rank * size, (self._sharing.rank + 1) * size)
             batch = {
@@ -581,7 +584,22 @@ class Interpolant(nn.Module):
             if self._embedding is not None:
                 self._embedding.padding_idx = self._padding
 
-    def _vocab_parallel(self, batch: dict) -> bool:
+    def _agree_shapes(self, batch: dict) -> tuple[int, bool]:
+        """What the launch's processes agree on about this batch, in one all-reduce that
+        every process makes together: the largest process's positions (``B x S``) and
+        whether every process's batch tensors have this one's shapes. :meth:`_vocab_parallel`
+        and :meth:`_tensor_parallel` read it, so each process takes the same paths."""
+        inputs = batch.get("input_ids", batch.get("inputs_embeds"))
+        positions = inputs.shape[:2].numel() if inputs is not None else 0
+        shapes = [v.shape for _, v in sorted(batch.items()) if isinstance(v, Tensor)]
+        signature = torch.tensor([d for shape in shapes for d in (len(shape), *shape)], dtype=torch.long)
+        device = self._device if dist.get_backend(self._sharing.group) != "gloo" else torch.device("cpu")
+        bounds = torch.cat([torch.tensor([positions]), signature, -signature]).to(device)
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._sharing.group)
+        maxima, minima = bounds[1 : 1 + len(signature)], -bounds[1 + len(signature) :]
+        return int(bounds[0]), torch.equal(maxima, minima)
+
+    def _vocab_parallel(self, agreed: Callable[[], tuple[int, bool]]) -> bool:
         """Whether the head comes as this process's vocabulary rows and the loss runs
         vocabulary-parallel, at every point of this batch's loss, the endpoints' included:
         for a causal LM whose head group is built shared (large enough to share), where that
@@ -590,27 +608,22 @@ class Interpolant(nn.Module):
         process's last hidden states, the point's and (the ensemble target) every endpoint's,
         and reduce-scatters their gradient, ``(2 + M) x (N - 1) x T d`` for ``T`` positions a
         process: it pays while ``(2 + M) N T < 2 V`` (docs/design.md §5). ``T`` is the largest
-        process's, agreed by an all-reduce, so every process takes the same path."""
+        process's (``agreed``: :meth:`_agree_shapes`, called only where the rule is read)."""
         if self._head_key is None or "head" not in self._shared_groups or self._vocab_choice is False:
             return False
         if self._vocab_choice:
             return True
-        group = self._sharing.group
-        inputs = batch.get("input_ids", batch.get("inputs_embeds"))
-        positions = inputs.shape[:2].numel() if inputs is not None else 0
-        device = self._device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-        longest = torch.tensor([positions], device=device)
-        dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+        longest, _ = agreed()
         size = self.template.get_output_embeddings().out_features
-        return (2 + len(self.models)) * self._sharing.count * int(longest) < 2 * size
+        return (2 + len(self.models)) * self._sharing.count * longest < 2 * size
 
-    def _tensor_parallel(self, batch: dict) -> bool:
+    def _tensor_parallel(self, batch: dict, agreed: Callable[[], tuple[int, bool]]) -> bool:
         """Whether a moving point's layers run tensor-parallel on this batch
         (:mod:`hf_lmc.matching.tensor_parallel`): its linears at each process's output
         features, on the launch's batch, their outputs gathered instead of their weights. For a
         causal LM's features (:meth:`features_at`) built shared, every process's batch of one
-        shape (an all-reduce compares them), where that moves fewer bytes (unless forced) and
-        some layer is planned. The bytes: the launch's ``T`` tokens times the shared layers'
+        shape (``agreed``: :meth:`_agree_shapes`), where that moves fewer bytes (unless forced)
+        and some layer is planned. The bytes: the launch's ``T`` tokens times the shared layers'
         matrix rows (the linears' output features) against their elements (their weights),
         each crossing three times a step either way; read off the shapes, so a layer is traced
         (:meth:`_plan`, a few exports of it on the CPU) only where it would run
@@ -618,12 +631,7 @@ class Interpolant(nn.Module):
         ids = batch.get("input_ids")
         if self._parallel_choice is False or not self._shared_layers or ids is None or "inputs_embeds" in batch:
             return False
-        shapes = [v.shape for _, v in sorted(batch.items()) if isinstance(v, Tensor)]
-        signature = torch.tensor([d for shape in shapes for d in (len(shape), *shape)], dtype=torch.long)
-        device = self._device if dist.get_backend(self._sharing.group) != "gloo" else torch.device("cpu")
-        bounds = torch.cat([signature, -signature]).to(device)
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self._sharing.group)
-        if not torch.equal(bounds[: len(signature)], -bounds[len(signature) :]):
+        if not agreed()[1]:
             return False  # the processes' batches differ in shape: the weights are gathered
         if (
             self._parallel_choice is None
