@@ -152,24 +152,33 @@ def run(shape: str, mode: str, steps: int, tree: Path) -> dict:
         "TQDM_DISABLE": "1",
         "PYTHONPATH": str(tree),
     }
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-        f.write(CHILD)
     args = [str(x) for x in SHAPES[shape]] + [mode, str(steps)]
-    # "one, two at once": two independent launches, started together; otherwise one launch.
-    started = [
-        subprocess.Popen(
-            [*launch, f.name, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tree
-        )
-        for _ in range(2 if mode == "one, two at once" else 1)
-    ]
+    launches = 2 if mode == "one, two at once" else 1  # two independent launches, started together
     every = []
-    for child in started:
-        stdout, stderr = child.communicate()
-        lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-        if child.returncode or not lines:
-            raise RuntimeError(f"{shape}, {mode}: exit {child.returncode}\n{stderr[-3000:]}")
-        every += json.loads(lines[-1].removeprefix("RESULT "))
-    Path(f.name).unlink()
+    with tempfile.TemporaryDirectory() as scratch:
+        script = Path(scratch) / "child.py"
+        script.write_text(CHILD)
+        # Each launch's output to a file, not a pipe: a pipe read after another launch's could
+        # fill and stall its writer mid-step, timing the wait.
+        logs = [(Path(scratch) / f"out{i}", Path(scratch) / f"err{i}") for i in range(launches)]
+        started = []
+        try:
+            for out, err in logs:
+                with out.open("w") as stdout, err.open("w") as stderr:
+                    started.append(
+                        subprocess.Popen([*launch, str(script), *args], env=env, stdout=stdout, stderr=stderr, cwd=tree)
+                    )
+            for child, (out, err) in zip(started, logs):
+                child.wait()
+                lines = [line for line in out.read_text().splitlines() if line.startswith("RESULT ")]
+                if child.returncode or not lines:
+                    raise RuntimeError(f"{shape}, {mode}: exit {child.returncode}\n{err.read_text()[-3000:]}")
+                every += json.loads(lines[-1].removeprefix("RESULT "))
+        finally:
+            for child in started:  # a launch left running when another failed
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
     slowest = [max(process[i]["wall"] for process in every) for i in range(steps)]
     median = statistics.median(slowest)
     share = {
