@@ -55,6 +55,58 @@ def test_block_monomial_matches_its_dense_matrix():
     torch.testing.assert_close(a.permute(x, 1), x @ BlockMonomial(a.perm, eye, eye).dense().T)
 
 
+def test_a_dense_map_copies_its_matrix_once_for_all_the_tensors_it_moves():
+    """A residual map moves every weight of a model, most along their second axis, where the
+    product's right factor is the matrix's transpose made contiguous. Made once in ``prepare``
+    (not once per tensor), the factors give the values and the gradient of the direct products."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    d = 6
+    matrix = (
+        torch.linalg.qr(torch.randn(d, d, dtype=torch.float64))[0].contiguous().requires_grad_()
+    )  # as a parameter is
+    tensors = [torch.randn(d, 4, dtype=torch.float64), torch.randn(3, d, dtype=torch.float64)]
+    tensors.append(torch.randn(2, d, 5, dtype=torch.float64))
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_) and any(
+                isinstance(a, torch.Tensor) and a.shape == (d, d) for a in args
+            )
+            return func(*args, **(kwargs or {}))
+
+    element = BlockMonomial.orthogonal(matrix)
+    element.prepare()
+    with Copies():
+        moved = [
+            move(t, axis)
+            for t in tensors
+            for axis in range(t.dim())
+            if t.shape[axis] == d
+            for move in (element.vector, element.covector)
+        ]
+        moved.append(element.vector(tensors[0], 0, rows=slice(2, 5)))
+    assert Copies.count == 0
+    direct = [
+        f(t, axis)
+        for t in tensors
+        for axis in range(t.dim())
+        if t.shape[axis] == d
+        for f in (
+            lambda t, axis: torch.tensordot(matrix, t, ([1], [axis])).movedim(0, axis),
+            lambda t, axis: torch.tensordot(matrix, t, ([1], [axis])).movedim(0, axis),  # O^-T = O
+        )
+    ]
+    direct.append((matrix @ tensors[0])[2:5])
+    for got, want in zip(moved, direct):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    (grad,) = torch.autograd.grad(sum((m * m.detach().cos()).sum() for m in moved), matrix)
+    (expected,) = torch.autograd.grad(sum((w * w.detach().cos()).sum() for w in direct), matrix)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("arch", sorted(TINY))
 def test_compose_and_inverse_act_consistently(arch):
     canonical = hf_lmc.canonicalize(build_model(TINY[arch]))

@@ -36,24 +36,22 @@ def _apply_blocks(
     source: Tensor | None,
     transpose: bool,
     rows: slice | None = None,
+    dense: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Act on ``t`` along ``axis`` (size ``n*b``) with per-block ``mats``, then permute the blocks:
     block ``h`` of the result is block ``source[h]`` (``source = argsort(perm)``; ``None``: the
     blocks stay in order, no gather). ``rows`` (``axis`` 0 only): those rows of the result alone,
-    at their share of the cost (:func:`_block_rows`)."""
+    at their share of the cost (:func:`_block_rows`). ``dense`` (``n = 1``): :func:`_dense_factors`
+    of ``mats``, made once by the caller for the many tensors one map moves."""
     if rows is not None:
-        return _block_rows(t, n, mats, source, transpose, rows)
+        return _block_rows(t, n, mats, source, transpose, rows, dense)
     if n == 1:  # one dense block (the residual map): a plain matmul, no permutation to apply
         if mats is None:
             return t
-        m = mats.squeeze(0).to(
-            dtype=t.dtype, device=t.device
-        )  # a view: its gradient is one too (mats[0]'s is a zero-filled copy)
-        # The factor is made contiguous: a product's rounding may depend on its operands' layout
-        # (BLAS kernels differ by CPU), and a loaded map must act bit for bit as the saved one.
+        left, right = dense if dense is not None else _dense_factors(mats, transpose)
         if t.dim() == 2 and axis == 0:  # rows: multiply from the left, the result stays contiguous
-            return (m.T if transpose else m).contiguous() @ t
-        return (t.movedim(axis, -1) @ (m if transpose else m.T).contiguous()).movedim(-1, axis)
+            return left.to(dtype=t.dtype, device=t.device) @ t
+        return (t.movedim(axis, -1) @ right.to(dtype=t.dtype, device=t.device)).movedim(-1, axis)
     if mats is not None and mats.shape[-1] == 1:  # scalar blocks (MLP units): scale, then gather
         scale = mats.reshape(-1).to(dtype=t.dtype, device=t.device)
         shape = [1] * t.dim()
@@ -85,7 +83,27 @@ def _apply_blocks(
     return x.reshape(*lead, -1).movedim(-1, axis)
 
 
-def _block_rows(t: Tensor, n: int, mats: Tensor | None, source: Tensor | None, transpose: bool, rows: slice) -> Tensor:
+def _dense_factors(mats: Tensor, transpose: bool) -> tuple[Tensor, Tensor]:
+    """One dense block's matrix ``M`` as it acts (``mats[0]``, or its transpose where
+    ``transpose``) and ``M^T``, both contiguous: the left factor of a product over axis 0 and the
+    right factor over any other. Contiguous because a product's rounding may depend on its
+    operands' layout (BLAS kernels differ by CPU), and a loaded map must act bit for bit as the
+    saved one. Views of ``mats`` where already contiguous (their gradient a view too: ``mats[0]``'s
+    is a zero-filled copy), else copies."""
+    m = mats.squeeze(0)
+    acting = m.T if transpose else m
+    return acting.contiguous(), acting.T.contiguous()
+
+
+def _block_rows(
+    t: Tensor,
+    n: int,
+    mats: Tensor | None,
+    source: Tensor | None,
+    transpose: bool,
+    rows: slice,
+    dense: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
     """Rows ``rows`` of :func:`_apply_blocks` along axis 0, reading only the input rows they
     depend on: a slice of the dense matrix times ``t``, or the few blocks ``source`` sends
     there. A sharded build (:mod:`hf_lmc.matching.sharing`) computes each process's rows so."""
@@ -94,8 +112,8 @@ def _block_rows(t: Tensor, n: int, mats: Tensor | None, source: Tensor | None, t
     if n == 1:
         if mats is None:
             return t[start:stop]
-        m = mats.squeeze(0).to(dtype=t.dtype, device=t.device)
-        return ((m.T if transpose else m)[start:stop].contiguous() @ flat).reshape(-1, *t.shape[1:])
+        left = (dense if dense is not None else _dense_factors(mats, transpose))[0]
+        return (left[start:stop].to(dtype=t.dtype, device=t.device) @ flat).reshape(-1, *t.shape[1:])
     b = t.shape[0] // n
     first, last = start // b, -(-stop // b)  # the output blocks the rows touch
     blocks = flat.reshape(n, b, -1)
@@ -136,8 +154,22 @@ class BlockMonomial:
         step moves every tensor). :meth:`Transform.prepare` computes it ahead of checkpointed layers."""
         return None if self.ordered else torch.argsort(self.perm)
 
+    @functools.cached_property
+    def _dense(self) -> tuple[Tensor, Tensor] | None:
+        """One dense block's :func:`_dense_factors` as a vector moves (``blocks``): made once per
+        element, not once per tensor it moves (the residual map moves every weight, and each
+        transposed factor is a ``d x d`` copy). ``None`` for more blocks than one."""
+        return _dense_factors(self.blocks, False) if self.num_blocks == 1 else None
+
+    @functools.cached_property
+    def _dense_inverse(self) -> tuple[Tensor, Tensor] | None:
+        """The same as a covector moves (``inverse_blocks``, transposed)."""
+        return _dense_factors(self.inverse_blocks, True) if self.num_blocks == 1 else None
+
     def prepare(self) -> None:
-        self.source  # noqa: B018 - computes the cached property
+        self.source  # noqa: B018 - computes the cached properties
+        self._dense  # noqa: B018
+        self._dense_inverse  # noqa: B018
 
     @property
     def num_blocks(self) -> int:
@@ -203,10 +235,12 @@ class BlockMonomial:
         return BlockMonomial(perm, self.blocks[group], self.inverse_blocks[group], ordered)
 
     def vector(self, t: Tensor, axis: int, rows: slice | None = None) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.source, False, rows)
+        return _apply_blocks(t, axis, self.num_blocks, self.blocks, self.source, False, rows, self._dense)
 
     def covector(self, t: Tensor, axis: int, rows: slice | None = None) -> Tensor:
-        return _apply_blocks(t, axis, self.num_blocks, self.inverse_blocks, self.source, True, rows)
+        return _apply_blocks(
+            t, axis, self.num_blocks, self.inverse_blocks, self.source, True, rows, self._dense_inverse
+        )
 
     def permute(self, t: Tensor, axis: int, rows: slice | None = None) -> Tensor:
         return _apply_blocks(t, axis, self.num_blocks, None, self.source, False, rows)
