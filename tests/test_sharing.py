@@ -101,6 +101,27 @@ def test_rows_of_a_move_are_the_rows_of_the_whole_move_in_value_and_gradient(arc
                     torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12, msg=label)
 
 
+def test_a_column_share_of_a_moved_and_a_staying_endpoint_is_the_columns_of_their_whole_mix():
+    """A paired output projection's columns mix a staying endpoint's slice (laid out by rows)
+    with a moved one's ``apply_columns`` (transposed, brought to rows before the sum): the
+    columns of the whole mix, for every matrix."""
+    from hf_lmc.matching.interpolant import Interpolant
+
+    config = CONFIGS["gpt_neox"]().example()
+    a = hf_lmc.canonicalize(build_model(config, seed=1)).state_dict()
+    b = hf_lmc.canonicalize(build_model(config, seed=2))
+    transform = hf_lmc.random_symmetry(b.spec, seed=3)
+    b = b.state_dict()
+    weights = (0.7, 0.3)
+    for name, t in a.items():
+        if t.dim() != 2:
+            continue
+        columns = share_of(t.shape[1], 1, 2)
+        got = Interpolant._mixed(name, [(a, None), (b, transform)], weights, columns=columns)
+        want = 0.7 * t + 0.3 * transform.apply_tensor(name, b[name])
+        torch.testing.assert_close(got, want[:, columns], msg=name)
+
+
 # The options whose parameterisation a shared build splits (Cayley's columns in every frame, the
 # head maps' exponentials), and those it leaves whole on every process (exp, relaxed permutations).
 _SHARED_OPTIONS = (

@@ -335,6 +335,11 @@ class Interpolant(nn.Module):
                 moved.append(t if transform is None else transform.apply_tensor(name, t))
             else:
                 moved.append(t[share] if transform is None else transform.apply_rows(name, t, share))
+        if columns is not None and len(moved) > 1 and any(transform is None for _, transform in sources):
+            # A share of columns comes from apply_columns transposed (columns-major), from an
+            # endpoint that stays as a slice of its rows: a sum of the two layouts strides across
+            # one of them, several times slower than one blocked transpose to rows beforehand.
+            moved = [m if transform is None else m.contiguous() for m, (_, transform) in zip(moved, sources)]
         if len(moved) == 1 and isinstance(weights[0], float) and weights[0] == 1.0:
             return moved[0]  # one endpoint: its moved tensor, not a copy (x * 1.0 is x)
         return weighted_sum(moved, weights)
