@@ -11,6 +11,10 @@
 #   step_1.4b_offload     a dual step at Pythia-1.4B shape, bf16 autocast, with the endpoint layers
 #                         offloaded to CPU memory (FSDP2) against the same step without (issue 38)
 #   step_160m             learned and dual step costs against a base step, Pythia-160M, 4 x 512
+#   step_160m_before      the same step with the hf_lmc of the tree in $BASELINE (default .baseline):
+#                         one GPU's step before and after a change, in time and peak memory (issue
+#                         59: the shared build at N = 1). Make the tree here and carry it (git
+#                         ignores it): git archive 1e3278a hf_lmc | tar -x -C .baseline
 #   step_160m_16x512      the same at 16 x 512
 #   merge_pythia          weight merge against a plain average, Pythia-1B shape, B a symmetry of A
 #   merge_llama_random    the same at the LLaMA-1.1B shape, A and B independent initialisations
@@ -38,10 +42,10 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
 declare -A LIMIT=(
-    [cuda_tests]=120 [step_1.4b_offload]=240 [step_160m]=90 [step_160m_16x512]=90 [merge_pythia]=180
+    [cuda_tests]=120 [step_1.4b_offload]=240 [step_160m]=90 [step_160m_before]=90 [step_160m_16x512]=90 [merge_pythia]=180
     [merge_llama_random]=240 [merge_llama_symmetry]=240 [merge_llama_profile]=150 [head_solves]=60 [step_1.4b_bf16]=150
 )
-ALL=(cuda_tests step_1.4b_offload step_160m step_160m_16x512 merge_pythia merge_llama_random merge_llama_symmetry
+ALL=(cuda_tests step_1.4b_offload step_160m step_160m_before step_160m_16x512 merge_pythia merge_llama_random merge_llama_symmetry
      merge_llama_profile head_solves step_1.4b_bf16)
 
 command_of() {  # the command line of one check
@@ -50,6 +54,12 @@ command_of() {  # the command line of one check
         cuda_tests) echo python3 -m pytest -q -p no:warnings tests/test_cuda.py ;;
         step_1.4b_offload) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 --offload "$record" ;;
         step_160m) echo python3 benchmarks/learned_step.py --device cuda "$record" ;;
+        step_160m_before)  # this tree's benchmark (unchanged since 1e3278a), run in the baseline tree
+            # so that its hf_lmc is the one imported (the benchmark's child runs with python -c: the
+            # working directory comes first on its path)
+            local tree=${BASELINE:-.baseline}
+            [[ -d $tree/hf_lmc ]] || { echo "bash -c 'echo no hf_lmc under $tree >&2; exit 2'"; return; }
+            echo "bash -c 'cd $tree && exec python3 $PWD/benchmarks/learned_step.py --device cuda --json $(realpath -m "$out/$1.json")'" ;;
         step_160m_16x512) echo python3 benchmarks/learned_step.py --device cuda --batch 16 "$record" ;;
         merge_pythia) echo python3 benchmarks/merge_speed.py --pair "$pairs/pythia" "$record" ;;
         merge_llama_random) echo python3 benchmarks/merge_speed.py --arch llama --kind random --pair "$pairs/llama-random" "$record" ;;

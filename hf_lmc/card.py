@@ -394,7 +394,10 @@ def _launch(accelerate) -> str:
     else:
         text += ", endpoints whole in each process"
     if accelerate.shard_build:
-        return text + ", each process building 1/N of every interpolated weight's rows (all-gathered)"
+        return text + (
+            ", each process building 1/N of every interpolated weight's rows (all-gathered, or the layers run"
+            " tensor-parallel where the launch's tokens are few)"
+        )
     return text + ", every process building every interpolated weight"
 
 

@@ -1472,6 +1472,13 @@ def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stdout.count("merged model written to") == 1, done.stdout  # one process reports
         outputs[name, method] = load_file(out / "model.safetensors")
+        if method == "dual":  # the card records the launch it trained in
+            launch = next(
+                line for line in (out / "README.md").read_text().splitlines() if line.startswith("| launch |")
+            )
+            assert ("2 processes" in launch) == (name != "one")
+            assert ("FSDP2" in launch) == (name == "two, sharded")
+            assert ("1/N" in launch) == (name != "one")  # each process built its share (--shard-build, the default)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging debris
     for name, method in runs:
         reference, other = outputs["one", method], outputs[name, method]
