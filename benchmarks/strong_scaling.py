@@ -82,7 +82,7 @@ MODES = (
 )
 
 CHILD = r"""
-import json, sys, time
+import gc, json, sys, time
 import torch
 import torch.distributed as dist
 import transformers as tf
@@ -133,6 +133,11 @@ else:
 if accelerator.is_main_process:
     print("RESULT " + json.dumps(every))
 accelerator.wait_for_everyone()
+# The groups destroyed once nothing holds them, so that gloo's workers are joined before the
+# interpreter shuts down (left to it, one that is freeing a collective's tensors aborts the process).
+accelerator.free_memory()
+del model, path, params, clock
+gc.collect()
 if dist.is_initialized():
     dist.destroy_process_group()
 """

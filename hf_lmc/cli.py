@@ -913,6 +913,40 @@ def _report(err: ValueError | OSError) -> int:
     return EXIT_FAILED
 
 
+def _process_group_initialised() -> bool:
+    """Whether torch.distributed has a process group, read without importing torch (a command
+    that never imported it has none)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _owned_process_group():
+    """Destroy, on the way out, a process group the command set up (a launched run's, made by
+    ``devices.launched_processes`` or by the matcher); one that existed before is the caller's
+    and is left alone.
+
+    Why: torch's gloo workers drop each finished collective's tensors on their own threads.
+    Left to interpreter shutdown, a worker still doing so takes the GIL from a finalising
+    interpreter and the process aborts (SIGABRT) after its work is done, its exit status lost.
+    Destroying the group once nothing of the run holds it (hence the collection first) joins
+    the workers while the interpreter is whole. The teardown never replaces the command's own
+    outcome.
+    """
+    had_group = _process_group_initialised()
+    try:
+        yield
+    finally:
+        if not had_group and _process_group_initialised():
+            import gc
+
+            import torch.distributed as dist
+
+            gc.collect()  # a finished run's modules, its meshes among them, hold the groups in cycles
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -920,14 +954,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _return_freed_memory_promptly()
     if threading.current_thread() is threading.main_thread():
         exit_on_sigterm()
-    try:
-        with _messages(args):
-            return args.run(args)
-    except (ValueError, OSError) as err:
-        return _report(err)
-    except KeyboardInterrupt:  # what was half-written was removed on the way out (staging folders)
-        print("hf-lmc: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    with _owned_process_group():  # outermost: a failed run's traceback no longer holds the run
+        try:
+            with _messages(args):
+                return args.run(args)
+        except (ValueError, OSError) as err:
+            return _report(err)
+        except KeyboardInterrupt:  # what was half-written was removed on the way out (staging folders)
+            print("hf-lmc: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ memory, but the offload code path); ``--gather-float32`` gathers the float64 end
 ``--tensor-parallel`` runs the layers tensor-parallel (their outputs gathered, not their weights).
 """
 
+import gc
 import json
 import sys
 
@@ -133,9 +134,12 @@ def main(out: str, flags: list[str]) -> None:
                 f,
             )
     accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():  # an orderly teardown: gloo's threads end before the process does
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2:])
+    # An orderly teardown once the run's objects are gone (the collection: modules hold the groups
+    # in cycles): destroying a group nothing holds joins gloo's threads before the process ends.
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -128,6 +128,45 @@ def test_ctrl_c_ends_a_command_with_one_line_and_the_shells_code(capsys, monkeyp
     assert "Traceback" not in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_command_destroys_the_process_group_it_set_up_and_no_other(fails, monkeypatch):
+    """A launched run's process group is destroyed before ``main`` returns, whether the run
+    succeeded or failed: gloo's worker threads, left to interpreter shutdown, can abort the
+    process after its work is done. A group that existed before the command is left alone."""
+    import weakref
+
+    import torch.distributed as dist
+
+    import hf_lmc.pipeline
+
+    made = []
+
+    def run_that_sets_up_a_group(*args, **kwargs):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        holder = {"group": dist.new_group()}  # a run's mesh, kept in a cycle as modules keep it
+        holder["self"] = holder
+        dist.all_reduce(torch.ones(2), group=holder["group"])
+        made.append(weakref.ref(holder["group"]))
+        if fails:
+            raise ValueError("the run failed")
+        return argparse.Namespace(wrote=False)  # as a launch's other processes report
+
+    monkeypatch.setattr(hf_lmc.pipeline, "run", run_that_sets_up_a_group)
+    try:
+        code = main(["merge", "./a", "./b", "-o", "out"])
+        assert (code == 1) == fails
+        assert not dist.is_initialized()
+        assert made and made[0]() is None  # destroyed, not only forgotten: its threads joined
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the caller's
+        main(["merge", "./a", "./b", "-o", "out"])
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def test_generated_learning_flags_reach_the_options_model():
     """The flags are generated from :class:`LearnOptions`' fields: none given gives the model's
     defaults, and every flag arrives in its field."""
