@@ -38,6 +38,7 @@ from .options import (
     EvalOptions,
     LearnOptions,
 )
+from .outputs import save_figure
 from .progress import bar as progress_bar
 from .symmetry import Transform
 from .widths import check_mergeable, spec_of, to_common_shape
@@ -324,8 +325,11 @@ def simplex_barrier_of_loaded(
     return result
 
 
-def plot(result: BarrierResult, path: str | Path, title: str = "loss along the linear path") -> Path:
-    """Save a PNG of loss against alpha, one line per method."""
+def plot(
+    result: BarrierResult, path: str | Path, title: str = "loss along the linear path", *, overwrite: bool = False
+) -> Path:
+    """Save a figure of loss against alpha, one line per method (:func:`hf_lmc.outputs.save_figure`:
+    PNG, PDF or SVG by the suffix; an existing file only with ``overwrite``, and only one hf_lmc wrote)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -340,16 +344,23 @@ def plot(result: BarrierResult, path: str | Path, title: str = "loss along the l
     ax.legend()
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, overwrite=overwrite)
+    finally:
+        plt.close(fig)
 
 
 def plot_simplex(
-    result: SimplexBarrierResult, path: str | Path, names: Sequence[str] = ("A", "B", "C"), title: str = ""
+    result: SimplexBarrierResult,
+    path: str | Path,
+    names: Sequence[str] = ("A", "B", "C"),
+    title: str = "",
+    *,
+    overwrite: bool = False,
 ) -> Path:
-    """Save a PNG of three models' simplex: one triangle per method, each grid point coloured by
-    its loss above ``sum_k w_k L(theta_k)`` (the quantity whose maximum is the barrier)."""
+    """Save a figure of three models' simplex: one triangle per method, each grid point coloured by
+    its loss above ``sum_k w_k L(theta_k)`` (the quantity whose maximum is the barrier); written as
+    :func:`plot` writes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,6 +387,7 @@ def plot_simplex(
     if title:
         fig.suptitle(title, fontsize=9)
     path = Path(path)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, overwrite=overwrite, bbox_inches="tight")
+    finally:
+        plt.close(fig)

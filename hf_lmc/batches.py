@@ -295,6 +295,7 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
     except (OSError, ValueError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"model A ({tokenizer_folder}) has no usable tokenizer for text data: {reason}") from err
+    _check_vocabulary(tokenizer, config, tokenizer_folder)
     seq_len = _sequence_length(config, options)
     enough = options.max_batches * options.batch_size * seq_len if options.max_batches else None
     ids = _token_ids(rows, column, tokenizer, enough)
@@ -307,7 +308,27 @@ def _text_batches(data, config: PretrainedConfig, tokenizer_folder: Path | None,
             f"the text gave {len(ids)} tokens with model A's tokenizer, fewer than one block of {seq_len}{hint}"
         )
     blocks = torch.tensor(ids[: len(ids) // seq_len * seq_len], dtype=torch.long).reshape(-1, seq_len)
+    if blocks.numel() and int(blocks.max()) >= config.vocab_size:  # a tokenizer whose size understates its ids
+        raise DataError(
+            f"model A's tokenizer ({tokenizer_folder}) gave token id {int(blocks.max())}, but the model's vocab_size is "
+            f"{config.vocab_size} (ids 0..{config.vocab_size - 1}); pass models whose tokenizer fits their embeddings"
+        )
     return [{"input_ids": chunk} for chunk in blocks.split(options.batch_size)]
+
+
+def _check_vocabulary(tokenizer, config: PretrainedConfig, tokenizer_folder: Path) -> None:
+    """Refuse a tokenizer with more tokens (``len(tokenizer)``, added tokens counted) than the
+    model has embedding rows (``vocab_size``): an id past the rows fails inside the model's
+    embedding, after the alignment, where it is refused here before any work, by the merge and
+    its dry run alike. A vocabulary padded beyond the tokenizer (Pythia's 50304 rows for 50277
+    tokens) is the common, harmless case."""
+    vocab_size = getattr(config, "vocab_size", None)
+    if isinstance(vocab_size, int) and len(tokenizer) > vocab_size:
+        raise DataError(
+            f"model A's tokenizer ({tokenizer_folder}) has {len(tokenizer)} tokens, but the model's vocab_size is "
+            f"{vocab_size}: ids {vocab_size}..{len(tokenizer) - 1} have no embedding; pass models whose tokenizer fits "
+            "their embeddings (or resize the embeddings where they were trained)"
+        )
 
 
 # -- sequences sampled from the models ---------------------------------------------------------

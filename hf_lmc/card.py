@@ -189,13 +189,20 @@ def merge_card(
 
 
 def moved_card(
-    *, source: ModelSource, merge: str, member_label: str, model_type: str, untied: bool = False
+    *,
+    source: ModelSource,
+    merge: str,
+    member_label: str,
+    model_type: str,
+    untied: bool = False,
+    license: str | None = None,
 ) -> ModelCard:
     """The card of a model moved by a merge's saved transform (``hf-lmc apply``): the same function
-    as ``source``, rewritten into the merge's coordinates; ``base_model`` names ``source`` where it
-    is a Hub repo."""
+    as ``source``, rewritten into the merge's coordinates, under ``source``'s ``license``;
+    ``base_model`` names ``source`` where it is a Hub repo."""
     data = ModelCardData(
         base_model=source.hub_id,
+        license=license,
         library_name="transformers",
         tags=["hf-lmc", "linear-mode-connectivity", model_type],
     )

@@ -16,20 +16,23 @@ import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
-from pathlib import Path, PurePosixPath, PureWindowsPath
+from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor
 from transformers import PretrainedConfig
 
 from .adapters import Adapter
-from .options import clipped
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
-BIN_INDEX = "pytorch_model.bin.index.json"
-BIN_SINGLE = "pytorch_model.bin"
+from .preflight import (  # noqa: F401  (the folder's weight files, by transformers' rule: imported from here too)
+    BIN_INDEX,
+    BIN_SINGLE,
+    SAFETENSORS_INDEX,
+    SAFETENSORS_SINGLE,
+    WEIGHT_ENTRIES,
+    CheckpointError,
+    weight_files,
+    weights_entry,
+)
 
 
 def all_finite(tensor: Tensor) -> bool:
@@ -40,10 +43,6 @@ def all_finite(tensor: Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder is missing files or holds unreadable ones."""
-
-
 def current_key(key: str, adapter: Adapter) -> str | None:
     """The transformers 5 name of a stored key, or ``None`` for keys that hold no parameter."""
     if any(re.search(pattern, key) for pattern in adapter.ignored_keys):
@@ -51,71 +50,6 @@ def current_key(key: str, adapter: Adapter) -> str | None:
     for pattern, replacement in adapter.legacy_renames:
         key = re.sub(pattern, replacement, key)
     return key
-
-
-class WeightIndex(BaseModel):
-    """A sharded checkpoint's index (``model.safetensors.index.json``): which shard holds each
-    tensor. Strict, so a ``weight_map`` that is a list, or names a shard by a number, is refused
-    rather than half read; other keys (``metadata``) are allowed unchecked."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    weight_map: dict[str, str]
-
-
-def _is_file_name(name: str) -> bool:
-    """Whether a shard name in an index is a plain file name: no folder part, so it cannot
-    point outside the checkpoint folder (``../x``, ``/etc/x``, ``C:\\x``)."""
-    return name not in ("", ".", "..") and PurePosixPath(name).name == name and PureWindowsPath(name).name == name
-
-
-def _indexed_files(folder: Path, index_name: str) -> list[Path]:
-    """The shards an index names, checked: valid JSON, a ``weight_map`` of tensor -> file name,
-    every name a file of ``folder``."""
-    index = folder / index_name
-    try:
-        weight_map = WeightIndex.model_validate_json(index.read_bytes()).weight_map
-    except ValidationError as err:
-        error = err.errors()[0]
-        where = ".".join(map(str, error["loc"])) or "the file"
-        if error["type"] == "json_invalid":
-            raise CheckpointError(f"{index} is not valid JSON; download it again") from None
-        if error["type"] == "missing":
-            raise CheckpointError(f"{index} has no weight_map key; download it again") from None
-        raise CheckpointError(
-            f"{index}: {where} must map tensor names to shard file names, got {clipped(error['input'])}; download it again"
-        ) from None
-    if not weight_map:
-        raise CheckpointError(f"{index}: weight_map lists no tensors; download it again")
-    outside = next((name for name in weight_map.values() if not _is_file_name(name)), None)
-    if outside is not None:
-        raise CheckpointError(
-            f"{index}: weight_map names {clipped(outside)}, which is not a file name in {folder}; "
-            "an index names its shards by file name alone"
-        )
-    return [folder / name for name in dict.fromkeys(weight_map.values())]
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """The weight shards of ``folder`` (safetensors preferred, else ``.bin``), checked to exist."""
-    if (folder / SAFETENSORS_INDEX).is_file():
-        files = _indexed_files(folder, SAFETENSORS_INDEX)
-    elif (folder / SAFETENSORS_SINGLE).is_file():
-        files = [folder / SAFETENSORS_SINGLE]
-    elif found := sorted(folder.glob("*.safetensors")):
-        files = found
-    elif (folder / BIN_INDEX).is_file():
-        files = _indexed_files(folder, BIN_INDEX)
-    elif (folder / BIN_SINGLE).is_file():
-        files = [folder / BIN_SINGLE]
-    else:
-        raise CheckpointError(
-            f"no weights in {folder} (expected {SAFETENSORS_SINGLE}, {SAFETENSORS_INDEX}, {BIN_SINGLE} or {BIN_INDEX})"
-        )
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        raise CheckpointError(f"{folder} is missing shard(s) listed in its index: {', '.join(missing)}")
-    return files
 
 
 SAFETENSORS_DTYPES = {

@@ -48,6 +48,7 @@ from .options import (
     ParameterError,
     UsageError,
     check_orders,
+    escape_controls,
     flag_of,
 )
 from .preflight import check_request, merge_request, pair_weights
@@ -137,7 +138,15 @@ MOVED_OUTPUT = OptionFlags(
     OutputOptions,
     only=("dtype", "shard_size", "overwrite"),
     defaults="fields",
-    helps={"dtype": "dtype of the written weights (default: MODEL's; a moved adapter keeps the adapter's own)"},
+    helps={"dtype": "dtype of the written weights (default: MODEL's; refused for an adapter, which keeps its own)"},
+)
+#: How ``barrier`` and ``explain`` write their figure: replaced only with --overwrite, and only
+#: a figure hf-lmc wrote.
+FIGURE_OUTPUT = OptionFlags(
+    OutputOptions,
+    only=("overwrite",),
+    defaults="fields",
+    helps={"overwrite": "replace an existing --plot file (only a figure hf-lmc wrote)"},
 )
 #: The merge request's own flags (the models are positional, and the output settings are
 #: :data:`OUTPUT`'s); each command offers those it takes.
@@ -264,6 +273,7 @@ def cmd_barrier(args: argparse.Namespace) -> int:
         raise UsageError(f"barrier needs at least 2 models, got {len(models)}")
     if args.plot and len(models) > 3:
         raise UsageError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
+    _check_figure(args, [*models, args.eval_data, args.data])
     revisions = _revisions(args, len(models))
     check_method(args.method, args.data, len(models), data_parameter="fit_data")
     if args.alphas is not None:
@@ -289,8 +299,7 @@ def cmd_barrier(args: argparse.Namespace) -> int:
             revision_b=revisions[1],
             **common,
         )
-        if args.plot:
-            plot(result, args.plot)
+        draw = plot
     else:
         result = barrier_over_simplex(
             models,
@@ -299,14 +308,30 @@ def cmd_barrier(args: argparse.Namespace) -> int:
             revisions=revisions,
             **common,
         )
-        if args.plot:
-            plot_simplex(result, args.plot)
-    print(result.to_json() if args.json else result.table())
+        draw = plot_simplex
+    _say(result.to_json() if args.json else result.table())  # what was measured, before a file can fail
+    if args.plot:
+        draw(result, args.plot, overwrite=args.overwrite)
     return 0
+
+
+def _check_figure(args: argparse.Namespace, read) -> None:
+    """The ``--plot`` file checked before any work (:func:`hf_lmc.outputs.check_figure_path`)."""
+    if args.plot:
+        from .outputs import check_figure_path
+
+        check_figure_path(args.plot, [r for r in read if isinstance(r, str)], "plot", overwrite=args.overwrite)
+
+
+def _say(text: str) -> None:
+    """Print a command's report with every control character but newlines and tabs escaped: it
+    carries names read from files and folders (labels, models), which must not drive the terminal."""
+    print(escape_controls(text, keep="\n\t"))
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     check_orders(args.orders)
+    _check_figure(args, [*args.models, args.eval_data, args.data])
     revisions = _revisions(args, 2)
     check_method(args.method, args.data, 2, data_parameter="fit_data")
     from .explain import explain, kinds_table, plot_explanation
@@ -325,9 +350,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
         learn=LEARN.build(args),
         orders=args.orders,
     )
+    _say(result.to_json() if args.json else f"{result.table()}\n\nparts summed per kind:\n\n{kinds_table(result)}")
     if args.plot:
-        plot_explanation(result, args.plot, title=f"{Path(args.models[0]).name} ↔ {Path(args.models[1]).name}")
-    print(result.to_json() if args.json else f"{result.table()}\n\nparts summed per kind:\n\n{kinds_table(result)}")
+        title = f"{Path(args.models[0]).name} ↔ {Path(args.models[1]).name}"
+        plot_explanation(result, args.plot, title=escape_controls(title, 120), overwrite=args.overwrite)
     return 0
 
 
@@ -489,7 +515,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
     )
     moved = "LoRA adapter" if applied.kind == "adapter" else "model"
-    print(f"{moved} moved by the transform of {applied.label} written to {applied.output}")
+    _say(f"{moved} moved by the transform of {applied.label} written to {applied.output}")
     return 0
 
 
@@ -561,8 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         default=None,
         metavar="FILE.png",
-        help="save the loss-along-path plot (three models: the simplex triangle)",
+        help="save the loss-along-path plot, as .png, .pdf or .svg (three models: the simplex triangle)",
     )
+    FIGURE_OUTPUT.add_to(report)
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_messages(bar)
     bar.set_defaults(run=cmd_barrier)
@@ -582,8 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     report = why.add_argument_group("report")
     EXPLAIN.add_to(report, ["orders"])
     report.add_argument(
-        "--plot", default=None, metavar="FILE.png", help="save a signed bar chart of the parts and total excess"
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="save a signed bar chart of the parts and total excess, as .png, .pdf or .svg",
     )
+    FIGURE_OUTPUT.add_to(report)
     report.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _add_messages(why)
     why.set_defaults(run=cmd_explain)
@@ -691,39 +722,66 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """Run a recipe and print its barrier table. A run that fails is recorded in the summary and
+    the others go on (``--fail-fast``: the recipe stops at it); the merges that finished and the
+    summary are written either way, each failure is one error line, and the exit code is then
+    :data:`EXIT_FAILED`."""
+    from .options import RecipeRunOptions
     from .recipe import check_outputs, load_recipe
 
-    overrides = _overrides(args)
+    switched = OptionFlags(RecipeRunOptions, defaults="fields").given(args)  # --fail-fast: output.fail_fast
+    overrides = _overrides(args) | {f"output.{name}": True for name, on in switched.items() if on}
     check_outputs(load_recipe(args.recipe, overrides), args.recipe)  # the recipe and its folders, before torch loads
 
-    from .runner import SUMMARY, run_recipe
+    from .runner import SKIPPED, SUMMARY, RecipeFailedError, run_recipe
 
-    result = run_recipe(args.recipe, overrides=overrides)
+    try:
+        result = run_recipe(args.recipe, overrides=overrides)
+    except RecipeFailedError as err:  # what finished is written; the summary records each failure
+        result = err.result
     if not result.wrote:  # one of several launched processes: the main one reports
         return 0
-    print(result.table())
-    print(f"\n{len(result.runs)} merged model(s) and {SUMMARY}.md/.json/.csv written to {result.output}")
+    print(escape_controls(result.table(), keep="\n"))
+    merged = sum(run.ok for run in result.runs)
+    shown = escape_controls(result.output)
+    print(f"\n{merged} merged model(s) and {SUMMARY}.md/.json/.csv written to {shown}")
     for run in result.runs:
         if run.url:
-            print(f"pushed {run.group} / {run.method} to {run.url}")
-    return 0
+            print(f"pushed {run.group} / {run.method} to {escape_controls(run.url)}")
+    for run in result.failed:
+        print(f"hf-lmc: error: {run.group} / {run.method}: {escape_controls(run.error)}", file=sys.stderr)
+    skipped = sum(run.status == SKIPPED for run in result.runs)
+    if skipped:
+        print(
+            f"hf-lmc: {skipped} run(s) skipped: output.fail_fast stopped the recipe at its first failure",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED if result.failed else 0
 
 
 def cmd_recipe_check(args: argparse.Namespace) -> int:
-    """Validate each recipe on its own and list its runs; every invalid one is reported (as the
-    one-line error it would stop ``hf-lmc run`` with) and the exit code is the worst of them."""
+    """Validate each recipe on its own, run every check that needs no weight (the recipe, the
+    folders it writes against those it reads, each group's configs compared as the merge compares
+    them) and list its runs; every invalid one is reported (as one error line) and the exit code is
+    the worst of them. A check left out (a config not at hand here) is listed as a note."""
     from .recipe import check_outputs, load_recipe
+    from .runner import check_models
 
     overrides, worst = _overrides(args), 0
     for path in args.recipes:
         try:
             recipe = load_recipe(path, overrides)
             check_outputs(recipe, path, tidy=False)  # the folders it writes against those it reads, changing nothing
+            left_out = check_models(recipe, path)  # config.json alone: no weight is read or downloaded
             runs = recipe.runs()
         except (ValueError, OSError) as err:
             worst = max(worst, _report(err))
             continue
-        print(f"{path}: valid; {len(runs)} run(s) into {recipe.output.dir}")
+        print(f"{escape_controls(path)}: valid; {len(runs)} run(s) into {escape_controls(recipe.output.dir)}")
+        for note in left_out:
+            print(f"  note: {escape_controls(note)}")
+        if recipe.output.fail_fast:
+            print("  stops at its first failed run (output.fail_fast)")
         launch = recipe.launch.command(str(path))
         if launch:
             print(f"  runs as {recipe.launch.processes} processes: {launch}")
@@ -751,6 +809,8 @@ def _add_recipe_commands(commands) -> None:
         help="run a YAML recipe: merges, barriers and a summary table (one pair or a sweep)",
         description="Validate RECIPE.yaml, then merge every group of models with every method it lists, and write\n"
         "the merged models and summary.md/.json/.csv (barrier per group and method) into its output folder.\n"
+        "A run that fails is recorded in the summary with its error and the next one goes on (--fail-fast: the\n"
+        "recipe stops at it); the finished merges and the summary are written either way, and the exit code is 1.\n"
         "recipes/README.md describes the keys; `hf-lmc recipe schema` prints them all.",
         epilog=_examples("run"),
         formatter_class=raw,
@@ -783,6 +843,9 @@ def _add_recipe_commands(commands) -> None:
             changes.add_argument(
                 "--overwrite", action="store_true", help="replace an existing output folder (output.overwrite)"
             )
+            from .options import RecipeRunOptions
+
+            OptionFlags(RecipeRunOptions, defaults="fields").add_to(changes)  # --fail-fast (output.fail_fast)
     _add_messages(run)
     run.set_defaults(run=cmd_run)
     check.set_defaults(run=cmd_recipe_check)
@@ -907,9 +970,9 @@ def _report(err: ValueError | OSError) -> int:
     flag, and return its exit code: :data:`EXIT_USAGE` for a usage error, else :data:`EXIT_FAILED`."""
     if isinstance(err, (UsageError, OutputExistsError)):
         named = err.named(flag_for(err.parameter)) if isinstance(err, (ParameterError, OutputExistsError)) else err
-        print(f"hf-lmc: error: {named}", file=sys.stderr)
+        print(f"hf-lmc: error: {escape_controls(named)}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"hf-lmc: error: {err}", file=sys.stderr)
+    print(f"hf-lmc: error: {escape_controls(err)}", file=sys.stderr)  # one line, whatever a file's text held
     return EXIT_FAILED
 
 

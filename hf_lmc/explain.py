@@ -56,6 +56,7 @@ from .options import (
     LearnOptions,
     check_orders,
 )
+from .outputs import save_figure
 from .progress import bar as progress_bar
 from .widths import check_mergeable
 
@@ -250,10 +251,15 @@ def explain(
 
 
 def plot_explanation(
-    result: Explanation, path: str | Path, title: str = "where the midpoint's excess comes from"
+    result: Explanation,
+    path: str | Path,
+    title: str = "where the midpoint's excess comes from",
+    *,
+    overwrite: bool = False,
 ) -> Path:
-    """Save a PNG: per path, a signed horizontal bar per group (its part, nats, with its range
-    over the orders) under a reference bar for the total excess, a zero line, and how to read it."""
+    """Save a figure: per path, a signed horizontal bar per group (its part, nats, with its range
+    over the orders) under a reference bar for the total excess, a zero line, and how to read it;
+    written as :func:`hf_lmc.barriers.plot` writes (:func:`hf_lmc.outputs.save_figure`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,9 +293,10 @@ def plot_explanation(
     fig.text(0.01, 0.005, reading, fontsize=6, wrap=True, va="bottom")
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, overwrite=overwrite)
+    finally:
+        plt.close(fig)
 
 
 def kinds_table(result: Explanation, paths: Sequence[str] | None = None) -> str:

@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -210,6 +210,8 @@ def write_checkpoint(
     progress: bool = True,
     total_groups: int | None = None,
     kind: str = "merge",
+    moved_by: dict | None = None,
+    verify: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write HF state-dict ``groups`` + ``config`` as a stock checkpoint folder, atomically.
 
@@ -217,7 +219,10 @@ def write_checkpoint(
     (transforms, sums) are computed as they are read, with float32 products at full precision.
     ``source_folder``'s generation config, tokenizer and processor files are copied beside the
     weights, the tokenizer's from ``tokenizer_folder`` instead where it is given. ``kind`` is what
-    the folder's marker says hf_lmc wrote (:data:`hf_lmc.outputs.KINDS`).
+    the folder's marker says hf_lmc wrote (:data:`hf_lmc.outputs.KINDS`), ``moved_by`` the transform
+    that moved it, for a model ``hf-lmc apply`` wrote (:func:`hf_lmc.outputs.mark`). ``verify``, where
+    given, is called with the finished folder before it is moved into place; what it raises leaves
+    the output as it was.
     """
     output = Path(output_dir)
     max_bytes = parse_size(shard_size)
@@ -272,7 +277,9 @@ def write_checkpoint(
             shutil.copy2(path, staging / name)
         if card is not None:
             card.save(staging / "README.md")
-        move_into_place(staging, output, kind=kind, overwrite=overwrite)
+        if verify is not None:  # the finished folder, before it takes the output's place
+            verify(staging)
+        move_into_place(staging, output, kind=kind, overwrite=overwrite, moved_by=moved_by)
     except BaseException:
         writer.close()
         discard(staging)

@@ -12,6 +12,7 @@ learned matchers locate the worst point of their path on :func:`alpha_grid`.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 
 from .options import ParameterError
@@ -33,6 +34,23 @@ def alpha_grid(points: int) -> list[float]:
     if points < 2:
         raise ParameterError(f"{{}} needs at least 2 points, got {points}", "alphas")
     return [i / (points - 1) for i in range(points)]
+
+
+def check_alpha_grid(alphas: Sequence[float]) -> list[float]:
+    """``alphas`` as a list, once it is a grid the barrier can be measured on: at least 2 finite
+    numbers, increasing from 0 to 1 (the barrier compares the path with its endpoints). A NaN is
+    refused by name: it compares false with everything, so an order check alone lets it through."""
+    grid = list(alphas)
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in grid):
+        raise ParameterError("{} must list numbers only, e.g. [0, 0.25, 0.5, 0.75, 1]", "alphas")
+    if not all(math.isfinite(a) for a in grid):
+        shown = next(a for a in grid if not math.isfinite(a))
+        raise ParameterError(f"{{}} holds {shown}; list finite numbers from 0 to 1", "alphas")
+    if len(grid) < 2 or grid[0] != 0 or grid[-1] != 1 or any(b <= a for a, b in itertools.pairwise(grid)):
+        raise ParameterError(
+            "{} must increase from 0 to 1 (the barrier compares the path with its endpoints)", "alphas"
+        )
+    return grid
 
 
 def simplex_grid(count: int, points: int) -> list[tuple[float, ...]]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import shlex
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub import HfApi, get_token, snapshot_download
+from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import (
     HfHubHTTPError,
     LocalEntryNotFoundError,
@@ -18,14 +20,15 @@ from huggingface_hub.errors import (
 
 from .options import UsageError
 from .outputs import MARKER
+from .preflight import BIN_INDEX, BIN_SINGLE, SAFETENSORS_SINGLE, indexed, indexed_files, weights_entry
 
 logger = logging.getLogger(__name__)
 
-#: What a merge needs from a model repo: config and tokenizer / processor files, the model card
-#: (its license is inherited), and the weights in one format: safetensors where the repo has them.
+#: What a merge needs from a model repo besides its weights: config and tokenizer / processor
+#: files (the weights' indexes among the JSON) and the model card (its license is inherited). The
+#: weights are the files transformers reads (:func:`hf_lmc.preflight.weights_entry`), fetched by
+#: name: :func:`_download_weights`.
 CHECKPOINT_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "README.md"]
-SAFETENSORS_PATTERNS = ["*.safetensors"]
-BIN_PATTERNS = ["pytorch_model*.bin"]
 #: Training leftovers some repos carry beside the model.
 IGNORED = ["trainer_state.json", "training_args.bin", "optimizer.*", "scheduler.*", "rng_state*"]
 
@@ -106,10 +109,28 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None, *, we
     with _hub_errors(str(reference), "folder"):
         if not weights:
             return Path(_download(repo_id, revision, CHECKPOINT_PATTERNS))
-        folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + SAFETENSORS_PATTERNS))
-        if not any(folder.glob("*.safetensors")):  # an older repo: its PyTorch pickles instead
-            folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + BIN_PATTERNS))
-        return folder
+        return _download_weights(repo_id, revision)
+
+
+def _download_weights(repo_id: str, revision: str | None) -> Path:
+    """A snapshot of ``repo_id`` with the config, tokenizer and card, and the weight files
+    transformers reads from it, no others: ``model.safetensors`` comes with the small files (it is
+    read whenever the repo has it); else the rule (:func:`hf_lmc.preflight.weights_entry`) picks
+    among what they brought (``config.json``'s named file, the safetensors index), then
+    ``pytorch_model.bin`` and its index, and an index's shards are fetched by the names it lists.
+    (A ``model.safetensors`` beside a file ``config.json`` names comes too, unread: the config is
+    not here before that first request.)"""
+    folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + [SAFETENSORS_SINGLE]))
+    entry = weights_entry(folder)
+    if entry is None or entry == BIN_INDEX:  # the PyTorch pickle comes before its index
+        folder = Path(_download(repo_id, revision, [BIN_SINGLE]))
+        entry = weights_entry(folder)
+    if entry is not None and indexed(entry):
+        names = [path.name for path in indexed_files(folder, entry)]
+        folder = Path(_download(repo_id, revision, [glob.escape(name) for name in names]))
+    elif entry is not None and not (folder / entry).is_file():  # the file config.json names
+        folder = Path(_download(repo_id, revision, [glob.escape(entry)]))
+    return folder
 
 
 def resolve_transforms(repo_id: str, revision: str | None = None) -> Path:
@@ -185,3 +206,59 @@ def push_folder(
 
 class PushError(OSError):
     """The merge is written but could not be pushed; the message says how to push it."""
+
+
+class PushRefusedError(PermissionError):
+    """A push that cannot be made, found before any work: no token, the Hub out of reach, or a
+    namespace the token cannot write to."""
+
+
+def check_push(repo_id: str, *, api: HfApi | None = None) -> str:
+    """Check, before any work, that ``repo_id`` can be pushed to: a token is here, the Hub answers
+    ``whoami`` with it (so it is reachable and the token valid), the token may write, and the repo's
+    namespace is its user's or one of their organisations' (not as a reader). Returns the user's
+    name. Anything else is a :class:`PushRefusedError` in one line naming the repo, so a merge is
+    never computed to fail at its push. ``api`` stands in for ``HfApi`` (the network boundary)."""
+    api = api or HfApi()
+    where = f"cannot push to {repo_id}"
+    if not (getattr(api, "token", None) or get_token()):
+        raise PushRefusedError(
+            f"{where}: no Hugging Face token here; log in with `hf auth login` or set HF_TOKEN, or drop the push"
+        )
+    if hub_constants.is_offline_mode():
+        raise PushRefusedError(
+            f"{where}: HF_HUB_OFFLINE is set, so the Hub cannot be reached; unset it or drop the push"
+        )
+    try:
+        account = api.whoami()
+    except HfHubHTTPError as err:
+        status = getattr(err.response, "status_code", None)
+        what = "refused the token" if status in (401, 403) else "could not check the token"
+        raise PushRefusedError(f"{where}: the Hub {what} ({_first_line(err)})") from err
+    except Exception as err:  # connection, proxy and TLS errors come in many types; the user needs one line
+        raise PushRefusedError(
+            f"{where}: the Hub could not be reached to check the token ({type(err).__name__}: {_first_line(err)})"
+        ) from err
+    user = str(account.get("name", ""))
+    role = ((account.get("auth") or {}).get("accessToken") or {}).get("role")
+    if role == "read":
+        raise PushRefusedError(f"{where}: {user}'s token is read-only; use a token with write access")
+    namespace = repo_id.partition("/")[0] if "/" in repo_id else user
+    orgs = {str(org.get("name")): org.get("roleInOrg") for org in account.get("orgs") or [] if isinstance(org, dict)}
+    roles = {name.lower(): role for name, role in orgs.items()}  # the Hub's names ignore case
+    if namespace.lower() != user.lower() and namespace.lower() not in roles:
+        writable = ", ".join([user, *sorted(orgs)])
+        raise PushRefusedError(
+            f"{where}: the token is {user}'s, which cannot write to {namespace} (it writes to {writable})"
+        )
+    if namespace.lower() != user.lower() and roles[namespace.lower()] == "read":
+        raise PushRefusedError(
+            f"{where}: {user} is a reader of {namespace}, not a writer; push to a namespace of yours"
+        )
+    return user
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message, or its type's name where it has none."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -30,9 +30,9 @@ from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
 from .canonical import CanonicalModel, canonicalize, export_config
-from .hub import names_local_path, resolve_checkpoint, shown_reference
-from .options import OutputExistsError
-from .outputs import check_replaceable, discard, move_into_place, staging_folder
+from .hub import names_local_path, shown_reference
+from .options import escape_controls
+from .outputs import discard, move_into_place, staging_folder
 from .symmetry.engine import Transform
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,28 @@ class AdapterError(ValueError):
 
 
 def is_lora_adapter(reference: str | Path) -> bool:
-    """Whether ``reference`` is a local PEFT adapter folder (an ``adapter_config.json`` and no
-    model ``config.json``)."""
+    """Whether ``reference`` is a local PEFT adapter folder: an ``adapter_config.json`` and no
+    model weights (a ``config.json`` beside it, as some trainers save, does not make it a model).
+    A folder holding both an adapter and a model's weights is refused as ambiguous."""
     path = Path(reference)
-    return path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file()
+    if not (path.is_dir() and (path / ADAPTER_CONFIG).is_file()):
+        return False
+    weights = [name for name in MODEL_WEIGHT_FILES if (path / name).is_file()]
+    if weights:
+        raise AdapterError(
+            f"{escape_controls(path, 120)} holds both a PEFT adapter ({ADAPTER_CONFIG}) and a model's weights "
+            f"({weights[0]}); move one of them to a folder of its own"
+        )
+    return True
+
+
+#: The files that hold a model's weights where transformers looks for them.
+MODEL_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def read_adapter_config(folder: Path) -> dict:
@@ -74,6 +92,12 @@ def read_adapter_config(folder: Path) -> dict:
         raise AdapterError(
             f"{folder}: a LoRA initialised with {init!r} changes its base model's weights; save it converted to a plain "
             "LoRA first (peft's path_initial_model_for_weight_conversion)"
+        )
+    bias = config.get("bias", "none")
+    if bias not in (None, "none"):
+        raise AdapterError(
+            f"{folder}: bias={escape_controls(bias, 40)!r} trains the base model's own biases, which a moved adapter "
+            "cannot carry as LoRA factors; only bias='none' can be carried across"
         )
     for option, what in (
         ("use_dora", "DoRA's magnitude vectors are not linear in the weights"),
@@ -95,52 +119,64 @@ def write_moved_adapter(
     member: int,
     output: str | Path,
     *,
-    base_model: str | Path | None = None,
-    revision: str | None = None,
+    base_folder: Path,
+    trained_on: str,
     recorded_base: str,
     transforms_reference: str,
     member_label: str,
     overwrite: bool = False,
+    moved_by: dict | None = None,
 ) -> Path:
-    """Write the LoRA adapter at ``folder`` (trained on ``base_model``, by default the one its
-    config names) moved by the transform of model ``member`` saved at ``transforms`` to
-    ``output``: a PEFT adapter folder whose config records ``recorded_base`` as its base model.
-    A base model of another spec than the transforms' is refused in one line, as a model is."""
+    """Write the LoRA adapter at ``folder``, trained on the model in ``base_folder`` (named
+    ``trained_on`` in its card), moved by the transform of model ``member`` saved at
+    ``transforms``, to ``output``: a PEFT adapter folder whose config records ``recorded_base``
+    as its base model, and whose marker records ``moved_by``. A base model of another spec than
+    the transforms', or an adapter tensor no module of the base model takes, is refused in one
+    line. The caller has checked ``output`` (:func:`hf_lmc.outputs.check_output_folder`)."""
     from peft import PeftModel  # peft loads torch-heavy tuners: only when an adapter is moved
 
     output = Path(output)
     config = read_adapter_config(folder)
-    base_reference = base_model or config.get("base_model_name_or_path")
-    if not base_reference:
-        raise AdapterError(f"{folder}: its config names no base model; say which model it was trained on")
-    if output.exists() and not overwrite:
-        raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
-    if overwrite:
-        check_replaceable(output, "output")
-    base_folder = resolve_checkpoint(base_reference, revision)
     canonical = canonicalize(base_folder, dtype=torch.float64)
     transform = Transform.load(transforms, canonical.spec, model=member).to(torch.float64)
-    model = canonical.adapter.model_class.from_pretrained(base_folder, dtype=torch.float64)
-    adapted = PeftModel.from_pretrained(model, str(folder), is_trainable=False).eval()
     with safe_open(str(folder / ADAPTER_WEIGHTS), framework="pt") as opened:
         saved = {key: opened.get_tensor(key) for key in opened.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    if not saved:
+        raise AdapterError(f"{folder / ADAPTER_WEIGHTS}: holds no tensors")
+    model = canonical.adapter.model_class.from_pretrained(base_folder, dtype=torch.float64)
+    adapted = PeftModel.from_pretrained(model, str(folder), is_trainable=False).eval()
+    _check_keys(adapted, saved, folder / ADAPTER_WEIGHTS)
     tensors, biases = _moved_tensors(adapted, saved, canonical, transform, bool(config.get("lora_bias")))
     config |= {"base_model_name_or_path": recorded_base, "revision": None}
     if biases:
         config["lora_bias"] = True
         if not isinstance(config.get("init_lora_weights"), bool):  # peft takes lora_bias with a boolean init only
             config["init_lora_weights"] = True  # (a loaded adapter's init is not used)
-    card = _adapter_card(recorded_base, shown_reference(base_reference), transforms_reference, member_label, biases)
+    card = _adapter_card(recorded_base, trained_on, shown_reference(transforms_reference), member_label, biases)
     staging = staging_folder(output)
     try:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (staging / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         card.save(staging / "README.md")
-        move_into_place(staging, output, kind="adapter", overwrite=overwrite)
+        move_into_place(staging, output, kind="adapter", overwrite=overwrite, moved_by=moved_by)
     except BaseException:
         discard(staging)
         raise
     return output
+
+
+def _check_keys(adapted, saved: Mapping[str, Tensor], file: Path) -> None:
+    """Refuse an adapter file with a tensor that the adapted model does not hold (a target the
+    base model lacks, or a stray key): peft loads past it, and the move would leave it behind."""
+    held = {_hf_key(name) for name in adapted.state_dict()} | set(adapted.state_dict())
+    held |= {name.replace(".default.", ".").replace(".default", "") for name in adapted.state_dict()}
+    stray = [key for key in saved if key not in held and _hf_key(key) not in held]
+    if stray:
+        raise AdapterError(
+            f"{file}: tensor {escape_controls(stray[0], 120)!r} belongs to no module of the base model"
+            + (f" ({len(stray) - 1} more like it)" if len(stray) > 1 else "")
+            + "; was the adapter trained on another model?"
+        )
 
 
 def _moved_tensors(
@@ -201,7 +237,7 @@ def _moved_tensors(
         written.setdefault(f"{_PREFIX}{name}.lora_B.bias", torch.zeros(layer.out_features, dtype=torch.float64))
     missing = [key for key in saved if key not in written]
     if missing:
-        raise RuntimeError(f"moving the adapter left {missing[0]!r} unwritten")
+        raise AdapterError(f"{missing[0]}: the adapter file's tensor belongs to no target the move carries")
     dtype = next(iter(saved.values())).dtype
     return {key: t.to(saved[key].dtype if key in saved else dtype).contiguous() for key, t in written.items()}, biases
 

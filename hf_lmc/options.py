@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -105,6 +106,23 @@ def clipped(value, limit: int = 60) -> str:
     message never echoes unbounded input from a file or a flag."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def escape_controls(text, limit: int | None = None, keep: str = "") -> str:
+    """``text`` (from a file, a flag or a folder name) safe to print to a terminal: every control
+    or format character but those in ``keep`` (C0, DEL, C1, and Unicode's bidirectional and other
+    invisible format characters, which can rewrite or reorder what a terminal shows) written as
+    its Python escape, cut to ``limit`` characters where one is given."""
+    shown = "".join(
+        ch if ch in keep or unicodedata.category(ch) not in _UNSHOWN else ch.encode("unicode_escape").decode("ascii")
+        for ch in str(text)
+    )
+    return shown if limit is None or len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+#: Unicode categories a terminal does not show as themselves: controls, format characters,
+#: surrogates, private use and unassigned code points, and line and paragraph separators.
+_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
 
 
 #: The :func:`transformers.get_scheduler` names the training loop can run: those that need only
@@ -499,8 +517,9 @@ class ApplyOptions(Options):
     )
     member: Annotated[str | None, Flag(metavar="NAME")] = Field(
         None,
-        description="which of the merge's models MODEL is (an adapter: was trained on): a letter (A, B, ...), a number from "
-        "1 or its label (default: the model MODEL is named after, else the one model the merge moved)",
+        description="which of the merge's models' transforms moves MODEL (an adapter: its base): a letter (A, B, ...), a "
+        "number from 1 or its label (default: the model MODEL is by its content; needed to move another checkpoint of "
+        "the same shape)",
     )
     base_model: Annotated[str | None, Flag(metavar="MODEL")] = Field(
         None, description="an adapter's: the model it was trained on (default: the one its adapter_config.json names)"
@@ -526,6 +545,17 @@ class PairOptions(Options):
     )
     revision_a: Annotated[str | None, Flag(metavar="REV")] = Field(None, description="Hub revision of MODEL_A")
     revision_b: Annotated[str | None, Flag(metavar="REV")] = Field(None, description="Hub revision of MODEL_B")
+
+
+class RecipeRunOptions(Options):
+    """``hf-lmc run`` (:func:`hf_lmc.runner.run_recipe`): what a recipe does when one of its runs
+    fails. Recipes hold the field as ``output.fail_fast``, the command line as ``--fail-fast``."""
+
+    fail_fast: bool = Field(
+        False,
+        description="stop at the first run that fails (default: record it in the summary and go on with the next run); "
+        "the merges finished before it and the summary are written either way",
+    )
 
 
 #: How ``tokenizer_from`` names the two models of a pair, as messages call them.

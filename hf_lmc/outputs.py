@@ -76,14 +76,18 @@ _held_guard = threading.Lock()
 # -- the marker ------------------------------------------------------------------------------
 
 
-def mark(folder: str | Path, kind: str) -> Path:
+def mark(folder: str | Path, kind: str, moved_by: dict | None = None) -> Path:
     """Write :data:`MARKER` into ``folder``, listing every file now under it (relative paths,
-    sorted); written to a temporary file and renamed, so it is whole or absent. Returns its path."""
+    sorted), and for a model or adapter ``hf-lmc apply`` moved, the transform that moved it
+    (``moved_by``, JSON); written to a temporary file and renamed, so it is whole or absent.
+    Returns its path."""
     if kind not in KINDS:
         raise ValueError(f"unknown output kind {kind!r}; choose from {KINDS}")
     folder = Path(folder)
     files = sorted(path for path in _files_under(folder) if path not in (MARKER, _MARKER_PARTIAL))
     record = {"written_by": "hf-lmc", "version": __version__, "kind": kind, "files": files}
+    if moved_by is not None:
+        record["moved_by"] = moved_by
     partial = folder / _MARKER_PARTIAL
     partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     os.replace(partial, folder / MARKER)
@@ -117,7 +121,7 @@ def check_replaceable(folder: str | Path, what: str, *, kinds: Collection[str] |
     if not os.path.lexists(folder):
         return
     if folder.is_symlink() or not folder.is_dir():
-        thing = "a symbolic link" if folder.is_symlink() else "a file"
+        thing = _what_is(folder)
         raise OutputExistsError(
             f"{{}} {_given(folder)} is {thing}, not a folder hf-lmc wrote; name another folder", what
         )
@@ -138,6 +142,114 @@ def check_replaceable(folder: str | Path, what: str, *, kinds: Collection[str] |
     )
     why = "holds files hf-lmc did not write" if record is not None else "is not a folder hf-lmc wrote"
     raise OutputExistsError(f"{{}} {_given(folder)} {why} ({listed}); move them away or name another folder", what)
+
+
+def _what_is(path: Path) -> str:
+    """What an existing path that is no plain folder is, for a message."""
+    if path.is_symlink():
+        return "a symbolic link" if path.exists() else "a dangling symbolic link"
+    return "a file" if path.is_file() else "not a folder"
+
+
+def check_output_folder(
+    output: str | Path,
+    read: Iterable[str | Path],
+    what: str = "output",
+    *,
+    overwrite: bool = False,
+    kinds: Collection[str] | None = None,
+) -> Path:
+    """The output protocol's checks of a folder to write, before any work (docs/design.md §6):
+    a path that can be replaced at all (:func:`check_output_path`), what a dead run set aside put
+    back first (:func:`clean_stale`: it is the user's folder, and judged as such), an existing
+    folder only with ``overwrite`` and only one hf_lmc wrote (of ``kinds``), and apart from every
+    path the command ``read``s (:func:`check_apart`). Returns ``output`` as a path."""
+    output = Path(output)
+    check_output_path(output, what)
+    clean_stale(output)
+    if os.path.lexists(output) and not overwrite:
+        raise OutputExistsError(f"{_given(output)} already exists; pass {{}} to replace it", "overwrite")
+    check_apart(output, read, what)
+    if overwrite:
+        check_replaceable(output, what, kinds=kinds)
+    return output
+
+
+# -- single files: plots ---------------------------------------------------------------------
+
+#: What a figure hf_lmc saves says wrote it, in the metadata its format keeps (PNG ``Software``,
+#: PDF and SVG ``Creator``): ``--overwrite`` replaces a file only if it carries this.
+FIGURE_SIGNATURE = "hf-lmc figure"
+#: The figure formats a plot is written in, by file suffix, and the metadata key that signs it.
+FIGURE_FORMATS = {".png": "Software", ".pdf": "Creator", ".svg": "Creator"}
+_SIGNATURE_WINDOW = 1 << 16  # bytes: the metadata sits near a figure file's start (PNG, SVG) or end (PDF)
+
+
+def check_figure_path(path: str | Path, read: Iterable[str | Path], what: str, *, overwrite: bool = False) -> Path:
+    """Refuse, before any work, a figure path the command could not write when it is done: a
+    format :data:`FIGURE_FORMATS` lacks, a folder that does not exist, an existing file that is
+    not a figure hf_lmc wrote (any existing file without ``overwrite``), or a path that is or
+    lies inside one of the inputs the command ``read``s."""
+    path = Path(path)
+    if path.suffix.lower() not in FIGURE_FORMATS:
+        formats = ", ".join(FIGURE_FORMATS)
+        raise ParameterError(f"{{}} {_given(path)}: a figure is written as {formats}; end the name with one", what)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ParameterError(f"{{}} {_given(path)}: no folder {_given(folder)} to write it in", what)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ParameterError(f"{{}} {_given(path)}: the folder {_given(folder)} is not writable", what)
+    if os.path.lexists(path):
+        if path.is_symlink() or not path.is_file():
+            raise ParameterError(f"{{}} {_given(path)} is {_what_is(path)}; name a file to write", what)
+        if not overwrite:
+            raise OutputExistsError(f"{_given(path)} already exists; pass {{}} to replace it", "overwrite")
+        if not is_hf_lmc_figure(path):
+            raise OutputExistsError(
+                f"{{}} {_given(path)} is not a figure hf-lmc wrote; move it away or name another file", what
+            )
+    check_apart(path, read, what)
+    return path
+
+
+def is_hf_lmc_figure(path: str | Path) -> bool:
+    """Whether the file at ``path`` is a figure hf_lmc saved (it carries :data:`FIGURE_SIGNATURE`)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SIGNATURE_WINDOW)
+            f.seek(max(0, os.fstat(f.fileno()).st_size - _SIGNATURE_WINDOW))
+            tail = f.read(_SIGNATURE_WINDOW)
+    except OSError:
+        return False
+    signature = FIGURE_SIGNATURE.encode()
+    return signature in head or signature in tail
+
+
+def save_figure(figure, path: str | Path, *, overwrite: bool = False, what: str = "plot", **options) -> Path:
+    """Save a matplotlib ``figure`` at ``path``, signed as hf_lmc's (:data:`FIGURE_SIGNATURE`):
+    drawn into a hidden sibling first, then moved into place, so ``path`` is never half-written
+    and, without ``overwrite``, a file that appeared meanwhile is kept and this save refused."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    partial = Path(tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", suffix=suffix, dir=path.parent)[1])
+    try:
+        figure.savefig(partial, format=suffix[1:], metadata={FIGURE_FORMATS[suffix]: FIGURE_SIGNATURE}, **options)
+        _as_umask_allows(partial, 0o666)
+        if overwrite:
+            if os.path.lexists(path) and not is_hf_lmc_figure(path):
+                raise OutputExistsError(f"{{}} {_given(path)} is not a figure hf-lmc wrote; name another file", what)
+            os.replace(partial, path)
+        else:
+            try:
+                os.link(partial, path)  # fails where path exists: nothing is replaced
+            except FileExistsError:
+                raise OutputExistsError(
+                    f"{_given(path)} was written by another program meanwhile; pass {{}} to replace it", "overwrite"
+                ) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    return path
 
 
 def _foreign_entries(folder: Path, record: dict | None, *, legacy: bool) -> list[str]:
@@ -295,7 +407,14 @@ def check_output_path(output: str | Path, what: str = "output") -> None:
             f"{{}} {_given(output)} is the working folder or a folder above it; name a new folder, e.g. ./merged", what
         )
     if os.path.lexists(path) and not path.is_dir():
-        raise ParameterError(f"{{}} {_given(output)} is a file; name a folder to write", what)
+        thing = _what_is(path)
+        raise ParameterError(f"{{}} {_given(output)} is {thing}; name a folder to write", what)
+    if ".." in path.parts[:-1] and not path.parent.is_dir():  # "m/../m": its parent would be made as "m"
+        raise ParameterError(
+            f"{{}} {_given(output)} climbs out of {_given(path.parent)} with '..', which does not exist; "
+            "name the folder without '..'",
+            what,
+        )
     if len(os.fsencode(absolute.name)) > _LONGEST_NAME:  # its hidden siblings (".NAME.tmp-PID-xxxxxxxx") must fit too
         raise ParameterError(
             f"{{}} {_given(absolute.name, 60)}: the folder name is over {_LONGEST_NAME} bytes; name a shorter folder",
@@ -321,7 +440,15 @@ def staging_folder(output: str | Path) -> Path:
     return _locked_folder(output, "tmp")
 
 
-def move_into_place(staging: Path, output: Path, *, kind: str, overwrite: bool = True, what: str = "output") -> None:
+def move_into_place(
+    staging: Path,
+    output: Path,
+    *,
+    kind: str,
+    overwrite: bool = True,
+    what: str = "output",
+    moved_by: dict | None = None,
+) -> None:
     """Mark a finished ``staging`` folder as hf_lmc's ``kind`` and move it onto ``output``.
 
     Without ``overwrite`` the move only succeeds while ``output`` does not exist: a concurrent
@@ -332,11 +459,12 @@ def move_into_place(staging: Path, output: Path, *, kind: str, overwrite: bool =
     (``.NAME.old-PID-xxxxxxxx``) and the new one renamed in, with signals deferred in between, so
     an exception puts it back and a killed run leaves it for the next run to restore. The old
     folder is removed only once the new one is in place. The folder gets the permissions the
-    umask gives a new folder (``mkdtemp`` made it private)."""
+    umask gives a new folder (``mkdtemp`` made it private); ``moved_by`` goes into its marker
+    (:func:`mark`)."""
     staging, output = Path(staging), Path(output)
     try:
         _as_umask_allows(staging)
-        mark(staging, kind)
+        mark(staging, kind, moved_by)
         if overwrite and os.path.lexists(output):
             check_replaceable(output, what)
             _swap(staging, output)
@@ -554,9 +682,9 @@ def _rename_new(source: Path, target: Path) -> None:
         os.rename(source, target)
 
 
-def _as_umask_allows(folder: Path) -> None:
-    """Give a staging folder (``mkdtemp`` makes it private) the permissions a folder made by
-    ``save_pretrained`` or ``mkdir`` would have under the process's umask."""
+def _as_umask_allows(path: Path, mode: int = 0o777) -> None:
+    """Give a staging folder or file (``mkdtemp`` and ``mkstemp`` make them private) the
+    permissions ``mkdir`` (``mode`` 0o777) or ``open`` (0o666) would give under the process's umask."""
     umask = os.umask(0)
     os.umask(umask)
-    folder.chmod(0o777 & ~umask)
+    path.chmod(mode & ~umask)

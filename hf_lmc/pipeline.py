@@ -6,18 +6,23 @@ through :func:`merge_models` are exactly :func:`merge` with ``alpha = w[1]``.
 
 One frozen :class:`~hf_lmc.options.MergeRequest` drives the stages of :func:`run`:
 
-* :func:`resolve` checks the settings, finds each model's folder and config, loads the evaluation data;
+* :func:`resolve` checks the settings and that the push can be made, finds each model's folder and
+  config, loads the evaluation data;
 * :func:`align` aligns the models by the method's registry entry (``average`` of models of one
   shape interpolates the stored parameters; every other method the aligned canonical forms) and
   sets up the merged tensors, computed layer by layer as they are read;
 * :func:`measure` evaluates the barrier (when there is evaluation data) for the model card;
 * :func:`write` writes the card and the checkpoint to a temporary folder, renamed at the end;
 * then the folder is pushed to the Hub when asked.
+
+:func:`plan` is the dry run: every refusal of those stages that needs no merge computed (the
+weights' values and range among them: :func:`check_weights`), and the cost estimated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -55,17 +60,19 @@ from .card import (
     training_notes,
     training_settings,
 )
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, CheckpointError, weight_files
 from .devices import compute_device, launched_processes, wait_for_others
 from .export import check_writable, dtype_named, stored_dtype, write_checkpoint
+from .fingerprint import fingerprint
 from .grids import simplex_grid
-from .hub import push_folder, resolve_checkpoint, shown_reference
+from .hub import check_push, push_folder, resolve_checkpoint, shown_reference
 from .inherit import check_inherited, shown_names
 from .loading import load_model, revisions_per_model
 from .methods import METHODS
-from .options import DEFAULT_ALPHA, PATH_POINTS, SIMPLEX_POINTS, MergeRequest
+from .options import DEFAULT_ALPHA, PATH_POINTS, SIMPLEX_POINTS, MergeRequest, ParameterError
 from .outputs import check_apart
 from .preflight import check_request, merge_request, pair_weights, simplex_weights
+from .progress import bar as progress_bar
 from .spec import ArchSpec
 from .symmetry import Transform, resolve_kinds
 from .symmetry.stored import FORMAT as TRANSFORMS_FORMAT
@@ -169,7 +176,7 @@ def run(request: MergeRequest, *, progress: bool = True, api=None) -> MergeResul
     """
     processes = launched_processes()
     main = processes is None or processes.is_main_process
-    inputs = resolve(request, progress=progress and main)
+    inputs = resolve(request, progress=progress and main, api=api, push_check=main)
     wait_for_others(processes)  # every process has checked the output before any writes it
     aligned, measured, url = None, Measured(), None
     try:
@@ -217,11 +224,14 @@ class Inputs:
     inherited_notes: tuple[str, ...] = ()
 
 
-def resolve(request: MergeRequest, *, progress: bool = True) -> Inputs:
-    """Check the settings, find every model's folder and config, and load the evaluation data:
-    every problem a user can fix surfaces here, before any long alignment work."""
+def resolve(request: MergeRequest, *, progress: bool = True, api=None, push_check: bool = True) -> Inputs:
+    """Check the settings, that the push can be made (with ``push_check``: the process that
+    pushes; ``api`` stands in for ``HfApi``), find every model's folder and config, and load the
+    evaluation data: every problem a user can fix surfaces here, before any long alignment work."""
     count = len(request.models)
     written = check_request(request)  # what the command line checked before importing this module
+    if request.push_to_hub and push_check:  # before any download: a merge is never computed to fail at its push
+        check_push(request.push_to_hub, api=api)
     weights = simplex_weights(request.weights, count)
     revisions = revisions_per_model(request.revisions, count)
     kinds = resolve_kinds(request.symmetries)
@@ -318,11 +328,15 @@ class Plan:
     written_bytes: int
     peak_bytes: int
     seconds: float
+    unchecked: tuple[str, ...] = ()  # what the dry run did not check, as the table states it
+    push_user: str | None = None  # whose token the push would use, checked with the Hub
+    unread: tuple[str, ...] = ()  # the Hub models whose weights are not here, so not read
 
     def table(self) -> str:
         """The plan as the command line prints it."""
         request, count = self.request, len(self.models)
-        lines = ["dry run: configs, tokenizers, tensor headers and data read; no weight read, nothing written"]
+        read = "the weights here" if self.unread else "every weight"
+        lines = [f"dry run: configs, tokenizers, tensor headers, {read} and the data read; nothing written"]
         for k, (name, model_type, parameters, dtype) in enumerate(self.models):
             lines.append(f"  {model_name(k, count)}: {name} ({model_type}, {_counted(parameters)} parameters, {dtype})")
         how = f"alpha {self.weights[1]:g}" if count == 2 else "weights " + " ".join(f"{w:g}" for w in self.weights)
@@ -345,8 +359,10 @@ class Plan:
         lines.append(
             f"  output: {output} ({'replaced' if output.exists() else 'new'})"
             + (f", pushed to {request.push_to_hub}" if request.push_to_hub else "")
+            + (f" as {self.push_user}" if self.push_user else "")
         )
         lines += [f"  note: {note}" for note in self.notes]
+        lines += [f"  not checked: {what}" for what in self.unchecked]
         lines.append(
             f"  estimates: ~{_gigabytes(self.written_bytes)} on disk, peak memory ~{_gigabytes(self.peak_bytes)}, "
             f"~{_duration(self.seconds)} on 2 CPU cores (a GPU is faster)"
@@ -357,24 +373,29 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(request: MergeRequest) -> Plan:
-    """Check ``request`` as :func:`resolve` does (settings, outputs, every model's config and
-    tensor headers, what the merge inherits, room on disk, the data) without reading any weight
-    or writing anything, and estimate what the merge costs (see :data:`_SECONDS_PER_BILLION`).
-    A Hub model's config and tokenizer are downloaded, not its weights; ``sampled`` fitting data
-    is not sampled."""
+def plan(request: MergeRequest, *, progress: bool = True, api=None) -> Plan:
+    """Check ``request`` as :func:`run` does before it aligns, and refuse what it would refuse
+    without computing the merge (settings, outputs, the push: :func:`~hf_lmc.hub.check_push`, with
+    ``api`` standing in for ``HfApi``; every model's config, tensor headers and weights:
+    :func:`check_weights`; what the merge inherits, room on disk, the data), writing nothing, and
+    estimate what the merge costs (see :data:`_SECONDS_PER_BILLION`). A Hub model's config and
+    tokenizer are downloaded, not its weights (those already here are checked); ``sampled`` fitting
+    data is not sampled. The plan lists what was not checked."""
     count = len(request.models)
     written = check_request(request)
+    push_user = check_push(request.push_to_hub, api=api) if request.push_to_hub else None
     weights = simplex_weights(request.weights, count)
     revisions = revisions_per_model(request.revisions, count)
     resolve_kinds(request.symmetries)
     out_dtype = dtype_named(request.dtype)
     compute_device(request.device)
     folders, configs, width_notes, inherited_notes = _read_models(request, revisions, written, weights=False)
+    here = [_weights_here(model, folder) for model, folder in zip(request.models, folders)]
+    unread = [str(model) for model, present in zip(request.models, here) if not present]
     models, stored_bytes, written_bytes = [], [], []
-    for name, folder, config in zip(request.models, folders, configs):
+    for name, folder, config, present in zip(request.models, folders, configs, here):
         adapter = adapter_for(config)
-        if any(next(Path(folder).glob(pattern), None) for pattern in _WEIGHT_FILES):  # headers alone: no tensor is read
+        if present:  # headers alone: every tensor present, shaped and float, as the merge opens them
             Checkpoint(folder, adapter, config).close()
         with torch.device("meta"):
             parameters = sum(p.numel() for p in adapter.model_class(config).parameters())
@@ -402,6 +423,19 @@ def plan(request: MergeRequest) -> Plan:
             -(-sequences // request.data_options.batch_size),
             sequences * _sequence_tokens(configs[0], request.data_options),
         )
+    # Every tensor read once, as the merge reads it: the longest check, after the quick ones. The
+    # merged tensors' range is estimated from every model's, so only when every model's is here.
+    dtype = written_dtype(request.method, out_dtype, configs[0], width_notes) if all(here) else None
+    read = [k for k, present in enumerate(here) if present]
+    check_weights(
+        request.method,
+        [folders[k] for k in read],
+        [configs[k] for k in read],
+        [weights[k] for k in read],
+        width_notes,
+        dtype,
+        progress=progress,
+    )
     evaluation = None
     if eval_batches is not None:
         grid = request.alphas if request.alphas is not None else (PATH_POINTS if count == 2 else SIMPLEX_POINTS)
@@ -424,7 +458,135 @@ def plan(request: MergeRequest) -> Plan:
         max(written_bytes),
         peak,
         seconds,
+        unchecked=tuple(_unchecked(request, width_notes, unread)),
+        push_user=push_user,
+        unread=tuple(unread),
     )
+
+
+def _weights_here(model, folder: Path) -> bool:
+    """Whether the dry run reads ``model``'s weights: always for a local folder (whose missing
+    weights it refuses, as the merge does), and for a Hub model only where every file the merge
+    would read is already in its snapshot (a dry run downloads no weights)."""
+    if Path(str(model)).exists():
+        return True
+    try:
+        weight_files(folder)
+    except CheckpointError:
+        return False
+    return True
+
+
+def _unchecked(request: MergeRequest, width_notes: Sequence[str], remote: Sequence[str]) -> list[str]:
+    """What a dry run of ``request`` did not check, as the plan states it: the merge's own numbers
+    always, the weights of the Hub models in ``remote`` (not downloaded), sampled fitting data."""
+    entry = METHODS[request.method]
+    numbers = [] if request.method == "average" and not width_notes else ["the alignment"]
+    numbers += ["the training"] if entry.trained else []
+    numbers += ["the merged tensors (their range only estimated)" if not remote else "the merged tensors"]
+    numbers += ["the barrier"] if request.eval_data is not None else []
+    unchecked = [f"the merge's own numbers: {', '.join(numbers)}"]
+    if remote:
+        unchecked.append(f"the weights of {', '.join(remote)} (a dry run downloads no weights: their values and range)")
+    if entry.needs_data and is_sampled(request.data):
+        unchecked.append("the sampled fitting data (not sampled)")
+    if request.push_to_hub:
+        unchecked.append("the upload itself (the token and the namespace were checked with the Hub)")
+    return unchecked
+
+
+def written_dtype(
+    method: str, out_dtype: torch.dtype | None, config_a, width_notes: Sequence[str]
+) -> torch.dtype | None:
+    """The dtype the merge casts its tensors to as it writes them (:func:`align`): ``out_dtype``
+    (``--dtype``) for the plain average of models of one shape (``None``: each tensor in A's stored
+    dtype, as read); for every other merge, computed in float32, ``out_dtype`` or A's config's dtype,
+    else float32."""
+    if method == "average" and not width_notes:
+        return out_dtype
+    return out_dtype or dtype_named(getattr(config_a, "dtype", None)) or torch.float32
+
+
+def check_weights(
+    method: str,
+    folders: Sequence[Path],
+    configs: Sequence,
+    weights: Sequence[float],
+    width_notes: Sequence[str],
+    dtype: torch.dtype | None,
+    *,
+    progress: bool = True,
+) -> None:
+    """Read every tensor of the models in ``folders`` once, as the merge reads it, and refuse what
+    the merge refuses on its weights without the merge being computed: a NaN or Inf (the
+    checkpoint's own check, in its words), and, where ``dtype`` (:func:`written_dtype`) is given,
+    a merged tensor beyond its range (:func:`hf_lmc.export.write_checkpoint` refuses it in the
+    real run); ``weights`` are the models' weights in the merge.
+
+    The merged tensor's largest magnitude is estimated as ``sum_k w_k max|t_k|`` over the models'
+    tensors as the merge combines them (:func:`_tensors_as_merged`): as stored for the plain
+    average, else each model's canonical form exported alone, so that its norm gains and shifts
+    are folded into the readers by the very code that folds them in the merge. The estimate is
+    exact for models that agree and bounds any merge by permutations; transforms that rescale
+    (``mlp_scale``, rotations) can move the merged tensors' range either way."""
+    estimate: dict[str, float] = {}
+    streamed = method != "average" or bool(width_notes)  # group by group through the canonical form
+    total = sum(len(list(adapter_for(c).spec(c).groups())) for c in configs) if streamed else None
+    unit = "group" if streamed else "tensor"
+    with progress_bar(total=total, desc="reading weights", unit=unit, show=progress) as counter:
+        for weight, folder, config in zip(weights, folders, configs):
+            largest: dict[str, float] = {}
+            for key, tensor in _tensors_as_merged(method, folder, config, width_notes, counter):
+                if tensor.is_floating_point() and tensor.numel():
+                    low, high = torch.aminmax(tensor.detach())  # no copy of the tensor, as abs() would make
+                    largest[key] = max(largest.get(key, 0.0), -float(low), float(high))
+            for key, value in largest.items():
+                estimate[key] = estimate.get(key, 0.0) + weight * value
+    if dtype is None:  # written as read (nothing is cast), or not every model's tensors are here
+        return
+    for key, value in estimate.items():
+        if overflows(value, dtype):
+            raise ParameterError(
+                f"{key} would overflow {str(dtype).removeprefix('torch.')} in the merge (the models' largest "
+                f"magnitudes there, weighted, reach {value:.3g}); write it with {{}} bfloat16 or float32",
+                "dtype",
+            )
+
+
+def overflows(value: float, dtype: torch.dtype) -> bool:
+    """Whether a float32 ``value`` cast to ``dtype`` is no longer finite: the rule
+    :func:`hf_lmc.export.write_checkpoint` refuses a written tensor by (it rounds, so a value a
+    little past the largest finite one still fits)."""
+    return not bool(torch.isfinite(torch.tensor(value, dtype=torch.float32).to(dtype)))
+
+
+def _tensors_as_merged(method: str, folder: Path, config, width_notes: Sequence[str], counter) -> Iterator:
+    """``(key, tensor)`` of the model in ``folder`` as the merge combines it, under the key it is
+    written as: the stored tensors for the plain average of models of one shape (read through
+    :class:`~hf_lmc.checkpoint.Checkpoint`, as :func:`align` reads them), else the tensors its
+    canonical form (in float32, as the merge computes) exports, the vocabulary in row blocks. A
+    tied head is exported too (a merge may untie it). ``counter`` counts the groups."""
+    if method == "average" and not width_notes:
+        with Checkpoint(folder, adapter_for(config), config) as checkpoint:
+            for key in checkpoint:
+                yield key, checkpoint[key]
+                counter.update(1)
+        return
+    canonical = canonicalize(folder, dtype=torch.float32)
+    adapter, spec = canonical.adapter, canonical.spec
+    exported = copy.deepcopy(canonical.config)
+    if getattr(exported, "tie_word_embeddings", False):
+        exported.tie_word_embeddings = False
+    exported = adapter.export_config(exported, {}, {})
+    rows = block_rows(spec)
+    try:
+        with torch.no_grad():
+            for group in spec.groups():
+                for part in spec.row_blocks(group, rows) or [None]:
+                    yield from adapter.hf_group(canonical.group(group, part), exported, spec, group).items()
+                counter.update(1)
+    finally:
+        canonical.source.close()
 
 
 def estimate_cost(
@@ -502,10 +664,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
-#: Files whose bytes are a model's weights, in the order a loader prefers them.
-_WEIGHT_FILES = ("*.safetensors", "*.bin")
-
-
 def _written_bytes(folders: Sequence[Path], configs: Sequence, out_dtype: torch.dtype | None) -> int:
     """About how many bytes the merge writes: the largest input's weight files, rescaled from
     its stored dtype to the written one (a width merge writes the wider shape), and a tied
@@ -514,8 +672,7 @@ def _written_bytes(folders: Sequence[Path], configs: Sequence, out_dtype: torch.
     for folder, config in zip(folders, configs):
         stored = stored_dtype(config)  # a dtype name this check does not know: float32; the export will say more
         written = out_dtype or stored
-        files = next((found for pattern in _WEIGHT_FILES if (found := list(Path(folder).glob(pattern)))), [])
-        stored_bytes = sum(f.stat().st_size for f in files if f.is_file())
+        stored_bytes = sum(f.stat().st_size for f in weight_files(folder))  # the files the merge reads
         if getattr(config, "tie_word_embeddings", False):
             stored_bytes += (
                 (getattr(config, "vocab_size", 0) or 0) * (getattr(config, "hidden_size", 0) or 0) * stored.itemsize
@@ -589,7 +746,7 @@ def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Al
     merged = combine(
         [t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], inputs.weights
     )
-    out_dtype = inputs.out_dtype or dtype_named(getattr(config_a, "dtype", None)) or torch.float32
+    out_dtype = written_dtype(request.method, inputs.out_dtype, config_a, inputs.width_notes)
     config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
     groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
     untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
@@ -671,8 +828,17 @@ def save_merge_transforms(
 ) -> Path:
     """Each model's transform, the map that carried it into the merge's basin, saved at ``path``
     with what it was fitted on: per model its reference as given (a local folder by its last
-    part) and the revision read, and the method, symmetries, weights and settings as JSON."""
-    models = [{"reference": s.hub_id or s.label, "revision": s.revision, "local": s.hub_id is None} for s in sources]
+    part), the revision read and the checkpoint's content fingerprint (:mod:`hf_lmc.fingerprint`,
+    by which ``hf-lmc apply`` knows each model), and the method, symmetries, weights and settings as JSON."""
+    models = [
+        {
+            "reference": s.hub_id or s.label,
+            "revision": s.revision,
+            "local": s.hub_id is None,
+            "fingerprint": fingerprint(f),
+        }
+        for s, f in zip(sources, inputs.folders, strict=True)
+    ]
     fitted = {
         "method": request.method,
         "symmetries": sorted(inputs.kinds),

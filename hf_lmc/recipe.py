@@ -4,8 +4,9 @@ A recipe names the models (Hub ids, local folders or zoo members, with revisions
 adapters to fold in first), the method(s) and their options, the data, alpha or weights, the
 evaluation grid, the output and the accelerate settings. It is validated here, before any work
 starts, so a typo fails in a second with the key that holds it (``models[1].revision: ...``)
-rather than an hour into a sweep. :mod:`hf_lmc.runner` executes a validated :class:`Recipe`;
-``hf-lmc recipe schema`` prints :meth:`Recipe.model_json_schema` for editors.
+rather than an hour into a sweep; :func:`check_models` compares each group's configs as the merge
+would (``hf-lmc recipe check``, no weight read). :mod:`hf_lmc.runner` executes a validated
+:class:`Recipe`; ``hf-lmc recipe schema`` prints :meth:`Recipe.model_json_schema` for editors.
 
     models: [EleutherAI/pythia-70m-seed1, EleutherAI/pythia-70m-seed2]
     method: weight
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import itertools
 import math
 import os
 import re
@@ -41,6 +41,7 @@ from pydantic import (
     model_validator,
 )
 
+from .grids import check_alpha_grid
 from .hub import shown_reference
 from .methods import METHODS, NAMES
 from .options import (
@@ -58,6 +59,7 @@ from .options import (
     OutputOptions,
     PairOptions,
     ParameterError,
+    RecipeRunOptions,
     UsageError,
     check_device,
     clipped,
@@ -239,11 +241,10 @@ class EvalSection(_Section):
             if value < 2:
                 raise ValueError(f"the alpha grid needs at least 2 points, got {value}")
             return value
-        if not all(isinstance(a, (int, float)) and not isinstance(a, bool) for a in value):
-            raise ValueError("list numbers only, e.g. [0, 0.25, 0.5, 0.75, 1]")
-        if len(value) < 2 or value[0] != 0 or value[-1] != 1 or any(b <= a for a, b in itertools.pairwise(value)):
-            raise ValueError("the grid must increase from 0 to 1 (the barrier compares the path with its endpoints)")
-        return value
+        try:
+            return check_alpha_grid(value)  # a NaN or inf too: each is refused here, before any work
+        except ParameterError as err:
+            raise ValueError(err.named("the grid")) from None
 
 
 class OutputSection(OutputOptions):
@@ -251,6 +252,7 @@ class OutputSection(OutputOptions):
     (:class:`hf_lmc.options.OutputOptions`); with several runs, push_to_hub may hold {group} and {method}."""
 
     dir: str = Field(description="output folder: one merged model per run and summary.{md,json,csv}")
+    fail_fast: bool = copy.copy(RecipeRunOptions.model_fields["fail_fast"])  # its one definition, as --fail-fast's
 
     @field_validator("dir")
     @classmethod
@@ -749,3 +751,12 @@ def check_outputs(recipe: Recipe, given=None, *, tidy: bool = True) -> None:
         if err.parameter == "output.overwrite":
             raise
         raise RecipeError(err.named(err.parameter)) from None
+
+
+# -- the models' configs -----------------------------------------------------------------------
+
+
+class RecipeModelError(ValueError):
+    """A model of a recipe that its merge would refuse, found from the configs alone (no weight
+    read): a group whose models no merge covers, or a config that cannot be read. The message
+    names the recipe, the group or key, and the models."""

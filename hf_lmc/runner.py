@@ -4,8 +4,13 @@ A recipe is a list of merges: each (group, method) becomes one :class:`hf_lmc.op
 (:func:`run_request`) that :func:`hf_lmc.pipeline.run` carries out. Models are resolved once per recipe (zoo members trained or read from
 the cache, PEFT adapters folded into their base model), data sets are loaded once, and every
 merge, model card and summary is written into a staging folder that is renamed onto
-``output.dir`` only when every run has finished: a failed sweep leaves nothing half-written,
-and nothing is pushed to the Hub until then.
+``output.dir`` once every run has been tried, and nothing is pushed to the Hub until then.
+
+A run that fails (a model with a NaN weight, models that cannot be merged, a file missing) is
+recorded in the summary with its error, what it half-wrote is removed, and the sweep goes on
+with the next run; ``output.fail_fast`` stops it at the first failure instead. Either way the
+merges that finished and the summary are moved into place (and pushed), and the main process
+then raises :class:`RecipeFailedError`. An interrupt (Ctrl-C, SIGTERM) keeps nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import dataclasses
 import io
 import json
 import logging
+import re
+import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,14 +33,15 @@ import yaml
 from peft import PeftModel
 
 from . import pipeline, zoo
+from .adapters import read_config
 from .batches import SAMPLED, DataError, read_text_file
 from .devices import computed_on_main, launched_count, launched_processes, wait_for_others
 from .export import PROCESSOR_FILES
-from .hub import push_folder, resolve_checkpoint, shown_settings
+from .hub import check_push, names_local_path, push_folder, resolve_checkpoint, shown_settings
 from .inherit import copy_model_file
 from .loading import load_model
 from .methods import METHODS
-from .options import EVAL_OPTIONS, FIT_OPTIONS, PATH_POINTS, MergeRequest, OutputExistsError, UsageError
+from .options import EVAL_OPTIONS, FIT_OPTIONS, PATH_POINTS, MergeRequest, escape_controls
 from .outputs import (
     discard,
     mark,
@@ -48,10 +56,12 @@ from .recipe import (
     ModelRef,
     Recipe,
     RecipeError,
+    RecipeModelError,
     check_outputs,
     load_recipe,
     parse_zoo_member,
 )
+from .widths import check_mergeable
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +71,26 @@ class RunFailedError(ValueError):
     the message names the run. A recipe that cannot run as written is a :class:`RecipeError`."""
 
 
+class RecipeFailedError(RunFailedError):
+    """Runs of a recipe failed, and the recipe kept what it finished: the merges that succeeded
+    are in ``output.dir`` (and pushed) with the summary, which records each failure with its
+    error. ``result`` is the :class:`RecipeResult` as written; the message names the first failure."""
+
+    def __init__(self, message: str, result: RecipeResult):
+        super().__init__(message)
+        self.result = result
+
+
+#: A run's status in the summary: merged, failed (with its error), or not run because an
+#: earlier run failed under ``output.fail_fast``.
+OK, FAILED, SKIPPED = "ok", "failed", "skipped"
+
+
 @dataclass(frozen=True)
 class RunResult:
-    """One merge of a recipe and the barriers measured on its path (empty without ``eval``)."""
+    """One merge of a recipe and the barriers measured on its path (empty without ``eval``); a
+    run that failed has ``status`` :data:`FAILED` and its one-line ``error``, one never started
+    (``output.fail_fast``) :data:`SKIPPED`."""
 
     group: str
     method: str
@@ -71,10 +98,18 @@ class RunResult:
     folder: Path
     barriers: dict[str, float] = field(default_factory=dict)
     url: str | None = None
+    status: str = OK
+    error: str | None = None
 
     @property
     def barrier(self) -> float | None:
+        """The barrier of the run's own method (``None`` without ``eval`` or when it failed)."""
         return self.barriers.get(self.method)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the run merged (its folder is in the recipe's output)."""
+        return self.status == OK
 
 
 @dataclass(frozen=True)
@@ -87,25 +122,36 @@ class RecipeResult:
     recipe: dict[str, Any] = field(default_factory=dict)  # the validated recipe, defaults filled in (for summary.json)
     wrote: bool = True  # False on every launched process but the main one, which writes (and reports) the output
 
+    @property
+    def failed(self) -> list[RunResult]:
+        """The runs that failed (not those skipped after one did)."""
+        return [run for run in self.runs if run.status == FAILED]
+
     def table(self) -> str:
-        """Markdown: barrier per group of models (rows) and method (columns), vanilla average first."""
+        """Markdown: barrier per group of models (rows) and method (columns), vanilla average first;
+        a run that failed, or was skipped after one failed (``output.fail_fast``), shows its status
+        in its cell."""
+        unfinished = {(run.group, run.method): run.status for run in self.runs if not run.ok}
         methods = list(dict.fromkeys(m for run in self.runs for m in run.barriers))
-        methods.sort(key=lambda m: m != "average")
-        if not methods:
+        if not methods and not unfinished:
             return "no barriers measured (add an eval section to the recipe)"
+        methods = list(dict.fromkeys([*methods, *(run.method for run in self.runs)]))
+        methods.sort(key=lambda m: m != "average")
         rows = ["| models | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
         for group in dict.fromkeys(run.group for run in self.runs):
             measured = {}
             for run in (r for r in self.runs if r.group == group):
                 for method, value in run.barriers.items():
                     measured.setdefault(method, value)
-            rows.append(
-                f"| {group} | " + " | ".join(f"{measured[m]:.4f}" if m in measured else "—" for m in methods) + " |"
-            )
+            cells = [unfinished.get((group, m)) or (f"{measured[m]:.4f}" if m in measured else "—") for m in methods]
+            rows.append(f"| {group} | " + " | ".join(cells) + " |")
+        if not any(run.barriers for run in self.runs):
+            rows.append("\nno barriers measured (add an eval section to the recipe)")
         return "\n".join(rows)
 
     def records(self) -> list[dict[str, Any]]:
-        """One flat record per run (the JSON and CSV summaries)."""
+        """One flat record per run (the JSON and CSV summaries): a failed run has its status,
+        its error and no folder."""
         out = []
         for run in self.runs:
             vanilla = run.barriers.get("average")
@@ -114,12 +160,14 @@ class RecipeResult:
                 {
                     "group": run.group,
                     "method": run.method,
+                    "status": run.status,
                     "models": run.models,
-                    "folder": str(run.folder),
+                    "folder": str(run.folder) if run.ok else None,
                     "barrier": run.barrier,
                     "average_barrier": vanilla,
                     "ratio_to_average": ratio,
                     "url": run.url,
+                    "error": _shareable(run.error) if run.error else None,
                 }
             )
         return out
@@ -138,6 +186,10 @@ def run_recipe(
     merged models land in ``output.dir`` (``<group>/<method>/`` for a sweep, ``<method>/``
     otherwise) beside ``summary.md``, ``summary.json`` and ``summary.csv``. ``api`` stands in for
     ``huggingface_hub.HfApi`` when pushing.
+
+    When runs fail, the merges that finished and the summary (which records each failure) are
+    written all the same, and :class:`RecipeFailedError` is raised, its ``result`` the summary;
+    under a launcher the main process raises it, the others return their result (``wrote`` false).
     """
     given = recipe
     if not isinstance(recipe, Recipe) or overrides:
@@ -153,6 +205,10 @@ def run_recipe(
     main = processes is None or processes.is_main_process
     final = Path(recipe.output.dir)
     check_outputs(recipe, given)
+    if recipe.output.push_to_hub and main:  # a push that cannot succeed is found before the first merge
+        targets = [recipe.output.push_to_hub.format(group=g, method=m) for g, m, _ in recipe.runs()]
+        for target in {t.partition("/")[0] if "/" in t else "": t for t in targets}.values():  # one per namespace
+            check_push(target, api=api)
     # Data problems surface before any model is trained, downloaded or aligned.
     needs_data = any(METHODS[m].needs_data for m in recipe.method)
     fit_data = load_data(recipe.data, "train") if recipe.data is not None and needs_data else None
@@ -161,18 +217,20 @@ def run_recipe(
     made_with = _recipe_markdown(recipe, given)
     wait_for_others(processes)  # every process has checked the recipe before the main one stages anything
     staging = computed_on_main(lambda: staging_folder(final))  # every process names the main one's staging folder
+    planned = recipe.runs()
     try:
         with tempfile.TemporaryDirectory(prefix="hf-lmc-adapters-") as scratch:
             resolver = _ModelResolver(recipe, Path(scratch), progress)
-            runs = []
-            bar = progress_bar(recipe.runs(), desc="recipe runs", unit="merge", show=progress)
+            runs: list[RunResult] = []
+            bar = progress_bar(planned, desc="recipe runs", unit="merge", show=progress)
             for group, method, refs in bar:
                 bar.set_postfix_str(f"{group} / {method}")
                 logger.info("run %s / %s: %s", group, method, ", ".join(ref.label for ref in refs))
                 folder = recipe.run_folder(group, method)
+                barriers, error = {}, None
                 try:
-                    with processes.main_process_first() if processes is not None else contextlib.nullcontext():
-                        sources = [resolver(ref) for ref in refs]  # zoo members: trained once, then read from the cache
+                    # zoo members: trained once, then read from the cache
+                    sources = _resolved(resolver, refs, processes)
                     request = run_request(
                         recipe, method, sources, staging / folder, fit_data, eval_data, folder
                     ).model_copy(
@@ -185,42 +243,125 @@ def run_recipe(
                         }
                     )
                     merged = pipeline.run(request, progress=progress)
-                except (
-                    ValueError,
-                    OSError,
-                ) as err:  # say which run of a sweep failed, keeping what kind of failure it was
-                    failed = RecipeError if isinstance(err, (UsageError, OutputExistsError)) else RunFailedError
-                    raise failed(f"{group} / {method}: {err}") from err
-                barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
-                runs.append(RunResult(group, method, [ref.label for ref in refs], folder, barriers))
+                    barriers = dict(getattr(merged.barrier, "barriers", None) or {})  # none without eval
+                    if main:
+                        _relabel_card(staging / folder, {str(s.reference): s.label for s in sources if s.relabel})
+                except Exception as err:  # any failure of one run is recorded, and the sweep goes on
+                    logger.debug("run %s / %s failed", group, method, exc_info=True)  # the traceback, under -vv
+                    error = _run_error(err).replace(str(staging), str(final))  # the output, not its staging
+                error = _agreed(processes, error)  # the main process's outcome is every process's
+                labels = [ref.label for ref in refs]
+                if error is None:
+                    runs.append(RunResult(group, method, labels, folder, barriers))
+                    continue
+                runs.append(RunResult(group, method, labels, folder, status=FAILED, error=error))
                 if main:
-                    _relabel_card(staging / folder, {str(s.reference): s.label for s in sources if s.relabel})
-        targets = {run.folder: _push_target(recipe, run) for run in runs}
+                    _remove_unfinished(staging, folder)
+                    then = "output.fail_fast: the recipe stops" if recipe.output.fail_fast else "the recipe goes on"
+                    logger.warning("run %s / %s failed (%s): %s", group, method, then, error)
+                if recipe.output.fail_fast:
+                    runs += [
+                        RunResult(g, m, [ref.label for ref in r], recipe.run_folder(g, m), status=SKIPPED)
+                        for g, m, r in planned[len(runs) :]
+                    ]
+                    break
+        targets = {run.folder: _push_target(recipe, run) for run in runs if run.ok}
         result = RecipeResult(final, runs, recipe.name or "hf-lmc recipe", recipe.model_dump(mode="json"))
         if not main:  # the main process finishes, moves and pushes
             processes.wait_for_everyone()
             return dataclasses.replace(result, wrote=False)
         for run in runs:  # cards name the final folder (or Hub repo), not the staging one
-            shown = targets[run.folder] or (Path(final.name) / run.folder).as_posix()  # no path of this machine
-            _relabel_card(staging / run.folder, {str(staging / run.folder): shown})
+            if run.ok:
+                shown = targets[run.folder] or (Path(final.name) / run.folder).as_posix()  # no path of this machine
+                _relabel_card(staging / run.folder, {str(staging / run.folder): shown})
         write_summary(result, staging)
         move_into_place(staging, final, kind="recipe", overwrite=recipe.output.overwrite, what="output.dir")
     except BaseException:
         if main:
             discard(staging)
         raise
-    if recipe.output.push_to_hub:
+    if recipe.output.push_to_hub and any(run.ok for run in runs):
         pushed = [
             dataclasses.replace(
                 run, url=push_folder(final / run.folder, targets[run.folder], private=recipe.output.private, api=api)
             )
+            if run.ok
+            else run
             for run in runs
         ]
         result = dataclasses.replace(result, runs=pushed)
         write_summary(result, final)
         mark(final, "recipe")
     wait_for_others(processes)
+    if result.failed:
+        first, merged_count = result.failed[0], sum(run.ok for run in result.runs)
+        more = f" (and {len(result.failed) - 1} more failed run(s))" if len(result.failed) > 1 else ""
+        raise RecipeFailedError(
+            f"{first.group} / {first.method}: {first.error}{more}; {merged_count} of {len(result.runs)} run(s) merged, "
+            f"each failure recorded in {final / SUMMARY}.md",
+            result,
+        )
     return result
+
+
+def _resolved(resolver: _ModelResolver, refs: Sequence[ModelRef], processes) -> list[_Source]:
+    """The run's models as the merge reads them, resolved by the main process first (zoo members
+    are trained once, then read from the cache by the others). The processes meet once, whatever
+    the main process met: its failure is every process's, so that none goes on into the merge alone."""
+    if processes is None:
+        return [resolver(ref) for ref in refs]
+    sources, failure = None, None
+    if processes.is_main_process:
+        try:
+            sources = [resolver(ref) for ref in refs]
+        except Exception as err:  # noqa: BLE001 (raised below, once the others have it)
+            failure = err
+    error = _agreed(processes, None if failure is None else _run_error(failure))
+    if failure is not None:
+        raise failure
+    if error is not None:
+        raise RunFailedError(error)
+    return sources if sources is not None else [resolver(ref) for ref in refs]
+
+
+def _agreed(processes, value):
+    """``value`` as the main process has it, on every launched process (a collective: every
+    process calls it); in a one-process run, ``value`` itself."""
+    return value if processes is None else computed_on_main(lambda: value)
+
+
+def _run_error(err: BaseException) -> str:
+    """A failed run's error as the summary records it: one line, control characters escaped, and
+    the kind of error named where it is not one hf_lmc words for users (a ValueError or OSError)."""
+    text = str(err).strip() or type(err).__name__
+    if not isinstance(err, (ValueError, OSError)):
+        text = f"{type(err).__name__}: {text}"
+    return escape_controls(text, 2000)
+
+
+#: An absolute local path in a message (``/...`` or ``~/...``), up to the quote, space or
+#: punctuation that ends it.
+_LOCAL_PATH = re.compile(r"(?<![\w.~/-])~?/[^\s'\"`,;:()\[\]{}<>]+")
+
+
+def _shareable(text: str) -> str:
+    """``text`` (a run's error) as a summary records it: every absolute local path reduced to its
+    last part, as the cards name local models (:func:`hf_lmc.hub.shown_reference`), so that a
+    summary shared or committed does not carry the layout of this machine."""
+    return _LOCAL_PATH.sub(lambda found: Path(found.group()).name or found.group(), text)
+
+
+def _remove_unfinished(staging: Path, folder: Path) -> None:
+    """Remove what a failed run left in the recipe's staging folder (a folder this run made and
+    holds): its run folder, and the group folder above it once that is empty, so that the marker
+    written at the end accounts for everything in the output (an empty folder it does not list
+    would make ``output.overwrite`` refuse the output later)."""
+    shutil.rmtree(staging / folder, ignore_errors=True)
+    for parent in (staging / folder).parents:
+        if parent == staging or not parent.is_relative_to(staging):
+            break
+        with contextlib.suppress(OSError):  # not empty: another run's folder is in it
+            parent.rmdir()
 
 
 def _recipe_markdown(recipe: Recipe, given) -> str:
@@ -289,18 +430,19 @@ def _data_name(section: DataSection) -> str:
 
 
 def write_summary(result: RecipeResult, folder: Path) -> None:
-    """``summary.md`` (the barrier table), ``summary.json`` and ``summary.csv`` (one row per run),
-    each written to a temporary file and renamed, so a reader never sees half a file. The recipe
-    is recorded with local paths by their last part, like the cards: a summary shared or committed
-    does not carry the layout of this machine."""
+    """``summary.md`` (the barrier table), ``summary.json`` and ``summary.csv`` (one row per run,
+    with its status: ok, failed with its error, or skipped), each written to a temporary file and
+    renamed, so a reader never sees half a file. The recipe is recorded with local paths by their
+    last part, like the cards: a summary shared or committed does not carry the layout of this
+    machine."""
     records = result.records()
     markdown = (
         f"# {result.title}\n\nLoss barrier per group of models and method (lower is flatter).\n\n{result.table()}\n\n"
     )
-    markdown += (
-        "\n".join(f"- `{r['group']}` / `{r['method']}`: `{r['folder']}` ({', '.join(r['models'])})" for r in records)
-        + "\n"
+    markdown += "\n".join(
+        f"- `{r['group']}` / `{r['method']}`: {_outcome(r)} ({', '.join(r['models'])})" for r in records
     )
+    markdown += "\n"
     table = io.StringIO()
     writer = csv.DictWriter(table, fieldnames=list(records[0]) if records else ["group"])
     writer.writeheader()
@@ -315,6 +457,13 @@ def write_summary(result: RecipeResult, folder: Path) -> None:
         partial = target.with_name(f".{target.name}.tmp")
         partial.write_text(text, encoding="utf-8")
         partial.replace(target)
+
+
+def _outcome(record: Mapping[str, Any]) -> str:
+    """What became of a run, as ``summary.md`` lists it: its folder, or its status and error."""
+    if record["status"] == OK:
+        return f"`{record['folder']}`"
+    return f"**{record['status']}**" + (f": {record['error']}" if record["error"] else "")
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -472,3 +621,146 @@ def _relabel_card(folder: Path, names: Mapping[str, str]) -> None:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+# -- the configs of a recipe's models, compared before any run (``hf-lmc recipe check``) --
+
+
+def check_models(recipe: Recipe, given=None) -> list[str]:
+    """Compare the configs of each group's models with the check the merge runs on them before it
+    reads a weight (:func:`hf_lmc.widths.check_mergeable`), reading ``config.json`` alone: a local
+    folder's directly, a Hub model's from the Hub cache or downloaded alone, a zoo member's made
+    from its entry (a model with an ``adapter`` by its base model's). A group no merge covers, or a
+    config the merge could not read either, raises :class:`RecipeModelError`, one line naming the
+    recipe ``given``, the group or key, and the models. A config that is not at hand here is left out of the comparison, not refused (the
+    recipe may be meant for another machine): returns one line per reason saying which models'
+    configs were not compared, empty when every one was."""
+    where = str(given) if isinstance(given, (str, Path)) else "recipe"
+    reader = _ConfigReader(where)
+    entries = recipe.sweep if recipe.sweep is not None else [None]
+    for index, (entry, (group, refs)) in enumerate(zip(entries, recipe.groups)):
+        keys = [f"sweep[{index}].models[{k}]" if entry is not None else f"models[{k}]" for k in range(len(refs))]
+        found = [(ref, config) for ref, key in zip(refs, keys) if (config := reader(ref, key)) is not None]
+        if len(found) < 2:
+            continue
+        names = [_model_name(ref) for ref, _ in found]
+        what = f"sweep entry {group!r}" if entry is not None else "the models"
+        try:
+            widths = [
+                note
+                for (_, config), name in zip(found[1:], names[1:])
+                for note in check_mergeable(found[0][1], config, names[0], name)
+            ]
+            if widths and len(refs) > 2:  # as the merge refuses them (hf_lmc.pipeline)
+                raise ValueError(
+                    f"models of different widths merge two at a time, got {len(refs)} models ({widths[0]})"
+                )
+        except ValueError as err:
+            raise RecipeModelError(
+                f"{where}: {what} ({', '.join(_model_name(ref) for ref in refs)}) cannot be merged: {err}"
+            ) from None
+    return reader.skipped()
+
+
+def _model_name(ref: ModelRef) -> str:
+    """A model as a message on this machine names it: its path as written (a local path in full)."""
+    return ref.path + (f"@{ref.revision}" if ref.revision else "")
+
+
+class _ConfigReader:
+    """Reads each model's config once (``None`` where it cannot be read here), and records which
+    were left out and why."""
+
+    def __init__(self, where: str):
+        self.where = where  # the recipe, as messages name it
+        self.configs: dict[tuple[str, str | None], Any] = {}
+        self.left_out: dict[str, list[str]] = {}
+        self.unreachable: str | None = None  # why the Hub could not be reached, once it was not
+
+    def __call__(self, ref: ModelRef, key: str):
+        reference = (ref.path, ref.revision)
+        if reference not in self.configs:
+            self.configs[reference] = self._read(ref, key)
+        return self.configs[reference]
+
+    def skipped(self) -> list[str]:
+        """One line per reason: the models whose configs were not compared."""
+        return [
+            f"configs not compared, {why}: {', '.join(dict.fromkeys(models))}" for why, models in self.left_out.items()
+        ]
+
+    def _leave_out(self, ref: ModelRef, why: str) -> None:
+        self.left_out.setdefault(why, []).append(_model_name(ref))
+
+    def _read(self, ref: ModelRef, key: str):
+        if ref.path.startswith(ZOO_PREFIX):
+            return zoo.build_config(zoo.ZOO[parse_zoo_member(ref.path)[0]])
+        try:
+            folder = self._folder(ref, key)
+            if folder is None:
+                return None
+            return read_config(folder)
+        except RecipeError:
+            raise
+        except (ValueError, OSError) as err:  # the file or the repo is named in the message
+            raise RecipeModelError(f"{self.where}: {key}: {err}") from None
+
+    def _folder(self, ref: ModelRef, key: str) -> Path | None:
+        """The folder holding ``ref``'s config.json, or ``None`` (recorded) where it is not at hand."""
+        path = Path(ref.path)
+        if path.is_dir():
+            return path
+        if path.exists():
+            raise FileNotFoundError(f"{ref.path} is a file; name the model folder that holds config.json")
+        if names_local_path(ref.path):
+            self._leave_out(ref, "no such folder here")
+            return None
+        repo_id, at, pinned = ref.path.partition("@")  # org/model@rev, as the merge reads it
+        revision = ref.revision
+        if at:
+            if not pinned or (revision is not None and revision != pinned):
+                raise RecipeError(
+                    f"{self.where}: {key}: {ref.path} names revision {pinned!r} but revision {revision!r} is set; "
+                    "give one"
+                )
+            revision = pinned
+        return self._hub_folder(ref, repo_id, revision)
+
+    def _hub_folder(self, ref: ModelRef, repo_id: str, revision: str | None) -> Path | None:
+        """The Hub cache's folder of ``repo_id``'s config.json: cached, or downloaded alone (no
+        weight, no tokenizer) while the Hub can be reached."""
+        from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            HFValidationError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        try:
+            cached = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+        except HFValidationError as err:
+            raise FileNotFoundError(f"{ref.path} is neither a local folder nor a Hub repo id ({err})") from None
+        if isinstance(cached, str):
+            return Path(cached).parent
+        if constants.HF_HUB_OFFLINE:
+            self._leave_out(ref, "not in the Hub cache and HF_HUB_OFFLINE is set")
+            return None
+        if self.unreachable is not None:  # one try per check: each one offline costs seconds of retries
+            self._leave_out(ref, self.unreachable)
+            return None
+        try:
+            return Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+        except (RepositoryNotFoundError, RevisionNotFoundError) as err:  # as the merge would say (hf_lmc.hub)
+            raise FileNotFoundError(
+                f"{ref.path} is neither a local folder nor a Hub model repo ({type(err).__name__})"
+            ) from None
+        except EntryNotFoundError as err:
+            if not isinstance(err, LocalEntryNotFoundError):  # the Hub answered: the repo has no config.json
+                raise FileNotFoundError(f"the Hub repo {ref.path} holds no config.json; name a model repo") from None
+            self.unreachable = f"not in the Hub cache and the Hub could not be reached ({type(err).__name__})"
+        except OSError as err:  # no network, or the Hub's other errors (a server error, a timeout)
+            self.unreachable = f"not in the Hub cache and the Hub could not be reached ({type(err).__name__})"
+        self._leave_out(ref, self.unreachable)
+        return None

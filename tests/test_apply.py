@@ -23,6 +23,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 import hf_lmc
 from hf_lmc.adapters import adapter_for
 from hf_lmc.cli import main
+from hf_lmc.fingerprint import fingerprint
 from hf_lmc.symmetry import Transform, random_symmetry
 from hf_lmc.symmetry.stored import save_transforms
 from hf_lmc.verify import float64_rmsnorm, relative_error, sample_inputs, tiny_configs
@@ -56,14 +57,19 @@ TARGET_DRAWS = {
 
 
 def _saved_pair(tmp_path, arch: str, seed: int = 3):
-    """B saved as a float64 folder, and a merge's transforms file whose B transform is random."""
+    """A and B saved as float64 folders, and a merge's transforms file whose B transform is
+    random, recording each model's content fingerprint as a merge does."""
+    build_model(TINY[arch], seed=0).save_pretrained(tmp_path / "a")
     b = build_model(TINY[arch], seed=1)
     b.save_pretrained(tmp_path / "b")
     spec = hf_lmc.canonicalize(b).spec
     transform = random_symmetry(spec, seed=seed)
     path = tmp_path / "merge" / "transforms.safetensors"
     path.parent.mkdir()
-    sources = [{"reference": "a", "revision": None, "local": True}, {"reference": "b", "revision": None, "local": True}]
+    sources = [
+        {"reference": name, "revision": None, "local": True, "fingerprint": fingerprint(tmp_path / name)}
+        for name in ("a", "b")
+    ]
     save_transforms(
         path, [Transform(), transform], spec, names=["a", "b"], sources=sources, fitted={"method": "weight"}
     )
@@ -176,7 +182,7 @@ def test_a_moved_lora_on_the_moved_model_computes_what_the_lora_computes_on_the_
     assert relative_error(logits(_stock(tmp_path / "moved", arch), inputs), expected) > 1e-6  # the adapter matters
     saved = json.loads((tmp_path / "moved-lora" / "adapter_config.json").read_text())
     assert (
-        saved["base_model_name_or_path"] == "merge"
+        Path(saved["base_model_name_or_path"]).resolve() == path.parent.resolve()  # a base that resolves
         and saved["r"] == json.loads((tmp_path / "lora" / "adapter_config.json").read_text())["r"]
     )
 
@@ -279,8 +285,8 @@ def test_over_random_configs_a_moved_model_and_its_moved_lora_compute_what_they_
         save_transforms(path, [Transform(), random_symmetry(spec, seed=symmetry_seed)], spec, names=["a", "b"])
         targets = [t for t in TARGETS[arch] if t not in {"wte", "wpe", "embed_in", "embed_tokens"}]
         _adapter(build_model(config, seed=1), arch, symmetry_seed, folder / "lora", targets)
-        hf_lmc.apply_transforms(path, folder / "b", folder / "moved", progress=False)
-        hf_lmc.apply_transforms(path, folder / "lora", folder / "moved-lora", base_model=folder / "b")
+        hf_lmc.apply_transforms(path, folder / "b", folder / "moved", member="B", progress=False)
+        hf_lmc.apply_transforms(path, folder / "lora", folder / "moved-lora", member="B", base_model=folder / "b")
         inputs = sample_inputs(config, dtype=torch.float64)
         moved = adapter_for(config).model_class.from_pretrained(folder / "moved", dtype=torch.float64).eval()
         assert relative_error(logits(moved, inputs), logits(b, inputs)) < 1e-9

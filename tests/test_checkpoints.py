@@ -214,3 +214,116 @@ def test_membership_reads_nothing(tmp_path, monkeypatch):
     assert "lm_head.weight" in checkpoint and "gpt_neox.embed_in.weight" in checkpoint
     assert "no.such.key" not in checkpoint and 3 not in checkpoint
     assert reads == []
+
+
+# -- which files hold the weights: transformers' rule ----------------------------------------------
+
+
+def _write_layout(folder, layout: str, model, other) -> None:
+    """``folder`` as one of the mixed weight layouts: ``model``'s weights where transformers reads
+    them, ``other``'s in a file beside them (or, for ``explicit``, the other way round: the file
+    ``config.json`` names holds ``model``)."""
+    folder.mkdir()
+    model.config.save_pretrained(folder)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    others = {k: v.detach().clone().contiguous() for k, v in other.state_dict().items()}
+    if layout == "safetensors+bin":  # both formats: the safetensors file wins
+        model.save_pretrained(folder)
+        torch.save(others, folder / "pytorch_model.bin")
+    elif layout == "bin+stray":  # a stray safetensors file is no model's
+        torch.save(weights, folder / "pytorch_model.bin")
+        save_file(others, folder / "extra.safetensors")
+    elif layout == "index+stray":
+        model.save_pretrained(folder, max_shard_size="4KB")
+        save_file(others, folder / "x.safetensors")
+    elif layout == "single+index":  # model.safetensors comes before the index
+        other.save_pretrained(folder, max_shard_size="4KB")
+        save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors", {"format": "pt"})
+    elif layout == "explicit":  # config.json's transformers_weights comes first
+        other.save_pretrained(folder)
+        save_file({k: v.contiguous() for k, v in weights.items()}, folder / "chosen.safetensors", {"format": "pt"})
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(config | {"transformers_weights": "chosen.safetensors"}))
+
+
+LAYOUTS = ["safetensors+bin", "bin+stray", "index+stray", "single+index", "explicit"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_weights_read_are_those_from_pretrained_reads(layout, tmp_path):
+    """A folder with weights in several files: every tensor hf_lmc reads is the one transformers
+    loads, and differs from the other file's (so a wrong pick fails)."""
+    from hf_lmc.adapters import adapter_for
+
+    model = build_model(TINY["gpt2"], seed=1, dtype=torch.float32)
+    other = build_model(TINY["gpt2"], seed=2, dtype=torch.float32)
+    _write_layout(tmp_path / "m", layout, model, other)
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "m").state_dict()
+    with Checkpoint(tmp_path / "m", adapter_for(model.config), model.config) as checkpoint:
+        assert set(checkpoint) <= set(loaded)
+        for key in checkpoint:
+            assert torch.equal(checkpoint[key], loaded[key]), key
+            assert torch.equal(checkpoint[key], model.state_dict()[key]), key
+
+
+def test_a_merge_of_a_folder_with_a_stray_file_is_the_model_transformers_loads(tmp_path):
+    """``pytorch_model.bin`` beside a stray ``extra.safetensors``: the merge of the folder with a
+    copy of it is the model in ``pytorch_model.bin`` (it was the stray file's, logits 1.19 off)."""
+    model = build_model(TINY["gpt2"], seed=1, dtype=torch.float32)
+    other = build_model(TINY["gpt2"], seed=2, dtype=torch.float32)
+    _write_layout(tmp_path / "a", "bin+stray", model, other)
+    _write_layout(tmp_path / "b", "bin+stray", model, other)
+    out = hf_lmc.merge(tmp_path / "a", tmp_path / "b", tmp_path / "out", method="average", progress=False).output
+    merged = tf.GPT2LMHeadModel.from_pretrained(out).eval()
+    inputs = sample_inputs(model.config)
+    assert relative_error(logits(merged, inputs), logits(model.eval(), inputs)) < 1e-5
+
+
+def test_a_folder_of_stray_weights_alone_is_refused_as_transformers_refuses_it(tmp_path):
+    """Only ``x.safetensors``: transformers loads nothing from it, and hf_lmc says so in one line
+    naming the file it found."""
+    model = build_model(TINY["gpt2"], dtype=torch.float32)
+    model.config.save_pretrained(tmp_path)
+    save_file(
+        {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"},
+        tmp_path / "x.safetensors",
+    )
+    with pytest.raises(OSError):
+        tf.GPT2LMHeadModel.from_pretrained(tmp_path)
+    with pytest.raises(hf_lmc.CheckpointError) as refused:
+        hf_lmc.canonicalize(tmp_path)
+    assert "x.safetensors" in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_hub_download_fetches_the_files_the_rule_reads_and_no_other(layout, tmp_path, monkeypatch):
+    """At the network boundary only: ``snapshot_download`` stands in for the Hub by copying the
+    files of a repo folder that its patterns match. The snapshot holds every weight file the
+    folder's rule reads, no other weight file, and reads as the repo does."""
+    import fnmatch
+    import shutil
+
+    from hf_lmc import hub
+    from hf_lmc.checkpoint import weight_files
+
+    model = build_model(TINY["gpt2"], seed=1, dtype=torch.float32)
+    other = build_model(TINY["gpt2"], seed=2, dtype=torch.float32)
+    repo = tmp_path / "repo"
+    _write_layout(repo, layout, model, other)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+
+    def snapshot_download(repo_id, *, revision, allow_patterns, ignore_patterns):
+        for file in repo.iterdir():
+            wanted = any(fnmatch.fnmatch(file.name, p) for p in allow_patterns)
+            if wanted and not any(fnmatch.fnmatch(file.name, p) for p in ignore_patterns):
+                shutil.copy2(file, snapshot / file.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    folder = hub.resolve_checkpoint("org/model")
+    fetched = {p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin")}
+    read = {p.name for p in weight_files(repo)}
+    # model.safetensors comes with the config (one request), before config.json can name another file
+    assert read <= fetched and fetched - read <= ({"model.safetensors"} if layout == "explicit" else set())
+    assert {p.name for p in weight_files(folder)} == read

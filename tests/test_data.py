@@ -131,6 +131,9 @@ def test_max_batches_tokenises_only_the_rows_it_needs(tokenizer_folder, monkeypa
         def __getattr__(self, attribute):
             return getattr(self.inner, attribute)
 
+        def __len__(self):  # special methods are looked up on the type, not through __getattr__
+            return len(self.inner)
+
     expected = blocks(token_ids(tokenizer_folder, rows[:10]))[
         :2
     ]  # one batch: 2 blocks of 4 tokens, from the first few rows

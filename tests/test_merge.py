@@ -110,10 +110,20 @@ def test_eval_data_puts_barrier_table_and_plot_in_the_card_and_tokenizer_is_copi
 
 
 class RecordingApi:
-    """Stands in for ``HfApi`` at the network boundary."""
+    """Stands in for ``HfApi`` at the network boundary: a token of user ``user``, who may write
+    to ``me`` too; the calls that change the Hub are recorded (``whoami`` is not)."""
+
+    token = "hf_test_token"
 
     def __init__(self):
         self.calls = []
+
+    def whoami(self, *args, **kwargs):
+        return {
+            "name": "user",
+            "orgs": [{"name": "me", "roleInOrg": "write"}],
+            "auth": {"accessToken": {"role": "write"}},
+        }
 
     def create_repo(self, repo_id, **kwargs):
         self.calls.append(("create_repo", repo_id, kwargs))

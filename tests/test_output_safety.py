@@ -725,7 +725,9 @@ def test_quiet_and_tqdm_disable_silence_every_progress_bar(tmp_path):
 
 @pytest.mark.parametrize("has_safetensors", [True, False])
 def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, monkeypatch, has_safetensors):
-    """At the network boundary only: a recording stand-in for ``snapshot_download``."""
+    """At the network boundary only: a recording stand-in for ``snapshot_download``. The card and
+    model.safetensors come in one request; only a repo without it gets its PyTorch pickle asked
+    for (the files transformers reads: hf_lmc.preflight, tests/test_checkpoints.py)."""
     from hf_lmc import hub
 
     calls = []
@@ -734,18 +736,19 @@ def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, 
         calls.append(allow_patterns)
         folder = tmp_path / "snapshot"
         folder.mkdir(exist_ok=True)
-        if has_safetensors and "*.safetensors" in allow_patterns:
-            (folder / "model.safetensors").write_bytes(b"")
+        for name in ("model.safetensors",) if has_safetensors else ("pytorch_model.bin",):
+            if name in allow_patterns:
+                (folder / name).write_bytes(b"")
         assert "trainer_state.json" in ignore_patterns and "training_args.bin" in ignore_patterns
         return str(folder)
 
     monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
     hub.resolve_checkpoint("org/model", "main")
-    assert all("README.md" in patterns for patterns in calls)
+    assert "README.md" in calls[0] and "model.safetensors" in calls[0]
     if has_safetensors:  # one call, no pickles
         assert len(calls) == 1 and not any(p.endswith(".bin") for p in calls[0])
-    else:  # only then the PyTorch pickles
-        assert len(calls) == 2 and "pytorch_model*.bin" in calls[1] and "*.safetensors" not in calls[1]
+    else:  # only then the PyTorch pickle
+        assert len(calls) == 2 and calls[1] == ["pytorch_model.bin"]
 
 
 def _rewrite_header(file: Path, change) -> None:
@@ -795,7 +798,12 @@ def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, caps
 def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys, monkeypatch):
     from hf_lmc import hub
 
-    class OfflineApi:
+    class OfflineApi:  # online for the check before the merge (hub.check_push), gone by the push
+        token = "hf_test_token"
+
+        def whoami(self, *args, **kwargs):
+            return {"name": "me", "orgs": []}
+
         def create_repo(self, repo_id, **kwargs):
             raise ConnectionError("[Errno -3] Temporary failure in name resolution\nand a long traceback's worth")
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 import yaml
@@ -17,13 +19,19 @@ from hf_lmc.batches import DataError
 from hf_lmc.cli import main
 from hf_lmc.options import EVAL_OPTIONS, FIT_OPTIONS, LearnOptions
 from hf_lmc.recipe import DataSection, RecipeError, load_recipe
-from hf_lmc.runner import RunFailedError, fold_adapter, load_data, run_recipe
+from hf_lmc.runner import RecipeFailedError, RunFailedError, fold_adapter, load_data, run_recipe
 from hf_lmc.verify import tiny_configs
 from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
 from tests.test_merge import RecordingApi
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = sorted(RECIPES.glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def hub_offline(monkeypatch):
+    """No test here reaches the Hub: ``recipe check`` reads a Hub model's config from the cache alone."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
 
 def _recipe(**changes) -> dict:
@@ -150,6 +158,43 @@ def test_cli_check_schema_and_bad_recipe(tmp_path, capsys):
     assert "--set" in err and "nokey" in err and err.count("\n") == 1, err
 
 
+def test_recipe_check_refuses_a_nan_alpha_grid(tmp_path, capsys):
+    for grid in ("[0, .nan, 1]", "[0, 0.5, .inf]"):
+        path = tmp_path / "r.yaml"
+        path.write_text(f"models: [./a, ./b]\neval: {{data: {{dataset: x}}, alphas: {grid}}}\noutput: {{dir: o}}\n")
+        assert main(["recipe", "check", str(path)]) == 2, grid
+        err = capsys.readouterr().err
+        assert err.startswith("hf-lmc: error: ") and err.count("\n") == 1 and "eval.alphas" in err, err
+    assert "eval.alphas" in _error(_recipe(eval={"data": {"dataset": "x"}, "alphas": [0, float("nan"), 1]}))
+
+
+def test_recipe_check_compares_the_configs_of_each_group(tmp_path, capsys):
+    """``recipe check`` reads each model's config.json (no weight: the folders hold none) and
+    refuses a group the merge would refuse, in one line naming the group and its models; a config
+    it cannot read here (a folder not here, a Hub model not cached while offline) is a note."""
+    for name, arch in (("gpt-a", "gpt2"), ("gpt-b", "gpt2"), ("vit", "vit")):
+        tiny_configs()[arch].save_pretrained(tmp_path / name)
+    sweep = [
+        {"name": "same", "models": [str(tmp_path / "gpt-a"), str(tmp_path / "gpt-b")]},
+        {"name": "elsewhere", "models": [str(tmp_path / "gpt-a"), "./not-here", "someone/not-cached"]},
+        {"name": "mixed", "models": [str(tmp_path / "gpt-b"), str(tmp_path / "vit")]},
+    ]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"sweep": sweep, "output": {"dir": str(tmp_path / "out")}}))
+    capsys.readouterr()
+    assert main(["recipe", "check", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hf-lmc: error: ") and err.count("\n") == 1, err
+    assert "'mixed'" in err and "gpt-b" in err and str(tmp_path / "vit") in err and "'same'" not in err, err
+
+    sweep.pop()
+    path.write_text(yaml.safe_dump({"sweep": sweep, "output": {"dir": str(tmp_path / "out")}}))
+    assert main(["recipe", "check", str(path)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "not compared" in line]
+    assert len(notes) == 2 and "./not-here" in notes[0] + notes[1] and "someone/not-cached" in notes[0] + notes[1]
+    assert not (tmp_path / "out").exists()
+
+
 # -- runs --------------------------------------------------------------------------------------
 
 
@@ -212,7 +257,92 @@ def test_sweep_writes_models_and_one_summary_table(tmp_path):
         run_recipe(recipe, progress=False)
 
 
-def test_a_failing_run_leaves_nothing_and_pushes_nothing(tmp_path):
+def _with_nan(source: Path, target: Path) -> Path:
+    """A copy of the model folder ``source`` with one NaN in its weights: a checkpoint the merge refuses."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    weights = target / "model.safetensors"
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    tensors[name] = (
+        tensors[name].clone().flatten().index_fill(0, torch.tensor([0]), float("nan")).view_as(tensors[name])
+    )
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return target
+
+
+def _sweep_with_a_bad_group(tmp_path, **output) -> tuple[Path, Path]:
+    """A recipe of three groups whose second holds a model with a NaN weight, and its output folder."""
+    _, a, b = _twins(tmp_path)
+    nan = _with_nan(b, tmp_path / "nan")
+    out = tmp_path / "out"
+    recipe = {
+        "sweep": [
+            {"name": "first", "models": [str(a), str(b)]},
+            {"name": "second", "models": [str(a), str(nan)]},
+            {"name": "third", "models": [str(b), str(a)]},
+        ],
+        "method": "average",
+        "output": {"dir": str(out), **output},
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path, out
+
+
+def test_a_failing_run_is_recorded_and_the_sweep_goes_on(tmp_path, capsys):
+    """One group that fails (a NaN weight) keeps the merge before it, the next group still runs,
+    the summary records the failure with its one-line error, and the command exits 1."""
+    path, out = _sweep_with_a_bad_group(tmp_path)
+    capsys.readouterr()
+    assert main(["run", str(path)]) == 1
+    printed = capsys.readouterr()
+    assert (out / "first" / "average" / "config.json").is_file() and (
+        out / "third" / "average" / "config.json"
+    ).is_file()
+    assert not (out / "second").exists()  # nothing half-written of the run that failed
+    rows = {r["group"]: r for r in csv.DictReader((out / "summary.csv").open())}
+    assert [rows[g]["status"] for g in ("first", "second", "third")] == ["ok", "failed", "ok"]
+    error = rows["second"]["error"]
+    assert "NaN" in error and "\n" not in error and rows["first"]["error"] == ""
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["status"] for r in summary["runs"]] == ["ok", "failed", "ok"] and summary["runs"][1]["folder"] is None
+    assert "failed" in (out / "summary.md").read_text()
+    table = [line for line in printed.out.splitlines() if line.startswith("| second ")]
+    assert table and "failed" in table[0], printed.out  # the printed table shows the failed run
+    errors = [line for line in printed.err.splitlines() if line.startswith("hf-lmc: error:")]
+    assert len(errors) == 1 and "second" in errors[0] and "NaN" in errors[0], printed.err
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert (
+        main(["run", str(path), "--overwrite", "--set", "sweep.1.models.1=" + str(tmp_path / "b")]) == 0
+    )  # replaceable
+
+
+def test_fail_fast_stops_at_the_first_failure_and_keeps_what_finished(tmp_path, monkeypatch):
+    """``--fail-fast`` (``output.fail_fast``) stops the sweep at the failing group: the group
+    after it never runs, the group before it is kept, and the summary is written."""
+    path, out = _sweep_with_a_bad_group(tmp_path)
+    merged = []
+    run = pipeline.run
+    monkeypatch.setattr(
+        pipeline,
+        "run",
+        lambda request, **options: merged.append(Path(request.output).parent.name) or run(request, **options),
+    )
+    assert main(["run", str(path), "--fail-fast", "-q"]) == 1
+    assert merged == ["first", "second"]  # the third never started
+    assert (out / "first" / "average" / "config.json").is_file() and not (out / "third").exists()
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [(r["group"], r["status"]) for r in rows] == [("first", "ok"), ("second", "failed"), ("third", "skipped")]
+    with pytest.raises(RecipeFailedError, match=r"^second / average: .*NaN") as info:  # the Python API: the same
+        run_recipe(path, overrides={"output.fail_fast": True, "output.overwrite": True}, progress=False)
+    assert [r.status for r in info.value.result.runs] == ["ok", "failed", "skipped"]
+    assert (out / "first" / "average" / "config.json").is_file()
+
+
+def test_a_failing_run_pushes_only_what_finished(tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # the stand-in is the network
     _, a, b = _twins(tmp_path)
     api = RecordingApi()
     recipe = {
@@ -222,18 +352,19 @@ def test_a_failing_run_leaves_nothing_and_pushes_nothing(tmp_path):
         ],
         "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m-{group}"},
     }
-    with pytest.raises(RunFailedError, match=r"^bad / weight: .*missing"):  # the run and the folder it lacks
+    with pytest.raises(RunFailedError, match=r"^bad / weight: .*missing") as info:  # the run and the folder it lacks
         run_recipe(recipe, progress=False, api=api)
-    assert (
-        not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name] and api.calls == []
-    )
+    assert [call[:2] for call in api.calls] == [("create_repo", "me/m-good"), ("upload_folder", "me/m-good")]
+    assert [run.url for run in info.value.result.runs] == ["https://huggingface.co/me/m-good", None]
+    assert (tmp_path / "out" / "good" / "weight" / "config.json").is_file()
+    assert not (tmp_path / "out" / "bad").exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
     recipe["sweep"].pop()
+    recipe["output"] |= {"dir": str(tmp_path / "out2")}
     result = run_recipe(recipe, progress=False, api=api)
-    assert [call[:2] for call in api.calls] == [("create_repo", "me/m-good"), ("upload_folder", "me/m-good")]
     assert result.runs[0].url == "https://huggingface.co/me/m-good"
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["runs"][0]["url"] == result.runs[0].url
-    assert "me/m-good" in (tmp_path / "out" / "good" / "weight" / "README.md").read_text()
+    assert json.loads((tmp_path / "out2" / "summary.json").read_text())["runs"][0]["url"] == result.runs[0].url
+    assert "me/m-good" in (tmp_path / "out2" / "good" / "weight" / "README.md").read_text()
 
 
 def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
@@ -275,7 +406,7 @@ def test_peft_adapter_is_folded_into_its_model_first(tmp_path):
 
     recipe["models"][0]["adapter"] = str(tmp_path / "no-lora")
     recipe["output"]["dir"] = str(tmp_path / "out2")
-    with pytest.raises(RunFailedError, match="^models / average: .*no-lora$"):
+    with pytest.raises(RunFailedError, match="^models / average: .*no-lora;"):
         run_recipe(recipe, progress=False)
 
 
@@ -513,3 +644,15 @@ def test_a_recipe_that_states_its_launch_refuses_another_and_prints_the_command(
     with pytest.raises(RecipeError, match="this launch started 3"):
         run_recipe(path, progress=False)
     assert "launch.processes" in _error(_recipe(launch={"processes": 0}))
+
+
+def test_a_push_that_cannot_succeed_is_refused_before_the_first_merge(tmp_path, monkeypatch):
+    from hf_lmc import pipeline
+    from hf_lmc.hub import PushRefusedError
+
+    _, a, b = _twins(tmp_path)
+    monkeypatch.setattr(pipeline, "run", lambda *args, **kwargs: pytest.fail("a merge began"))
+    recipe = {"models": [str(a), str(b)], "output": {"dir": str(tmp_path / "out"), "push_to_hub": "me/m"}}
+    with pytest.raises(PushRefusedError):  # offline here (the autouse fixture)
+        run_recipe(recipe, progress=False, api=RecordingApi())
+    assert not (tmp_path / "out").exists()

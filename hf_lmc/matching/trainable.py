@@ -306,4 +306,6 @@ class TrainableTransform(nn.Module):
             space: element.harden() if isinstance(element, (DenseAttentionMap, DenseMlpMap)) else element
             for space, element in current.maps.items()
         }
+        if isinstance(self.residual, _ResidualPermutation):  # relaxed (sinkhorn): the soft matrix is no symmetry
+            maps["residual"] = ResidualMap.from_matrix(self.residual.dims.hard_matrix().detach())
         return Transform(maps).to(torch.float64)

@@ -196,7 +196,7 @@ def _train(
     # scheduler once per process, which would run the schedule faster with more processes.
     best = _BestPath([p for p in path.parameters() if p.requires_grad])
     folder = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    start, origin = 0, start_fingerprint(path) if folder is not None else None
+    start, origin = 0, start_fingerprint(path) | _data_fingerprint(batches, accelerator) if folder is not None else None
     if folder is not None:  # a resumed run still knows the best path seen before it
         state = TrainingState(path, getattr(optimizer, "optimizer", optimizer), scheduler, best, accelerator)
         check_folder(folder)  # before any step: a folder that is not hf_lmc's state is never written into
@@ -462,6 +462,33 @@ def start_fingerprint(path: nn.Module) -> dict[str, list]:
     return prints
 
 
+#: The key of the training data's entry in a start fingerprint.
+_DATA_KEY = "data:"
+
+
+def _data_fingerprint(batches, accelerator) -> dict[str, list]:
+    """The training batches' entry of a start fingerprint: every tensor of the first and last
+    batch of every process's share, in process order (a resumed run replays the data's order, so
+    other data is another run), the same on every process so that all refuse or resume alike.
+    Data given as a loader or iterator cannot be read ahead, and has none."""
+    local = None
+    if isinstance(batches, (list, tuple)) and batches:
+        local = [
+            [key, *_tensor_fingerprint(tensor.to(torch.int64) if not tensor.is_floating_point() else tensor)]
+            for batch in (batches[0], batches[-1])
+            for key, tensor in sorted(batch.items())
+            if isinstance(tensor, Tensor)
+        ]
+    shares = [local]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        shares = gather_object([local])
+    if any(share is None for share in shares):
+        return {}
+    return {_DATA_KEY: [entry for share in shares for entry in share]}
+
+
 def _tensor_fingerprint(tensor: Tensor) -> list:
     values = tensor.reshape(-1).cpu()
     if not values.is_floating_point():
@@ -482,6 +509,15 @@ def _check_same_start(saved: dict | None, current: dict, folder: Path) -> None:
             return a == b
         return all(abs(x - y) <= _START_TOLERANCE * max(abs(a[1]), abs(b[1]), 1e-12) for x, y in zip(a[1:], b[1:]))
 
+    def same_data(a: list, b: list) -> bool:  # one [key, *fingerprint] per tensor
+        return len(a) == len(b) and all(x[0] == y[0] and same(x[1:], y[1:]) for x, y in zip(a, b))
+
+    if _DATA_KEY in saved and _DATA_KEY in current and not same_data(saved[_DATA_KEY], current[_DATA_KEY]):
+        raise UsageError(
+            f"resume: the training state in {folder} was saved training on other data than this run's (--data, its "
+            "split or its batching differ); resume with the data that saved it, or start afresh in another folder"
+        )
+    saved, current = ({k: v for k, v in d.items() if k != _DATA_KEY} for d in (saved, current))
     changed = sorted(set(saved) ^ set(current)) or [name for name in current if not same(saved[name], current[name])]
     if changed:
         raise UsageError(

@@ -21,11 +21,31 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..linalg import assign
+
+if TYPE_CHECKING:
+    from ..spec import ArchSpec
+
+#: How far from its group an element may be and still count as in it (saved transforms are
+#: checked on load: :func:`hf_lmc.symmetry.stored.load_transforms`), on each check's scale-free
+#: measure: ``max |B B^-1 - I|`` for a block and its stored inverse, ``max |O^T O - I|`` for the
+#: residual map, ``max |s - 1|`` for a unit scale that must be 1, and so on. Not relative to the
+#: stored dtype's eps: learned matching computes its elements in float32 and hardens them to
+#: float64, so a float64 file may carry float32 rounding, and a float32 product over ``n`` terms
+#: rounds by at most about ``n * eps(float32)``; this is that bound at ``n = 8192`` (LLaMA-2-70B's
+#: residual width), ``2**-10 = 9.8e-4`` (docs/decisions.md#d-symmetry-tolerance). An edited map, a
+#: split GQA group or a scaled GELU unit is off by far more; half precision (whose rounding is this
+#: size or larger) is refused by its dtype.
+SYMMETRY_TOLERANCE = 8192 * torch.finfo(torch.float32).eps
+
+#: The dtypes a group element's matrices may be stored in: rounding to half precision breaks
+#: the symmetry (a map and its stored inverse no longer cancel).
+ELEMENT_DTYPES = (torch.float32, torch.float64)
 
 
 def _apply_blocks(
@@ -129,6 +149,106 @@ def _block_rows(
         x = torch.bmm(m.mT if transpose else m, x)
     offset = first * b
     return x.reshape(-1, *t.shape[1:])[start - offset : stop - offset]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _floating_defect(name: str, t: Tensor) -> str | None:
+    """Why ``t`` cannot hold a group element's matrices or scales (not float32 or float64, or not
+    finite), or ``None``."""
+    if t.dtype not in ELEMENT_DTYPES:
+        if t.is_floating_point():
+            return f"{name} is {_dtype_name(t.dtype)}: rounding to it breaks the symmetry (float32 or float64 only)"
+        return f"{name} is {_dtype_name(t.dtype)}, not float32 or float64"
+    if not bool(torch.isfinite(t).all()):
+        return f"{name} holds NaN or infinite values"
+    return None
+
+
+def _permutation_defect(name: str, perm: Tensor) -> str | None:
+    """Why ``perm`` is not a permutation of ``0 .. n-1`` (an integer tensor holding each index
+    once), or ``None``."""
+    if perm.is_floating_point() or perm.is_complex() or perm.dtype == torch.bool:
+        return f"{name} is {_dtype_name(perm.dtype)}, not an integer type"
+    n = perm.numel()
+    flat = perm.reshape(-1).long()
+    outside = flat[(flat < 0) | (flat >= n)]
+    if outside.numel():
+        return f"{name} holds {int(outside[0])}, outside 0..{n - 1}: not a permutation"
+    counts = torch.bincount(flat, minlength=n)
+    if bool((counts != 1).any()):
+        index = int(torch.nonzero(counts != 1)[0])
+        return f"{name} is not a permutation ({index} appears {int(counts[index])} times)"
+    return None
+
+
+def _is_identity(perm: Tensor) -> bool:
+    return torch.equal(perm.long(), torch.arange(perm.numel(), device=perm.device))
+
+
+def _deviation(a: Tensor, b: Tensor) -> float:
+    """``max |a - b|``, in float64."""
+    return float((a.double() - b.double().to(a.device)).abs().max()) if a.numel() else 0.0
+
+
+def _beyond(what: str, measure: str, error: float, tolerance: float) -> str | None:
+    """``what``, with the measured ``error`` and the ``tolerance``, where the error exceeds it."""
+    return f"{what} ({measure} = {error:.2g}, tolerance {tolerance:.1e})" if error > tolerance else None
+
+
+def _unit_scale_defect(name: str, scale: Tensor, spec: ArchSpec, tolerance: float) -> str | None:
+    """Why per-unit scales ``scale`` leave an MLP's group: a gated (SwiGLU) MLP's units take any
+    non-zero scale, the sign included; a non-gated MLP's (GELU, not positively homogeneous)
+    none, so every scale must be 1."""
+    s = scale.double().reshape(-1)
+    if spec.gated_mlp:
+        return None if bool((s != 0).all()) else f"{name} scales a unit by 0 (not invertible)"
+    return _beyond(
+        f"{name} scales the units of a non-gated MLP, whose activation (GELU) is not positively "
+        "homogeneous: they may only be permuted",
+        "max |s - 1|",
+        _deviation(s, torch.ones_like(s)),
+        tolerance,
+    )
+
+
+def _permutation_matrix_defect(name: str, matrix: Tensor, perm: Tensor, given: bool, tolerance: float) -> str | None:
+    """Why ``matrix`` is not the matrix of ``perm``: ``P[perm[h], h] = 1`` and 0 elsewhere (``y =
+    P x`` sends ``x[h]`` to ``y[perm[h]]``, as :meth:`BlockMonomial.dense` writes it), measured
+    without building ``P`` (an MLP's is ``F x F``). ``given``: ``perm`` is stored beside it
+    (straight-through), else it is the assignment nearest ``matrix``."""
+    at = (perm.long().to(matrix.device), torch.arange(perm.numel(), device=matrix.device))
+    ones = matrix[at].double()
+    rest = matrix.abs().index_put_(at, torch.zeros((), dtype=matrix.dtype, device=matrix.device))
+    error = max(_deviation(ones, torch.ones_like(ones)), float(rest.max()))
+    what = f"{name} is not the matrix of perm" if given else f"{name} is not a permutation matrix"
+    return _beyond(what, "max |P - P_perm|", error, tolerance)
+
+
+def _rotary_defect(name: str, blocks: Tensor, rotary_dim: int, tolerance: float) -> str | None:
+    """Why QK ``blocks`` (..., dh, dh) do not commute with RoPE: each is compared with the map of
+    :func:`~hf_lmc.symmetry.sample.rotary_block` read off its own entries (a frequency pair's
+    ``a = M[i, i]``, ``b = M[i + r/2, i]``, its pass-through block as it is), relative to its
+    largest entry."""
+    from .sample import rotary_block  # the one definition of the form (sample imports this module)
+
+    m = blocks.double()
+    dh, half = m.shape[-1], rotary_dim // 2
+    pairs = torch.arange(half, device=m.device)
+    a, b = m[..., pairs, pairs], m[..., pairs + half, pairs]
+    rest = slice(rotary_dim, dh)
+    passthrough = (m[..., rest, rest], m[..., rest, rest]) if dh > rotary_dim else None
+    nearest, _ = rotary_block(torch.hypot(a, b), torch.atan2(b, a), rotary_dim, dh, passthrough)
+    error = float(((m - nearest).abs() / m.abs().amax(dim=(-2, -1), keepdim=True)).max())
+    return _beyond(
+        f"{name} do not commute with RoPE (each frequency pair's block must be a scale-rotation "
+        "[[a, -b], [b, a]], with no cross terms)",
+        "max |M - M_rope| / max |M|",
+        error,
+        tolerance,
+    )
 
 
 @dataclass(frozen=True)
@@ -253,6 +373,33 @@ class BlockMonomial:
             self.ordered,
         )
 
+    def defect(self, tolerance: float = SYMMETRY_TOLERANCE, name: str = "") -> str | None:
+        """Why this is not a block-monomial map, or ``None``: ``perm`` must be a permutation (the
+        identity where ``ordered``), ``blocks`` and ``inverse_blocks`` float32 or float64 and
+        finite, and each inverse block its block's inverse (``max |B B^-1 - I|`` within
+        ``tolerance``). ``name`` prefixes the parts' names in the reason (``"qk."``)."""
+        return self._parts_defect(name) or self._inverse_defect(tolerance, name)
+
+    def _parts_defect(self, name: str) -> str | None:
+        defect = _permutation_defect(f"{name}perm", self.perm)
+        if defect is None and self.ordered and not _is_identity(self.perm):
+            defect = f"{name}perm is not the identity, though the element is stored as ordered"
+        return (
+            defect
+            or _floating_defect(f"{name}blocks", self.blocks)
+            or _floating_defect(f"{name}inverse_blocks", self.inverse_blocks)
+        )
+
+    def _inverse_defect(self, tolerance: float, name: str) -> str | None:
+        product = self.blocks.double() @ self.inverse_blocks.double()
+        eye = torch.eye(self.block_size, dtype=torch.float64, device=product.device)
+        return _beyond(
+            f"{name}inverse_blocks are not the blocks' inverses",
+            "max |B B^-1 - I|",
+            _deviation(product, eye),
+            tolerance,
+        )
+
 
 @dataclass(frozen=True)
 class ResidualMap:
@@ -294,6 +441,33 @@ class ResidualMap:
     def to(self, dtype=None, device=None) -> ResidualMap:
         return ResidualMap(self.map.to(dtype, device))
 
+    def defect(self, spec: ArchSpec, tolerance: float = SYMMETRY_TOLERANCE) -> str | None:
+        """Why this is not a residual map of ``spec``'s models, or ``None``: one orthogonal block
+        (every norm of the canonical form is a unit RMSNorm, and ``n(O x) = O n(x)`` needs ``|O x|
+        = |x|``) with its inverse (:meth:`BlockMonomial.defect`'s parts), which for a LayerNorm
+        model (``spec.centred``) keeps the centred stream in ``1-perp``: ``O u = +-u`` for ``u =
+        1/sqrt(d)``. Measures and ``tolerance`` as :data:`SYMMETRY_TOLERANCE` says."""
+        defect = self.map._parts_defect("map.")
+        if defect is not None:
+            return defect
+        o = self.matrix.double()
+        eye = torch.eye(o.shape[0], dtype=torch.float64, device=o.device)
+        defect = _beyond("the residual map is not orthogonal", "max |O^T O - I|", _deviation(o.mT @ o, eye), tolerance)
+        if defect is None and not torch.equal(self.map.inverse_blocks[0], self.map.blocks[0].mT):
+            defect = self.map._inverse_defect(tolerance, "map.")  # stored apart (a transposed one: checked above)
+        if defect is None and spec.centred:
+            u = torch.full((o.shape[0],), o.shape[0] ** -0.5, dtype=torch.float64, device=o.device)
+            image = o @ u
+            sign = 1.0 if float(image @ u) >= 0 else -1.0
+            defect = _beyond(
+                "the residual map does not keep a LayerNorm model's centred stream in 1-perp (it must send u = "
+                "1/sqrt(d) to +-u)",
+                "|O u -+ u|",
+                float((image - sign * u).norm()),
+                tolerance,
+            )
+        return defect
+
 
 @dataclass(frozen=True)
 class MlpMap:
@@ -331,6 +505,12 @@ class MlpMap:
 
     def to(self, dtype=None, device=None) -> MlpMap:
         return MlpMap(self.map.to(dtype, device))
+
+    def defect(self, spec: ArchSpec, tolerance: float = SYMMETRY_TOLERANCE) -> str | None:
+        """Why this is not an MLP map of ``spec``'s models, or ``None``: a unit permutation with
+        per-unit scales (:meth:`BlockMonomial.defect`), scales that only a gated (SwiGLU) MLP may
+        set to other than 1."""
+        return self.map.defect(tolerance, "map.") or _unit_scale_defect("map.blocks", self.map.blocks, spec, tolerance)
 
 
 @dataclass(frozen=True)
@@ -402,6 +582,38 @@ class AttentionMap:
             self.qk.to(dtype, device), self.ov.to(dtype, device), self.query_perm.to(device=device), self.ordered
         )
 
+    def defect(self, spec: ArchSpec, tolerance: float = SYMMETRY_TOLERANCE, name: str = "") -> str | None:
+        """Why this is not an attention map of ``spec``'s models, or ``None``: per-KV-head QK and
+        OV maps (:meth:`BlockMonomial.defect`) that share their KV permutation; ``query_perm`` a
+        permutation (the identity where ``ordered``) that sends every query head of KV group ``g``
+        into group ``perm[g]`` (GQA: a query head stays with its KV head); under RoPE
+        (``spec.rotary_dim``), QK maps that commute with every rotary angle. Any invertible OV
+        map, and QK map without RoPE, is in the group. ``name`` prefixes the parts' names."""
+        defect = (
+            _permutation_defect(f"{name}query_perm", self.query_perm)
+            or self.qk.defect(tolerance, f"{name}qk.")
+            or self.ov.defect(tolerance, f"{name}ov.")
+        )
+        if defect is not None:
+            return defect
+        if not torch.equal(self.qk.perm.long(), self.ov.perm.long()):
+            return f"{name}qk.perm and {name}ov.perm differ (a KV head's QK and OV maps move with it)"
+        if self.ordered and not _is_identity(self.query_perm):
+            return f"{name}query_perm is not the identity, though the element is stored as ordered"
+        g = self.group_size
+        kv_head = torch.arange(self.query_perm.numel(), device=self.query_perm.device) // g
+        group, kv_group = self.query_perm.long() // g, self.qk.perm.long()[kv_head]
+        split = torch.nonzero(group != kv_group)
+        if split.numel():
+            q = int(split[0])
+            return (
+                f"{name}query_perm splits query heads from their KV heads: query head {q} goes to group "
+                f"{int(group[q])}, its KV head {q // g} to {int(kv_group[q])}"
+            )
+        return (
+            _rotary_defect(f"{name}qk.blocks", self.qk.blocks, spec.rotary_dim, tolerance) if spec.rotary_dim else None
+        )
+
 
 @dataclass(frozen=True)
 class DenseMlpMap:
@@ -456,6 +668,21 @@ class DenseMlpMap:
     def to(self, dtype=None, device=None) -> DenseMlpMap:
         perm = self.perm.to(device=device) if self.perm is not None else None
         return DenseMlpMap(self.matrix.to(dtype=dtype, device=device), self.scale.to(dtype=dtype, device=device), perm)
+
+    def defect(self, spec: ArchSpec, tolerance: float = SYMMETRY_TOLERANCE) -> str | None:
+        """Why this relaxation does not act as an element of the MLP's group, or ``None``:
+        ``matrix`` must be a permutation matrix (that of ``perm`` where it is given:
+        straight-through), ``scale`` finite unit scales of :meth:`MlpMap.defect`'s kind."""
+        defect = _floating_defect("matrix", self.matrix) or _floating_defect("scale", self.scale)
+        if defect is None and self.perm is not None:
+            defect = _permutation_defect("perm", self.perm)
+        return (
+            defect
+            or _permutation_matrix_defect(
+                "matrix", self.matrix, self.harden().map.perm, self.perm is not None, tolerance
+            )
+            or _unit_scale_defect("scale", self.scale, spec, tolerance)
+        )
 
 
 @dataclass(frozen=True)
@@ -517,6 +744,21 @@ class DenseAttentionMap:
     def to(self, dtype=None, device=None) -> DenseAttentionMap:
         perm = self.perm.to(device=device) if self.perm is not None else None
         return DenseAttentionMap(self.heads.to(dtype, device), self.matrix.to(dtype=dtype, device=device), perm)
+
+    def defect(self, spec: ArchSpec, tolerance: float = SYMMETRY_TOLERANCE) -> str | None:
+        """Why this relaxation does not act as an element of the attention group, or ``None``:
+        ``heads`` an attention map (:meth:`AttentionMap.defect`) with the identity KV permutation
+        (so its query permutation stays inside each group), ``matrix`` a permutation matrix (that
+        of ``perm`` where it is given: straight-through)."""
+        defect = _floating_defect("matrix", self.matrix)
+        if defect is None and self.perm is not None:
+            defect = _permutation_defect("perm", self.perm)
+        defect = defect or self.heads.defect(spec, tolerance, "heads.")
+        if defect is None and not _is_identity(self.heads.qk.perm):
+            defect = "heads.qk.perm is not the identity (a dense attention map orders its KV heads by its matrix alone)"
+        return defect or _permutation_matrix_defect(
+            "matrix", self.matrix, self.harden().qk.perm, self.perm is not None, tolerance
+        )
 
 
 def _mixed_rows(x: Tensor, matrix: Tensor, perm: Tensor | None, b: int, rows: slice) -> Tensor:

@@ -10,8 +10,12 @@ keyed ``{model}/{space}/{part}`` (``0/attn.1/qk.blocks``).
 
 Nothing here can run code: safetensors and JSON hold no objects. Loading checks the version,
 the spec (where the caller names one), the tensors file's digest, and that every tensor the
-manifest's elements need is there with the shape the spec gives, and nothing else; a file that
-does not validate is refused in one line, with nothing built.
+manifest's elements need is there with the shape the spec gives, and nothing else; then that
+every element is in its group for the manifest's spec (each kind's ``defect``, in
+:mod:`hf_lmc.symmetry.groups`, to :data:`~hf_lmc.symmetry.groups.SYMMETRY_TOLERANCE`): a digest
+proves the file unchanged since it was written, not that what was written is a symmetry. A file
+that does not validate is refused in one line, naming the model and element, with nothing
+returned.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ from torch import Tensor
 
 from ..spec import ArchSpec
 from .engine import Element, Transform
-from .groups import AttentionMap, BlockMonomial, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap
+from .groups import (
+    SYMMETRY_TOLERANCE,
+    AttentionMap,
+    BlockMonomial,
+    DenseAttentionMap,
+    DenseMlpMap,
+    MlpMap,
+    ResidualMap,
+)
 
 FORMAT = 1
 #: The file an aligned merge saves its transforms in (its manifest beside it: ``transforms.json``).
@@ -43,7 +55,7 @@ ElementKind = Literal["residual", "mlp", "attention", "dense_mlp", "dense_attent
 
 class TransformsFileError(ValueError):
     """A saved transform does not validate (another spec or format, a tensor missing, edited or
-    unexpected): refused before anything of it is built."""
+    unexpected, an element that is not a symmetry): refused before anything of it is returned."""
 
 
 class StoredElement(BaseModel):
@@ -199,7 +211,11 @@ def read_manifest(path: str | Path) -> TransformsManifest:
 
 def load_transforms(path: str | Path, spec: ArchSpec | None = None) -> tuple[list[Transform], TransformsManifest]:
     """The transforms saved at ``path`` (one per model, in order) and their manifest; with
-    ``spec``, a manifest made for another architecture spec is refused."""
+    ``spec``, a manifest made for another architecture spec is refused. Every element is checked
+    against its group (:data:`~hf_lmc.symmetry.groups.SYMMETRY_TOLERANCE`): one that is not a
+    symmetry of the manifest's spec (a residual map that is not orthogonal, query heads split
+    from their KV heads, inverses that do not invert, scaled GELU units, half precision, NaN)
+    raises :class:`TransformsFileError` naming the model, the element and what is wrong."""
     path = Path(path)
     manifest = read_manifest(path)
     if spec is not None and manifest.spec != spec:
@@ -228,6 +244,11 @@ def load_transforms(path: str | Path, spec: ArchSpec | None = None) -> tuple[lis
         maps = {element.space: reader.element(f"{index}/{element.space}/", element) for element in model.elements}
         transforms.append(Transform(maps))
     reader.nothing_else()
+    for index, (model, transform) in enumerate(zip(manifest.models, transforms)):  # the files are whole: now each
+        for space, element in transform.maps.items():  # element against its group, the costly check
+            defect = element.defect(manifest.spec, SYMMETRY_TOLERANCE)
+            if defect is not None:
+                raise TransformsFileError(f"{path}: model {index} ({model.name!r}), element {space}: {defect}")
     return transforms, manifest
 
 
