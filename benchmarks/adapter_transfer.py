@@ -89,8 +89,8 @@ def measure(steps: int, rank: int, seeds: list[int]) -> dict:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hf_lmc import zoo
     from hf_lmc.cli import main
+    from hf_lmc.io import zoo
 
     a, b = zoo.pair("gpt2")
     plays = zoo._corpus()["plays"]

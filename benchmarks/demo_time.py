@@ -48,7 +48,9 @@ def timed(module, name, label):
             stages[label] = stages.get(label, 0.0) + time.perf_counter() - began
     setattr(module, name, wrapper)
 
-from hf_lmc import cli, demo, pipeline
+from hf_lmc import cli
+from hf_lmc.commands import demo
+from hf_lmc.merging import pipeline
 stages["imports"] = time.perf_counter() - start
 timed(demo.zoo, "pair", "the pair (unpacked, cached or trained)")
 timed(pipeline, "align", "weight matching")

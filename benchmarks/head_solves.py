@@ -2,7 +2,7 @@
 
 Each layer's QK and OV maps come from small float64 decompositions (Cholesky, ``eigh``, SVD of
 ``head_dim``² moments) that run on the CPU whatever ``--device`` weight matching uses, one
-thread each. :func:`hf_lmc.linalg.solve_side_by_side` runs up to ``torch.get_num_threads()`` of
+thread each. :func:`hf_lmc.utils.linalg.solve_side_by_side` runs up to ``torch.get_num_threads()`` of
 them at once. This times one layer of Pythia-1B's attention (8 heads of 256, rotary 64, hidden
 2048: 16 solves) on random moments and prints a markdown table.
 
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from hf_lmc.linalg import solve_side_by_side
 from hf_lmc.matching.solvers import Moments, match_gl_moments, match_rotary_moments
+from hf_lmc.utils.linalg import solve_side_by_side
 
 try:  # run as a module (python -m benchmarks.head_solves) or as a script
     from benchmarks.record import new_record, settings_of, write

@@ -1,7 +1,7 @@
 """What ``hf-lmc inspect`` reads from weights alone, on pairs whose relation is known.
 
 For each pair: the per-group cosine similarity of the canonical tensors (lowest and median),
-the relative distance of the Gram matrices of the embedding and head rows (:mod:`hf_lmc.survey`), the relation
+the relative distance of the Gram matrices of the embedding and head rows (:mod:`hf_lmc.commands.inspect`), the relation
 inspect reports, and the vanilla (plain average) barrier on held-out data, which says whether
 a plain average would have done. The pairs:
 
@@ -12,7 +12,7 @@ a plain average would have done. The pairs:
   another order, measured after each of ``--steps`` (the zoo's learning rate; at a tenth of it,
   the first two counts).
 
-The thresholds :data:`hf_lmc.survey.FINE_TUNE_COSINE` and :data:`hf_lmc.survey.SAME_GRAM`
+The thresholds :data:`hf_lmc.commands.inspect.FINE_TUNE_COSINE` and :data:`hf_lmc.commands.inspect.SAME_GRAM`
 were chosen between the groups this measures (docs/inspect.md).
 
     python -m benchmarks.inspect_similarity                  # writes benchmarks/results/inspect_similarity-<date>.json
@@ -32,8 +32,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_lmc
-from hf_lmc import zoo
-from hf_lmc.survey import inspect_models
+from hf_lmc.commands.inspect import inspect_models
+from hf_lmc.io import zoo
 
 try:  # run as a module (python -m benchmarks.inspect_similarity) or as a script
     from benchmarks.record import new_record, settings_of, write
@@ -87,7 +87,7 @@ PYTHIA_1B = {
 _TIMED = """
 import json, sys, time
 from hf_lmc.cli import _return_freed_memory_promptly
-from hf_lmc.survey import inspect_models
+from hf_lmc.commands.inspect import inspect_models
 _return_freed_memory_promptly()  # as hf-lmc inspect runs
 start = time.perf_counter()
 report = inspect_models(sys.argv[1:], progress=False)

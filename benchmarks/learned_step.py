@@ -50,7 +50,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_lmc.options import OBJECTIVES, LearnOptions
+from hf_lmc.config.options import OBJECTIVES, LearnOptions
 
 try:  # run as a module (python -m benchmarks.learned_step) or as a script
     from benchmarks.record import new_record, settings_of, write

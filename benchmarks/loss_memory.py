@@ -3,13 +3,13 @@
 A learned or dual step's loss applies the head of the point on the path (and, for the ensemble
 objective, each endpoint's head) to every position: whole, that is several tokens x vocabulary
 tensors, which at a 128k vocabulary outweigh everything else a small model's step holds. Since
-``hf_lmc.head_loss`` the loss takes the head a slice of positions at a time. This
+``hf_lmc.evaluation.head_loss`` the loss takes the head a slice of positions at a time. This
 builds two LLaMA-shaped models narrow enough that the vocabulary dominates (hidden 256, 2 layers,
 4 heads on 2 KV heads, MLP 688, float32, random weights), and measures, each in its own process,
 one :class:`hf_lmc.DualMatcher` step per objective (the second of two; forward and backward)
 on the command line's default fitting batch (32 sequences of 128 tokens), and, for reference,
 one forward and backward of the stock model with its own loss, the held-out evaluation of one
-batch (:func:`hf_lmc.evaluation.evaluate`, no gradient), and activation matching on one
+batch (:func:`hf_lmc.evaluation.loss.evaluate`, no gradient), and activation matching on one
 calibration batch (whose forward runs the base model alone since 2026-11-29: "loss sliced" reads
 "yes"). Memory is the step's peak RSS less the resident memory before it (models, endpoints,
 transforms).
@@ -52,7 +52,7 @@ model_a = tf.LlamaForCausalLM(config).eval()
 if mode == "stock":
     step = lambda: model_a(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 elif mode == "evaluate":
-    import hf_lmc.evaluation as evaluation
+    import hf_lmc.evaluation.loss as evaluation
     step = lambda: evaluation.evaluate(model_a, [{"input_ids": ids}])
 elif mode == "activation":
     import inspect
@@ -83,7 +83,7 @@ if mode == "evaluate":
 elif mode == "activation":
     sliced = "base_model(" in inspect.getsource(activation._record)
 else:
-    sliced = "hf_lmc.head_loss" in sys.modules or "hf_lmc.matching.head_loss" in sys.modules
+    sliced = "hf_lmc.evaluation.head_loss" in sys.modules or "hf_lmc.matching.head_loss" in sys.modules
 print(json.dumps({"wall": times[-1], "growth": rss("VmHWM") - before, "sliced": sliced}))
 """
 

@@ -65,7 +65,8 @@ def tensor_digest(folder: Path) -> str:
 
 def digests(scratch: Path) -> dict[str, str]:
     """Run every merge of :data:`RUNS` into ``scratch`` and return each one's tensor digest."""
-    from hf_lmc import cli, zoo
+    from hf_lmc import cli
+    from hf_lmc.io import zoo
 
     a, b = zoo.pair("gpt2", progress=False)
     data = scratch / "plays.txt"

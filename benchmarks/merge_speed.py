@@ -133,8 +133,8 @@ def write_pair(
     """A = fresh init (saved float16); B = random symmetry of A + relative noise, streamed
     (``kind="symmetry"``), or a second fresh init from another seed (``kind="random"``)."""
     import hf_lmc
-    from hf_lmc.devices import compute_device
-    from hf_lmc.export import save_canonical
+    from hf_lmc.io.export import save_canonical
+    from hf_lmc.utils.devices import compute_device
 
     a, b = folder / "a", folder / "b"
     _fresh(model_class, config, seed, a)

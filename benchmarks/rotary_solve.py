@@ -24,10 +24,11 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_lmc import WeightMatcher, canonicalize, zoo
-from hf_lmc.barriers import barrier_of_loaded
-from hf_lmc.loading import load_model
-from hf_lmc.options import ROTARY_SOLVES, EvalOptions
+from hf_lmc import WeightMatcher, canonicalize
+from hf_lmc.config.options import ROTARY_SOLVES, EvalOptions
+from hf_lmc.evaluation.barriers import barrier_of_loaded
+from hf_lmc.io import zoo
+from hf_lmc.io.loading import load_model
 from hf_lmc.symmetry import Transform
 
 from .record import new_record, settings_of, write

@@ -17,7 +17,7 @@ Memory per GPU (bytes; ``b`` is the endpoints' dtype size, ``N`` the processes):
   per-KV-head OV maps, MLP scales; float32 parameter, gradient and two moments);
 * activations (Korthikanti et al. 2022, full recomputation): ``L T d x 2`` at the layer
   boundaries, one layer recomputed ``T d (34 + 5 a s / d)``, and the loss. The loss takes the
-  head a slice of ``r = min(T, 2^27 / 4V)`` positions at a time (``hf_lmc.head_loss``):
+  head a slice of ``r = min(T, 2^27 / 4V)`` positions at a time (``hf_lmc.evaluation.head_loss``):
   ``r V x 12`` (ensemble: the slice's logits, the target and one endpoint's, or the
   log-normaliser's temporary, in float32) or ``r V x 8`` (labels), plus the gradients it
   computes in its forward, ``T d x 4`` and ``V d x 4``, and for the ensemble objective the
@@ -74,8 +74,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_lmc.head_loss import SLICE_BYTES
-from hf_lmc.options import OBJECTIVES, LearnOptions
+from hf_lmc.config.options import OBJECTIVES, LearnOptions
+from hf_lmc.evaluation.head_loss import SLICE_BYTES
 
 try:  # run as a module (python -m benchmarks.scale) or as a script
     from benchmarks.record import new_record, settings_of, write
@@ -132,7 +132,7 @@ SHAPES = {
 def loss_bytes(s: Shape, tokens: int, objective: str, sliced: bool = True) -> float:
     """What the loss holds at its peak: one slice of the head's logits and its targets, and the
     gradients with respect to the hidden states and the head; or, ``sliced=False``, the whole
-    logits as the loss held them before ``hf_lmc.head_loss`` (the calibration step)."""
+    logits as the loss held them before ``hf_lmc.evaluation.head_loss`` (the calibration step)."""
     ensemble = objective == "ensemble"
     gradients = (tokens * s.d + s.vocab * s.d) * 4  # with respect to the hidden states and the head, float32
     if not sliced:

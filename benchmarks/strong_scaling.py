@@ -24,7 +24,7 @@ default objective, layer checkpointing) on the same global batch, split across t
 
 Per configuration: 2 warm-up steps, then ``--steps`` timed ones, each started together (a
 barrier); a step's time is its slowest process's, and the figure is their median. The shares of
-a step come from the interpolant's own clock (:class:`hf_lmc.matching.interpolant.BuildClock`):
+a step come from the interpolant's own clock (:class:`hf_lmc.learned.interpolant.BuildClock`):
 ``build`` is the time spent computing interpolated weights in forward and recomputation (their
 backward, the maps' gradients, runs inside autograd and counts with the rest), ``gathers`` the
 time blocked in the endpoints' gathers and the merged rows' all-gathers; the rest is the

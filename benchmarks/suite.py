@@ -48,11 +48,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from hf_lmc import zoo
-from hf_lmc.barriers import barrier, excess_over_vertices, simplex_barrier_of_loaded
-from hf_lmc.batches import SAMPLED, fitting_batches, load_batches
-from hf_lmc.loading import load_model
-from hf_lmc.options import FIT_OPTIONS, EvalOptions, LearnOptions
+from hf_lmc.config.options import FIT_OPTIONS, EvalOptions, LearnOptions
+from hf_lmc.evaluation.barriers import barrier, excess_over_vertices, simplex_barrier_of_loaded
+from hf_lmc.evaluation.batches import SAMPLED, fitting_batches, load_batches
+from hf_lmc.io import zoo
+from hf_lmc.io.loading import load_model
 
 from .record import new_record, started, write
 
@@ -673,7 +673,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--max-steps", type=int, default=None, help="cap each member's training steps (the paper tier on a CPU)"
     )
     parser.add_argument(
-        "--cache", type=Path, default=None, help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)"
+        "--cache",
+        type=Path,
+        default=None,
+        help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/io/zoo)",
     )
     parser.add_argument(
         "--json",

@@ -5,8 +5,8 @@ function-preserving symmetries, interpolated, and exported as ordinary HF checkp
 
 The public names resolve on first use (PEP 562), so ``import hf_lmc`` and the command line's
 ``--help`` load neither torch nor transformers; ``from hf_lmc import DualPath`` imports what
-it needs then. ``DualMatcher``, ``LearnedMatcher``, ``SimplexMatcher`` and ``MergeSpec`` remain
-aliases of the trainable paths and the merge request they name now.
+it needs then. ``DualMatcher``, ``LearnedMatcher`` and ``SimplexMatcher`` remain
+aliases of the trainable paths they name now.
 """
 
 from __future__ import annotations
@@ -14,50 +14,49 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from hf_lmc.version import __version__
 
 #: Public name -> the module that defines it.
 _PUBLIC = {
-    "UnsupportedModelError": "adapters",
-    "BarrierResult": "barriers",
-    "barrier": "barriers",
-    "CanonicalModel": "canonical",
-    "canonicalize": "canonical",
-    "export_config": "canonical",
-    "interpolate": "canonical",
-    "to_hf": "canonical",
-    "CheckpointError": "checkpoint",
-    "InheritanceError": "inherit",
-    "UnsafeFileError": "inherit",
+    "UnsupportedModelError": "canonical.adapters",
+    "BarrierResult": "evaluation.barriers",
+    "barrier": "evaluation.barriers",
+    "CanonicalModel": "canonical.form",
+    "canonicalize": "canonical.form",
+    "export_config": "canonical.form",
+    "interpolate": "canonical.form",
+    "to_hf": "canonical.form",
+    "CheckpointError": "io.checkpoint",
+    "InheritanceError": "io.inherit",
+    "UnsafeFileError": "io.inherit",
     "ActivationMatcher": "matching",
-    "DualPath": "matching",
-    "DualMatcher": "matching",  # the earlier names of the paths and of the merge request: aliases
-    "EndpointSharding": "matching",
-    "LearnedPath": "matching",
-    "LearnedMatcher": "matching",
-    "SimplexPath": "matching",
-    "SimplexMatcher": "matching",
-    "TrainedMatcher": "matching",
+    "DualPath": "learned",
+    "DualMatcher": "learned",
+    "EndpointSharding": "learned",
+    "LearnedPath": "learned",
+    "LearnedMatcher": "learned",
+    "SimplexPath": "learned",
+    "SimplexMatcher": "learned",
+    "TrainedMatcher": "learned",
     "UniverseMatcher": "matching",
     "WeightMatcher": "matching",
-    "METHODS": "methods",
-    "apply_transforms": "moving",
-    "AccelerateOptions": "options",
-    "EvalOptions": "options",
-    "LearnOptions": "options",
-    "MergeRequest": "options",
-    "MergeSpec": "options",
-    "OutputOptions": "options",
-    "MergeResult": "pipeline",
-    "merge": "pipeline",
-    "merge_models": "pipeline",
-    "Recipe": "recipe",
-    "RecipeError": "recipe",
-    "load_recipe": "recipe",
-    "RecipeResult": "runner",
-    "run_recipe": "runner",
-    "ArchSpec": "spec",
-    "inspect_models": "survey",
+    "METHODS": "config.methods",
+    "apply_transforms": "commands.apply",
+    "AccelerateOptions": "config.options",
+    "EvalOptions": "config.options",
+    "LearnOptions": "config.options",
+    "MergeRequest": "config.options",
+    "OutputOptions": "config.options",
+    "MergeResult": "merging.pipeline",
+    "merge": "merging.pipeline",
+    "merge_models": "merging.pipeline",
+    "Recipe": "config.recipe",
+    "RecipeError": "config.recipe",
+    "load_recipe": "config.recipe",
+    "RecipeResult": "merging.sweep",
+    "run_recipe": "merging.sweep",
+    "ArchSpec": "canonical.spec",
+    "inspect_models": "commands.inspect",
     "Transform": "symmetry",
     "random_symmetry": "symmetry",
 }
@@ -80,7 +79,6 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "LearnedPath",
     "MergeRequest",
     "MergeResult",
-    "MergeSpec",
     "OutputOptions",
     "Recipe",
     "RecipeError",
@@ -123,13 +121,24 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # the names as static analysis and IDEs see them
-    from .adapters import UnsupportedModelError
-    from .barriers import BarrierResult, barrier
-    from .canonical import CanonicalModel, canonicalize, export_config, interpolate, to_hf
-    from .checkpoint import CheckpointError
-    from .inherit import InheritanceError, UnsafeFileError
-    from .matching import (
-        ActivationMatcher,
+    from hf_lmc.canonical.adapters import UnsupportedModelError
+    from hf_lmc.canonical.form import CanonicalModel, canonicalize, export_config, interpolate, to_hf
+    from hf_lmc.canonical.spec import ArchSpec
+    from hf_lmc.commands.apply import apply_transforms
+    from hf_lmc.commands.inspect import inspect_models
+    from hf_lmc.config.methods import METHODS
+    from hf_lmc.config.options import (
+        AccelerateOptions,
+        EvalOptions,
+        LearnOptions,
+        MergeRequest,
+        OutputOptions,
+    )
+    from hf_lmc.config.recipe import Recipe, RecipeError, load_recipe
+    from hf_lmc.evaluation.barriers import BarrierResult, barrier
+    from hf_lmc.io.inherit import InheritanceError, UnsafeFileError
+    from hf_lmc.io.weights import CheckpointError
+    from hf_lmc.learned import (
         DualMatcher,
         DualPath,
         EndpointSharding,
@@ -138,15 +147,8 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
         SimplexMatcher,
         SimplexPath,
         TrainedMatcher,
-        UniverseMatcher,
-        WeightMatcher,
     )
-    from .methods import METHODS
-    from .moving import apply_transforms
-    from .options import AccelerateOptions, EvalOptions, LearnOptions, MergeRequest, MergeSpec, OutputOptions
-    from .pipeline import MergeResult, merge, merge_models
-    from .recipe import Recipe, RecipeError, load_recipe
-    from .runner import RecipeResult, run_recipe
-    from .spec import ArchSpec
-    from .survey import inspect_models
-    from .symmetry import Transform, random_symmetry
+    from hf_lmc.matching import ActivationMatcher, UniverseMatcher, WeightMatcher
+    from hf_lmc.merging.pipeline import MergeResult, merge, merge_models
+    from hf_lmc.merging.sweep import RecipeResult, run_recipe
+    from hf_lmc.symmetry import Transform, random_symmetry

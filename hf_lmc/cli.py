@@ -1,57 +1,49 @@
-"""``hf-lmc``: the command-line interface.
+"""``hf-lmc``: the command-line interface: the parser, and the dispatch to each command's handler.
 
-The flags of every option come from the option models (:mod:`hf_lmc.options`, through
-:class:`~hf_lmc.flags.OptionFlags`) and the method choices from the registry (:mod:`hf_lmc.methods`); library
-errors that name a parameter are shown with its flag.
+The flags of every option come from the option models (:mod:`hf_lmc.config.options`, through the
+flag sets of :mod:`hf_lmc.commands.common`) and the method choices from the registry
+(:mod:`hf_lmc.config.methods`); library errors that name a parameter are shown with its flag.
 
-Each command imports the modules it runs inside its own function, on purpose: they load torch
-and transformers, which building the parser must not (``hf-lmc --help`` stays fast;
-``tests/test_layers.py`` checks ``sys.modules``). Those are the only imports of the package's own
-modules inside functions. Before them each command runs every check that needs no model (the
-flags, :mod:`hf_lmc.preflight`), so a request that cannot run is refused at once
-(``tests/test_cli.py`` checks ``sys.modules`` at the refusal).
+Each command's handler lives with its command (``hf-lmc apply`` is :func:`hf_lmc.commands.apply.main`)
+and is named here by its module path, imported only when the command runs: most load torch and
+transformers, which building the parser must not (``hf-lmc --help`` stays fast;
+``tests/test_layers.py`` checks ``sys.modules``). A handler runs every check that needs no model
+before its heavy imports (the flags, :mod:`hf_lmc.merging.preflight`), so a request that cannot
+run is refused at once (``tests/test_cli.py`` checks ``sys.modules`` at the refusal).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import logging
 import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
-from . import __version__
-from .flags import OptionFlags, flag_for
-from .grids import alpha_grid
-from .methods import METHODS, NAMES, check_method
-from .options import (
-    DEFAULT_ALPHA,
-    EVAL_OPTIONS,
-    FIT_OPTIONS,
-    PATH_POINTS,
-    SIMPLEX_POINTS,
-    AccelerateOptions,
-    ApplyOptions,
-    CheckOptions,
-    DemoOptions,
-    EvalOptions,
-    ExplainOptions,
-    LearnOptions,
-    MergeRequest,
-    OutputExistsError,
-    OutputOptions,
-    PairOptions,
-    ParameterError,
-    UsageError,
-    check_orders,
-    escape_controls,
-    flag_of,
+from hf_lmc.commands.common import (
+    ACCELERATE,
+    APPLY,
+    BATCHES,
+    CHECK,
+    DEMO,
+    EVAL_SOURCE,
+    EXIT_INTERRUPTED,
+    EXPLAIN,
+    FIGURE_OUTPUT,
+    FIT_SOURCE,
+    LEARN,
+    MOVED_OUTPUT,
+    OUTPUT,
+    PAIR,
+    REQUEST,
+    report,
 )
-from .preflight import check_request, merge_request, pair_weights
+from hf_lmc.config.flags import OptionFlags
+from hf_lmc.version import __version__
 
 #: Every example, one command line each: ``hf-lmc --help`` shows them all, and each command's
 #: ``--help`` the lines of that command (:func:`_examples`).
@@ -92,341 +84,10 @@ def _examples(command: str) -> str:
     return "examples:\n" + "\n".join(lines) + "\n"
 
 
-TOLERANCE = {"float32": 1e-4, "float64": 1e-9}
-
-#: Exit codes, as argparse, ``hf`` and mergekit use them: 2 when the command as written cannot
-#: run (argparse's own usage errors, a bad or conflicting value, an output that exists or covers
-#: an input), 1 when a run fails on what it reads or writes (models, data, disk, network).
-EXIT_USAGE, EXIT_FAILED = 2, 1
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # as a shell reports a process that Ctrl-C ended
-
-
-LEARN = OptionFlags(LearnOptions)
-ACCELERATE = OptionFlags(AccelerateOptions)
-#: One set of batching flags for both data sets; where a flag is absent each keeps its own default.
-BATCHES = OptionFlags(
-    EvalOptions,
-    only=("batch_size", "seq_len", "max_batches"),
-    defaults={"--data": FIT_OPTIONS, "--eval-data": EVAL_OPTIONS},
-)
-#: One name per data set across commands: ``--data`` is what alignment fits on (activation,
-#: learned, dual), ``--eval-data`` what the barrier is measured on; each has its split and
-#: dataset configuration flags, and both are batched alike.
-FIT_SOURCE = OptionFlags(
-    EvalOptions,
-    only=("split", "name"),
-    flags={"split": "--data-split", "name": "--data-name"},
-    defaults=FIT_OPTIONS,
-    prefix="fit_",
-)
-EVAL_SOURCE = OptionFlags(
-    EvalOptions,
-    only=("split", "name"),
-    flags={"split": "--eval-data-split", "name": "--eval-data-name"},
-    prefix="eval_",
-)
-OUTPUT = OptionFlags(OutputOptions, metavars={"push_to_hub": "REPO_ID"})
-#: The flags of a merge of two models that name its models by letter (--alpha, --revision-a/-b).
-PAIR = OptionFlags(PairOptions, defaults="fields")
-#: The own flags of the commands that are not merges.
-DEMO = OptionFlags(DemoOptions, defaults="fields")
-CHECK = OptionFlags(CheckOptions, defaults="fields")
-EXPLAIN = OptionFlags(ExplainOptions, defaults="fields")
-APPLY = OptionFlags(ApplyOptions, defaults="fields")
-#: How ``apply`` writes: the merge's output settings that a moved model takes.
-MOVED_OUTPUT = OptionFlags(
-    OutputOptions,
-    only=("dtype", "shard_size", "overwrite"),
-    defaults="fields",
-    helps={"dtype": "dtype of the written weights (default: MODEL's; refused for an adapter, which keeps its own)"},
-)
-#: How ``barrier`` and ``explain`` write their figure: replaced only with --overwrite, and only
-#: a figure hf-lmc wrote.
-FIGURE_OUTPUT = OptionFlags(
-    OutputOptions,
-    only=("overwrite",),
-    defaults="fields",
-    helps={"overwrite": "replace an existing --plot file (only a figure hf-lmc wrote)"},
-)
-#: The merge request's own flags (the models are positional, and the output settings are
-#: :data:`OUTPUT`'s); each command offers those it takes.
-REQUEST = OptionFlags(
-    MergeRequest,
-    only=("output", "revisions", "weights", "method", "symmetries", "device", "data", "eval_data", "alphas"),
-    defaults="fields",
-    choices={"method": NAMES},
-    helps={
-        "method": flag_of(MergeRequest.model_fields["method"]).help
-        + ": "
-        + "; ".join(f"{m.name}, {m.when}" for m in METHODS.values())
-        + f" (default: {MergeRequest.model_fields['method'].default})"
-    },
-)
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    import torch
-
-    from .adapters import adapter_for
-    from .verify import check_exactness, tiny_configs
-
-    dtype = getattr(torch, args.dtype)
-    if args.models:
-        from .loading import load_model
-
-        models = [(name, load_model(name).model.to(dtype)) for name in args.models]
-    else:
-        torch.manual_seed(args.seed)
-        models = [(f"tiny-{arch}", adapter_for(cfg).model_class(cfg).to(dtype)) for arch, cfg in tiny_configs().items()]
-    tolerance = TOLERANCE[args.dtype]
-    print(f"relative logit error vs the original model ({args.dtype}, tolerance {tolerance:g})")
-    print(f"{'model':<32} {'type':<9} {'params':>10} {'canonical':>10} {'symmetry':>10} {'reloaded':>10}")
-    failed = False
-    for name, model in models:
-        report = check_exactness(model, seed=args.seed, symmetries=args.symmetries)
-        ok = report.worst < tolerance
-        failed |= not ok
-        print(
-            f"{name:<32} {report.model_type:<9} {report.parameters:>10,} {report.canonical:>10.1e} "
-            f"{report.symmetry:>10.1e} {report.reloaded:>10.1e}  {'ok' if ok else 'FAILED'}"
-        )
-    return 1 if failed else 0
-
-
-def _eval_options(args: argparse.Namespace):
-    return EVAL_SOURCE.build(args, **BATCHES.given(args))
-
-
-def _fit_options(args: argparse.Namespace):
-    return FIT_SOURCE.build(args, **BATCHES.given(args))
-
-
-def cmd_merge(args: argparse.Namespace) -> int:
-    request = merge_request(args.models, args.output, **_merge_settings(args))
-    check_request(request)  # every refusal that needs no model, before torch and transformers load
-    # the command as the card shows it imports huggingface_hub: after the checks
-    request = request.model_copy(update={"made_with": _command_markdown(args)})
-    if args.dry_run:
-        from .pipeline import plan
-
-        print(plan(request).table())
-        return 0
-    from .pipeline import run
-
-    result = run(request)
-    if not result.wrote:  # one of several launched processes: the main one reports
-        return 0
-    if result.stopping is not None:
-        print(f"{result.method} matching: {result.stopping.describe()}")
-    if result.barrier is not None:
-        print(result.barrier.table())
-    print(f"merged model written to {result.output}")
-    if result.url:
-        print(f"pushed to {result.url}")
-    return 0
-
-
-def _merge_settings(args: argparse.Namespace) -> dict:
-    """The :class:`~hf_lmc.options.MergeRequest` fields of ``hf-lmc merge``'s flags but the models
-    and the output, with the checks of how the flags combine (torch-free)."""
-    count = len(args.models)
-    if count < 2:
-        raise UsageError(f"merge needs at least 2 models, got {count}")
-    if args.alpha is not None and args.weights is not None:
-        raise UsageError("pass either --alpha (two models) or --weights (one per model), not both")
-    if args.alpha is not None and count != 2:
-        raise UsageError(
-            f"--alpha is the weight of MODEL_B when merging two models; for {count} pass --weights w1 ... w{count}"
-        )
-    weights = args.weights
-    if weights is None and count == 2:
-        weights = pair_weights(DEFAULT_ALPHA if args.alpha is None else args.alpha)
-    return {
-        "weights": weights,
-        "revisions": _revisions(args, count),
-        "method": args.method,
-        "symmetries": args.symmetries,
-        "device": args.device,
-        "data": args.data,
-        "data_options": _fit_options(args),
-        "learn": LEARN.build(args),
-        "accelerate": ACCELERATE.build(args),
-        "eval_data": args.eval_data,
-        "eval_options": _eval_options(args),
-        "alphas": args.alphas,
-        **OUTPUT.build(args).model_dump(),
-    }
-
-
-def _command_markdown(args: argparse.Namespace) -> str:
-    """The command line as typed, for the model card (``hf-lmc`` however it was started), with
-    each local path reduced to its final component (models, data, output: the card is shared,
-    the machine's folders are not); flags and Hub ids stay as typed."""
-    from .hub import command_markdown
-
-    return command_markdown(["hf-lmc", *args.argv])
-
-
-def cmd_barrier(args: argparse.Namespace) -> int:
-    models = args.models
-    if len(models) < 2:
-        raise UsageError(f"barrier needs at least 2 models, got {len(models)}")
-    if args.plot and len(models) > 3:
-        raise UsageError(f"--plot draws the simplex of three models, got {len(models)}; drop --plot or pass three")
-    _check_figure(args, [*models, args.eval_data, args.data])
-    revisions = _revisions(args, len(models))
-    check_method(args.method, args.data, len(models), data_parameter="fit_data")
-    if args.alphas is not None:
-        alpha_grid(args.alphas)
-    methods = ("average",) if args.method == "average" else ("average", args.method)
-    common = {
-        "methods": methods,
-        "symmetries": args.symmetries,
-        "eval_options": _eval_options(args),
-        "fit_data": args.data,
-        "fit_options": _fit_options(args),
-        "learn": LEARN.build(args),
-        "accelerate": ACCELERATE.build(args),
-    }
-    from .barriers import barrier, barrier_over_simplex, plot, plot_simplex
-
-    if len(models) == 2:
-        result = barrier(
-            *models,
-            args.eval_data,
-            alphas=PATH_POINTS if args.alphas is None else args.alphas,
-            revision_a=revisions[0],
-            revision_b=revisions[1],
-            **common,
-        )
-        draw = plot
-    else:
-        result = barrier_over_simplex(
-            models,
-            args.eval_data,
-            points=SIMPLEX_POINTS if args.alphas is None else args.alphas,
-            revisions=revisions,
-            **common,
-        )
-        draw = plot_simplex
-    _say(result.to_json() if args.json else result.table())  # what was measured, before a file can fail
-    if args.plot:
-        draw(result, args.plot, overwrite=args.overwrite)
-    return 0
-
-
-def _check_figure(args: argparse.Namespace, read) -> None:
-    """The ``--plot`` file checked before any work (:func:`hf_lmc.outputs.check_figure_path`)."""
-    if args.plot:
-        from .outputs import check_figure_path
-
-        check_figure_path(args.plot, [r for r in read if isinstance(r, str)], "plot", overwrite=args.overwrite)
-
-
-def _say(text: str) -> None:
-    """Print a command's report with every control character but newlines and tabs escaped: it
-    carries names read from files and folders (labels, models), which must not drive the terminal."""
-    print(escape_controls(text, keep="\n\t"))
-
-
-def cmd_explain(args: argparse.Namespace) -> int:
-    check_orders(args.orders)
-    _check_figure(args, [*args.models, args.eval_data, args.data])
-    revisions = _revisions(args, 2)
-    check_method(args.method, args.data, 2, data_parameter="fit_data")
-    from .explain import explain, kinds_table, plot_explanation
-    from .loading import load_model
-
-    a, b = (load_model(m, r).model for m, r in zip(args.models, revisions))
-    result = explain(
-        a,
-        b,
-        args.eval_data,
-        method=args.method,
-        symmetries=args.symmetries,
-        eval_options=_eval_options(args),
-        fit_data=args.data,
-        fit_options=_fit_options(args),
-        learn=LEARN.build(args),
-        orders=args.orders,
-    )
-    _say(result.to_json() if args.json else f"{result.table()}\n\nparts summed per kind:\n\n{kinds_table(result)}")
-    if args.plot:
-        title = f"{Path(args.models[0]).name} ↔ {Path(args.models[1]).name}"
-        plot_explanation(result, args.plot, title=escape_controls(title, 120), overwrite=args.overwrite)
-    return 0
-
-
-def _revisions(args: argparse.Namespace, count: int) -> list[str | None]:
-    """One revision per model from ``--revisions`` or ``--revision-a/--revision-b``."""
-    if args.revisions is not None and (args.revision_a or args.revision_b):
-        raise UsageError("pass either --revisions or --revision-a/--revision-b, not both")
-    if args.revisions is None:
-        return [args.revision_a, args.revision_b] + [None] * (count - 2)
-    if len(args.revisions) != count:
-        raise UsageError(
-            f"--revisions takes one entry per model ('-' for the default branch): got {len(args.revisions)} for {count} models"
-        )
-    return [None if r == "-" else r for r in args.revisions]
-
-
-def _small_blocks_from_the_heap() -> None:
-    """Have glibc serve blocks below 32 MiB from its heap again (the bounds its own adaptive
-    threshold grows to), undoing :func:`_return_freed_memory_promptly` for the demo: its tiny
-    models allocate thousands of temporaries of a few MiB, and served by ``mmap`` each one is
-    fresh pages the kernel must fault in and zero, which took longer than the arithmetic. A
-    no-op where glibc is not the allocator."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD: twice it, as the adaptive threshold keeps it
-    except (OSError, AttributeError):
-        pass
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .outputs import check_output_path, check_replaceable
-    from .progress import silenced
-
-    check_output_path(args.output, "output")  # refused before torch loads; run_demo checks again
-    check_replaceable(args.output, "output", kinds=("demo",))  # as run_demo: its own earlier output only
-    if not silenced():  # what the next seconds (or minutes) are spent on, before the imports take the first of them
-        print(f"hf-lmc demo: {_demo_plan(args)}", file=sys.stderr)
-    _small_blocks_from_the_heap()
-    from .demo import run_demo
-
-    cache = None if args.cache_dir is None else Path(args.cache_dir)
-    result = run_demo(args.output, steps=args.steps, eval_chars=args.eval_chars, cache=cache, train=args.train)
-    a, b = result.train_loss
-    origin = "shipped with hf_lmc; --train trains it here" if result.shipped else "trained here"
-    print(f"GPT-2 pair trained from seeds 0 and 1 ({origin}; final training loss {a:.3f} / {b:.3f} nats per character)")
-    print(f"  {result.model_a}\n  {result.model_b}")
-    print(f"\nheld-out loss along the path (two unseen plays):\n\n{result.merge.barrier.table()}\n")
-    print(f"merged model, card and plot written to {result.merge.output} ({result.seconds:.0f} s)")
-    return 0
-
-
-#: Rough seconds one training step of the demo's GPT-2 takes on one CPU core, and the demo's
-#: merge and loss along the path with the imports (benchmarks/demo_time.py measures both).
-_DEMO_STEP_SECONDS, _DEMO_MERGE_SECONDS = 0.25, 20
-
-
-def _demo_plan(args: argparse.Namespace) -> str:
-    """One line on what ``hf-lmc demo`` is about to do and roughly how long it takes."""
-    merging = f"with weight matching and measuring the loss along the path (about {_DEMO_MERGE_SECONDS} s in all)"
-    if not args.train and args.steps is None:
-        return f"merging the GPT-2 pair shipped with hf_lmc {merging}"
-    steps = 600 if args.steps is None else args.steps  # the zoo's gpt2 entry (hf_lmc.zoo is not imported yet)
-    minutes = max(1, round(steps * _DEMO_STEP_SECONDS / 60))
-    return f"training two GPT-2 models of {steps} steps unless cached (about {minutes} min each; a bar shows each), then merging them {merging}"
-
-
 def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, grid: bool = True) -> None:
     """The data flags every command names alike: the evaluation data (with the alpha grid), the
     fitting data, how both are batched, and the learned methods' training options (all but the
-    data paths generated from :mod:`hf_lmc.options`)."""
+    data paths generated from :mod:`hf_lmc.config.options`)."""
     evaluation = parser.add_argument_group(
         "evaluation data" + ("" if eval_required else " (optional: adds the barrier table and plot to the card)")
     )
@@ -486,58 +147,6 @@ def _add_messages(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    count = len(args.models)
-    if count < 2:
-        raise UsageError(f"inspect needs at least 2 models, got {count}")
-    revisions = _revisions(args, count)
-    from .survey import inspect_models
-
-    report = inspect_models(args.models, revisions=revisions, symmetries=args.symmetries)
-    print(report.to_json() if args.json else report.table())
-    return 0
-
-
-def cmd_apply(args: argparse.Namespace) -> int:
-    options = APPLY.build(args)
-    from .moving import apply_transforms
-
-    applied = apply_transforms(
-        args.transforms,
-        args.model,
-        options.output,
-        member=options.member,
-        base_model=options.base_model,
-        adapter_for_base=options.moved_base,
-        revision=options.revision,
-        dtype=args.dtype,
-        shard_size=args.shard_size,
-        overwrite=args.overwrite,
-    )
-    moved = "LoRA adapter" if applied.kind == "adapter" else "model"
-    _say(f"{moved} moved by the transform of {applied.label} written to {applied.output}")
-    return 0
-
-
-def cmd_symmetries(args: argparse.Namespace) -> int:
-    from .adapters import adapter_for, read_config
-    from .hub import resolve_checkpoint
-    from .symmetry import axes_of
-
-    config = read_config(resolve_checkpoint(args.model))
-    spec = adapter_for(config).spec(config)
-    print(spec)
-    names = (
-        spec.names()
-        if args.all_layers
-        else [n for n in spec.names() if not n.startswith("layers.") or n.startswith("layers.0.")]
-    )
-    for name in names:
-        axes = ", ".join("-" if a is None else f"{a[0]}:{a[1]}" for a in axes_of(name))
-        print(f"  {name:<28} ({axes})")
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hf-lmc",
@@ -569,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_data_options(merge, eval_required=False)
     _add_messages(merge)
-    merge.set_defaults(run=cmd_merge)
+    merge.set_defaults(run="hf_lmc.commands.merge:main")
 
     bar = commands.add_parser(
         "barrier",
@@ -592,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     FIGURE_OUTPUT.add_to(report)
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_messages(bar)
-    bar.set_defaults(run=cmd_barrier)
+    bar.set_defaults(run="hf_lmc.commands.barrier:main")
 
     why = commands.add_parser(
         "explain",
@@ -617,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     FIGURE_OUTPUT.add_to(report)
     report.add_argument("--json", action="store_true", help="print JSON instead of tables")
     _add_messages(why)
-    why.set_defaults(run=cmd_explain)
+    why.set_defaults(run="hf_lmc.commands.explain:main")
 
     check = commands.add_parser(
         "check",
@@ -633,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     CHECK.add_to(check.add_argument_group("numerics"), ["dtype", "seed"])
     CHECK.add_to(check.add_argument_group("symmetry"), ["symmetries"])
     _add_messages(check)
-    check.set_defaults(run=cmd_check)
+    check.set_defaults(run="hf_lmc.commands.check:main")
 
     demo = commands.add_parser(
         "demo",
@@ -648,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     DEMO.add_to(demo, ["output", "train"])
     DEMO.add_to(demo.add_argument_group("quick runs"), ["steps", "eval_chars", "cache_dir"])
     _add_messages(demo)
-    demo.set_defaults(run=cmd_demo)
+    demo.set_defaults(run="hf_lmc.commands.demo:main")
 
     survey = commands.add_parser(
         "inspect",
@@ -671,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print JSON instead of the report"
     )
     _add_messages(survey)
-    survey.set_defaults(run=cmd_inspect)
+    survey.set_defaults(run="hf_lmc.commands.inspect:main")
 
     moved = commands.add_parser(
         "apply",
@@ -696,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     APPLY.add_to(written, ["output"])
     MOVED_OUTPUT.add_to(written)
     _add_messages(moved)
-    moved.set_defaults(run=cmd_apply)
+    moved.set_defaults(run="hf_lmc.commands.apply:main")
 
     sym = commands.add_parser(
         "symmetries",
@@ -707,98 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     sym.add_argument("model", metavar="MODEL", help="local folder or Hub id")
     sym.add_argument("--all-layers", action="store_true", help="list every layer, not only layer 0")
     _add_messages(sym)
-    sym.set_defaults(run=cmd_symmetries)
+    sym.set_defaults(run="hf_lmc.commands.symmetries:main")
     _add_recipe_commands(commands)
     return parser
-
-
-def _overrides(args: argparse.Namespace) -> dict:
-    from .recipe import parse_override
-
-    overrides = dict(parse_override(text) for text in args.set)
-    if getattr(args, "overwrite", False):
-        overrides["output.overwrite"] = True
-    return overrides
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    """Run a recipe and print its barrier table. A run that fails is recorded in the summary and
-    the others go on (``--fail-fast``: the recipe stops at it); the merges that finished and the
-    summary are written either way, each failure is one error line, and the exit code is then
-    :data:`EXIT_FAILED`."""
-    from .options import RecipeRunOptions
-    from .recipe import check_outputs, load_recipe
-
-    switched = OptionFlags(RecipeRunOptions, defaults="fields").given(args)  # --fail-fast: output.fail_fast
-    overrides = _overrides(args) | {f"output.{name}": True for name, on in switched.items() if on}
-    check_outputs(load_recipe(args.recipe, overrides), args.recipe)  # the recipe and its folders, before torch loads
-
-    from .runner import SKIPPED, SUMMARY, RecipeFailedError, run_recipe
-
-    try:
-        result = run_recipe(args.recipe, overrides=overrides)
-    except RecipeFailedError as err:  # what finished is written; the summary records each failure
-        result = err.result
-    if not result.wrote:  # one of several launched processes: the main one reports
-        return 0
-    print(escape_controls(result.table(), keep="\n"))
-    merged = sum(run.ok for run in result.runs)
-    shown = escape_controls(result.output)
-    print(f"\n{merged} merged model(s) and {SUMMARY}.md/.json/.csv written to {shown}")
-    for run in result.runs:
-        if run.url:
-            print(f"pushed {run.group} / {run.method} to {escape_controls(run.url)}")
-    for run in result.failed:
-        print(f"hf-lmc: error: {run.group} / {run.method}: {escape_controls(run.error)}", file=sys.stderr)
-    skipped = sum(run.status == SKIPPED for run in result.runs)
-    if skipped:
-        print(
-            f"hf-lmc: {skipped} run(s) skipped: output.fail_fast stopped the recipe at its first failure",
-            file=sys.stderr,
-        )
-    return EXIT_FAILED if result.failed else 0
-
-
-def cmd_recipe_check(args: argparse.Namespace) -> int:
-    """Validate each recipe on its own, run every check that needs no weight (the recipe, the
-    folders it writes against those it reads, each group's configs compared as the merge compares
-    them) and list its runs; every invalid one is reported (as one error line) and the exit code is
-    the worst of them. A check left out (a config not at hand here) is listed as a note."""
-    from .recipe import check_outputs, load_recipe
-    from .runner import check_models
-
-    overrides, worst = _overrides(args), 0
-    for path in args.recipes:
-        try:
-            recipe = load_recipe(path, overrides)
-            check_outputs(recipe, path, tidy=False)  # the folders it writes against those it reads, changing nothing
-            left_out = check_models(recipe, path)  # config.json alone: no weight is read or downloaded
-            runs = recipe.runs()
-        except (ValueError, OSError) as err:
-            worst = max(worst, _report(err))
-            continue
-        print(f"{escape_controls(path)}: valid; {len(runs)} run(s) into {escape_controls(recipe.output.dir)}")
-        for note in left_out:
-            print(f"  note: {escape_controls(note)}")
-        if recipe.output.fail_fast:
-            print("  stops at its first failed run (output.fail_fast)")
-        launch = recipe.launch.command(str(path))
-        if launch:
-            print(f"  runs as {recipe.launch.processes} processes: {launch}")
-        push = recipe.output.push_to_hub
-        for group, method, models in runs:
-            target = f" -> {push.format(group=group, method=method)}" if push else ""
-            print(f"  {recipe.run_folder(group, method)}: {method} of {', '.join(m.label for m in models)}{target}")
-    return worst
-
-
-def cmd_recipe_schema(args: argparse.Namespace) -> int:
-    import json
-
-    from .recipe import Recipe
-
-    print(json.dumps(Recipe.model_json_schema(), indent=2))
-    return 0
 
 
 def _add_recipe_commands(commands) -> None:
@@ -843,13 +363,13 @@ def _add_recipe_commands(commands) -> None:
             changes.add_argument(
                 "--overwrite", action="store_true", help="replace an existing output folder (output.overwrite)"
             )
-            from .options import RecipeRunOptions
+            from hf_lmc.config.options import RecipeRunOptions
 
             OptionFlags(RecipeRunOptions, defaults="fields").add_to(changes)  # --fail-fast (output.fail_fast)
     _add_messages(run)
-    run.set_defaults(run=cmd_run)
-    check.set_defaults(run=cmd_recipe_check)
-    schema.set_defaults(run=cmd_recipe_schema)
+    run.set_defaults(run="hf_lmc.commands.run:main")
+    check.set_defaults(run="hf_lmc.commands.recipe:check")
+    schema.set_defaults(run="hf_lmc.commands.recipe:schema")
 
 
 def _return_freed_memory_promptly() -> None:
@@ -965,17 +485,6 @@ def _library_messages(*, quiet: bool, verbose: bool, verbosity: int | None = Non
     return before
 
 
-def _report(err: ValueError | OSError) -> int:
-    """Print ``err`` as one ``hf-lmc: error:`` line, a parameter the library names shown as its
-    flag, and return its exit code: :data:`EXIT_USAGE` for a usage error, else :data:`EXIT_FAILED`."""
-    if isinstance(err, (UsageError, OutputExistsError)):
-        named = err.named(flag_for(err.parameter)) if isinstance(err, (ParameterError, OutputExistsError)) else err
-        print(f"hf-lmc: error: {escape_controls(named)}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"hf-lmc: error: {escape_controls(err)}", file=sys.stderr)  # one line, whatever a file's text held
-    return EXIT_FAILED
-
-
 def _process_group_initialised() -> bool:
     """Whether torch.distributed has a process group, read without importing torch (a command
     that never imported it has none)."""
@@ -1010,6 +519,13 @@ def _owned_process_group():
                 dist.destroy_process_group()
 
 
+def _handler(name: str):
+    """The handler a command's parser names (``"hf_lmc.commands.merge:main"``), imported only when the
+    command runs: the modules behind most commands load torch, which building the parser must not."""
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -1020,9 +536,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _owned_process_group():  # outermost: a failed run's traceback no longer holds the run
         try:
             with _messages(args):
-                return args.run(args)
+                return _handler(args.run)(args)
         except (ValueError, OSError) as err:
-            return _report(err)
+            return report(err)
         except KeyboardInterrupt:  # what was half-written was removed on the way out (staging folders)
             print("hf-lmc: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED

@@ -26,7 +26,7 @@ import torch
 from accelerate import Accelerator
 
 from hf_lmc import DualPath, EndpointSharding, LearnedPath, WeightMatcher
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
 from tests.models import build_model
 
 

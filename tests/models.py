@@ -14,9 +14,16 @@ import transformers as tf
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_lmc.verify import float64_rmsnorm, relative_error, sample_inputs  # noqa: F401  (re-exported for tests)
+from hf_lmc.canonical.exactness import (  # noqa: F401  (re-exported for tests)
+    float64_rmsnorm,
+    relative_error,
+    sample_inputs,
+    tiny_configs,
+)
 
-ARCHITECTURES = ("gpt2", "gpt_neox", "llama", "vit")
+#: Every registered family, by the model type its tiny config has: the suites parametrised over it
+#: test a family as soon as its adapter is registered (hf_lmc.canonical.adapters.ADAPTERS).
+ARCHITECTURES = tuple(tiny_configs())
 
 
 @st.composite
@@ -181,7 +188,7 @@ def twin_folders(folder, arch: str, symmetry_seeds) -> tuple[object, list]:
     """A tiny ``arch`` model (seed 0) saved to ``folder/m0``, and the model moved by a random full
     symmetry per seed saved to ``m1``, ``m2``, ...: stock checkpoints whose merge computes it."""
     import hf_lmc
-    from hf_lmc.verify import tiny_configs
+    from hf_lmc.canonical.exactness import tiny_configs
 
     model = build_model(tiny_configs()[arch], seed=0, dtype=torch.float32)
     canonical = hf_lmc.canonicalize(model)

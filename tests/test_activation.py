@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import hf_lmc
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
 from tests.models import LargestOutput, build_model, sample_inputs
 
 

@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 import hf_lmc
-from hf_lmc.batches import load_batches
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.matching import TrainedMatcher
-from hf_lmc.options import FIT_OPTIONS, LearnOptions
-from hf_lmc.verify import tiny_configs
+from hf_lmc.config.options import FIT_OPTIONS, LearnOptions
+from hf_lmc.evaluation.batches import load_batches
+from hf_lmc.learned import TrainedMatcher
 from tests.models import build_model, transform_tensors
 
 

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from peft import LoraConfig, PeftModel, get_peft_model
 
 import hf_lmc
-from hf_lmc.adapters import adapter_for
+from hf_lmc.canonical.adapters import adapter_for
+from hf_lmc.canonical.exactness import float64_rmsnorm, relative_error, sample_inputs, tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.fingerprint import fingerprint
+from hf_lmc.io.fingerprint import fingerprint
 from hf_lmc.symmetry import Transform, random_symmetry
 from hf_lmc.symmetry.stored import save_transforms
-from hf_lmc.verify import float64_rmsnorm, relative_error, sample_inputs, tiny_configs
 from tests.models import CONFIGS, build_model, logits
 
 TINY = tiny_configs()
@@ -201,7 +201,7 @@ def test_an_adapter_that_cannot_be_carried_is_refused_in_one_line(tmp_path, caps
 
 def test_the_transforms_of_a_merge_on_the_hub_are_downloaded_without_its_weights(tmp_path, monkeypatch):
     """At the network boundary only: a recording stand-in for ``snapshot_download``."""
-    from hf_lmc import hub
+    from hf_lmc.io import hub
 
     b, path = _saved_pair(tmp_path, "gpt2")
     asked = []
@@ -238,7 +238,7 @@ def test_a_saved_norm_whose_change_moves_into_another_layer_is_refused_by_name(t
 
 def test_an_update_that_needs_a_higher_rank_is_refused_by_name():
     """The rank check itself (no symmetry of the four families raises a target's rank)."""
-    from hf_lmc.lora import AdapterError, _factored
+    from hf_lmc.commands.apply_lora import AdapterError, _factored
 
     layer = get_peft_model(torch.nn.Sequential(torch.nn.Linear(6, 5)), LoraConfig(r=2, target_modules=["0"]))
     module = layer.base_model.model[0]

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from hf_lmc.barriers import alpha_grid, barrier, loss_barrier, plot
-from hf_lmc.batches import DataError, load_batches
-from hf_lmc.options import EvalOptions
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.config.options import EvalOptions
+from hf_lmc.evaluation.barriers import alpha_grid, barrier, loss_barrier, plot
+from hf_lmc.evaluation.batches import DataError, load_batches
 from tests.models import build_model, char_tokenizer_folder
 
 

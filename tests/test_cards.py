@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from hf_lmc.card import DataSource, eval_source, merge_card
 from hf_lmc.cli import main
-from hf_lmc.demo import run_demo
-from hf_lmc.options import EvalOptions, MergeRequest
-from hf_lmc.pipeline import merge
-from hf_lmc.recipe import load_recipe
-from hf_lmc.runner import _Source, run_recipe, run_request
+from hf_lmc.commands.demo import run_demo
+from hf_lmc.config.options import EvalOptions, MergeRequest
+from hf_lmc.config.recipe import load_recipe
+from hf_lmc.io.card import DataSource, eval_source, merge_card
+from hf_lmc.merging.pipeline import merge
+from hf_lmc.merging.sweep import _Source, run_recipe, run_request
 from tests.test_inherited import _pair
 
 TEXT = "abc cab bca. " * 40
@@ -144,8 +144,7 @@ def test_an_aligned_merge_saves_its_transforms_and_its_card_says_how_to_load_the
     import torch
 
     import hf_lmc
-    from hf_lmc.symmetry import Transform
-    from hf_lmc.symmetry.stored import load_transforms
+    from hf_lmc.symmetry import Transform, load_transforms
 
     a, b = _pair(tmp_path)
     out = tmp_path / "out"

@@ -10,8 +10,8 @@ import transformers as tf
 from safetensors.torch import save_file
 
 import hf_lmc
-from hf_lmc.checkpoint import Checkpoint
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.io.checkpoint import Checkpoint
 from tests.models import MODEL_CLASSES, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
 
 TINY = tiny_configs()
@@ -163,7 +163,7 @@ def test_non_finite_weights_are_named(tmp_path, value):
 def test_row_reads_are_slices_of_the_stored_tensor(tmp_path):
     """``SafetensorsFile.get_rows`` reads a row window (any dtype, 1-D and empty tensors, windows
     past the end) exactly as slicing the whole tensor would give it."""
-    from hf_lmc.checkpoint import SafetensorsFile
+    from hf_lmc.io.checkpoint import SafetensorsFile
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -187,7 +187,7 @@ def test_row_reads_are_slices_of_the_stored_tensor(tmp_path):
 
 def test_row_reads_check_only_the_rows_they_read(tmp_path):
     """A vocabulary window is read on its own: a NaN outside it is not seen, one inside is named."""
-    from hf_lmc.adapters import adapter_for
+    from hf_lmc.canonical.adapters import adapter_for
 
     model = build_model(TINY["gpt_neox"], dtype=torch.float32)
     with torch.no_grad():
@@ -203,8 +203,8 @@ def test_row_reads_check_only_the_rows_they_read(tmp_path):
 def test_membership_reads_nothing(tmp_path, monkeypatch):
     """``key in checkpoint`` (adapters ask it of the head) looks at the index, not the tensor:
     Mapping's default ``__contains__`` would read and check the whole tensor."""
-    from hf_lmc.adapters import adapter_for
-    from hf_lmc.checkpoint import SafetensorsFile
+    from hf_lmc.canonical.adapters import adapter_for
+    from hf_lmc.io.checkpoint import SafetensorsFile
 
     model = build_model(TINY["gpt_neox"], dtype=torch.float32)
     model.save_pretrained(tmp_path)
@@ -253,7 +253,7 @@ LAYOUTS = ["safetensors+bin", "bin+stray", "index+stray", "single+index", "expli
 def test_the_weights_read_are_those_from_pretrained_reads(layout, tmp_path):
     """A folder with weights in several files: every tensor hf_lmc reads is the one transformers
     loads, and differs from the other file's (so a wrong pick fails)."""
-    from hf_lmc.adapters import adapter_for
+    from hf_lmc.canonical.adapters import adapter_for
 
     model = build_model(TINY["gpt2"], seed=1, dtype=torch.float32)
     other = build_model(TINY["gpt2"], seed=2, dtype=torch.float32)
@@ -303,8 +303,8 @@ def test_a_hub_download_fetches_the_files_the_rule_reads_and_no_other(layout, tm
     import fnmatch
     import shutil
 
-    from hf_lmc import hub
-    from hf_lmc.checkpoint import weight_files
+    from hf_lmc.io import hub
+    from hf_lmc.io.weights import weight_files
 
     model = build_model(TINY["gpt2"], seed=1, dtype=torch.float32)
     other = build_model(TINY["gpt2"], seed=2, dtype=torch.float32)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import build_parser, main
-from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,12 +117,12 @@ def test_exit_codes_are_2_for_usage_and_1_for_a_failed_run(argv, code, capsys, t
 
 def test_ctrl_c_ends_a_command_with_one_line_and_the_shells_code(capsys, monkeypatch):
     """Ctrl-C is a way a run ends, not a crash: one line and 130, as a shell reports it."""
-    import hf_lmc.pipeline
+    import hf_lmc.merging.pipeline
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_lmc.pipeline, "run", interrupted)
+    monkeypatch.setattr(hf_lmc.merging.pipeline, "run", interrupted)
     assert main(["merge", "./a", "./b", "-o", "out"]) == 130
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.count("\n") == 1, err
@@ -137,7 +137,7 @@ def test_a_command_destroys_the_process_group_it_set_up_and_no_other(fails, monk
 
     import torch.distributed as dist
 
-    import hf_lmc.pipeline
+    import hf_lmc.merging.pipeline
 
     made = []
 
@@ -152,7 +152,7 @@ def test_a_command_destroys_the_process_group_it_set_up_and_no_other(fails, monk
             raise ValueError("the run failed")
         return argparse.Namespace(wrote=False)  # as a launch's other processes report
 
-    monkeypatch.setattr(hf_lmc.pipeline, "run", run_that_sets_up_a_group)
+    monkeypatch.setattr(hf_lmc.merging.pipeline, "run", run_that_sets_up_a_group)
     try:
         code = main(["merge", "./a", "./b", "-o", "out"])
         assert (code == 1) == fails
@@ -171,10 +171,11 @@ def test_generated_learning_flags_reach_the_options_model():
     """The flags are generated from :class:`LearnOptions`' fields: none given gives the model's
     defaults, and every flag arrives in its field."""
     from hf_lmc import cli
-    from hf_lmc.options import LearnOptions
+    from hf_lmc.commands import common
+    from hf_lmc.config.options import LearnOptions
 
     parser = cli.build_parser()
-    assert cli.LEARN.build(parser.parse_args(["merge", "a", "b", "--output", "o"])) == LearnOptions()
+    assert common.LEARN.build(parser.parse_args(["merge", "a", "b", "--output", "o"])) == LearnOptions()
     flags = [
         "--steps",
         "7",
@@ -208,7 +209,7 @@ def test_generated_learning_flags_reach_the_options_model():
         "0.3",
         "0.7",
     ]
-    options = cli.LEARN.build(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
+    options = common.LEARN.build(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
     assert options == LearnOptions(
         steps=7,
         lr=0.1,
@@ -226,7 +227,7 @@ def test_generated_learning_flags_reach_the_options_model():
         seed=5,
         lambda_range=(0.3, 0.7),
     )
-    assert set(cli.LEARN.fields) == set(LearnOptions.model_fields)  # every option has its flag
+    assert set(common.LEARN.fields) == set(LearnOptions.model_fields)  # every option has its flag
 
 
 def test_an_out_of_range_fraction_is_refused_before_any_work(capsys):
@@ -261,7 +262,8 @@ def test_a_frame_the_parameterisation_cannot_take_is_refused_before_any_work(cap
 
 def test_generated_accelerate_flags_reach_the_options_model():
     from hf_lmc import cli
-    from hf_lmc.options import AccelerateOptions
+    from hf_lmc.commands import common
+    from hf_lmc.config.options import AccelerateOptions
 
     parser = cli.build_parser()
     flags = [
@@ -277,7 +279,7 @@ def test_generated_accelerate_flags_reach_the_options_model():
         "5",
         "--resume",
     ]
-    options = cli.ACCELERATE.build(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
+    options = common.ACCELERATE.build(parser.parse_args(["merge", "a", "b", "--output", "o", *flags]))
     assert options == AccelerateOptions(
         mixed_precision="bf16",
         gradient_accumulation_steps=2,
@@ -287,7 +289,7 @@ def test_generated_accelerate_flags_reach_the_options_model():
         checkpoint_every=5,
         resume=True,
     )
-    assert set(cli.ACCELERATE.fields) == set(AccelerateOptions.model_fields)
+    assert set(common.ACCELERATE.fields) == set(AccelerateOptions.model_fields)
 
 
 @pytest.mark.parametrize(
@@ -314,8 +316,10 @@ def _names_in_one_error_line(capsys, *named):
 def test_every_option_is_described_once_for_flags_recipes_and_the_api():
     """Each option model's field carries the description that becomes its ``--help`` line and its
     recipe schema entry; a field added without one fails here."""
-    from hf_lmc import cli, options
-    from hf_lmc.recipe import Recipe
+    from hf_lmc import cli
+    from hf_lmc.commands import common
+    from hf_lmc.config import options
+    from hf_lmc.config.recipe import Recipe
 
     models = (
         options.LearnOptions,
@@ -329,11 +333,13 @@ def test_every_option_is_described_once_for_flags_recipes_and_the_api():
     ]
     assert not undescribed
     schema = Recipe.model_json_schema()["$defs"]
-    assert set(schema["LearnOptions"]["properties"]) == set(cli.LEARN.flags) == set(options.LearnOptions.model_fields)
+    assert (
+        set(schema["LearnOptions"]["properties"]) == set(common.LEARN.flags) == set(options.LearnOptions.model_fields)
+    )
     help_text = cli.build_parser()._subparsers._group_actions[0].choices["merge"].format_help()
     assert all(
         flag in help_text
-        for flag in (*cli.LEARN.flags.values(), *cli.ACCELERATE.flags.values(), *cli.OUTPUT.flags.values())
+        for flag in (*common.LEARN.flags.values(), *common.ACCELERATE.flags.values(), *common.OUTPUT.flags.values())
     )
 
 
@@ -341,6 +347,7 @@ def test_data_flags_mean_the_same_in_merge_and_barrier():
     """``--data`` is fitting data and ``--eval-data`` evaluation data in every command, each
     with its split and dataset configuration."""
     from hf_lmc import cli
+    from hf_lmc.commands import common
 
     parser = cli.build_parser()
     flags = [
@@ -362,7 +369,7 @@ def test_data_flags_mean_the_same_in_merge_and_barrier():
     for command in (["merge", "a", "b", "-o", "out"], ["barrier", "a", "b"]):
         args = parser.parse_args([*command, *flags])
         assert (args.data, args.eval_data) == ("fit.txt", "eval.txt")
-        fit, evaluation = cli._fit_options(args), cli._eval_options(args)
+        fit, evaluation = common.fit_options(args), common.eval_options(args)
         assert (fit.split, fit.name, fit.batch_size) == ("validation", "raw", 4)
         assert (evaluation.split, evaluation.name, evaluation.batch_size) == ("dev", "clean", 4)
     with pytest.raises(SystemExit):  # the barrier has nothing to measure without evaluation data
@@ -373,12 +380,13 @@ def test_data_sets_keep_their_own_batch_size_unless_one_is_given():
     """Without ``--batch-size`` fitting and evaluation data take their own defaults, which the
     help shows; with it both take the one given."""
     from hf_lmc import cli
-    from hf_lmc.options import EVAL_OPTIONS, FIT_OPTIONS
+    from hf_lmc.commands import common
+    from hf_lmc.config.options import EVAL_OPTIONS, FIT_OPTIONS
 
     assert FIT_OPTIONS.batch_size != EVAL_OPTIONS.batch_size
     parser = cli.build_parser()
     args = parser.parse_args(["merge", "a", "b", "-o", "out", "--data", "fit.txt", "--eval-data", "eval.txt"])
-    assert (cli._fit_options(args).batch_size, cli._eval_options(args).batch_size) == (
+    assert (common.fit_options(args).batch_size, common.eval_options(args).batch_size) == (
         FIT_OPTIONS.batch_size,
         EVAL_OPTIONS.batch_size,
     )
@@ -392,7 +400,7 @@ def test_data_sets_keep_their_own_batch_size_unless_one_is_given():
         and f"{EVAL_OPTIONS.batch_size} for --eval-data" in help_line
     )
     with pytest.raises(TypeError):  # flags with a default per use build no single model
-        cli.BATCHES.build(args)
+        common.BATCHES.build(args)
 
 
 def test_a_misspelt_data_file_is_one_line_without_trying_the_hub(tmp_path, capsys, monkeypatch):
@@ -506,7 +514,7 @@ def test_every_schedule_the_options_accept_is_one_transformers_runs():
     transformers' and steps with the warmup and total steps alone, as the training loop calls it."""
     from transformers import SchedulerType, get_scheduler
 
-    from hf_lmc.options import SCHEDULES
+    from hf_lmc.config.options import SCHEDULES
 
     optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     for name in SCHEDULES:
@@ -536,10 +544,12 @@ def test_dry_run_checks_prints_the_plan_and_reads_and_writes_nothing(tmp_path, c
     """``merge --dry-run`` exits 0 with the models, the data's batches and the estimates, loads no
     model (the weights are streamed, tensor by tensor, to be checked; tests/test_dry_run.py) and
     leaves every folder as it was."""
-    import hf_lmc.pipeline
+    import hf_lmc.merging.pipeline
 
     (a, b), text = _tiny_pair(tmp_path)
-    monkeypatch.setattr(hf_lmc.pipeline, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(
+        hf_lmc.merging.pipeline, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded")
+    )
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert (
         main(
@@ -692,7 +702,7 @@ def test_verbose_names_the_dtype_written_and_quiet_hides_the_default_loss_notice
     from hf_lmc.cli import _messages
 
     script = (
-        "import argparse, torch; from hf_lmc.cli import _messages; from hf_lmc.verify import tiny_configs; "
+        "import argparse, torch; from hf_lmc.cli import _messages; from hf_lmc.canonical.exactness import tiny_configs; "
         "from transformers import GPT2LMHeadModel; model = GPT2LMHeadModel(tiny_configs()['gpt2']); "
         "ids = torch.zeros(1, 4, dtype=torch.long)\n"
         "with _messages(argparse.Namespace(quiet=True, verbose=0)): model(input_ids=ids, labels=ids)"
@@ -713,12 +723,13 @@ def test_the_merge_requests_flags_are_generated_from_its_fields():
     ``--data``, ``--eval-data`` and ``--alphas`` come from :class:`MergeRequest`'s fields: parsed
     to the field's default when absent, and helped with the wording the field declares."""
     from hf_lmc import cli
-    from hf_lmc.options import MergeRequest, flag_of
+    from hf_lmc.commands import common
+    from hf_lmc.config.options import MergeRequest, flag_of
 
     parser = cli.build_parser()
     merge = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["merge"]
     actions = {action.dest: action for action in merge._actions}
-    for name in cli.REQUEST.fields:
+    for name in common.REQUEST.fields:
         field, action = MergeRequest.model_fields[name], actions[name]
         assert action.default == (None if field.is_required() else field.default), name
         assert (flag_of(field).help or field.description) in action.help, name

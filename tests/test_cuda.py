@@ -19,9 +19,9 @@ from accelerate.state import AcceleratorState
 
 import hf_lmc
 from hf_lmc import DualPath
+from hf_lmc.canonical.exactness import float64_rmsnorm, tiny_configs
 from hf_lmc.matching.solvers import assign_product
-from hf_lmc.pipeline import merge, merge_models
-from hf_lmc.verify import float64_rmsnorm, tiny_configs
+from hf_lmc.merging.pipeline import merge, merge_models
 from tests.models import (
     ARCHITECTURES,
     build_model,

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers as tf
 
-from hf_lmc.batches import DataError, load_batches
-from hf_lmc.options import EvalOptions
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.config.options import EvalOptions
+from hf_lmc.evaluation.batches import DataError, load_batches
 
 #: Texts whose tokens change when they are joined or split: BPE merges across a boundary
 #: ("the " + "cat" is not "the cat"), and a newline is a token of its own.

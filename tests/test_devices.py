@@ -16,11 +16,11 @@ import transformers
 from safetensors import safe_open
 
 import hf_lmc
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.devices import compute_device
 from hf_lmc.matching.solvers import assign_product
-from hf_lmc.pipeline import merge, merge_models
-from hf_lmc.verify import tiny_configs
+from hf_lmc.merging.pipeline import merge, merge_models
+from hf_lmc.utils.devices import compute_device
 from tests.models import (
     ARCHITECTURES,
     build_model,
@@ -174,7 +174,7 @@ def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(t
     """``set_float32_matmul_precision("high")`` (TF32 on GPUs, bfloat16 in oneDNN) would leave a
     merged twin ~1e-3 off: matching and export run at ``"highest"`` and restore the setting."""
     fits, writes = [], []
-    fit, add = hf_lmc.WeightMatcher._fit, hf_lmc.export._ShardWriter.add
+    fit, add = hf_lmc.WeightMatcher._fit, hf_lmc.io.export._ShardWriter.add
 
     def recording_fit(self, a, b):
         fits.append(torch.get_float32_matmul_precision())
@@ -185,7 +185,7 @@ def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(t
         return add(self, key, tensor)
 
     monkeypatch.setattr(hf_lmc.WeightMatcher, "_fit", recording_fit)
-    monkeypatch.setattr(hf_lmc.export._ShardWriter, "add", recording_add)
+    monkeypatch.setattr(hf_lmc.io.export._ShardWriter, "add", recording_add)
     model, folders = twin_folders(tmp_path, "llama", [8])
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("medium")
@@ -209,7 +209,7 @@ def test_matching_and_export_multiply_in_full_float32_whatever_the_session_set(t
     ],
 )
 def test_launch_device_reads_the_launch_from_the_environment(monkeypatch, env, cuda, expected):
-    from hf_lmc.devices import launch_device
+    from hf_lmc.utils.devices import launch_device
 
     for name in ("ACCELERATE_USE_CPU", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -225,7 +225,7 @@ def test_launch_device_reads_the_launch_from_the_environment(monkeypatch, env, c
 def test_learned_matchers_start_where_asked_or_where_the_launch_put_them(monkeypatch, matcher):
     """The weight-matching start of the learned matchers runs on ``init_device``, by default
     this process's launch device (under ``accelerate launch --cpu`` the CPU, even beside a GPU)."""
-    from hf_lmc.matching import learned
+    from hf_lmc.learned import paths as learned
 
     seen = []
     for name in ("WeightMatcher", "UniverseMatcher"):
@@ -245,7 +245,7 @@ def test_learned_matchers_start_where_asked_or_where_the_launch_put_them(monkeyp
         return hf_lmc.SimplexPath(models, **options)
 
     build(init_device="cpu")
-    from hf_lmc.devices import launch_device
+    from hf_lmc.utils.devices import launch_device
 
     # the launch put this process on "cpu:0"; a device asked for is still checked as before
     monkeypatch.setattr(

@@ -13,9 +13,9 @@ import pytest
 import torch
 from huggingface_hub import HfApi
 
-from hf_lmc import pipeline
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.verify import tiny_configs
+from hf_lmc.merging import pipeline
 from tests.models import build_model, char_tokenizer_folder
 
 

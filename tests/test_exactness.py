@@ -65,3 +65,15 @@ def test_canonical_symmetry_and_export_preserve_logits(arch, dtype, tmp_path_fac
         check_function_preserved(config, seed, dtype, tmp_path_factory.mktemp(arch))
 
     run()
+
+
+def test_every_registered_family_is_exercised_by_the_exactness_suite():
+    """A family is tested once its adapter is registered: its tiny config comes from the adapter
+    (``ARCHITECTURES``, over which this suite is parametrised), and the randomised configs must
+    name it (a new adapter without a strategy fails here, not silently untested)."""
+    from hf_lmc.canonical.adapters import ADAPTERS
+    from tests.models import ARCHITECTURES, CONFIGS
+
+    families = {type(adapter) for adapter in ADAPTERS.values()}
+    covered = {type(ADAPTERS[model_type]) for model_type in ARCHITECTURES}
+    assert covered == families and set(CONFIGS) == set(ARCHITECTURES)

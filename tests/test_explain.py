@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hf_lmc import canonicalize
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.explain import explain, explanation_group, kinds_table, plot_explanation
-from hf_lmc.options import ParameterError
-from hf_lmc.verify import tiny_configs
+from hf_lmc.config.options import ParameterError
+from hf_lmc.evaluation.explain import explain, explanation_group, kinds_table, plot_explanation
 from tests.models import ARCHITECTURES, build_model, twin_folders
 
 

@@ -17,12 +17,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import hf_lmc
-from hf_lmc import export
-from hf_lmc.canonical import CanonicalModel
-from hf_lmc.card import TEMPLATE, inherited_license, merge_card
-from hf_lmc.export import PROCESSOR_FILES, parse_size, save_canonical
-from hf_lmc.hub import push_folder
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.canonical.form import CanonicalModel
+from hf_lmc.io import export
+from hf_lmc.io.card import TEMPLATE, inherited_license, merge_card
+from hf_lmc.io.export import PROCESSOR_FILES, parse_size, save_canonical
+from hf_lmc.io.hub import push_folder
 from tests.models import (
     MODEL_CLASSES,
     build_model,
@@ -262,7 +262,7 @@ def test_existing_output_needs_overwrite_and_is_replaced_only_when_complete(tmp_
     assert "\n" not in str(err.value) and err.value.parameter == "overwrite"
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and _no_temp_folders(tmp_path)
 
-    from hf_lmc.outputs import MARKER, mark
+    from hf_lmc.io.outputs import MARKER, mark
 
     mark(out, "merge")  # as an earlier merge leaves it: hf_lmc's, so --overwrite may replace it
     _fail_on_second_shard(monkeypatch)  # a failed overwrite keeps the old folder
@@ -458,8 +458,8 @@ def test_vocabulary_groups_stream_in_row_blocks(tmp_path, arch, tied):
     float32 rounding: BLAS may order a short block's sums differently)."""
     from safetensors.torch import load_file
 
-    from hf_lmc.canonical import hf_state_dict_groups, interpolate
-    from hf_lmc.export import write_checkpoint
+    from hf_lmc.canonical.form import hf_state_dict_groups, interpolate
+    from hf_lmc.io.export import write_checkpoint
 
     config = tiny_configs()[arch]
     config.tie_word_embeddings = tied
@@ -478,7 +478,7 @@ def test_vocabulary_groups_stream_in_row_blocks(tmp_path, arch, tied):
             torch.testing.assert_close(window[name], expected, rtol=1e-6, atol=1e-7, msg=name)
 
     merged = interpolate(a, moved, 0.3)
-    config_out = hf_lmc.canonical.export_config(merged)
+    config_out = hf_lmc.canonical.form.export_config(merged)
     for rows, name in ((None, "whole"), (5, "blocks")):  # 17 tokens: blocks of 5, 5, 5, 2
         write_checkpoint(
             hf_state_dict_groups(merged, config_out, block_rows=rows), config_out, tmp_path / name, progress=False
@@ -498,8 +498,8 @@ def test_row_block_export_of_a_moved_model_computes_the_stock_model(tmp_path, ar
     """End to end, in float64: a model read from its folder in row windows, moved by a random
     symmetry and exported in blocks of 5 token rows, loads in the stock class as the function it
     was made from."""
-    from hf_lmc.canonical import export_config, hf_state_dict_groups
-    from hf_lmc.export import write_checkpoint
+    from hf_lmc.canonical.form import export_config, hf_state_dict_groups
+    from hf_lmc.io.export import write_checkpoint
 
     config = tiny_configs()[arch]
     config.tie_word_embeddings = tied
@@ -521,9 +521,9 @@ def test_row_block_export_of_a_moved_model_computes_the_stock_model(tmp_path, ar
 def test_row_block_export_reads_each_vocabulary_row_once(tmp_path, monkeypatch):
     """Streaming the embedding and head in row blocks reads each block's rows from the file, not
     the whole vocabulary tensor per block (at Pythia-1B that was 7 whole reads of each)."""
-    from hf_lmc.canonical import hf_state_dict_groups
-    from hf_lmc.checkpoint import SafetensorsFile
-    from hf_lmc.export import write_checkpoint
+    from hf_lmc.canonical.form import hf_state_dict_groups
+    from hf_lmc.io.checkpoint import SafetensorsFile
+    from hf_lmc.io.export import write_checkpoint
 
     config = tiny_configs()["gpt_neox"]
     build_model(config, seed=1, dtype=torch.float32).save_pretrained(tmp_path / "m")
@@ -537,7 +537,7 @@ def test_row_block_export_reads_each_vocabulary_row_once(tmp_path, monkeypatch):
         return tensor
 
     monkeypatch.setattr(SafetensorsFile, "get_rows", counting)
-    config_out = hf_lmc.canonical.export_config(model, dtype=torch.float32)
+    config_out = hf_lmc.canonical.form.export_config(model, dtype=torch.float32)
     rows_read.clear()
     write_checkpoint(
         hf_state_dict_groups(model, config_out, block_rows=5), config_out, tmp_path / "out", progress=False

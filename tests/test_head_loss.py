@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_lmc import head_loss
-from hf_lmc.evaluation import evaluate
-from hf_lmc.head_loss import VocabShard, mixture_loss, next_token_loss, sliced_cross_entropy
-from hf_lmc.matching.learned import DualPath, SimplexPath
-from hf_lmc.matching.sharing import share_of
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.evaluation import head_loss
+from hf_lmc.evaluation.head_loss import VocabShard, mixture_loss, next_token_loss, sliced_cross_entropy
+from hf_lmc.evaluation.loss import evaluate
+from hf_lmc.learned.paths import DualPath, SimplexPath
+from hf_lmc.learned.sharing import share_of
 from tests.models import LargestOutput, build_model, causal_lm_loss, sample_inputs
 
 LANGUAGE_MODELS = ["gpt2", "gpt_neox", "llama"]

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_lmc.adapters import informational_differences, read_config
+from hf_lmc.canonical.adapters import informational_differences, read_config
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.canonical.widths import check_mergeable
 from hf_lmc.cli import main
-from hf_lmc.inherit import InheritanceError, UnsafeFileError, check_inherited, copy_model_file
-from hf_lmc.pipeline import merge
-from hf_lmc.runner import run_recipe
-from hf_lmc.verify import tiny_configs
-from hf_lmc.widths import check_mergeable
+from hf_lmc.io.inherit import InheritanceError, UnsafeFileError, check_inherited, copy_model_file
+from hf_lmc.merging.pipeline import merge
+from hf_lmc.merging.sweep import run_recipe
 from tests.models import build_model, char_tokenizer_folder
 
 
@@ -297,8 +297,8 @@ def test_every_family_refuses_a_function_key_and_notes_an_unknown_one(arch, key,
 
 
 def test_a_recipe_takes_inherit_from_a_as_an_output_key():
-    from hf_lmc.recipe import load_recipe
-    from hf_lmc.runner import _Source, run_request
+    from hf_lmc.config.recipe import load_recipe
+    from hf_lmc.merging.sweep import _Source, run_request
 
     recipe = load_recipe({"models": ["a", "b"], "output": {"dir": "out", "inherit_from_a": True}})
     sources = [_Source(name, None, name, False) for name in ("a", "b")]
@@ -309,7 +309,7 @@ def test_a_recipe_takes_inherit_from_a_as_an_output_key():
 
 
 def test_a_card_note_that_names_a_local_model_names_it_by_its_label(tmp_path):
-    from hf_lmc.card import ModelSource, merge_card
+    from hf_lmc.io.card import ModelSource, merge_card
 
     a, b = tmp_path / "models" / "a", tmp_path / "models" / "b"
     card = merge_card(

@@ -19,11 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_lmc.adapters import adapter_for
-from hf_lmc.checkpoint import Checkpoint, CheckpointError, SafetensorsFile
+from hf_lmc.canonical.adapters import adapter_for
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.recipe import RecipeError, load_recipe, parse_override
-from hf_lmc.verify import tiny_configs
+from hf_lmc.config.recipe import RecipeError, load_recipe, parse_override
+from hf_lmc.io.checkpoint import Checkpoint, SafetensorsFile
+from hf_lmc.io.weights import CheckpointError
 from tests.models import build_model, char_tokenizer_folder
 
 TINY = tiny_configs()

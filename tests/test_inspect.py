@@ -1,4 +1,4 @@
-"""``hf-lmc inspect`` (:mod:`hf_lmc.survey`): what it reads from configs and weights, on pairs whose
+"""``hf-lmc inspect`` (:mod:`hf_lmc.commands.inspect`): what it reads from configs and weights, on pairs whose
 relation is known: the shipped zoo pair (independent trainings), twins (one model moved by a
 symmetry), fine-tunes of one model, and pairs the merge refuses."""
 
@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_lmc.loading
-from hf_lmc import zoo
+import hf_lmc.io.loading
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.options import MergeRequest
-from hf_lmc.pipeline import plan
-from hf_lmc.survey import FINE_TUNE_COSINE, SAME_GRAM, inspect_models
+from hf_lmc.commands.inspect import FINE_TUNE_COSINE, SAME_GRAM, inspect_models
+from hf_lmc.config.options import MergeRequest
+from hf_lmc.io import zoo
+from hf_lmc.merging.pipeline import plan
 from hf_lmc.symmetry import resolve_kinds
-from hf_lmc.verify import tiny_configs
 from tests.models import build_model, twin_folders
 
 
@@ -28,7 +28,7 @@ def zoo_pair(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def no_whole_model(monkeypatch):
     """Inspect streams the weights: loading a whole model fails the test."""
-    monkeypatch.setattr(hf_lmc.loading, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hf_lmc.io.loading, "load_model", lambda *args, **kwargs: pytest.fail("a model was loaded"))
 
 
 def _saved(model, folder):
@@ -209,11 +209,14 @@ def test_models_of_two_widths_are_allowed_and_read_as_independent(tmp_path):
 
 def test_a_gpu_adds_its_estimate(tmp_path, monkeypatch):
     """Where torch sees a GPU each method gets a GPU time too, no longer than the CPU's."""
-    import hf_lmc.survey
+    import hf_lmc.commands.inspect
 
     _, folders = twin_folders(tmp_path, "gpt2", [7])
-    assert all(c.gpu_seconds is None for c in inspect_models(folders).costs) or hf_lmc.survey.torch.cuda.is_available()
-    monkeypatch.setattr(hf_lmc.survey.torch.cuda, "is_available", lambda: True)
+    assert (
+        all(c.gpu_seconds is None for c in inspect_models(folders).costs)
+        or hf_lmc.commands.inspect.torch.cuda.is_available()
+    )
+    monkeypatch.setattr(hf_lmc.commands.inspect.torch.cuda, "is_available", lambda: True)
     costs = inspect_models(folders).costs
     assert all(c.gpu_seconds is not None and c.gpu_seconds <= c.seconds for c in costs)
     assert "on a GPU" in inspect_models(folders).table()
@@ -222,13 +225,13 @@ def test_a_gpu_adds_its_estimate(tmp_path, monkeypatch):
 def test_the_embeddings_and_head_read_in_row_blocks_give_the_whole_tensors_figures(tmp_path, monkeypatch):
     """The token rows are compared a block at a time (bounded memory at any vocabulary); the
     figures are those of the whole tensors."""
-    import hf_lmc.survey
+    import hf_lmc.commands.inspect
 
     model = build_model(tiny_configs()["gpt2"], seed=0, dtype=torch.float32)
     a = _saved(model, tmp_path / "a")
     b = _saved(build_model(tiny_configs()["gpt2"], seed=1, dtype=torch.float32), tmp_path / "b")
     whole = inspect_models([a, b]).similarities[0]
-    monkeypatch.setattr(hf_lmc.survey, "block_rows", lambda spec: 3)
+    monkeypatch.setattr(hf_lmc.commands.inspect, "block_rows", lambda spec: 3)
     blocked = inspect_models([a, b]).similarities[0]
     assert [g for g, _, _ in blocked.groups] == [g for g, _, _ in whole.groups]
     for (_, cosine, distance), (_, expected, expected_distance) in zip(blocked.groups, whole.groups):

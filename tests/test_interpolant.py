@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
-from hf_lmc.matching.interpolant import Interpolant
-from hf_lmc.matching.params import GLParam, OrthogonalParam, PermutationParam
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.learned.interpolant import Interpolant
+from hf_lmc.learned.params import GLParam, OrthogonalParam, PermutationParam
 from hf_lmc.symmetry import AttentionMap, BlockMonomial, DenseMlpMap, ResidualMap, Transform
-from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, CONFIGS, build_model, float64_rmsnorm, logits, relative_error, sample_inputs
 
 
@@ -78,7 +78,7 @@ def test_interpolant_of_a_twin_is_a_and_gradients_reach_the_parameters(arch):
 )
 def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
     """Over randomised configs: exact at init, gradients reach every parameter, exact hardened export."""
-    from hf_lmc.matching.trainable import TrainableTransform
+    from hf_lmc.learned.trainable import TrainableTransform
 
     @settings(max_examples=4, deadline=None)
     @given(config=CONFIGS[arch](), seed=st.integers(0, 2**16))
@@ -106,7 +106,7 @@ def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
 def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing():
     """Checkpointed layers build their weights twice (forward, then backward) with identical
     results; a fraction checkpoints that share of the layers, the others build once."""
-    from hf_lmc.matching.trainable import TrainableTransform
+    from hf_lmc.learned.trainable import TrainableTransform
 
     config = tiny_configs()["llama"]
     config.num_hidden_layers = 4
@@ -134,7 +134,7 @@ def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing
 
 
 def test_checkpointed_layers_spread_a_fraction_evenly_and_reject_other_values():
-    from hf_lmc.matching.interpolant import checkpointed_layers
+    from hf_lmc.learned.interpolant import checkpointed_layers
 
     assert checkpointed_layers(12, True) == frozenset(range(12)) and checkpointed_layers(12, False) == frozenset()
     assert checkpointed_layers(12, 0.5) == frozenset(range(0, 12, 2))
@@ -183,7 +183,7 @@ def test_a_point_moving_only_the_tokens_read_is_the_whole_point(arch, data):
     of random tokens."""
     from torch.func import functional_call
 
-    from hf_lmc.matching.trainable import TrainableTransform
+    from hf_lmc.learned.trainable import TrainableTransform
 
     config = data.draw(CONFIGS[arch]())
     config.pad_token_id = 1  # read by the few tokens' batch: LLaMA's embedding gives its row no gradient

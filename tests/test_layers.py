@@ -1,6 +1,7 @@
 """The package's shape, kept by tools rather than memory: imports only point down the layers
 that ``pyproject.toml`` declares (import-linter), and the command line starts without torch."""
 
+import ast
 import itertools
 import re
 import subprocess
@@ -35,37 +36,104 @@ def test_import_contracts_hold():
 
 
 def _layers() -> list[list[str]]:
-    """The import-linter layers of ``pyproject.toml``, top to bottom, each as its modules' names
-    without the package prefix."""
+    """The import-linter layers of ``pyproject.toml``, top to bottom, each as its entries' dotted
+    names without the package prefix (a module, or a folder standing for all it holds)."""
     layers = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
     return [[name.strip().removeprefix("hf_lmc.") for name in re.split(r"[|:]", layer)] for layer in layers]
 
 
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a folder's ``__init__`` under the folder's name)."""
+    found = {}
+    for path in (ROOT / "hf_lmc").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    """The package's modules ``path`` imports, wherever the import stands (inside functions too),
+    but for those only a type checker reads (``if TYPE_CHECKING:``)."""
+    modules = _modules()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            node.body = []
+    found = set()
+
+    def known(name: str) -> str:
+        while name not in modules and "." in name:
+            name = name.rpartition(".")[0]
+        return name
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {known(alias.name) for alias in node.names if alias.name.startswith("hf_lmc")}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: a relative import ({node.module}); the package imports absolutely"
+            if node.module and node.module.startswith("hf_lmc"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    found.add(full if full in modules else known(node.module))
+    return found
+
+
+def test_no_import_cycle_counting_every_import():
+    """The import graph of the package, with the imports inside functions counted as those at the
+    top (import-linter's contracts above read the module level), has no cycle; and no module but
+    ``__main__`` imports the package's face (``hf_lmc/__init__.py``), whose names are for users."""
+    graph = {name: _imports(path) - {name} for name, path in _modules().items()}
+    for name, targets in graph.items():
+        assert "hf_lmc" not in targets or name in ("hf_lmc",), f"{name} imports the package's face"
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph.get(name, ())):
+            if state.get(target) == 1:
+                cycle = [*trail[trail.index(target) :], target] if target in trail else [name, target]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if target not in state:
+                visit(target, [*trail, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
 def test_every_module_is_in_a_layer_and_on_both_maps():
-    """The layers cover the whole package (a module outside them is checked by nothing), and the
-    maps people read name every layered module in the layers' order: design §9's table and the
-    README's layout (both say imports point down their list)."""
-    package = ROOT / "hf_lmc"
-    modules = {p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")}
-    modules |= {p.parent.name for p in package.glob("*/__init__.py")}
-    layered = [name for layer in _layers() for name in layer]
-    assert modules == set(layered), (
-        f"not in a layer: {sorted(modules - set(layered))}; no such module: {sorted(set(layered) - modules)}"
-    )
+    """The layers cover the whole package (a module outside them is checked by nothing), design §9's
+    table names every layer entry in the layers' order, and the README's layout names every folder
+    and top-level module (both are maps people read)."""
+    modules = _modules()
+    entries = [name for layer in _layers() for name in layer]
+    folders = {name for name, path in modules.items() if path.name == "__init__.py"}
+    for name in modules:
+        if name in ("hf_lmc", "hf_lmc.__main__") or (name in folders and not _imports(modules[name])):
+            continue  # the face, the entry point, and folders that only hold their modules
+        short = name.removeprefix("hf_lmc.")
+        assert any(short == e or short.startswith(e + ".") for e in entries), f"{short} is in no layer"
+    for entry in entries:
+        assert any(name.removeprefix("hf_lmc.") == entry for name in modules), f"no such module: {entry}"
     design = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
     section = design[design.index("## 9. Layers") :].split("\n## ", 1)[0]
-    block = (ROOT / "README.md").read_text(encoding="utf-8").split("<!-- layout -->", 1)[1].split("```", 2)[1]
-    layout = "\n".join(re.split(r"\s{2,}", line.strip())[0] for line in block.splitlines())  # the file column
     modules_column = "\n".join(row.split("|")[2] for row in section.splitlines() if row.startswith("| ") and "`" in row)
-    for name in layered:
-        assert f"`{name}`" in modules_column or f"`{name}/`" in modules_column, f"design §9 does not name {name}"
-    row_of = {name: re.search(rf"`{re.escape(name)}/?`", modules_column).start() for name in layered}
+    row_of = {}
+    for entry in entries:
+        shown = re.search(rf"`{re.escape(entry.replace('.', '/'))}/?`", modules_column)
+        assert shown, f"design §9 does not name {entry}"
+        row_of[entry] = shown.start()
     for upper, lower in itertools.pairwise(_layers()):
         assert max(row_of[n] for n in upper) < min(row_of[n] for n in lower), f"design §9 lists {lower} above {upper}"
-        assert re.search(rf"(?<![\w/]){re.escape(name)}(\.py|/)", layout), f"the README's layout does not name {name}"
-    where = {name: re.search(rf"(?<![\w/]){re.escape(name)}(\.py|/)", layout).start() for name in layered}
-    for upper, lower in itertools.pairwise(_layers()):
-        assert max(where[n] for n in upper) < min(where[n] for n in lower), f"the README lists {lower} above {upper}"
+    block = (ROOT / "README.md").read_text(encoding="utf-8").split("<!-- layout -->", 1)[1].split("```", 2)[1]
+    top = {path.relative_to(ROOT / "hf_lmc").parts[0] for path in modules.values()} - {"__init__.py", "__main__.py"}
+    for name in top:
+        assert re.search(rf"^  {re.escape(name.removesuffix('.py'))}(\.py|/)", block, re.MULTILINE), (
+            f"the README's layout lacks {name}"
+        )
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["check", "format"])
@@ -120,7 +188,7 @@ def test_public_names_resolve_lazily():
         hf_lmc.LearnedPath,
         hf_lmc.SimplexPath,
     )
-    assert hf_lmc.MergeSpec is hf_lmc.MergeRequest
+    assert not hasattr(hf_lmc, "MergeSpec")  # no compatibility alias in a package with no released users
     assert set(hf_lmc.__all__) <= set(dir(hf_lmc))
     assert sorted(hf_lmc.__all__) == sorted([*hf_lmc._PUBLIC, "__version__"])  # the written-out list is the table's
     with pytest.raises(AttributeError):
@@ -128,9 +196,9 @@ def test_public_names_resolve_lazily():
 
 
 def test_the_readme_methods_table_is_the_registry():
-    """The README's methods table is generated from :mod:`hf_lmc.methods`
-    (``python -m hf_lmc.methods README.md``); a new or changed method must reach it."""
-    from hf_lmc.methods import with_table
+    """The README's methods table is generated from :mod:`hf_lmc.config.methods`
+    (``python -m hf_lmc.config.methods README.md``); a new or changed method must reach it."""
+    from hf_lmc.config.methods import with_table
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert with_table(readme) == readme

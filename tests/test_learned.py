@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import hf_lmc
-from hf_lmc.matching.learned import WORST_GRID, DualPath, LearnedPath
-from hf_lmc.matching.params import PermutationParam
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.learned.params import PermutationParam
+from hf_lmc.learned.paths import WORST_GRID, DualPath, LearnedPath
 from tests.models import build_model, causal_lm_loss, logits, relative_error, sample_inputs
 
 
@@ -131,7 +131,7 @@ def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
     float64 against the two-transform path (ensemble objective: its logits stay float64, where
     the causal-LM loss of transformers rounds them to float32), with both transforms away from
     the start. Relaxed permutations are no group elements, and there both models move."""
-    from hf_lmc.verify import float64_rmsnorm
+    from hf_lmc.canonical.exactness import float64_rmsnorm
 
     config = tiny_configs()[arch]
     model_a, model_b = (
@@ -263,8 +263,8 @@ def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
     """With fixed assignments B is stored in its starting unit and head order and the trained maps
     move it without gathers: every layer map a step builds is ``ordered``, and the loss and its
     path are those of the starting transform on B as given (float64)."""
-    from hf_lmc.matching.interpolant import Interpolant
-    from hf_lmc.verify import float64_rmsnorm
+    from hf_lmc.canonical.exactness import float64_rmsnorm
+    from hf_lmc.learned.interpolant import Interpolant
 
     config = tiny_configs()[arch]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
@@ -396,8 +396,8 @@ def test_matchers_built_with_no_settings_train_as_the_command_line_does_with_no_
     again with a default of its own: they take :class:`LearnOptions` and
     :class:`AccelerateOptions`, the one definition the CLI and recipes read, and fields of them
     by name."""
-    from hf_lmc.matching.trainable import TrainableTransform
-    from hf_lmc.matching.training import train
+    from hf_lmc.learned.trainable import TrainableTransform
+    from hf_lmc.learned.training import train
 
     fields = {*hf_lmc.LearnOptions.model_fields, *hf_lmc.AccelerateOptions.model_fields, "warmup_steps"}
     fields.discard("shard_endpoints")  # a path takes an EndpointSharding (offload, gather dtype), more than the flag
@@ -547,7 +547,7 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
     loader = torch.utils.data.DataLoader(
         torch.arange(8), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
     )
-    from hf_lmc.matching.training import _passes
+    from hf_lmc.learned.training import _passes
 
     stream = _passes(loader)
     orders = [torch.cat([next(stream), next(stream)]).tolist() for _ in range(3)]
@@ -559,8 +559,8 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
 
 @pytest.mark.slow
 def test_a_seeded_alignment_is_reproducible_and_leaves_the_callers_rng_alone():
-    from hf_lmc.alignment import align
-    from hf_lmc.options import LearnOptions
+    from hf_lmc.config.options import LearnOptions
+    from hf_lmc.merging.alignment import align
     from tests.models import transform_tensors
 
     config = tiny_configs()["gpt2"]
@@ -716,8 +716,8 @@ def test_resuming_refuses_a_state_saved_from_another_start(tmp_path):
     a start recomputed with other rounding still resumes."""
     import json
 
-    from hf_lmc.matching import training
-    from hf_lmc.options import UsageError
+    from hf_lmc.config.options import UsageError
+    from hf_lmc.learned import training
 
     config = tiny_configs()["llama"]
     model_a, model_b, model_c = (build_model(config, seed=s) for s in (1, 2, 3))
@@ -746,7 +746,7 @@ def test_resuming_refuses_a_state_saved_from_another_start(tmp_path):
 def test_resuming_refuses_a_state_saved_training_on_other_data(tmp_path):
     """A resumed run replays the saved run's data order: on other data it is another run,
     refused in one line before anything is loaded; the same data resumes."""
-    from hf_lmc.options import UsageError
+    from hf_lmc.config.options import UsageError
 
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
@@ -824,7 +824,7 @@ class _DrawingPath(torch.nn.Module):
 
 def _train_drawing(folder=None, size: int = 3, steps: int = 3, **settings) -> _DrawingPath:
     """A scheduled run of :class:`_DrawingPath` from one seed (resumed, it must end where this ends)."""
-    from hf_lmc.matching.training import train
+    from hf_lmc.learned.training import train
 
     torch.manual_seed(0)
     path = _DrawingPath(size)
@@ -909,8 +909,8 @@ def test_a_training_state_that_does_not_validate_is_refused_in_one_line_before_a
     path and the random state are as they were."""
     import json
 
-    from hf_lmc.matching.state import TrainingStateError
-    from hf_lmc.matching.training import train
+    from hf_lmc.learned.state import TrainingStateError
+    from hf_lmc.learned.training import train
 
     folder = tmp_path / "ckpt"
     _train_drawing(folder)
@@ -970,8 +970,8 @@ def test_a_run_killed_at_any_point_of_a_save_resumes_to_the_uninterrupted_result
     import tempfile
     from pathlib import Path
 
-    from hf_lmc import outputs
-    from hf_lmc.matching import state
+    from hf_lmc.io import outputs
+    from hf_lmc.learned import state
 
     class Killed(Exception):
         pass
@@ -1033,9 +1033,9 @@ def test_the_training_state_keeps_fp16s_loss_scale(tmp_path):
     from accelerate import Accelerator
     from torch.optim.lr_scheduler import LambdaLR
 
-    from hf_lmc.matching.state import TrainingState
-    from hf_lmc.matching.training import _BestPath
-    from hf_lmc.options import UsageError
+    from hf_lmc.config.options import UsageError
+    from hf_lmc.learned.state import TrainingState
+    from hf_lmc.learned.training import _BestPath
 
     def state(scale):
         accelerator, path = Accelerator(), _DrawingPath()
@@ -1058,7 +1058,7 @@ def test_a_checkpoint_folder_that_is_not_hf_lmcs_is_refused_and_left_as_it_was(t
     """The checkpoint folder is hf_lmc's own: one that holds anything else (a model's folder, a
     user's files, a state of the older pickled format) is refused before the first step, in one
     line naming the parameter, and nothing in it changes; a missing folder resumes as a fresh run."""
-    from hf_lmc.options import OutputExistsError, ParameterError
+    from hf_lmc.config.options import OutputExistsError, ParameterError
 
     model = tmp_path / "model"
     build_model(tiny_configs()["gpt2"], seed=1).save_pretrained(model)
@@ -1212,8 +1212,9 @@ def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, cou
     """The shared contract for learned and dual matching: ``fit(models)`` gives, bit for bit, the
     transforms of the path built from the models (3+: the simplex from universe matching, the
     first model learning as A does in ``cls``), trained with the same seed and settings."""
-    from hf_lmc.matching import TrainedMatcher, UniverseMatcher
-    from hf_lmc.options import LearnOptions
+    from hf_lmc.config.options import LearnOptions
+    from hf_lmc.learned import TrainedMatcher
+    from hf_lmc.matching import UniverseMatcher
     from tests.models import transform_tensors
 
     config = tiny_configs()["gpt2"]
@@ -1259,7 +1260,7 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
     """Before the first step and every ``locate_every`` steps the path's barrier is estimated on
     the held-out batches (the largest excess over the line on the worst-point grid); training
     stops as soon as it is at most the target, and the budget bounds it otherwise."""
-    from hf_lmc.barriers import loss_barrier
+    from hf_lmc.evaluation.barriers import loss_barrier
 
     model_a, model_b, batches = _random_pair_and_batches()
     train, holdout = batches[:4], batches[4:]
@@ -1318,7 +1319,7 @@ def test_training_that_ends_diverged_returns_the_lowest_path_seen(tmp_path):
     """A run whose last held-out estimate is above twice the lowest + 0.1 nats returns the
     parameters of the lowest (here the start's) and says so; one that only wanders up returns its
     last path; a run resumed from a saved state knows the lowest path seen before the save."""
-    from hf_lmc.matching.training import train
+    from hf_lmc.learned.training import train
 
     batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}] * 2
     settings = {
@@ -1352,7 +1353,7 @@ def test_training_whose_estimate_diverges_goes_back_at_half_the_learning_rate(tm
     """An estimate above twice the lowest + 0.1 nats means the steps diverge: training goes back
     to the lowest path, clears Adam's moments and halves the learning rate for the rest of the
     schedule; a run resumed from a state saved after that still counts the halving."""
-    from hf_lmc.matching.training import train
+    from hf_lmc.learned.training import train
 
     batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}] * 2
     path, seen = _WorseningPath(0.5), []
@@ -1407,8 +1408,8 @@ def test_training_whose_estimate_diverges_goes_back_at_half_the_learning_rate(tm
 
 
 def test_trained_matchers_hold_out_the_last_batches_for_the_target_and_report_it():
-    from hf_lmc.matching.training import TrainedMatcher, holdout_split
-    from hf_lmc.options import LearnOptions
+    from hf_lmc.config.options import LearnOptions
+    from hf_lmc.learned.training import TrainedMatcher, holdout_split
 
     model_a, model_b, batches = _random_pair_and_batches(16)
     assert holdout_split(batches) == (batches[:14], batches[14:]) and holdout_split(iter(batches))[1] is None
@@ -1435,7 +1436,7 @@ def test_merge_under_torchrun_writes_once_what_one_process_writes(tmp_path):
 
     from safetensors.torch import load_file
 
-    from hf_lmc.verify import tiny_configs
+    from hf_lmc.canonical.exactness import tiny_configs
 
     root = Path(__file__).resolve().parent.parent
     config = tiny_configs()["vit"]
@@ -1560,7 +1561,7 @@ def test_permutation_only_learning_trains_the_permutations_and_nothing_else(arch
 
 def test_permutation_only_learning_is_refused_where_it_does_not_apply(capsys):
     from hf_lmc.cli import main
-    from hf_lmc.options import LearnOptions
+    from hf_lmc.config.options import LearnOptions
 
     with pytest.raises(ValueError, match="trained"):
         LearnOptions(trained="permutations")  # fixed permutations: nothing would train

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
-from hf_lmc.alignment import matcher_for
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.config.methods import METHODS
 from hf_lmc.matching import Matcher
 from hf_lmc.matching import weight as weight_matching
 from hf_lmc.matching.solvers import (
@@ -28,9 +29,9 @@ from hf_lmc.matching.solvers import (
     rotary_pair_objective,
     rotary_pair_scale,
 )
-from hf_lmc.methods import METHODS
-from hf_lmc.symmetry.sample import random_gl, rotary_block
-from hf_lmc.verify import tiny_configs
+from hf_lmc.merging.alignment import matcher_for
+from hf_lmc.symmetry.groups import rotary_block
+from hf_lmc.symmetry.sample import random_gl
 from tests.models import ARCHITECTURES, CONFIGS, build_model, logits, relative_error, sample_inputs, transform_tensors
 
 

@@ -9,9 +9,9 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors import safe_open
 
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.pipeline import merge
-from hf_lmc.verify import tiny_configs
+from hf_lmc.merging.pipeline import merge
 from tests.models import (
     MODEL_CLASSES,
     build_model,
@@ -326,8 +326,8 @@ def test_barrier_of_a_learned_method_needs_fit_data(tmp_path, capsys):
 
 
 def test_plain_average_sums_large_tensors_in_row_blocks_exactly():
-    from hf_lmc.average import weighted_rows
-    from hf_lmc.canonical import weighted_sum
+    from hf_lmc.canonical.form import weighted_sum
+    from hf_lmc.merging.average import weighted_rows
 
     g = torch.Generator().manual_seed(0)
     a, b, c = (torch.randn(17, 3, generator=g).half() for _ in range(3))
@@ -340,7 +340,7 @@ def test_plain_average_sums_large_tensors_in_row_blocks_exactly():
 @pytest.mark.parametrize("settings", [{"alpha": "half"}, {"alpha": True}, {"alpha": None}])
 def test_an_alpha_that_is_not_a_number_is_named_not_a_traceback(settings):
     """Checked before any model is read: the models here do not exist."""
-    from hf_lmc.options import ParameterError
+    from hf_lmc.config.options import ParameterError
 
     with pytest.raises(ParameterError, match="alpha"):
         merge("./no/such/a", "./no/such/b", "out", progress=False, **settings)

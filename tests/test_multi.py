@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import hf_lmc
-from hf_lmc.barriers import alpha_grid, loss_barrier, simplex_barrier, simplex_grid
-from hf_lmc.canonical import combine
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.canonical.form import combine
 from hf_lmc.cli import main
-from hf_lmc.pipeline import merge, merge_models
-from hf_lmc.verify import tiny_configs
+from hf_lmc.evaluation.barriers import alpha_grid, loss_barrier, simplex_barrier, simplex_grid
+from hf_lmc.merging.pipeline import merge, merge_models
 from tests.models import (
     ARCHITECTURES,
     CONFIGS,
@@ -107,7 +107,7 @@ def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
         t.apply(hf_lmc.canonicalize(m, dtype=torch.float64))
         for t, m in zip(matcher.transforms(), [twins[0], model, twins[1]])
     ]
-    rebuilt = hf_lmc.to_hf(hf_lmc.canonical.combine(given, [0.2, 0.5, 0.3]))
+    rebuilt = hf_lmc.to_hf(hf_lmc.canonical.form.combine(given, [0.2, 0.5, 0.3]))
     assert relative_error(logits(rebuilt, inputs), logits(matcher.merge([0.2, 0.5, 0.3]), inputs)) < 1e-10
 
     others = [build_model(config, seed=s) for s in (1, 2, 3)]
@@ -228,7 +228,7 @@ def test_barrier_cli_over_the_simplex_of_three_twins(tmp_path, capsys):
         "one entry per model",
     )
     with pytest.raises(ValueError, match="one entry per model"):  # the Python API checks it too
-        hf_lmc.barriers.barrier_over_simplex(folders, tmp_path / "eval.pt", revisions=["main"])
+        hf_lmc.evaluation.barriers.barrier_over_simplex(folders, tmp_path / "eval.pt", revisions=["main"])
 
 
 def test_bad_multi_model_input(tmp_path, capsys):

@@ -23,12 +23,21 @@ import torch
 import yaml
 
 import hf_lmc
-from hf_lmc import export, outputs
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.export import save_canonical, write_checkpoint
-from hf_lmc.options import OutputExistsError
-from hf_lmc.outputs import MARKER, _try_lock, check_apart, check_replaceable, clean_stale, discard, mark, staging_folder
-from hf_lmc.verify import tiny_configs
+from hf_lmc.config.options import OutputExistsError
+from hf_lmc.io import export, outputs
+from hf_lmc.io.export import save_canonical, write_checkpoint
+from hf_lmc.io.outputs import (
+    MARKER,
+    _try_lock,
+    check_apart,
+    check_replaceable,
+    clean_stale,
+    discard,
+    mark,
+    staging_folder,
+)
 from tests.models import build_model, char_tokenizer_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +154,7 @@ def test_debris_of_an_output_named_with_glob_characters_is_found_by_exact_name(t
 
 
 def _no_alignment(monkeypatch) -> None:
-    from hf_lmc import pipeline
+    from hf_lmc.merging import pipeline
 
     monkeypatch.setattr(
         pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the outputs were checked")
@@ -197,7 +206,7 @@ def test_overwrite_replaces_only_a_folder_hf_lmc_wrote_and_names_what_else_is_in
 def test_an_input_under_another_path_is_refused_by_its_device_and_inode(tmp_path, monkeypatch):
     """A hard link, or a bind mount (stood in for by a link that path resolution does not see
     through, as it cannot see through a mount), is the same file or folder under another path."""
-    from hf_lmc.options import ParameterError
+    from hf_lmc.config.options import ParameterError
 
     model, data = tmp_path / "model", tmp_path / "eval.txt"
     model.mkdir()
@@ -291,7 +300,7 @@ def test_a_recipe_checks_its_run_folders_and_everything_it_reads_before_any_work
 
 
 def test_the_demo_replaces_only_a_folder_hf_lmc_wrote(tmp_path, monkeypatch):
-    from hf_lmc import demo
+    from hf_lmc.commands import demo
 
     monkeypatch.setattr(demo.zoo, "pair", lambda *args, **kwargs: pytest.fail("trained before the output was checked"))
     theirs = tmp_path / "hf-lmc-demo"
@@ -319,7 +328,7 @@ def test_the_demo_replaces_only_a_folder_hf_lmc_wrote(tmp_path, monkeypatch):
 def test_a_refusal_names_a_folder_whose_name_holds_braces_or_is_very_long(tmp_path):
     """The message is a template whose ``{}`` the front end fills with its flag: a user's name
     must not be read as one, nor fill the line."""
-    from hf_lmc.options import ParameterError
+    from hf_lmc.config.options import ParameterError
 
     folder = tmp_path / "run{0}"
     folder.mkdir()
@@ -337,7 +346,7 @@ def test_a_refusal_names_a_folder_whose_name_holds_braces_or_is_very_long(tmp_pa
 
 
 def test_the_marker_is_not_pushed(tmp_path):
-    from hf_lmc import hub
+    from hf_lmc.io import hub
 
     class RecordingApi:
         def create_repo(self, repo_id, **kwargs):
@@ -359,7 +368,7 @@ def test_the_free_space_check_counts_a_tied_embedding_twice(tmp_path):
     """A tied embedding is stored once but may be written twice (untied by the export)."""
     from transformers import AutoConfig
 
-    from hf_lmc import pipeline
+    from hf_lmc.merging import pipeline
 
     folder = tmp_path / "m"
     build_model(tiny_configs()["gpt2"], dtype=torch.float32).save_pretrained(folder)
@@ -529,7 +538,7 @@ def test_sigterm_cleans_up_as_ctrl_c_does(tmp_path):
 def _run_dying(a: Path, b: Path, out: Path, signum: int) -> subprocess.CompletedProcess:
     """``hf-lmc merge`` in a child that sends itself ``signum`` once the first shard is on disk."""
     script = textwrap.dedent(f"""
-        import os, hf_lmc.export as export
+        import os, hf_lmc.io.export as export
         from hf_lmc.cli import main
         real_flush = export._ShardWriter.flush
         def flush(writer):
@@ -727,8 +736,8 @@ def test_quiet_and_tqdm_disable_silence_every_progress_bar(tmp_path):
 def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, monkeypatch, has_safetensors):
     """At the network boundary only: a recording stand-in for ``snapshot_download``. The card and
     model.safetensors come in one request; only a repo without it gets its PyTorch pickle asked
-    for (the files transformers reads: hf_lmc.preflight, tests/test_checkpoints.py)."""
-    from hf_lmc import hub
+    for (the files transformers reads: hf_lmc.merging.preflight, tests/test_checkpoints.py)."""
+    from hf_lmc.io import hub
 
     calls = []
 
@@ -796,7 +805,7 @@ def test_a_damaged_safetensors_header_is_one_line_naming_the_file(tmp_path, caps
 
 
 def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys, monkeypatch):
-    from hf_lmc import hub
+    from hf_lmc.io import hub
 
     class OfflineApi:  # online for the check before the merge (hub.check_push), gone by the push
         token = "hf_test_token"
@@ -821,7 +830,7 @@ def test_a_failed_push_keeps_the_merge_and_says_how_to_push_it(tmp_path, capsys,
 
 def test_a_hub_id_may_carry_its_revision(tmp_path, monkeypatch):
     """``org/model@rev``, as mergekit accepts it; a second, different revision is refused."""
-    from hf_lmc import hub
+    from hf_lmc.io import hub
 
     calls = []
 
@@ -915,7 +924,7 @@ def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version
     version and the exact command are in the card."""
     from huggingface_hub import ModelCard
 
-    from hf_lmc import hub
+    from hf_lmc.io import hub
 
     a, b = _pair(tmp_path)
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -994,7 +1003,7 @@ def test_verbose_says_what_each_stage_does_and_is_silent_by_default(tmp_path, ca
 def test_an_unwritable_output_fails_before_any_alignment(tmp_path, capsys, monkeypatch):
     """A read-only parent folder is reported before alignment, naming the folder. (The suite may
     run as root, who writes anywhere, so the permission answer is stood in for.)"""
-    from hf_lmc import pipeline
+    from hf_lmc.merging import pipeline
 
     a, b = _pair(tmp_path)
     monkeypatch.setattr(pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the output was checked"))
@@ -1017,7 +1026,7 @@ def test_an_unwritable_output_fails_before_any_alignment(tmp_path, capsys, monke
 def test_a_disk_without_room_for_the_merge_fails_before_any_alignment(tmp_path, capsys, monkeypatch):
     import shutil
 
-    from hf_lmc import pipeline
+    from hf_lmc.merging import pipeline
 
     a, b = _pair(tmp_path)
     monkeypatch.setattr(pipeline, "align", lambda *args, **kwargs: pytest.fail("aligned before the disk was checked"))

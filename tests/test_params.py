@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hf_lmc.matching.params import GLParam, OrthogonalParam, PermutationParam, sinkhorn
+from hf_lmc.learned.params import GLParam, OrthogonalParam, PermutationParam, sinkhorn
 from hf_lmc.matching.solvers import polar
 from hf_lmc.symmetry.sample import random_gl, random_orthogonal
 
@@ -157,7 +157,7 @@ def test_unknown_parameterisations_are_rejected():
 
 
 def test_polar_gradient_matches_finite_differences_even_at_the_identity():
-    from hf_lmc.matching.params import _Polar
+    from hf_lmc.learned.params import _Polar
 
     g = torch.Generator().manual_seed(5)
     for m in (torch.randn(4, 4, dtype=F64, generator=g), torch.eye(4, dtype=F64)):
@@ -166,8 +166,8 @@ def test_polar_gradient_matches_finite_differences_even_at_the_identity():
 
 @pytest.mark.parametrize("frame", ["own", "target", "both"])
 def test_rotary_param_commutes_with_rope_and_starts_at_init(frame):
-    from hf_lmc.matching.params import RotaryParam
-    from hf_lmc.symmetry.sample import rotary_block
+    from hf_lmc.learned.params import RotaryParam
+    from hf_lmc.symmetry.groups import rotary_block
 
     g = torch.Generator().manual_seed(7)
     init = rotary_block(
@@ -245,8 +245,8 @@ def test_a_batch_of_head_maps_is_each_head_map(frame, rotary):
     """A layer's KV-head maps train as one batched module (one matrix_exp per layer, which a GPU
     needs: each call synchronises with the host). Head h of the batch must be exactly the map
     one module for head h alone computes, for the same parameters."""
-    from hf_lmc.matching.params import RotaryParam
-    from hf_lmc.symmetry.sample import rotary_block
+    from hf_lmc.learned.params import RotaryParam
+    from hf_lmc.symmetry.groups import rotary_block
 
     g = torch.Generator().manual_seed(11)
     if rotary:
@@ -292,9 +292,9 @@ def test_relative_transform_is_the_inverse_composed_layer_by_layer(arch, frame):
     gradients. Both transforms start at random group elements (non-trivial unit, KV-head and GQA
     query orders, SwiGLU scales) and are then moved off them."""
     from hf_lmc import canonicalize
-    from hf_lmc.matching.trainable import TrainableTransform
+    from hf_lmc.canonical.exactness import tiny_configs
+    from hf_lmc.learned.trainable import TrainableTransform
     from hf_lmc.symmetry.sample import random_symmetry
-    from hf_lmc.verify import tiny_configs
     from tests.models import build_model
 
     spec = canonicalize(build_model(tiny_configs()[arch])).spec
@@ -342,9 +342,9 @@ def test_in_order_transforms_compose_and_track_their_order(arch):
     the relative map of two in-order transforms skips its gathers, stays ordered, and still equals
     the layered inverse/compose; ``ordered`` follows the buffers through ``load_state_dict``."""
     from hf_lmc import canonicalize
-    from hf_lmc.matching.trainable import TrainableTransform
+    from hf_lmc.canonical.exactness import tiny_configs
+    from hf_lmc.learned.trainable import TrainableTransform
     from hf_lmc.symmetry.sample import random_symmetry
-    from hf_lmc.verify import tiny_configs
     from tests.models import build_model
 
     spec = canonicalize(build_model(tiny_configs()[arch])).spec

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
 from tests.models import build_model, char_tokenizer_folder
 
 README = Path(__file__).resolve().parent.parent / "README.md"

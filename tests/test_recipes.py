@@ -14,13 +14,14 @@ import yaml
 from huggingface_hub import ModelCard
 
 import hf_lmc
-from hf_lmc import pipeline, zoo
-from hf_lmc.batches import DataError
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.options import EVAL_OPTIONS, FIT_OPTIONS, LearnOptions
-from hf_lmc.recipe import DataSection, RecipeError, load_recipe
-from hf_lmc.runner import RecipeFailedError, RunFailedError, fold_adapter, load_data, run_recipe
-from hf_lmc.verify import tiny_configs
+from hf_lmc.config.options import EVAL_OPTIONS, FIT_OPTIONS, LearnOptions
+from hf_lmc.config.recipe import DataSection, RecipeError, load_recipe
+from hf_lmc.evaluation.batches import DataError
+from hf_lmc.io import zoo
+from hf_lmc.merging import pipeline
+from hf_lmc.merging.sweep import RecipeFailedError, RunFailedError, fold_adapter, load_data, run_recipe
 from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder, logits, relative_error, sample_inputs
 from tests.test_merge import RecordingApi
 
@@ -437,7 +438,7 @@ def test_data_sources(tmp_path):
 
 
 def _recording_run(calls: list):
-    """Stands in for :func:`hf_lmc.pipeline.run`: records each merge request."""
+    """Stands in for :func:`hf_lmc.merging.pipeline.run`: records each merge request."""
 
     def run(spec, **options):
         calls.append(spec)
@@ -647,8 +648,8 @@ def test_a_recipe_that_states_its_launch_refuses_another_and_prints_the_command(
 
 
 def test_a_push_that_cannot_succeed_is_refused_before_the_first_merge(tmp_path, monkeypatch):
-    from hf_lmc import pipeline
-    from hf_lmc.hub import PushRefusedError
+    from hf_lmc.io.hub import PushRefusedError
+    from hf_lmc.merging import pipeline
 
     _, a, b = _twins(tmp_path)
     monkeypatch.setattr(pipeline, "run", lambda *args, **kwargs: pytest.fail("a merge began"))

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_lmc.batches import SAMPLED, DataError, fitting_batches, load_batches, sample_batches
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.options import EvalOptions
-from hf_lmc.recipe import load_recipe
-from hf_lmc.runner import load_data
-from hf_lmc.verify import tiny_configs
+from hf_lmc.config.options import EvalOptions
+from hf_lmc.config.recipe import load_recipe
+from hf_lmc.evaluation.batches import SAMPLED, DataError, fitting_batches, load_batches, sample_batches
+from hf_lmc.merging.sweep import load_data
 from tests.models import MODEL_CLASSES, build_model, char_tokenizer_folder
 
 LANGUAGE_MODELS = ("gpt2", "gpt_neox", "llama")

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
-from hf_lmc.matching.sharing import RowSharing, owner_of, share_of
-from hf_lmc.matching.trainable import TrainableTransform
+from hf_lmc.learned.sharing import RowSharing, owner_of, share_of
+from hf_lmc.learned.trainable import TrainableTransform
 from tests.models import ARCHITECTURES, CONFIGS, build_model, transform_tensors
 
 
@@ -105,7 +105,7 @@ def test_a_column_share_of_a_moved_and_a_staying_endpoint_is_the_columns_of_thei
     """A paired output projection's columns mix a staying endpoint's slice (laid out by rows)
     with a moved one's ``apply_columns`` (transposed, brought to rows before the sum): the
     columns of the whole mix, for every matrix."""
-    from hf_lmc.matching.interpolant import Interpolant
+    from hf_lmc.learned.interpolant import Interpolant
 
     config = CONFIGS["gpt_neox"]().example()
     a = hf_lmc.canonicalize(build_model(config, seed=1)).state_dict()

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import hf_lmc
-from hf_lmc.adapters import adapter_for
+from hf_lmc.canonical.adapters import adapter_for
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.symmetry import (
     KINDS,
     PRESETS,
@@ -26,17 +27,16 @@ from hf_lmc.symmetry import (
     DenseMlpMap,
     MlpMap,
     Transform,
+    load_transforms,
     random_symmetry,
 )
 from hf_lmc.symmetry.stored import (
     FORMAT,
     TransformsFileError,
     file_sha256,
-    load_transforms,
     manifest_path,
     save_transforms,
 )
-from hf_lmc.verify import tiny_configs
 from tests.models import ARCHITECTURES, CONFIGS, build_model, transform_tensors
 
 TINY = tiny_configs()
@@ -44,7 +44,7 @@ TINY = tiny_configs()
 
 def _permutation_matrix(perm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``P`` with ``P[perm[h], h] = 1`` (``y = P x`` sends ``x[h]`` to ``y[perm[h]]``), as
-    :class:`~hf_lmc.matching.params.PermutationParam` builds it."""
+    :class:`~hf_lmc.learned.params.PermutationParam` builds it."""
     return torch.eye(perm.numel(), dtype=dtype)[:, perm]
 
 
@@ -401,8 +401,8 @@ _CASES = [
 def test_every_method_saves_transforms_that_load(matcher, arch, tmp_path):
     """What each method fits (two tiny models, or three; trained methods two steps at a large
     rate, so the maps move), saved in float64 (as a merge saves it) and in float32, loads."""
-    from hf_lmc.alignment import align_many
-    from hf_lmc.options import LearnOptions
+    from hf_lmc.config.options import LearnOptions
+    from hf_lmc.merging.alignment import align_many
 
     method, count, options = _MATCHERS[matcher]
     config = TINY[arch]

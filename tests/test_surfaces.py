@@ -16,14 +16,14 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 import hf_lmc
-from hf_lmc import moving
+from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.cli import main
-from hf_lmc.fingerprint import fingerprint
-from hf_lmc.options import OutputExistsError
-from hf_lmc.outputs import MARKER, check_figure_path, is_hf_lmc_figure
+from hf_lmc.commands import apply as moving
+from hf_lmc.config.options import OutputExistsError
+from hf_lmc.io.fingerprint import fingerprint
+from hf_lmc.io.outputs import MARKER, check_figure_path, is_hf_lmc_figure
 from hf_lmc.symmetry import Transform, random_symmetry
 from hf_lmc.symmetry.stored import save_transforms
-from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
 TINY = tiny_configs()
@@ -114,7 +114,8 @@ def test_a_dangling_link_as_output_is_refused_as_a_link_and_kept(tmp_path, capsy
 
 @pytest.mark.parametrize("command", ["barrier", "explain"])
 def test_a_figure_path_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys, monkeypatch, command):
-    from hf_lmc import barriers, explain, loading
+    from hf_lmc.evaluation import barriers, explain
+    from hf_lmc.io import loading
 
     for module, name in ((barriers, "barrier"), (explain, "explain"), (loading, "load_model")):
         monkeypatch.setattr(module, name, lambda *a, **k: pytest.fail("the work began"))
@@ -142,7 +143,7 @@ def test_a_figure_path_that_cannot_be_written_is_refused_before_the_work(tmp_pat
 
 @pytest.mark.parametrize("suffix", [".png", ".pdf", ".svg"])
 def test_a_figure_is_signed_and_replaced_only_with_overwrite(tmp_path, suffix):
-    from hf_lmc.barriers import BarrierResult, plot
+    from hf_lmc.evaluation.barriers import BarrierResult, plot
 
     result = BarrierResult(alphas=[0.0, 0.5, 1.0], losses={"average": [1.0, 2.0, 1.0]})
     path = tmp_path / f"figure{suffix}"
@@ -156,8 +157,8 @@ def test_a_figure_is_signed_and_replaced_only_with_overwrite(tmp_path, suffix):
 
 
 def test_the_table_is_printed_before_the_figure_can_fail(tmp_path, capsys, monkeypatch):
-    from hf_lmc import barriers
-    from hf_lmc.barriers import BarrierResult
+    from hf_lmc.evaluation import barriers
+    from hf_lmc.evaluation.barriers import BarrierResult
 
     result = BarrierResult(alphas=[0.0, 0.5, 1.0], losses={"average": [1.0, 2.0, 1.0]})
     monkeypatch.setattr(barriers, "barrier", lambda *a, **k: result)
@@ -237,7 +238,7 @@ def test_a_moved_model_the_merge_and_a_moved_adapter_are_not_moved_again(tmp_pat
 
 def _lora(base: Path, folder: Path, **options) -> None:
     config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **options)
-    model = hf_lmc.loading.load_model(base).model
+    model = hf_lmc.io.loading.load_model(base).model
     get_peft_model(model, config).save_pretrained(folder)
     saved = json.loads((folder / "adapter_config.json").read_text())
     assert saved["base_model_name_or_path"] in (str(base), None)
@@ -319,7 +320,7 @@ def test_labels_from_files_are_printed_with_control_characters_escaped(tmp_path,
 
 
 def test_file_outputs_get_the_umask_permissions(tmp_path):
-    from hf_lmc.barriers import BarrierResult, plot
+    from hf_lmc.evaluation.barriers import BarrierResult, plot
 
     result = BarrierResult(alphas=[0.0, 1.0], losses={"average": [1.0, 1.0]})
     umask = os.umask(0o022)

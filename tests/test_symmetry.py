@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import hf_lmc
-from hf_lmc.spec import ArchSpec
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.canonical.spec import ArchSpec
 from hf_lmc.symmetry import BlockMonomial, axes_of, random_symmetry
 from hf_lmc.symmetry.sample import random_gl, rotary_block
-from hf_lmc.verify import tiny_configs
 from tests.models import build_model
 
 TINY = tiny_configs()

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers (hf_lmc.matching.tensor_parallel): a layer's plan, read off the
+"""Tensor-parallel layers (hf_lmc.learned.tensor_parallel): a layer's plan, read off the
 adapter's export, rebuilds every linear from the processes' rows; under gloo the path's loss
 and gradients are the one-process ones."""
 
@@ -11,12 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
-import hf_lmc.matching.interpolant as interpolant_module
+import hf_lmc.learned.interpolant as interpolant_module
 from hf_lmc import DualPath, EndpointSharding
-from hf_lmc.canonical import export_config, skeleton
-from hf_lmc.matching.sharing import share_of
-from hf_lmc.matching.tensor_parallel import plan_layer
-from hf_lmc.verify import tiny_configs
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.canonical.form import export_config, skeleton
+from hf_lmc.learned.sharing import share_of
+from hf_lmc.learned.tensor_parallel import plan_layer
 from tests.models import ARCHITECTURES, CONFIGS, build_model
 
 LANGUAGE_MODELS = ["gpt2", "gpt_neox", "llama"]

@@ -12,11 +12,11 @@ import pytest
 from pydantic import ValidationError
 
 from hf_lmc.cli import main
-from hf_lmc.inherit import InheritanceError
-from hf_lmc.options import MergeRequest
-from hf_lmc.pipeline import merge
-from hf_lmc.recipe import load_recipe
-from hf_lmc.runner import _Source, run_request
+from hf_lmc.config.options import MergeRequest
+from hf_lmc.config.recipe import load_recipe
+from hf_lmc.io.inherit import InheritanceError
+from hf_lmc.merging.pipeline import merge
+from hf_lmc.merging.sweep import _Source, run_request
 from tests.test_inherited import _one_line_error, _pair
 
 

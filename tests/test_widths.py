@@ -1,5 +1,5 @@
 """Models of two widths: the narrower embeds exactly into the wider shape, and merges reproduce
-each endpoint there (``hf_lmc.widths``).
+each endpoint there (``hf_lmc.canonical.widths``).
 
 Configs are the randomised ones of :mod:`tests.models`; the wider model of each pair adds
 heads (so residual width, with the head size fixed), MLP units, or both (LLaMA: KV heads and
@@ -18,9 +18,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hf_lmc
+from hf_lmc.canonical.exactness import tiny_configs
+from hf_lmc.canonical.widths import (
+    WidthError,
+    common_spec,
+    embed,
+    residual_embedding,
+    resized_config,
+    spec_of,
+    to_common_shape,
+)
 from hf_lmc.cli import main
-from hf_lmc.verify import tiny_configs
-from hf_lmc.widths import WidthError, common_spec, embed, residual_embedding, resized_config, spec_of, to_common_shape
 from tests.models import (
     ARCHITECTURES,
     CONFIGS,

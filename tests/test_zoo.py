@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, pipeline
 
-from hf_lmc import zoo
-from hf_lmc.batches import load_batches
 from hf_lmc.cli import main
-from hf_lmc.evaluation import evaluate
-from hf_lmc.loading import load_model
-from hf_lmc.options import EvalOptions
-from hf_lmc.recipe import parse_zoo_member
+from hf_lmc.config.options import EvalOptions
+from hf_lmc.config.recipe import parse_zoo_member
+from hf_lmc.evaluation.batches import load_batches
+from hf_lmc.evaluation.loss import evaluate
+from hf_lmc.io import zoo
+from hf_lmc.io.loading import load_model
 
 
 def test_shipped_corpus_splits_by_whole_play():

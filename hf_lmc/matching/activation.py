@@ -25,17 +25,25 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..adapters import adapter_for
-from ..batches import Batch, EvalOptions, load_batches
-from ..canonical import CanonicalModel, to_hf
-from ..linalg import solve_side_by_side
-from ..options import DEFAULT_SYMMETRIES
-from ..progress import bar as progress_bar
-from ..spec import ArchSpec
-from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, resolve_kinds
-from .contract import PairwiseMatcher
-from .solvers import Moments, assign, assign_heads, match_gl_moments, match_rotary_moments, polar, polar_fixing_ones
-from .weight import _check_compatible, _stack
+from hf_lmc.canonical.adapters import adapter_for
+from hf_lmc.canonical.form import CanonicalModel, to_hf
+from hf_lmc.canonical.spec import ArchSpec
+from hf_lmc.config.options import DEFAULT_SYMMETRIES
+from hf_lmc.evaluation.batches import Batch, EvalOptions, load_batches
+from hf_lmc.matching.contract import PairwiseMatcher
+from hf_lmc.matching.solvers import (
+    Moments,
+    assign,
+    assign_heads,
+    match_gl_moments,
+    match_rotary_moments,
+    polar,
+    polar_fixing_ones,
+)
+from hf_lmc.matching.weight import _check_compatible, _stack
+from hf_lmc.symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, resolve_kinds
+from hf_lmc.utils.linalg import solve_side_by_side
+from hf_lmc.utils.progress import bar as progress_bar
 
 
 class ActivationMatcher(PairwiseMatcher):
@@ -44,7 +52,7 @@ class ActivationMatcher(PairwiseMatcher):
     Args:
         data: calibration batches: an iterable of batch dicts (e.g. a ``DataLoader``), one
             batch dict, a tensor of ``input_ids`` (``pixel_values`` for ViT), or other data
-            :func:`hf_lmc.batches.load_batches` reads without a tokenizer (``.pt`` image
+            :func:`hf_lmc.evaluation.batches.load_batches` reads without a tokenizer (``.pt`` image
             tensors). Text is tokenised by :func:`hf_lmc.merge` and the CLI with A's tokenizer.
         symmetries: ``"full"``, ``"permutation"`` or a set of kinds (as for weight matching).
         max_batches: use at most this many batches.

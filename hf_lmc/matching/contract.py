@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from ..canonical import CanonicalModel
-from ..symmetry import Transform
+from hf_lmc.canonical.form import CanonicalModel
+from hf_lmc.symmetry import Transform
 
 
 @runtime_checkable
@@ -21,8 +21,8 @@ class Matcher(Protocol):
     """What every search method provides: one transform per model, for merging at ``weights``.
 
     Runtime-checkable, so a test can hold every class the method registry builds to it; the
-    trainable paths (:class:`~hf_lmc.matching.TrainedPath`) are not matchers until
-    :class:`~hf_lmc.matching.TrainedMatcher` trains them.
+    trainable paths (:class:`~hf_lmc.learned.TrainedPath`) are not matchers until
+    :class:`~hf_lmc.learned.TrainedMatcher` trains them.
     """
 
     def fit(self, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None) -> list[Transform]:

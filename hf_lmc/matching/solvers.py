@@ -16,8 +16,8 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 from torch import Tensor
 
-from ..linalg import OnesFrame, assign, perm_from_pairs, single_threaded, single_threaded_context
-from ..symmetry.sample import rotary_block
+from hf_lmc.symmetry.groups import rotary_block
+from hf_lmc.utils.linalg import OnesFrame, assign, perm_from_pairs, single_threaded, single_threaded_context
 
 #: The least singular value a least-squares GL map keeps (and below which a
 #: Procrustes target leaves a direction free), relative to its largest.

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..canonical import CanonicalModel, combine, simplex_weights
-from ..devices import compute_device
-from ..options import DEFAULT_SYMMETRIES
-from ..progress import bar as progress_bar
-from ..symmetry import Transform
-from .weight import WeightMatcher, _check_compatible
+from hf_lmc.canonical.form import CanonicalModel, combine
+from hf_lmc.config.options import DEFAULT_SYMMETRIES, simplex_weights
+from hf_lmc.matching.weight import WeightMatcher, _check_compatible
+from hf_lmc.symmetry import Transform
+from hf_lmc.utils.devices import compute_device
+from hf_lmc.utils.progress import bar as progress_bar
 
 #: A seed objective below this means every model is a symmetry of the first up to float32
 #: rounding (independent models sit near 1): no round could improve on it.

@@ -24,15 +24,11 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from ..canonical import CanonicalModel
-from ..devices import compute_device, full_float32_products
-from ..linalg import solve_side_by_side
-from ..options import DEFAULT_ROTARY_SOLVE, DEFAULT_SYMMETRIES, ROTARY_SOLVES
-from ..progress import bar as progress_bar
-from ..spec import ArchSpec, spec_differences
-from ..symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
-from .contract import PairwiseMatcher
-from .solvers import (
+from hf_lmc.canonical.form import CanonicalModel
+from hf_lmc.canonical.spec import ArchSpec, spec_differences
+from hf_lmc.config.options import DEFAULT_ROTARY_SOLVE, DEFAULT_SYMMETRIES, ROTARY_SOLVES
+from hf_lmc.matching.contract import PairwiseMatcher
+from hf_lmc.matching.solvers import (
     CompletedPolar,
     Moments,
     assign,
@@ -46,6 +42,10 @@ from .solvers import (
     polar_fixing_ones,
     similarity_product,
 )
+from hf_lmc.symmetry import AttentionMap, BlockMonomial, MlpMap, ResidualMap, Transform, axes_of, resolve_kinds
+from hf_lmc.utils.devices import compute_device, full_float32_products
+from hf_lmc.utils.linalg import solve_side_by_side
+from hf_lmc.utils.progress import bar as progress_bar
 
 
 def _residual_axis(name: str) -> int | None:
@@ -97,7 +97,7 @@ class WeightMatcher(PairwiseMatcher):
             until it is done. Default: half of ``torch.get_num_threads()``, at least 1 and at
             most 4. ``0`` solves each in turn, in line. The result is the same either way.
         rotary_solve: how a RoPE head's per-pair scale-rotations are solved, one of
-            :data:`hf_lmc.options.ROTARY_SOLVES`: ``"moments"`` (each model's pair balanced on
+            :data:`hf_lmc.config.options.ROTARY_SOLVES`: ``"moments"`` (each model's pair balanced on
             its own, the angle by Procrustes) or ``"joint"`` (Tran et al.'s appendix G.1: the
             least-squares map of Q and K together). Both recover twins exactly.
 
@@ -518,7 +518,7 @@ def _circuit_norms(vec_a: Tensor, cov_a: Tensor, vec_b: Tensor, cov_b: Tensor) -
     """``|V_i^T C_i| |V'_j^T C'_j|`` for every head pair, from per-head moments ``V V^T``, ``C C^T``."""
     norm_a = (vec_a * cov_a).sum((-1, -2)).clamp_min(0).sqrt()
     norm_b = (vec_b * cov_b).sum((-1, -2)).clamp_min(0).sqrt()
-    # A zero head (padded in by hf_lmc.widths) has zero similarity to every head: 0 / tiny, not 0 / 0.
+    # A zero head (padded in by hf_lmc.canonical.widths) has zero similarity to every head: 0 / tiny, not 0 / 0.
     return (norm_a[:, None] * norm_b[None, :]).clamp_min(torch.finfo(norm_a.dtype).tiny)
 
 
@@ -535,6 +535,6 @@ def _check_compatible(a: CanonicalModel, b: CanonicalModel) -> ArchSpec:
         diffs = "; ".join(spec_differences(a.spec, b.spec))
         raise ValueError(
             f"models differ in architecture ({diffs}); hf_lmc matches models of one shape "
-            f"(models of two widths: hf_lmc.widths.to_common_shape(a, b) first)"
+            f"(models of two widths: hf_lmc.canonical.widths.to_common_shape(a, b) first)"
         )
     return a.spec

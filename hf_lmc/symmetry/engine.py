@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ..canonical import CanonicalModel
-from ..spec import local_name
-from .groups import AttentionMap, DenseAttentionMap, DenseMlpMap, MlpMap, ResidualMap
+from hf_lmc.canonical.form import CanonicalModel
+from hf_lmc.canonical.spec import local_name
+from hf_lmc.symmetry import stored
+from hf_lmc.symmetry.groups import Element
 
 Axis = tuple[str, str] | None  # (space, role)
 
@@ -74,9 +75,6 @@ def axes_of(name: str) -> tuple[Axis, ...]:
     return tuple(a if a is None or a[0] == "residual" else (f"{a[0]}.{layer}", a[1]) for a in axes)
 
 
-Element = ResidualMap | AttentionMap | MlpMap | DenseAttentionMap | DenseMlpMap
-
-
 @dataclass(frozen=True)
 class Transform:
     """A function-preserving reparameterisation: space name -> group element.
@@ -107,7 +105,7 @@ class Transform:
 
         The first axis's element computes those rows alone (reading only the input rows they
         depend on); the other axes act within each row, so they move just those. A sharded build
-        (:mod:`hf_lmc.matching.sharing`) has each of N processes compute 1/N of the rows so.
+        (:mod:`hf_lmc.learned.sharing`) has each of N processes compute 1/N of the rows so.
         """
         return self._first_axis_share(axes_of(name), tensor, rows)
 
@@ -176,7 +174,7 @@ class Transform:
     def load(path, spec=None, *, model: int = 0) -> Transform:
         """The transform saved at ``path`` (of the ``model``-th model where a merge saved one per
         model); with ``spec``, one made for another architecture spec is refused in one line."""
-        transforms, _ = stored.load_transforms(path, spec)
+        transforms, _ = load_transforms(path, spec)
         if not 0 <= model < len(transforms):
             raise stored.TransformsFileError(
                 f"{path}: holds {len(transforms)} transform(s), not a model number {model}"
@@ -184,6 +182,9 @@ class Transform:
         return transforms[model]
 
 
-# Saving and loading live in .stored, which builds Transforms: imported last, as a module, so that
-# either module may be imported first (the methods above look it up when they run).
-from . import stored
+def load_transforms(path, spec=None) -> tuple[list[Transform], stored.TransformsManifest]:
+    """The transforms saved at ``path`` (one per model, in order) and their manifest, every element
+    checked against its group (:func:`hf_lmc.symmetry.stored.read_transforms`); with ``spec``, a
+    manifest made for another architecture spec is refused in one line."""
+    maps, manifest = stored.read_transforms(path, spec)
+    return [Transform(elements) for elements in maps], manifest

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..linalg import assign
+from hf_lmc.utils.linalg import assign
 
 if TYPE_CHECKING:
-    from ..spec import ArchSpec
+    from hf_lmc.canonical.spec import ArchSpec
 
 #: How far from its group an element may be and still count as in it (saved transforms are
-#: checked on load: :func:`hf_lmc.symmetry.stored.load_transforms`), on each check's scale-free
+#: checked on load: :func:`hf_lmc.symmetry.load_transforms`), on each check's scale-free
 #: measure: ``max |B B^-1 - I|`` for a block and its stored inverse, ``max |O^T O - I|`` for the
 #: residual map, ``max |s - 1|`` for a unit scale that must be 1, and so on. Not relative to the
 #: stored dtype's eps: learned matching computes its elements in float32 and hardens them to
@@ -126,7 +126,7 @@ def _block_rows(
 ) -> Tensor:
     """Rows ``rows`` of :func:`_apply_blocks` along axis 0, reading only the input rows they
     depend on: a slice of the dense matrix times ``t``, or the few blocks ``source`` sends
-    there. A sharded build (:mod:`hf_lmc.matching.sharing`) computes each process's rows so."""
+    there. A sharded build (:mod:`hf_lmc.learned.sharing`) computes each process's rows so."""
     start, stop, _ = rows.indices(t.shape[0])
     flat = t.reshape(t.shape[0], -1)
     if n == 1:
@@ -229,10 +229,9 @@ def _permutation_matrix_defect(name: str, matrix: Tensor, perm: Tensor, given: b
 
 def _rotary_defect(name: str, blocks: Tensor, rotary_dim: int, tolerance: float) -> str | None:
     """Why QK ``blocks`` (..., dh, dh) do not commute with RoPE: each is compared with the map of
-    :func:`~hf_lmc.symmetry.sample.rotary_block` read off its own entries (a frequency pair's
+    :func:`rotary_block` read off its own entries (a frequency pair's
     ``a = M[i, i]``, ``b = M[i + r/2, i]``, its pass-through block as it is), relative to its
     largest entry."""
-    from .sample import rotary_block  # the one definition of the form (sample imports this module)
 
     m = blocks.double()
     dh, half = m.shape[-1], rotary_dim // 2
@@ -249,6 +248,31 @@ def _rotary_defect(name: str, blocks: Tensor, rotary_dim: int, tolerance: float)
         error,
         tolerance,
     )
+
+
+def rotary_block(
+    scales: Tensor, angles: Tensor, rotary_dim: int, head_dim: int, passthrough: tuple[Tensor, Tensor] | None
+):
+    """A QK map that commutes with every RoPE rotation, and its inverse.
+
+    Per frequency pair ``(i, i + r/2)`` (HF ``rotate_half`` pairing) a scaled rotation
+    ``s [[cos, -sin], [sin, cos]]``; the ``head_dim - r`` pass-through dims get their own
+    invertible block (``passthrough = (M, M^{-1})``); no cross terms. Leading dimensions of
+    ``scales`` and ``angles`` (``(..., r/2)``) and of the pass-through blocks give a batch of maps.
+    """
+    half = rotary_dim // 2
+    m = torch.zeros(*scales.shape[:-1], head_dim, head_dim, dtype=scales.dtype, device=scales.device)
+    inv = torch.zeros_like(m)
+    idx = torch.arange(half, device=scales.device)
+    pair = idx + half
+    a, b = scales * torch.cos(angles), scales * torch.sin(angles)
+    ia, ib = torch.cos(angles) / scales, -torch.sin(angles) / scales
+    for mat, (p, q) in ((m, (a, b)), (inv, (ia, ib))):
+        mat[..., idx, idx], mat[..., idx, pair] = p, -q
+        mat[..., pair, idx], mat[..., pair, pair] = q, p
+    if passthrough is not None:
+        m[..., rotary_dim:, rotary_dim:], inv[..., rotary_dim:, rotary_dim:] = passthrough
+    return m, inv
 
 
 @dataclass(frozen=True)
@@ -620,7 +644,7 @@ class DenseMlpMap:
     """MLP units mixed by a dense ``n x n`` matrix ``P`` (``y = P x``), with per-unit scales.
 
     The trainable form of :class:`MlpMap` for learned matching: ``P`` comes from
-    :class:`~hf_lmc.matching.params.PermutationParam` (a hard permutation matrix in the forward
+    :class:`~hf_lmc.learned.params.PermutationParam` (a hard permutation matrix in the forward
     pass under the straight-through estimator, a doubly stochastic one under Sinkhorn). ``up``
     rows get ``P (s x)``, ``gate`` rows ``P x`` and ``down`` columns ``P (x / s)``, which is the
     exact symmetry whenever ``P`` is a permutation matrix. :meth:`harden` gives the
@@ -805,3 +829,7 @@ class _HardPermute(torch.autograd.Function):
             dmatrix = x.new_zeros(perm.numel(), perm.numel())
             dmatrix[rows] = dy @ x.T
         return dx, dmatrix, None, None
+
+
+#: Any group element a transform holds for one space.
+Element = ResidualMap | AttentionMap | MlpMap | DenseAttentionMap | DenseMlpMap

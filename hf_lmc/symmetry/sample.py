@@ -13,10 +13,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..linalg import single_threaded
-from ..spec import ArchSpec
-from .engine import Transform
-from .groups import AttentionMap, BlockMonomial, MlpMap, ResidualMap
+from hf_lmc.canonical.spec import ArchSpec
+from hf_lmc.symmetry.engine import Transform
+from hf_lmc.symmetry.groups import AttentionMap, BlockMonomial, MlpMap, ResidualMap, rotary_block
+from hf_lmc.utils.linalg import single_threaded
 
 #: Symmetry classes, by name (``--symmetries`` picks a subset).
 KINDS = ("residual", "residual_permutation", "heads", "qk", "ov", "mlp", "mlp_scale")
@@ -67,31 +67,6 @@ def random_gl(n: int, generator: torch.Generator, log_scale: float = 0.5) -> tup
     u, v = random_orthogonal(n, generator), random_orthogonal(n, generator)
     s = torch.exp((torch.rand(n, generator=generator, dtype=torch.float64) * 2 - 1) * log_scale)
     return u @ torch.diag(s) @ v, v.T @ torch.diag(1 / s) @ u.T
-
-
-def rotary_block(
-    scales: Tensor, angles: Tensor, rotary_dim: int, head_dim: int, passthrough: tuple[Tensor, Tensor] | None
-):
-    """A QK map that commutes with every RoPE rotation, and its inverse.
-
-    Per frequency pair ``(i, i + r/2)`` (HF ``rotate_half`` pairing) a scaled rotation
-    ``s [[cos, -sin], [sin, cos]]``; the ``head_dim - r`` pass-through dims get their own
-    invertible block (``passthrough = (M, M^{-1})``); no cross terms. Leading dimensions of
-    ``scales`` and ``angles`` (``(..., r/2)``) and of the pass-through blocks give a batch of maps.
-    """
-    half = rotary_dim // 2
-    m = torch.zeros(*scales.shape[:-1], head_dim, head_dim, dtype=scales.dtype, device=scales.device)
-    inv = torch.zeros_like(m)
-    idx = torch.arange(half, device=scales.device)
-    pair = idx + half
-    a, b = scales * torch.cos(angles), scales * torch.sin(angles)
-    ia, ib = torch.cos(angles) / scales, -torch.sin(angles) / scales
-    for mat, (p, q) in ((m, (a, b)), (inv, (ia, ib))):
-        mat[..., idx, idx], mat[..., idx, pair] = p, -q
-        mat[..., pair, idx], mat[..., pair, pair] = q, p
-    if passthrough is not None:
-        m[..., rotary_dim:, rotary_dim:], inv[..., rotary_dim:, rotary_dim:] = passthrough
-    return m, inv
 
 
 def _random_qk_block(spec: ArchSpec, generator: torch.Generator) -> tuple[Tensor, Tensor]:

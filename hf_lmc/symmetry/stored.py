@@ -3,7 +3,7 @@ JSON manifest beside it (docs/transforms.md).
 
 A saved set of transforms is two files, ``NAME.safetensors`` and ``NAME.json``. The manifest
 names its format version (:data:`FORMAT`), the architecture spec the transforms were made for
-(every :class:`~hf_lmc.spec.ArchSpec` field), and per model its elements: each element's kind,
+(every :class:`~hf_lmc.canonical.spec.ArchSpec` field), and per model its elements: each element's kind,
 the canonical space it acts on and the flags that are not tensors (``ordered``); with it what
 the transforms were fitted on, as JSON, and the tensors file's size and sha256. The tensors are
 keyed ``{model}/{space}/{part}`` (``0/attn.1/qk.blocks``).
@@ -24,7 +24,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, NonNegativeInt, ValidationError
@@ -32,14 +32,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from ..spec import ArchSpec
-from .engine import Element, Transform
-from .groups import (
+from hf_lmc.canonical.spec import ArchSpec
+
+if TYPE_CHECKING:
+    from hf_lmc.symmetry.engine import Transform
+from hf_lmc.symmetry.groups import (
     SYMMETRY_TOLERANCE,
     AttentionMap,
     BlockMonomial,
     DenseAttentionMap,
     DenseMlpMap,
+    Element,
     MlpMap,
     ResidualMap,
 )
@@ -209,8 +212,11 @@ def read_manifest(path: str | Path) -> TransformsManifest:
         raise TransformsFileError(f"{file}: not a transforms manifest ({where}: {first['msg']})") from None
 
 
-def load_transforms(path: str | Path, spec: ArchSpec | None = None) -> tuple[list[Transform], TransformsManifest]:
-    """The transforms saved at ``path`` (one per model, in order) and their manifest; with
+def read_transforms(
+    path: str | Path, spec: ArchSpec | None = None
+) -> tuple[list[dict[str, Element]], TransformsManifest]:
+    """The elements saved at ``path`` (per model, in order, by space; :func:`hf_lmc.symmetry.load_transforms`
+    makes them transforms) and their manifest; with
     ``spec``, a manifest made for another architecture spec is refused. Every element is checked
     against its group (:data:`~hf_lmc.symmetry.groups.SYMMETRY_TOLERANCE`): one that is not a
     symmetry of the manifest's spec (a residual map that is not orthogonal, query heads split
@@ -242,10 +248,10 @@ def load_transforms(path: str | Path, spec: ArchSpec | None = None) -> tuple[lis
     transforms = []
     for index, model in enumerate(manifest.models):
         maps = {element.space: reader.element(f"{index}/{element.space}/", element) for element in model.elements}
-        transforms.append(Transform(maps))
+        transforms.append(maps)
     reader.nothing_else()
-    for index, (model, transform) in enumerate(zip(manifest.models, transforms)):  # the files are whole: now each
-        for space, element in transform.maps.items():  # element against its group, the costly check
+    for index, (model, maps) in enumerate(zip(manifest.models, transforms)):  # the files are whole: now each
+        for space, element in maps.items():  # element against its group, the costly check
             defect = element.defect(manifest.spec, SYMMETRY_TOLERANCE)
             if defect is not None:
                 raise TransformsFileError(f"{path}: model {index} ({model.name!r}), element {space}: {defect}")
@@ -338,8 +344,8 @@ __all__ = [
     "StoredModel",
     "TransformsFileError",
     "TransformsManifest",
-    "load_transforms",
     "manifest_path",
     "read_manifest",
+    "read_transforms",
     "save_transforms",
 ]

@@ -1,0 +1,2 @@
+"""Runtime helpers every stage may use: compute devices and launched processes, progress bars,
+thread settings for linear algebra."""
