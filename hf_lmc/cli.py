@@ -40,6 +40,7 @@ from hf_lmc.commands.common import (
     OUTPUT,
     PAIR,
     REQUEST,
+    add_renamed,
     report,
 )
 from hf_lmc.config.flags import OptionFlags
@@ -53,19 +54,19 @@ examples:
   hf-lmc merge org/model-a org/model-b --output ./merged              # weight matching, alpha 0.5
   hf-lmc merge ./a ./b --output ./merged --dry-run                    # check everything, estimate size and time, write nothing
   hf-lmc merge ./a ./b --output ./merged --eval-data plays.txt --push-to-hub user/merged
-  hf-lmc merge ./a ./b --output ./avg --method average                # vanilla baseline
+  hf-lmc merge ./a ./b --output ./avg --method average                # the unaligned baseline
   hf-lmc merge ./a ./b --output ./act --method activation --data train.txt      # align on activations
   hf-lmc merge ./a ./b --output ./dual --method dual --data train.txt --steps 200   # both learn
   hf-lmc merge ./a ./b --output ./learned --method learned --data sampled   # learn on text the models sample
   hf-lmc merge ./a ./b ./c --output ./abc --weights 0.5 0.25 0.25     # universe matching of 3 models
   hf-lmc merge ./a ./b -o ./merged --eval-data Salesforce/wikitext --eval-data-name wikitext-2-raw-v1
-  hf-lmc barrier ./a ./b --eval-data plays.txt --plot path.png        # vanilla vs aligned path
+  hf-lmc barrier ./a ./b --eval-data plays.txt --plot path.png        # average vs aligned path
   hf-lmc barrier ./a ./b --eval-data test.txt --method learned --data train.txt
   hf-lmc barrier ./a ./b ./c --eval-data plays.txt --plot simplex.png # 3+ models: worst point of the simplex
   hf-lmc explain ./a ./b --eval-data plays.txt --plot why.png          # which tensors carry the barrier
   hf-lmc apply ./merged ./b-later-checkpoint -o ./b-moved              # a model moved by the transform a merge saved
   hf-lmc apply ./merged ./b-lora -o ./b-lora-moved --base-model ./b   # B's LoRA adapter, carried into the merge's basin
-  hf-lmc check ./my-llama EleutherAI/pythia-14m --dtype float64       # prove the rewrite exact
+  hf-lmc check ./my-llama EleutherAI/pythia-14m --compute-dtype float64  # prove the rewrite exact
   hf-lmc check                                                        # the same on tiny built-in models
   hf-lmc inspect ./a ./b                                              # which merge fits: configs, similarity, costs
   hf-lmc symmetries ./my-llama                                        # axes -> symmetry spaces
@@ -182,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bar = commands.add_parser(
         "barrier",
-        help="measure the loss barrier along the vanilla and aligned linear paths (or over the simplex of 3+ models)",
-        description="Evaluate held-out loss along (1-alpha)*A + alpha*B for vanilla averaging and for the "
+        help="measure the loss barrier along the average's and the aligned linear paths (or over the simplex of 3+ models)",
+        description="Evaluate held-out loss along (1-alpha)*A + alpha*B for the plain average and for the "
         "aligned path, and report the barrier: the largest excess over the line between the endpoints. With 3+ "
         "models, the same over a grid of the simplex: the largest L(sum_k w_k theta_k) - sum_k w_k L(theta_k).",
         epilog=_examples("barrier"),
@@ -207,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         "explain",
         help="where the barrier comes from: the midpoint's excess split into parts for the embeddings, per-layer QK, OV, MLP and head",
         description="Move the groups of tensors (embeddings; per layer the attention's QK and OV pairs and the MLP; the head)\n"
-        "one at a time from each end of the path to its midpoint, on the vanilla path and on the path --method aligns, and\n"
+        "one at a time from each end of the path to its midpoint, on the average's path and on the path --method aligns, and\n"
         "print each group's part of the midpoint's excess (nats; positive = adds to the barrier). The parts add up to the\n"
         "excess; they are averaged over --orders orders of moving the groups, and their range over the orders is shown.",
         epilog=_examples("explain"),
@@ -242,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     CHECK.add_to(check.add_argument_group("numerics"), ["dtype", "seed"])
     CHECK.add_to(check.add_argument_group("symmetry"), ["symmetries"])
     _add_messages(check)
+    add_renamed(check, "check")
     check.set_defaults(run="hf_lmc.commands.check:main")
 
     demo = commands.add_parser(
@@ -249,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="offline end-to-end run: merge a GPT-2 pair trained on Shakespeare, print the barrier table",
         description="Take two small GPT-2 models trained on the shipped Shakespeare plays from different seeds\n"
         "(the pair the package ships, or trained here with --train), merge them with weight matching, print\n"
-        "the barrier of vanilla vs aligned interpolation on held-out plays, and write the merged model with\n"
+        "the barrier of the average vs aligned interpolation on held-out plays, and write the merged model with\n"
         "its card and plot. Offline; about 20 s on 2 CPU cores with the shipped pair.",
         epilog=_examples("demo"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -257,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     DEMO.add_to(demo, ["output", "train"])
     DEMO.add_to(demo.add_argument_group("quick runs"), ["steps", "eval_chars", "cache_dir"])
     _add_messages(demo)
+    add_renamed(demo, "demo")
     demo.set_defaults(run="hf_lmc.commands.demo:main")
 
     survey = commands.add_parser(
@@ -305,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     APPLY.add_to(written, ["output"])
     MOVED_OUTPUT.add_to(written)
     _add_messages(moved)
+    add_renamed(moved, "apply")
     moved.set_defaults(run="hf_lmc.commands.apply:main")
 
     sym = commands.add_parser(

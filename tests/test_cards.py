@@ -31,7 +31,7 @@ KINDS = {
     "demo": (
         "weight",
         "zoo:shakespeare",
-        "hf-lmc demo --output demo --steps 1",
+        "hf-lmc demo --output demo --train-steps 1",
         "Merge of zoo:gpt2/seed0 and zoo:gpt2/seed1",
     ),
 }

@@ -57,7 +57,7 @@ def test_every_flag_that_help_names_exists():
 
 
 def test_check_on_builtin_tiny_models_passes(capsys):
-    assert main(["check", "--dtype", "float64"]) == 0
+    assert main(["check", "--compute-dtype", "float64"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert all(any(arch in row and row[-1] == "ok" for row in rows) for arch in ("gpt2", "gpt_neox", "llama", "vit")), (
         rows
@@ -97,7 +97,7 @@ def test_missing_folder_is_a_one_line_error(capsys):
         (["merge", "./a", "./b", "-o", "out", "--eval-data", "x.txt", "--alphas", "1"], 2),
         (["merge", "./a", "./b", "-o", "out", "--device", "cuda:0"], 2)
         if not torch.cuda.is_available()
-        else (["check", "--seed", "x"], 2),
+        else (["check", "--sample-seed", "x"], 2),
         (["merge", "./no/such/a", "./no/such/b", "-o", "out"], 1),  # the run fails on what it reads
         (["barrier", "./no/such/a", "./no/such/b", "--eval-data", "plays.txt"], 1),
     ],
@@ -645,8 +645,11 @@ def test_docs_cli_names_every_flag_of_every_command_and_no_other():
     everywhere = set()
     for name, parser in parsers.items():
         words = name.split()[1:]
-        flags = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
-        everywhere |= flags
+        everywhere |= {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+        shown = [
+            action for action in parser._actions if action.help != argparse.SUPPRESS
+        ]  # not a renamed flag's old name
+        flags = {s for action in shown for s in action.option_strings if s.startswith("--")}
         flags -= {"--help", "--version"}
         if not words:
             continue
@@ -737,3 +740,21 @@ def test_the_merge_requests_flags_are_generated_from_its_fields():
     args = parser.parse_args(["merge", "a", "b", "-o", "out"])
     assert args.method == MergeRequest.model_fields["method"].default
     assert args.symmetries == MergeRequest.model_fields["symmetries"].default
+
+
+@pytest.mark.parametrize(
+    ("command", "old", "new"),
+    [
+        (["check"], "--dtype", "--compute-dtype"),
+        (["check"], "--seed", "--sample-seed"),
+        (["demo"], "--steps", "--train-steps"),
+        (["apply", "m", "x", "-o", "out"], "--revision", "--revision-model"),
+    ],
+)
+def test_a_renamed_flag_is_one_line_naming_its_new_spelling(capsys, command, old, new):
+    """One meaning per flag across commands: where a command's flag meant something else than
+    the same flag elsewhere it was renamed, and the old spelling says so before anything runs."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, old, "1"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and new in err and err.count("\n") == 0, err

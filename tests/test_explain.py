@@ -52,25 +52,25 @@ def test_the_parts_add_up_to_the_excess_on_both_paths(arch):
     result = explain(a, b, _data(config), orders=3, progress=False)
     assert len(result.orders) == 3 and result.orders[1] == result.orders[0][::-1]
     assert result.orders[0][0] == "embeddings" and result.orders[0][-1] == "head"  # the network's order first
-    for path in ("vanilla", "weight"):
+    for path in ("average", "weight"):
         assert abs(result.excess[path]) > 1e-3 and _adds_up(result, path)
         assert all(low <= result.parts[path][g] <= high for g, (low, high) in result.spread[path].items())
-    assert any(high - low > 1e-4 for low, high in result.spread["vanilla"].values())  # the order matters
+    assert any(high - low > 1e-4 for low, high in result.spread["average"].values())  # the order matters
 
 
 @pytest.mark.parametrize("arch", ["vit", pytest.param("llama", marks=pytest.mark.slow)])
-def test_a_twin_has_no_excess_after_alignment_and_the_vanilla_excess_is_attributed(arch, tmp_path):
+def test_a_twin_has_no_excess_after_alignment_and_the_average_excess_is_attributed(arch, tmp_path):
     """B is a random symmetry of A (plus nothing): weight matching recovers it, so the aligned
-    path is A all along (excess and every part zero), while the vanilla path has an excess
+    path is A all along (excess and every part zero), while the average's path has an excess
     that the groups carry."""
     model, (a, b) = twin_folders(tmp_path, arch, [3])
     result = explain(a, b, _data(model.config), progress=False)
     assert abs(result.loss_a - result.loss_b) < 1e-4
     assert abs(result.excess["weight"]) < 1e-4
-    assert abs(result.midpoint["vanilla"] - result.loss_a) > 1e-3  # random models: any sign
+    assert abs(result.midpoint["average"] - result.loss_a) > 1e-3  # random models: any sign
     assert all(abs(v) < 1e-4 for parts in result.by_order["weight"] for v in parts.values())
-    assert max(abs(v) for v in result.parts["vanilla"].values()) > 1e-3 and _adds_up(result, "vanilla")
-    assert set(result.parts["vanilla"]) == set(result.parts["weight"])
+    assert max(abs(v) for v in result.parts["average"].values()) > 1e-3 and _adds_up(result, "average")
+    assert set(result.parts["average"]) == set(result.parts["weight"])
 
 
 def _table_numbers(text: str) -> dict[str, list[float]]:
@@ -89,14 +89,14 @@ def test_the_table_and_the_json_carry_the_same_numbers_and_the_plot_is_written(t
     result = explain(a, b, _data(config), progress=False)
     report, table = json.loads(result.to_json()), _table_numbers(result.table())
     assert "positive = adds to the barrier" in result.table()  # the footer says how to read it
-    for group, part in report["parts"]["vanilla"].items():
-        expected = [part, *report["spread"]["vanilla"][group]]
+    for group, part in report["parts"]["average"].items():
+        expected = [part, *report["spread"]["average"][group]]
         expected += [report["parts"]["weight"][group], *report["spread"]["weight"][group]]
         assert table[group] == pytest.approx(expected, abs=1e-4), group
     assert table["total excess"] == pytest.approx(list(report["excess"].values()), abs=1e-4)
     kinds = _table_numbers(kinds_table(result))
     for kind, part in report["by_kind"]["weight"].items():
-        assert kinds[kind] == pytest.approx([report["by_kind"]["vanilla"][kind], part], abs=1e-4), kind
+        assert kinds[kind] == pytest.approx([report["by_kind"]["average"][kind], part], abs=1e-4), kind
     assert plot_explanation(result, tmp_path / "why.png").stat().st_size > 0
 
 
@@ -106,7 +106,7 @@ def test_the_command_prints_tables_or_json_and_plots(tmp_path, capsys):
     command = ["explain", str(a), str(b), "--eval-data", str(tmp_path / "eval.pt"), "-q"]
     assert main([*command, "--json", "--orders", "1", "--plot", str(tmp_path / "why.png")]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["excess"]) == {"vanilla", "weight"} and "QK" in report["by_kind"]["weight"]
+    assert set(report["excess"]) == {"average", "weight"} and "QK" in report["by_kind"]["weight"]
     assert len(report["orders"]) == 1 and (tmp_path / "why.png").stat().st_size > 0
     assert main([*command, "--method", "average", "--orders", "1"]) == 0
     out = capsys.readouterr().out

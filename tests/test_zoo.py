@@ -73,7 +73,17 @@ def test_training_is_reproducible(tmp_path):
 @pytest.mark.slow
 def test_demo_writes_a_merge_with_card_plot_and_barrier_table(tmp_path, capsys):
     out = tmp_path / "demo"
-    args = ["demo", "--output", str(out), "--steps", "3", "--eval-chars", "4096", "--cache-dir", str(tmp_path / "zoo")]
+    args = [
+        "demo",
+        "--output",
+        str(out),
+        "--train-steps",
+        "3",
+        "--eval-chars",
+        "4096",
+        "--cache-dir",
+        str(tmp_path / "zoo"),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| average |" in printed and "| weight |" in printed and str(out) in printed
@@ -98,7 +108,10 @@ def test_demo_writes_a_merge_with_card_plot_and_barrier_table(tmp_path, capsys):
 def test_demo_refuses_to_replace_a_folder_it_did_not_write(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
-    assert main(["demo", "--output", str(tmp_path / "mine"), "--steps", "1", "--cache-dir", str(tmp_path / "zoo")]) == 2
+    assert (
+        main(["demo", "--output", str(tmp_path / "mine"), "--train-steps", "1", "--cache-dir", str(tmp_path / "zoo")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert str(tmp_path / "mine") in err and err.count("\n") == 1, err  # names the folder it refuses, in one line
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"

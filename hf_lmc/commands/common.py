@@ -75,16 +75,16 @@ PAIR = OptionFlags(PairOptions, defaults="fields")
 
 
 #: The own flags of the commands that are not merges.
-DEMO = OptionFlags(DemoOptions, defaults="fields")
+DEMO = OptionFlags(DemoOptions, defaults="fields", flags={"steps": "--train-steps"})
 
 
-CHECK = OptionFlags(CheckOptions, defaults="fields")
+CHECK = OptionFlags(CheckOptions, defaults="fields", flags={"dtype": "--compute-dtype", "seed": "--sample-seed"})
 
 
 EXPLAIN = OptionFlags(ExplainOptions, defaults="fields")
 
 
-APPLY = OptionFlags(ApplyOptions, defaults="fields")
+APPLY = OptionFlags(ApplyOptions, defaults="fields", flags={"revision": "--revision-model"})
 
 
 #: How ``apply`` writes: the merge's output settings that a moved model takes.
@@ -182,3 +182,30 @@ def recipe_overrides(args: argparse.Namespace) -> dict:
     if getattr(args, "overwrite", False):
         overrides["output.overwrite"] = True
     return overrides
+
+
+#: Flags that meant something else in one command than in the others, by command: the old
+#: spelling, refused in one line naming the new one (one meaning per flag across commands).
+RENAMED_FLAGS = {
+    "check": {"--dtype": "--compute-dtype", "--seed": "--sample-seed"},
+    "demo": {"--steps": "--train-steps"},
+    "apply": {"--revision": "--revision-model"},
+}
+
+
+class RenamedFlag(argparse.Action):
+    """An old spelling of a renamed flag: one ``hf-lmc: error:`` line naming the new one, exit 2."""
+
+    def __init__(self, option_strings, dest, renamed_to: str, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.renamed_to = renamed_to
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"hf-lmc: error: {option_string} is now {self.renamed_to} in {parser.prog}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def add_renamed(parser: argparse.ArgumentParser, command: str) -> None:
+    """The old spellings of ``command``'s renamed flags (:data:`RENAMED_FLAGS`), each refused by name."""
+    for old, new in RENAMED_FLAGS.get(command, {}).items():
+        parser.add_argument(old, action=RenamedFlag, renamed_to=new, dest=f"renamed_{old.strip('-')}")

@@ -92,7 +92,7 @@ def _demo_command(output: Path, steps: int | None, eval_chars: int, train: bool 
     if train:
         words += ["--train"]
     if steps is not None:
-        words += ["--steps", str(steps)]
+        words += ["--train-steps", str(steps)]
     if eval_chars != DemoOptions.model_fields["eval_chars"].default:
         words += ["--eval-chars", str(eval_chars)]
     return words

@@ -63,7 +63,7 @@ METHODS: dict[str, Method] = {
             many_class=None,
             pair_card="",
             many_card="",
-            when="the vanilla baseline: a plain weighted average of the stored weights",
+            when="the unaligned baseline: a plain weighted average of the stored weights",
         ),
         Method(
             "weight",

@@ -22,7 +22,7 @@ difference is the groups' interaction, and the range of a part over the orders s
 default orders are the network's (input to output) and its reverse, an antithetic pair; more
 orders add random ones, each with its reverse.
 
-Both paths are explained: the vanilla one (B as stored) and, with a method, the aligned one,
+Both paths are explained: the average's (B as stored) and, with a method, the aligned one,
 so a table shows which groups the alignment fixes and which it leaves. The work happens in
 canonical form, where norms are folded into the tensors that read them (docs/design.md §2):
 their gains travel with the QK, OV, MLP and head groups, and there is no separate norm group.
@@ -95,7 +95,7 @@ def orders_of(groups: Sequence[str], count: int, seed: int = 0) -> list[list[str
 
 @dataclass
 class Explanation:
-    """Losses of the endpoints and midpoints, and per path (``"vanilla"`` and the method's) the
+    """Losses of the endpoints and midpoints, and per path (``"average"``, B as stored, and the method's) the
     parts of its excess for each order in :attr:`orders`."""
 
     loss_a: float
@@ -181,7 +181,7 @@ def explain(
     learn: LearnOptions = LearnOptions(),
     progress: bool = True,
 ) -> Explanation:
-    """Split the midpoint excess of the vanilla path (and, unless ``method`` is ``"average"``,
+    """Split the midpoint excess of the average's path (and, unless ``method`` is ``"average"``,
     of the path ``method`` aligns) into parts per group of tensors, averaged over ``orders``
     orders of moving the groups; see the module's text.
 
@@ -197,7 +197,7 @@ def explain(
     canonical_a, canonical_b = canonicalize(a.model), canonicalize(b.model)
     state_a = canonical_a.state_dict()
     dtype = next(iter(state_a.values())).dtype
-    ends = {"vanilla": (state_a, canonical_b.state_dict())}
+    ends = {"average": (state_a, canonical_b.state_dict())}
     if method != "average":
         fit_batches = (
             fitting_batches(
@@ -231,7 +231,7 @@ def explain(
         middle = {k: torch.lerp(start[k], end[k], 0.5) for k in start}
         result.midpoint[path] = loss(middle)
         end_losses = (loss(start), loss(end))  # a symmetry moved them: L(A) and L(B) up to rounding
-        if path == "vanilla":
+        if path == "average":
             result.loss_a, result.loss_b = end_losses
         bar.update(3)
         result.by_order[path] = []
