@@ -2,7 +2,7 @@
 
 Each configuration runs in its own launch (``torchrun``, one thread per process; 1 process:
 plain ``python``), builds two random GPT-NeoX models of the shape in every process (the same
-seeds: the same pair), and times :class:`hf_lmc.DualPath` steps (forward and backward of the
+seeds: the same pair), and times :class:`hf_lmc.DualMatcher` steps (forward and backward of the
 default objective, layer checkpointing) on the same global batch, split across the processes:
 
   * ``one``: 1 process, the step as it runs alone;
@@ -87,7 +87,7 @@ import torch
 import torch.distributed as dist
 import transformers as tf
 from accelerate import Accelerator
-from hf_lmc import DualPath, EndpointSharding
+from hf_lmc import DualMatcher, EndpointSharding
 
 hidden, layers, heads, ffn, vocab, batch, seq = (int(x) for x in sys.argv[1:8])
 mode, steps = sys.argv[8], int(sys.argv[9])
@@ -104,7 +104,7 @@ shard = not mode.startswith("one") and mode != "whole" and EndpointSharding(
     build="shared build" in mode, layers=mode.startswith("sharded"), tensor_parallel=False if "weights gathered" in mode else None
 )
 torch.manual_seed(0)
-path = DualPath(*models, init="identity", shard_endpoints=shard)
+path = DualMatcher(*models, init="identity", shard_endpoints=shard)
 del models
 model = accelerator.prepare(path)
 params = [p for p in path.parameters() if p.requires_grad]

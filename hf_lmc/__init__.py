@@ -4,9 +4,8 @@ Models are rewritten exactly into a canonical RMSNorm-absorbed form, aligned by
 function-preserving symmetries, interpolated, and exported as ordinary HF checkpoints.
 
 The public names resolve on first use (PEP 562), so ``import hf_lmc`` and the command line's
-``--help`` load neither torch nor transformers; ``from hf_lmc import DualPath`` imports what
-it needs then. ``DualMatcher``, ``LearnedMatcher`` and ``SimplexMatcher`` remain
-aliases of the trainable paths they name now.
+``--help`` load neither torch nor transformers; ``from hf_lmc import DualMatcher`` imports what
+it needs then.
 """
 
 from __future__ import annotations
@@ -30,12 +29,9 @@ _PUBLIC = {
     "InheritanceError": "io.inherit",
     "UnsafeFileError": "io.inherit",
     "ActivationMatcher": "matching",
-    "DualPath": "learned",
     "DualMatcher": "learned",
     "EndpointSharding": "learned",
-    "LearnedPath": "learned",
     "LearnedMatcher": "learned",
-    "SimplexPath": "learned",
     "SimplexMatcher": "learned",
     "TrainedMatcher": "learned",
     "UniverseMatcher": "matching",
@@ -70,13 +66,11 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "CanonicalModel",
     "CheckpointError",
     "DualMatcher",
-    "DualPath",
     "EndpointSharding",
     "EvalOptions",
     "InheritanceError",
     "LearnOptions",
     "LearnedMatcher",
-    "LearnedPath",
     "MergeRequest",
     "MergeResult",
     "OutputOptions",
@@ -84,7 +78,6 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "RecipeError",
     "RecipeResult",
     "SimplexMatcher",
-    "SimplexPath",
     "TrainedMatcher",
     "Transform",
     "UniverseMatcher",
@@ -140,12 +133,9 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
     from hf_lmc.io.weights import CheckpointError
     from hf_lmc.learned import (
         DualMatcher,
-        DualPath,
         EndpointSharding,
         LearnedMatcher,
-        LearnedPath,
         SimplexMatcher,
-        SimplexPath,
         TrainedMatcher,
     )
     from hf_lmc.matching import ActivationMatcher, UniverseMatcher, WeightMatcher

@@ -11,8 +11,8 @@ the test can compare the 2-process runs (endpoints whole or sharded) with the 1-
 memory, but the offload code path); ``--gather-float32`` gathers the float64 endpoints in float32;
 ``--whole-build`` has every process build all of every layer (``EndpointSharding(build=False)``);
 ``--shared-build`` keeps the endpoints whole and shares only the build (``EndpointSharding(layers=False)``);
-``--family=`` picks the tiny model (default ``gpt2``); ``--dual`` trains a :class:`DualPath`
-(default: :class:`LearnedPath`); ``--objective=`` the loss (default: the library's);
+``--family=`` picks the tiny model (default ``gpt2``); ``--dual`` trains a :class:`DualMatcher`
+(default: :class:`LearnedMatcher`); ``--objective=`` the loss (default: the library's);
 ``--resume`` kills the run after its second step's checkpoint and resumes it in a fresh matcher;
 ``--gather-head`` gathers the head instead of running the loss vocabulary-parallel;
 ``--tensor-parallel`` runs the layers tensor-parallel (their outputs gathered, not their weights).
@@ -25,7 +25,7 @@ import sys
 import torch
 from accelerate import Accelerator
 
-from hf_lmc import DualPath, EndpointSharding, LearnedPath, WeightMatcher
+from hf_lmc import DualMatcher, EndpointSharding, LearnedMatcher, WeightMatcher
 from hf_lmc.canonical.exactness import tiny_configs
 from tests.models import build_model
 
@@ -40,7 +40,7 @@ def main(out: str, flags: list[str]) -> None:
         vocab_parallel="--gather-head" not in flags,  # the head vocabulary-parallel unless told
         tensor_parallel="--tensor-parallel" in flags,  # the layers' weights gathered unless told
     )
-    path_class = DualPath if "--dual" in flags else LearnedPath
+    path_class = DualMatcher if "--dual" in flags else LearnedMatcher
     named = [f.removeprefix("--objective=") for f in flags if f.startswith("--objective=")]
     objective = {"objective": named[-1]} if named else {}
     accelerator = Accelerator(cpu=True)  # first: sharded endpoints need the process group

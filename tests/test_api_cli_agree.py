@@ -88,11 +88,11 @@ def test_the_command_line_and_the_python_api_merge_alike(pair, tmp_path, target)
 
     config = AutoConfig.from_pretrained(a)
     batches = load_batches(str(data), config, a, data_options)
-    path = hf_lmc.DualPath(a, b, **settings)
+    path = hf_lmc.DualMatcher(a, b, **settings)
     path.fit(batches, progress=False)
     # Exactly the transforms the pipeline's matcher trains, from the same canonical models.
     canonical = [hf_lmc.canonicalize(folder, dtype=torch.float32) for folder in (a, b)]
-    piped = TrainedMatcher(hf_lmc.DualPath, batches, learn=LearnOptions(**settings), progress=False).fit(canonical)
+    piped = TrainedMatcher(hf_lmc.DualMatcher, batches, learn=LearnOptions(**settings), progress=False).fit(canonical)
     for mine, theirs in zip(path.transforms(), piped, strict=True):
         mine, theirs = transform_tensors(mine), transform_tensors(theirs)
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -113,10 +113,10 @@ def test_a_bare_fit_holds_out_and_stops_as_the_command_line_does(pair):
     batches = load_batches(
         str(data), AutoConfig.from_pretrained(a), a, FIT_OPTIONS.model_copy(update={"batch_size": 4})
     )
-    path = hf_lmc.DualPath(a, b, steps=3, target_barrier=0)
+    path = hf_lmc.DualMatcher(a, b, steps=3, target_barrier=0)
     assert len(path.fit(batches, progress=False)) == 3
     assert path.stopping.holdout_batches == 1 and path.stopping.estimate is not None
-    unwatched = hf_lmc.DualPath(a, b, steps=3)
+    unwatched = hf_lmc.DualMatcher(a, b, steps=3)
     unwatched.fit(batches, target_barrier=None, progress=False)
     assert unwatched.stopping.estimate is None and unwatched.stopping.holdout_batches == 0
     with pytest.raises(ValueError, match="orthogonal: the path was built with"):

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 import hf_lmc
-from hf_lmc import DualPath
+from hf_lmc import DualMatcher
 from hf_lmc.canonical.exactness import float64_rmsnorm, tiny_configs
 from hf_lmc.matching.solvers import assign_product
 from hf_lmc.merging.pipeline import merge, merge_models
@@ -75,14 +75,14 @@ def test_dual_matching_on_cuda_follows_the_cpu_run_and_merges_exactly(arch):
     batches = _batches(config, torch.float64, count=3)
     with float64_rmsnorm():
         torch.manual_seed(0)  # the same lambda draws in both runs
-        on_cpu = DualPath(model_a, model_b, dtype=torch.float64)
+        on_cpu = DualMatcher(model_a, model_b, dtype=torch.float64)
         optimizer = torch.optim.Adam(on_cpu.parameters(), lr=1e-2)  # what fit runs at a constant rate
         for batch in batches:
             on_cpu(batch).backward()
             optimizer.step()
             optimizer.zero_grad()
         torch.manual_seed(0)
-        on_gpu = DualPath(model_a, model_b, dtype=torch.float64)
+        on_gpu = DualMatcher(model_a, model_b, dtype=torch.float64)
         on_gpu.fit(batches, steps=3, lr=1e-2, target_barrier=None, accelerator=Accelerator(), progress=False)
 
         assert all(p.device.type == "cuda" for p in on_gpu.parameters())
@@ -117,7 +117,7 @@ def test_bf16_autocast_trains_on_cuda_and_the_merge_stays_exact(arch):
     config, model_a, model_b = _pair(arch, torch.float32)
     batches = _batches(config, torch.float32, count=1)
     torch.manual_seed(0)
-    matcher = DualPath(model_a, model_b)
+    matcher = DualMatcher(model_a, model_b)
     with torch.no_grad():
         before = matcher(batches[0], alpha=0.5).item()
     losses = matcher.fit(batches, steps=20, lr=1e-2, mixed_precision="bf16", locate_every=5, progress=False)
@@ -164,8 +164,8 @@ def test_offloaded_endpoints_on_cuda_step_as_whole_ones():
         "input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
     }
     try:
-        whole = DualPath(model_a, model_b, dtype=torch.float64, init="identity").cuda()
-        offloaded = DualPath(
+        whole = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity").cuda()
+        offloaded = DualMatcher(
             model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True)
         ).cuda()
         shards = [

@@ -241,8 +241,8 @@ def test_learned_matchers_start_where_asked_or_where_the_launch_put_them(monkeyp
 
     def build(**options):
         if matcher == "dual":
-            return hf_lmc.DualPath(models[0], models[1], **options)
-        return hf_lmc.SimplexPath(models, **options)
+            return hf_lmc.DualMatcher(models[0], models[1], **options)
+        return hf_lmc.SimplexMatcher(models, **options)
 
     build(init_device="cpu")
     from hf_lmc.utils.devices import launch_device

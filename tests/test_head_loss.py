@@ -11,7 +11,7 @@ from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.evaluation import head_loss
 from hf_lmc.evaluation.head_loss import VocabShard, mixture_loss, next_token_loss, sliced_cross_entropy
 from hf_lmc.evaluation.loss import evaluate
-from hf_lmc.learned.paths import DualPath, SimplexPath
+from hf_lmc.learned.paths import DualMatcher, SimplexMatcher
 from hf_lmc.learned.sharing import share_of
 from tests.models import LargestOutput, build_model, causal_lm_loss, sample_inputs
 
@@ -95,7 +95,7 @@ def test_path_loss_and_gradients_are_those_of_the_whole_logits(arch, objective, 
     gradients of every trained parameter are those of the stock model's whole logits."""
     config = tiny_configs()[arch]
     monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 3 * config.vocab_size)
-    matcher = DualPath(
+    matcher = DualMatcher(
         build_model(config, seed=1), build_model(config, seed=2), objective=objective, dtype=torch.float64
     )
     batch = dict(sample_inputs(config, dtype=torch.float64, batch=3))
@@ -118,7 +118,7 @@ def test_a_step_never_holds_the_tokens_by_vocabulary_logits(objective, monkeypat
     config = tiny_configs()["llama"]
     config.vocab_size = 2048
     models = [build_model(config, seed=s, dtype=torch.float32) for s in (1, 2)]
-    matcher = DualPath(*models, objective=objective, dtype=torch.float32)
+    matcher = DualMatcher(*models, objective=objective, dtype=torch.float32)
     batch = {"input_ids": torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(0))}
     tokens_by_vocabulary = batch["input_ids"].numel() * config.vocab_size
     monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 8 * config.vocab_size)  # 8 positions a slice
@@ -135,7 +135,7 @@ def test_simplex_loss_mixes_every_endpoint_a_slice_at_a_time(monkeypatch):
     config = tiny_configs()["gpt2"]
     monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 5 * config.vocab_size)
     models = [build_model(config, seed=s) for s in (1, 2, 3)]
-    matcher = SimplexPath(models, init="identity", objective="ensemble", dtype=torch.float64)
+    matcher = SimplexMatcher(models, init="identity", objective="ensemble", dtype=torch.float64)
     inputs = dict(sample_inputs(config, dtype=torch.float64, batch=3))
     weights = (0.5, 0.3, 0.2)
     with torch.no_grad():

@@ -10,7 +10,7 @@ import torch
 import hf_lmc
 from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.learned.params import PermutationParam
-from hf_lmc.learned.paths import WORST_GRID, DualPath, LearnedPath
+from hf_lmc.learned.paths import WORST_GRID, DualMatcher, LearnedMatcher
 from tests.models import build_model, causal_lm_loss, logits, relative_error, sample_inputs
 
 
@@ -30,7 +30,7 @@ def test_twin_stays_exact_from_weight_matching_init():
     moved = hf_lmc.to_hf(
         hf_lmc.random_symmetry(hf_lmc.canonicalize(model).spec, seed=3).apply(hf_lmc.canonicalize(model))
     )
-    matcher = DualPath(model, moved, objective="labels", dtype=torch.float64)
+    matcher = DualMatcher(model, moved, objective="labels", dtype=torch.float64)
     inputs = sample_inputs(config)
     batch = {"input_ids": inputs["input_ids"]}
     expected = model(**batch, labels=batch["input_ids"]).loss
@@ -39,7 +39,7 @@ def test_twin_stays_exact_from_weight_matching_init():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", [LearnedPath, DualPath])
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_training_lowers_the_interpolation_loss_and_endpoints_stay_exact(cls):
     """Trained (straight-through) permutations; the fixed default has its own test below."""
     config = tiny_configs()["llama"]
@@ -57,7 +57,7 @@ def test_training_lowers_the_interpolation_loss_and_endpoints_stay_exact(cls):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", [LearnedPath, DualPath])
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox", "gpt2"])
 def test_target_frame_starts_where_the_own_frame_does_and_exports_exact_endpoints(arch, cls):
     """``frame="target"`` changes where the trained factors sit, not the start or the group:
@@ -108,9 +108,9 @@ def test_one_sided_matching_with_a_factor_on_each_side_takes_dual_matchings_step
             losses.append(loss.item())
         return matcher, torch.tensor(losses)
 
-    dual, dual_losses = trained(DualPath(model_a, model_b, dtype=torch.float64))
-    both, both_losses = trained(LearnedPath(model_a, model_b, frame="both", dtype=torch.float64))
-    own, own_losses = trained(LearnedPath(model_a, model_b, dtype=torch.float64))
+    dual, dual_losses = trained(DualMatcher(model_a, model_b, dtype=torch.float64))
+    both, both_losses = trained(LearnedMatcher(model_a, model_b, frame="both", dtype=torch.float64))
+    own, own_losses = trained(LearnedMatcher(model_a, model_b, dtype=torch.float64))
     inputs = sample_inputs(config)
     torch.testing.assert_close(both_losses, dual_losses, rtol=0, atol=1e-5)
     assert (
@@ -148,7 +148,7 @@ def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
     else:
         batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=g)}
     with float64_rmsnorm():
-        matcher = DualPath(model_a, model_b, objective="ensemble", dtype=torch.float64)
+        matcher = DualMatcher(model_a, model_b, objective="ensemble", dtype=torch.float64)
         with torch.no_grad():
             for p in matcher.parameters():
                 if p.requires_grad:
@@ -163,7 +163,7 @@ def test_dual_loss_moves_b_alone_with_the_same_loss_and_gradients(arch):
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-12)
     assert any(w.abs().max() > 1e-4 for w in expected[:3])  # the transforms' gradients are not trivially zero
-    relaxed = DualPath(model_a, model_b, permutations="ste", dtype=torch.float64)
+    relaxed = DualMatcher(model_a, model_b, permutations="ste", dtype=torch.float64)
     assert relaxed._path()[0] is not None  # a straight-through permutation has no inverse: both move
 
 
@@ -171,7 +171,7 @@ def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
     """``.to()`` / ``accelerator.prepare`` move the frozen endpoints with the transforms (they are
     not buffers: DDP would broadcast them every step), and checkpoints hold only the transforms."""
     config = tiny_configs()["gpt2"]
-    matcher = LearnedPath(build_model(config, seed=1), build_model(config, seed=2))
+    matcher = LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2))
     batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}
     loss32 = matcher(batch, alpha=0.5)
     matcher.double()
@@ -189,7 +189,7 @@ def test_endpoints_move_with_the_matcher_and_stay_out_of_its_state(monkeypatch):
     )
     monkeypatch.setenv("WORLD_SIZE", "2")  # a multi-process launch without a process group yet
     with pytest.raises(RuntimeError, match="create the Accelerator"):
-        LearnedPath(build_model(config, seed=1), build_model(config, seed=2), init="identity", shard_endpoints=True)
+        LearnedMatcher(build_model(config, seed=1), build_model(config, seed=2), init="identity", shard_endpoints=True)
 
 
 def test_offloaded_endpoints_in_one_process_train_and_merge_as_whole_ones():
@@ -208,8 +208,8 @@ def test_offloaded_endpoints_in_one_process_train_and_merge_as_whole_ones():
     batch = {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}
     assert not dist.is_initialized()
     try:
-        whole = DualPath(model_a, model_b, dtype=torch.float64, init="identity")
-        offloaded = DualPath(
+        whole = DualMatcher(model_a, model_b, dtype=torch.float64, init="identity")
+        offloaded = DualMatcher(
             model_a, model_b, dtype=torch.float64, init="identity", shard_endpoints=EndpointSharding(offload=True)
         )
         assert all(
@@ -231,7 +231,7 @@ def test_offloaded_endpoints_in_one_process_train_and_merge_as_whole_ones():
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("cls", [LearnedPath, pytest.param(DualPath, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cls", [LearnedMatcher, pytest.param(DualMatcher, marks=pytest.mark.slow)])
 def test_fixed_permutations_keep_the_starting_assignment_and_train_the_rest(cls):
     """``permutations="fixed"``: no scores to train, the hardened unit and head orders stay
     weight matching's, and the continuous maps still learn (SwiGLU scales included)."""
@@ -270,7 +270,7 @@ def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     batch = {"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}
     with float64_rmsnorm():
-        for cls in (LearnedPath, DualPath):
+        for cls in (LearnedMatcher, DualMatcher):
             matcher = cls(model_a, model_b, objective="labels", dtype=torch.float64)
             start = matcher.transforms()[1]
             assert any(
@@ -288,7 +288,7 @@ def test_fixed_assignments_are_applied_to_the_stored_model_once(arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", [LearnedPath, DualPath])
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_a_given_starting_transform_is_where_training_starts(cls):
     """``init=`` an exact Transform of B (here activation matching's): the untrained matcher
     selects it, fixed permutations keep its assignments through training, and the endpoints stay exact."""
@@ -332,7 +332,7 @@ def test_ensemble_objective_is_the_cross_entropy_to_the_endpoints_mixture(arch):
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     inputs = sample_inputs(config, dtype=torch.float64, batch=4)
     batch = dict(inputs) | ({"labels": torch.tensor([0, 1, 2, 0])} if arch == "vit" else {})  # labels are ignored
-    matcher = DualPath(model_a, model_b, objective="ensemble", dtype=torch.float64)
+    matcher = DualMatcher(model_a, model_b, objective="ensemble", dtype=torch.float64)
     alpha = 0.3
     with torch.no_grad():
         target = (1 - alpha) * logits(model_a, inputs).softmax(-1) + alpha * logits(model_b, inputs).softmax(-1)
@@ -340,7 +340,7 @@ def test_ensemble_objective_is_the_cross_entropy_to_the_endpoints_mixture(arch):
         expected = -(target * point.log_softmax(-1)).sum(-1).mean()
         assert matcher(batch, alpha=alpha).item() == pytest.approx(expected.item(), rel=1e-10)
         # A twin of A: the mixture is A's own distribution, and the loss is its entropy.
-        twin = DualPath(model_a, model_a, objective="ensemble", dtype=torch.float64)
+        twin = DualMatcher(model_a, model_a, objective="ensemble", dtype=torch.float64)
         p = logits(model_a, inputs).softmax(-1)
         assert twin(batch, alpha=0.5).item() == pytest.approx(-(p * p.log()).sum(-1).mean().item(), rel=1e-8)
     before = matcher(batch, alpha=0.5).item()
@@ -359,8 +359,8 @@ def test_input_noise_is_fresh_gaussian_noise_on_the_images_in_training_mode(obje
     config = tiny_configs()["vit"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     batch = dict(sample_inputs(config, dtype=torch.float64, batch=4)) | {"labels": torch.tensor([0, 1, 2, 0])}
-    noisy = DualPath(model_a, model_b, input_noise=0.3, objective=objective, dtype=torch.float64)
-    clean = DualPath(model_a, model_b, objective=objective, dtype=torch.float64)
+    noisy = DualMatcher(model_a, model_b, input_noise=0.3, objective=objective, dtype=torch.float64)
+    clean = DualMatcher(model_a, model_b, objective=objective, dtype=torch.float64)
     with torch.no_grad():
         torch.manual_seed(5)
         loss = noisy(batch, alpha=0.3).item()
@@ -381,7 +381,7 @@ def test_ensemble_objective_mixes_every_endpoint_of_the_simplex():
     config = tiny_configs()["gpt2"]
     models = [build_model(config, seed=s) for s in (1, 2, 3)]
     inputs = sample_inputs(config, dtype=torch.float64, batch=3)
-    matcher = hf_lmc.SimplexPath(models, init="identity", objective="ensemble", dtype=torch.float64)
+    matcher = hf_lmc.SimplexMatcher(models, init="identity", objective="ensemble", dtype=torch.float64)
     weights = (0.5, 0.3, 0.2)
     with torch.no_grad():
         target = sum(w * logits(m, inputs).softmax(-1) for w, m in zip(weights, models))
@@ -390,7 +390,7 @@ def test_ensemble_objective_mixes_every_endpoint_of_the_simplex():
         assert matcher(inputs, weights=weights).item() == pytest.approx(expected.item(), rel=1e-10)
 
 
-@pytest.mark.parametrize("cls", [LearnedPath, DualPath, hf_lmc.SimplexPath])
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher, hf_lmc.SimplexMatcher])
 def test_matchers_built_with_no_settings_train_as_the_command_line_does_with_no_flags(cls):
     """No constructor (nor the training loop, nor the trainable transform) declares an option
     again with a default of its own: they take :class:`LearnOptions` and
@@ -405,7 +405,7 @@ def test_matchers_built_with_no_settings_train_as_the_command_line_does_with_no_
         declared = set(inspect.signature(function).parameters) & fields
         assert not declared, f"{function.__qualname__} declares {sorted(declared)} again"
     model = build_model(tiny_configs()["gpt2"], seed=0)
-    models = [model, model] if cls is not hf_lmc.SimplexPath else [[model] * 3]
+    models = [model, model] if cls is not hf_lmc.SimplexMatcher else [[model] * 3]
     assert cls(*models, init="identity").learn == hf_lmc.LearnOptions()
     assert cls(*models, init="identity", orthogonal="exp").learn == hf_lmc.LearnOptions(orthogonal="exp")
 
@@ -413,30 +413,30 @@ def test_matchers_built_with_no_settings_train_as_the_command_line_does_with_no_
 def test_bad_options_are_rejected():
     model = build_model(tiny_configs()["gpt2"], seed=0)
     with pytest.raises(ValueError, match="unknown init"):
-        DualPath(model, model, init="random")
+        DualMatcher(model, model, init="random")
     with pytest.raises(ValueError, match="lambda_range"):
-        DualPath(model, model, lambda_range=(0.6, 0.4))
+        DualMatcher(model, model, lambda_range=(0.6, 0.4))
     with pytest.raises(ValueError, match="permutations: .*'fixed'.*got 'frozen'"):
-        DualPath(model, model, permutations="frozen")
+        DualMatcher(model, model, permutations="frozen")
     with pytest.raises(ValueError, match="objective: .*'ensemble'.*got 'kl'"):
-        DualPath(model, model, objective="kl")
+        DualMatcher(model, model, objective="kl")
     with pytest.raises(ValueError, match="worst_fraction"):
-        DualPath(model, model, worst_fraction=1.5)
+        DualMatcher(model, model, worst_fraction=1.5)
     with pytest.raises(ValueError, match="input_noise: .*greater than or equal to 0, got -0.1"):
-        DualPath(model, model, input_noise=-0.1)
+        DualMatcher(model, model, input_noise=-0.1)
     with pytest.raises(ValueError, match="input_noise.*GPT2LMHeadModel"):
-        hf_lmc.SimplexPath([model, model, model], input_noise=0.1)
+        hf_lmc.SimplexMatcher([model, model, model], input_noise=0.1)
     vit = build_model(tiny_configs()["vit"], seed=0)
     with pytest.raises(ValueError, match=r"pixel_values.*\blabels\b"):
-        DualPath(vit, vit, input_noise=0.1)({"labels": torch.zeros(1, dtype=torch.long)})
+        DualMatcher(vit, vit, input_noise=0.1)({"labels": torch.zeros(1, dtype=torch.long)})
     with pytest.raises(ValueError, match="at least one batch"):
-        DualPath(model, model).locate_worst([])
+        DualMatcher(model, model).locate_worst([])
     with pytest.raises(ValueError, match="locate_every"):
-        DualPath(model, model).fit([], steps=1, locate_every=0, progress=False)
+        DualMatcher(model, model).fit([], steps=1, locate_every=0, progress=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", [LearnedPath, DualPath])
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_the_worst_point_is_where_the_exported_path_stands_highest_and_draws_follow_it(cls):
     """``locate_worst`` against the barrier measured the user's way: stock merged models on the
     same batches; then the draws: near that point (``worst_fraction=1``) or in the range (0)."""
@@ -479,7 +479,7 @@ def test_excess_focus_draws_near_every_point_above_the_line_in_proportion_to_its
     """Two humps above the line: ``"excess"`` draws near both, at rates proportional to their
     excess; points at or below the line get no draws."""
     model = build_model(tiny_configs()["gpt2"], seed=0)
-    matcher = DualPath(model, model, worst_fraction=1.0, focus="excess")
+    matcher = DualMatcher(model, model, worst_fraction=1.0, focus="excess")
     assert 0.4 <= float(matcher.sample_lambda()) <= 0.6  # not located yet: the middle of lambda_range
     excess = torch.zeros(len(WORST_GRID), dtype=torch.float64)
     excess[3], excess[7], excess[5] = 0.03, 0.01, -0.02  # humps at alpha 0.3 and 0.7, the middle below the line
@@ -488,9 +488,9 @@ def test_excess_focus_draws_near_every_point_above_the_line_in_proportion_to_its
     draws = torch.stack([matcher.sample_lambda() for _ in range(4000)])
     near = {alpha: ((draws - alpha).abs() <= 0.05 + 1e-9).float().mean().item() for alpha in (0.3, 0.7)}
     assert near[0.3] + near[0.7] == pytest.approx(1.0) and near[0.3] == pytest.approx(0.75, abs=0.03)
-    assert "grid_excess" in matcher.state_dict() and "grid_excess" not in DualPath(model, model).state_dict()
+    assert "grid_excess" in matcher.state_dict() and "grid_excess" not in DualMatcher(model, model).state_dict()
     with pytest.raises(ValueError, match="focus: .*'excess'.*got 'both'"):
-        DualPath(model, model, focus="both")
+        DualMatcher(model, model, focus="both")
 
 
 def test_fit_relocates_the_worst_point_on_its_last_two_batches():
@@ -510,7 +510,7 @@ def test_fit_relocates_the_worst_point_on_its_last_two_batches():
             assert located == matcher.locate_worst([batches[(step - 2) % 3], batches[(step - 1) % 3]])
 
     torch.manual_seed(0)
-    matcher = DualPath(model_a, model_b, dtype=torch.float64)
+    matcher = DualMatcher(model_a, model_b, dtype=torch.float64)
     # no batches held out: the worst point is located on the latest training batches
     matcher.fit(batches, steps=4, lr=1e-2, locate_every=2, callback=check, holdout=None, progress=False)
     assert sorted(seen) == [1, 2, 3, 4] and seen[1] == 0.5  # the middle of lambda_range until first located
@@ -537,12 +537,12 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
     torch.manual_seed(0)
     # no stopping rule: a list would have its last batch held out, and what is read is the question here
     options = {"steps": 5, "lr": 1e-2, "target_barrier": None, "progress": False}
-    straight = LearnedPath(model_a, model_b).fit(batches, **options)
+    straight = LearnedMatcher(model_a, model_b).fit(batches, **options)
     torch.manual_seed(0)
-    assert LearnedPath(model_a, model_b).fit(data, **options) == straight  # same batches, same order
+    assert LearnedMatcher(model_a, model_b).fit(data, **options) == straight  # same batches, same order
     assert data.passes == 3  # 2 + 2 + 1 batches: three passes, each a fresh iteration
     torch.manual_seed(0)
-    assert LearnedPath(model_a, model_b).fit((b for b in batches), **options) == straight
+    assert LearnedMatcher(model_a, model_b).fit((b for b in batches), **options) == straight
 
     loader = torch.utils.data.DataLoader(
         torch.arange(8), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0)
@@ -554,7 +554,7 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
     assert all(sorted(order) == list(range(8)) for order in orders) and len({tuple(order) for order in orders}) > 1
     for empty in ([], iter([])):
         with pytest.raises(ValueError, match="yielded no batch"):
-            LearnedPath(model_a, model_b).fit(empty, steps=1, progress=False)
+            LearnedMatcher(model_a, model_b).fit(empty, steps=1, progress=False)
 
 
 @pytest.mark.slow
@@ -592,7 +592,7 @@ def test_draws_read_the_located_point_from_the_device_only_when_it_changes():
     config = tiny_configs()["gpt2"]
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))}]
-    matcher = LearnedPath(model_a, model_b, worst_fraction=1.0, focus="excess")
+    matcher = LearnedMatcher(model_a, model_b, worst_fraction=1.0, focus="excess")
     draws = [matcher.sample_lambda() for _ in range(3)]
     read = matcher._focus_read
     draws += [matcher.sample_lambda() for _ in range(5)]
@@ -614,7 +614,7 @@ def test_residual_lr_trains_the_residual_maps_at_their_own_rate():
     moved = {}
     for residual_lr in (None, 1e-12):
         torch.manual_seed(0)
-        matcher = DualPath(model_a, model_b, dtype=torch.float64)
+        matcher = DualMatcher(model_a, model_b, dtype=torch.float64)
         before = {name: p.detach().clone() for name, p in matcher.named_parameters()}
         matcher.fit(
             batches, steps=1, lr=1e-2, residual_lr=residual_lr, progress=False
@@ -642,7 +642,7 @@ def test_a_fit_at_info_reports_each_windows_step_time_and_its_shares(caplog):
     config = tiny_configs()["llama"]
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
-    path = DualPath(build_model(config, seed=1), build_model(config, seed=2))
+    path = DualMatcher(build_model(config, seed=1), build_model(config, seed=2))
     with caplog.at_level(logging.WARNING, logger="hf_lmc"):
         path.fit(batches, steps=2, target_barrier=None, progress=False)
     assert not [r for r in caplog.records if "s a step" in r.getMessage()]
@@ -664,7 +664,7 @@ def test_fit_checkpoints_and_resumes_to_the_same_result(tmp_path):
 
     def fresh():
         torch.manual_seed(0)  # lambda draws
-        return LearnedPath(model_a, model_b, dtype=torch.float64)
+        return LearnedMatcher(model_a, model_b, dtype=torch.float64)
 
     straight = fresh()
     losses = straight.fit(
@@ -723,18 +723,18 @@ def test_resuming_refuses_a_state_saved_from_another_start(tmp_path):
     model_a, model_b, model_c = (build_model(config, seed=s) for s in (1, 2, 3))
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))}]
     folder = tmp_path / "ckpt"
-    saved = DualPath(model_a, model_b, dtype=torch.float64)
+    saved = DualMatcher(model_a, model_b, dtype=torch.float64)
     saved.fit(batches, steps=1, checkpoint_dir=folder, progress=False)
     recorded = json.loads((folder / "hf_lmc_state.json").read_text())["start"]
     assert {k: v for k, v in recorded.items() if k != "data:"} == json.loads(
-        json.dumps(training.start_fingerprint(DualPath(model_a, model_b, dtype=torch.float64)))
+        json.dumps(training.start_fingerprint(DualMatcher(model_a, model_b, dtype=torch.float64)))
     )
     with pytest.raises(UsageError, match="resume"):
-        DualPath(model_a, model_c, dtype=torch.float64).fit(
+        DualMatcher(model_a, model_c, dtype=torch.float64).fit(
             batches, steps=2, checkpoint_dir=folder, resume=True, progress=False
         )
 
-    other_rounding = DualPath(model_a, model_b, dtype=torch.float64)
+    other_rounding = DualMatcher(model_a, model_b, dtype=torch.float64)
     with torch.no_grad():
         for buffer in other_rounding.buffers():
             if buffer.is_floating_point():
@@ -757,10 +757,10 @@ def test_resuming_refuses_a_state_saved_training_on_other_data(tmp_path):
 
     folder = tmp_path / "ckpt"
     options = {"checkpoint_dir": folder, "target_barrier": None, "progress": False}
-    LearnedPath(model_a, model_b, dtype=torch.float64).fit(batches(0), steps=1, **options)
+    LearnedMatcher(model_a, model_b, dtype=torch.float64).fit(batches(0), steps=1, **options)
     with pytest.raises(UsageError, match="data"):
-        LearnedPath(model_a, model_b, dtype=torch.float64).fit(batches(1), steps=2, resume=True, **options)
-    resumed = LearnedPath(model_a, model_b, dtype=torch.float64)
+        LearnedMatcher(model_a, model_b, dtype=torch.float64).fit(batches(1), steps=2, resume=True, **options)
+    resumed = LearnedMatcher(model_a, model_b, dtype=torch.float64)
     assert len(resumed.fit(batches(0), steps=2, resume=True, **options)) == 1
 
 
@@ -784,7 +784,7 @@ def test_interrupted_scheduled_fit_resumes_to_the_same_result(tmp_path):
 
     def fresh():
         torch.manual_seed(0)  # lambda draws
-        return DualPath(model_a, model_b, dtype=torch.float64)
+        return DualMatcher(model_a, model_b, dtype=torch.float64)
 
     seen = []
     straight = fresh()
@@ -1207,7 +1207,7 @@ def test_gloo_processes_match_one_process_on_the_same_global_batch(tmp_path):
 
 
 @pytest.mark.parametrize("count", [2, 3])
-@pytest.mark.parametrize("cls", [LearnedPath, DualPath])
+@pytest.mark.parametrize("cls", [LearnedMatcher, DualMatcher])
 def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, count):
     """The shared contract for learned and dual matching: ``fit(models)`` gives, bit for bit, the
     transforms of the path built from the models (3+: the simplex from universe matching, the
@@ -1232,7 +1232,7 @@ def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, cou
     else:
         start = UniverseMatcher(progress=False).fit(models)
         torch.manual_seed(1)
-        path = hf_lmc.SimplexPath(models, init=start, learns_first=cls is DualPath)
+        path = hf_lmc.SimplexMatcher(models, init=start, learns_first=cls is DualMatcher)
     path.fit(batches, steps=3, lr=1e-2, target_barrier=None, progress=False)
     expected = list(path.transforms())
     assert len(got) == len(expected) == count
@@ -1265,7 +1265,7 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
     model_a, model_b, batches = _random_pair_and_batches()
     train, holdout = batches[:4], batches[4:]
     torch.manual_seed(0)
-    budgeted = DualPath(model_a, model_b, dtype=torch.float64)
+    budgeted = DualMatcher(model_a, model_b, dtype=torch.float64)
     losses = budgeted.fit(train, steps=6, lr=1e-2, locate_every=2, holdout=holdout, target_barrier=0.0, progress=False)
     assert len(losses) == 6 and budgeted.stopping.steps == 6 and budgeted.stopping.holdout_batches == 2
     # the estimate is the labels' barrier of the (training-mode) path on the held-out batches, on the
@@ -1284,13 +1284,13 @@ def test_the_stopping_rule_estimates_the_barrier_on_held_out_batches_and_stops_a
     assert ("reached" in budgeted.stopping.describe()) == budgeted.stopping.reached
 
     torch.manual_seed(0)
-    stopped = DualPath(model_a, model_b, dtype=torch.float64)
+    stopped = DualMatcher(model_a, model_b, dtype=torch.float64)
     target = budgeted.stopping.estimate + 1e-6  # reachable: the budgeted run got there by step 6 at the latest
     stopped.fit(train, steps=50, lr=1e-2, locate_every=2, holdout=holdout, target_barrier=target, progress=False)
     assert stopped.stopping.reached and stopped.stopping.steps <= 6 and stopped.stopping.estimate <= target
 
     torch.manual_seed(0)
-    at_start = DualPath(model_a, model_b, dtype=torch.float64)
+    at_start = DualMatcher(model_a, model_b, dtype=torch.float64)
     assert (
         at_start.fit(train, steps=50, lr=1e-2, holdout=holdout, target_barrier=10.0, progress=False) == []
     )  # reached before any step
@@ -1414,10 +1414,10 @@ def test_trained_matchers_hold_out_the_last_batches_for_the_target_and_report_it
     model_a, model_b, batches = _random_pair_and_batches(16)
     assert holdout_split(batches) == (batches[:14], batches[14:]) and holdout_split(iter(batches))[1] is None
     models = [hf_lmc.canonicalize(m) for m in (model_a, model_b)]
-    matcher = TrainedMatcher(DualPath, batches, learn=LearnOptions(steps=4, target_barrier=0.0), progress=False)
+    matcher = TrainedMatcher(DualMatcher, batches, learn=LearnOptions(steps=4, target_barrier=0.0), progress=False)
     matcher.fit(models)
     assert matcher.stopping.holdout_batches == 2 and matcher.stopping.steps == 4 and len(matcher.losses) == 4
-    untargeted = TrainedMatcher(DualPath, batches, learn=LearnOptions(steps=4, target_barrier=None), progress=False)
+    untargeted = TrainedMatcher(DualMatcher, batches, learn=LearnOptions(steps=4, target_barrier=None), progress=False)
     untargeted.fit(models)
     assert untargeted.stopping.estimate is None and len(untargeted.losses) == 4
 
@@ -1538,7 +1538,7 @@ def test_permutation_only_learning_trains_the_permutations_and_nothing_else(arch
     model_a, model_b = build_model(config, seed=1), build_model(config, seed=2)
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (4, 12), generator=torch.Generator().manual_seed(0))}]
     torch.manual_seed(0)
-    matcher = LearnedPath(
+    matcher = LearnedMatcher(
         model_a, model_b, trained="permutations", permutations="ste", symmetries="permutation", dtype=torch.float64
     )
     trained = [p for p in matcher.parameters() if p.requires_grad]

@@ -535,9 +535,12 @@ def test_every_registry_method_builds_a_matcher(method, count):
     assert _answers_the_matcher_contract(matcher.fit)
 
 
-@pytest.mark.parametrize("path_class", [hf_lmc.LearnedPath, hf_lmc.DualPath, hf_lmc.SimplexPath])
-def test_the_trainable_paths_are_named_for_what_they_are(path_class):
-    """A path's ``fit`` trains it on batches, so it is called a path, not a matcher; the old names alias it."""
-    assert path_class.__name__.endswith("Path")
-    assert list(inspect.signature(path_class.fit).parameters)[:2] == ["path", "batches"]
-    assert getattr(hf_lmc, path_class.__name__.replace("Path", "Matcher")) is path_class
+@pytest.mark.parametrize("matcher_class", [hf_lmc.LearnedMatcher, hf_lmc.DualMatcher, hf_lmc.SimplexMatcher])
+def test_a_trained_matcher_trains_in_a_users_loop_and_answers_a_merge_through_trained_matcher(matcher_class):
+    """The class a training script imports (``from hf_lmc import DualMatcher``) is the trainable
+    path itself: an ``nn.Module`` whose ``fit`` trains it on batches; a merge's one call
+    (``fit(models)``) reaches it through :class:`~hf_lmc.learned.TrainedMatcher`, one name each."""
+    assert issubclass(matcher_class, torch.nn.Module) and matcher_class.__name__.endswith("Matcher")
+    assert list(inspect.signature(matcher_class.fit).parameters)[:2] == ["path", "batches"]
+    assert getattr(hf_lmc, matcher_class.__name__) is matcher_class
+    assert _answers_the_matcher_contract(hf_lmc.TrainedMatcher(matcher_class, []).fit)

@@ -99,7 +99,7 @@ def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
     config = tiny_configs()["llama"]
     model = build_model(config, seed=0, dtype=torch.float64)
     twins = [hf_lmc.to_hf(t) for t in _twins(model, [1, 2])]
-    matcher = hf_lmc.SimplexPath([twins[0], model, twins[1]], learns_first=learns_first, dtype=torch.float64)
+    matcher = hf_lmc.SimplexMatcher([twins[0], model, twins[1]], learns_first=learns_first, dtype=torch.float64)
     inputs = sample_inputs(config)
     assert relative_error(logits(matcher.merge([0.2, 0.5, 0.3]), inputs), logits(model, inputs)) < 1e-5
     # transforms() are of the models as given (their fixed assignments composed back in)
@@ -111,7 +111,7 @@ def test_simplex_matcher_is_exact_at_twins_and_at_vertices(learns_first):
     assert relative_error(logits(rebuilt, inputs), logits(matcher.merge([0.2, 0.5, 0.3]), inputs)) < 1e-10
 
     others = [build_model(config, seed=s) for s in (1, 2, 3)]
-    matcher = hf_lmc.SimplexPath(others, init="identity", learns_first=learns_first, dtype=torch.float64)
+    matcher = hf_lmc.SimplexMatcher(others, init="identity", learns_first=learns_first, dtype=torch.float64)
     trainable = [p for p in matcher.parameters() if p.requires_grad]
     assert trainable and len(matcher.learned) == (3 if learns_first else 2)
     batches = [

@@ -495,7 +495,7 @@ def test_accelerate_options_reach_the_training_loop(tmp_path, monkeypatch):
         seen.update(learn=learn, accelerate=accelerate)
         return []
 
-    monkeypatch.setattr(hf_lmc.DualPath, "fit", fit)
+    monkeypatch.setattr(hf_lmc.DualMatcher, "fit", fit)
     _, a, b = _twins(tmp_path)
     recipe = _recipe(
         models=[str(a), str(b)],

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import hf_lmc
 import hf_lmc.learned.interpolant as interpolant_module
-from hf_lmc import DualPath, EndpointSharding
+from hf_lmc import DualMatcher, EndpointSharding
 from hf_lmc.canonical.exactness import tiny_configs
 from hf_lmc.canonical.form import export_config, skeleton
 from hf_lmc.learned.sharing import share_of
@@ -165,7 +165,7 @@ def _paths(family: str, tensor_parallel: bool):
     models = [build_model(config, seed=s) for s in (1, 2)]
     torch.manual_seed(0)
     sharding = EndpointSharding(layers=False, share_from=0, tensor_parallel=tensor_parallel)
-    return DualPath(*models, init="identity", dtype=torch.float64, shard_endpoints=sharding)
+    return DualMatcher(*models, init="identity", dtype=torch.float64, shard_endpoints=sharding)
 
 
 def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
@@ -198,7 +198,7 @@ def _tensor_parallel_gradients(rank: int, world: int, store: str) -> None:
                         config = tiny_configs()[family]
                         models = [build_model(config, seed=s) for s in (1, 2)]
                         torch.manual_seed(0)
-                        path = DualPath(*models, init="identity", dtype=torch.float64)
+                        path = DualMatcher(*models, init="identity", dtype=torch.float64)
                         batch = {"input_ids": ids}
                     else:
                         path = _paths(family, name == "tensor parallel")

@@ -77,8 +77,8 @@ FINE_TUNE_COSINE = 0.5
 #: which unrelated-looking weights read as one model moved by a symmetry: float32 rounding
 #: against separate trainings (docs/decisions.md#d-inspect-thresholds).
 SAME_GRAM = 1e-3
-#: A rough rate of the passes over data on a GPU: one H100's forward and backward of Pythia-160M
-#: on 32 x 1024 tokens took 0.622 s (docs/results.md, learned_step-20261127); about 5e13 FLOP/s.
+#: A rough rate of the passes over data on a GPU, in FLOP/s: one H100's forward and backward of
+#: Pythia-160M, as the record learned_step-20261127 measured it (docs/results.md).
 GPU_FLOPS = 5.1e13
 
 RELATIONS = {

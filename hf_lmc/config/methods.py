@@ -33,7 +33,7 @@ class Method:
             models / for more (``None``: the method has no transforms, or no form for that
             count). A search method names its matcher; a trained method names its trainable
             path, which :class:`~hf_lmc.learned.TrainedMatcher` trains under the matcher
-            contract (for more than two models in its simplex form, :class:`~hf_lmc.SimplexPath`).
+            contract (for more than two models in its simplex form, :class:`~hf_lmc.SimplexMatcher`).
         pair_card, many_card: how the model card says the models were aligned (two / more).
         when: when to choose it (the README's methods table).
     """
@@ -98,8 +98,8 @@ METHODS: dict[str, Method] = {
             multi=True,
             trained=True,
             moves="B; with 3+ models all but the first",
-            pair_class="LearnedPath",
-            many_class="LearnedPath",
+            pair_class="LearnedMatcher",
+            many_class="LearnedMatcher",
             pair_card="model B's symmetry transform was learned (from the weight-matching solution) to lower the loss "
             "along the linear path, ",
             many_card="aligned by universe weight matching, and then every model's but the first's symmetry transform was "
@@ -113,8 +113,8 @@ METHODS: dict[str, Method] = {
             multi=True,
             trained=True,
             moves="A and B; with 3+ models every model",
-            pair_class="DualPath",
-            many_class="DualPath",
+            pair_class="DualMatcher",
+            many_class="DualMatcher",
             pair_card="both models' symmetry transforms were learned (dual matching, from the weight-matching solution) "
             "toward one shared low-loss linear path, ",
             many_card="aligned by universe weight matching, and then every model's symmetry transform was learned to lower "

@@ -237,7 +237,7 @@ def default_warmup(steps: int) -> int:
 
 
 class LearnOptions(Options):
-    """How learned and dual matching train their transforms (see :class:`hf_lmc.DualPath` and
+    """How learned and dual matching train their transforms (see :class:`hf_lmc.DualMatcher` and
     docs/learned-matching.md). Checked when built, so a conflict fails before any model loads."""
 
     steps: int = Field(

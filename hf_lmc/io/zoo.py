@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast
 
-from hf_lmc.canonical.adapters import adapter_for
+from hf_lmc.canonical.adapters import ADAPTERS, adapter_for
 from hf_lmc.config.zoo_entries import DATA_VERSION, ZOO, ZooEntry  # noqa: F401 (declared there, read here by their old names too)
 from hf_lmc.io.export import GENERATION_CONFIG
 from hf_lmc.io.outputs import discard, move_into_place, staging_folder
@@ -223,7 +223,7 @@ def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
     covers both plays, not just an opening cast list). ViT: the held-out digits as batches.
     """
     entry = _entry(name)
-    if entry.model_type == "vit":
+    if _images(entry):
         test = images(entry)[1]
         n = len(test["labels"])
         return [{k: v[i : i + batch_size] for k, v in test.items()} for i in range(0, n, batch_size)]
@@ -236,6 +236,11 @@ def held_out(name: str | ZooEntry, *, size: int = 32768, batch_size: int = 16):
     return excerpts
 
 
+def _images(entry: ZooEntry) -> bool:
+    """Whether ``entry``'s family reads images (its adapter says; the zoo's data for it is digits)."""
+    return ADAPTERS[entry.model_type].takes_images
+
+
 def fit_batches(
     name: str | ZooEntry, count: int, *, batch_size: int = 16, seed: int = 1234
 ) -> list[dict[str, torch.Tensor]]:
@@ -245,7 +250,7 @@ def fit_batches(
     generator = torch.Generator().manual_seed(seed)
     stream = (
         _image_batches(entry, images(entry)[0], generator)
-        if entry.model_type == "vit"
+        if _images(entry)
         else _lm_batches(entry, train_tokens(entry.vocab_size), generator)
     )
     return [next(stream) for _ in range(count)]
@@ -281,10 +286,10 @@ def _training_split(entry: ZooEntry):
     """``(train, validation)`` for ``entry``: the whole training split and no validation when it
     trains a fixed number of steps; with ``patience``, the last share of the token stream (LMs)
     or of the training images (ViT) is held back as validation batches."""
-    data = images(entry)[0] if entry.model_type == "vit" else train_tokens(entry.vocab_size)
+    data = images(entry)[0] if _images(entry) else train_tokens(entry.vocab_size)
     if entry.patience is None:
         return data, None
-    if entry.model_type == "vit":
+    if _images(entry):
         n = len(data["labels"])
         cut = n - max(entry.batch_size, int(n * _VALIDATION_SHARE))
         held = {k: v[cut:] for k, v in data.items()}
@@ -511,9 +516,7 @@ def train(
     generator = torch.Generator().manual_seed(10_000 + seed)
     train_data, validation = _training_split(entry)
     batches = (
-        _image_batches(entry, train_data, generator)
-        if entry.model_type == "vit"
-        else _lm_batches(entry, train_data, generator)
+        _image_batches(entry, train_data, generator) if _images(entry) else _lm_batches(entry, train_data, generator)
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=entry.lr, weight_decay=0.01, betas=(0.9, 0.98))
 

@@ -7,25 +7,19 @@ interpolated weights. :class:`TrainedMatcher` runs a path under the matchers' sh
 from hf_lmc.learned.endpoints import EndpointSharding
 from hf_lmc.learned.paths import (
     DualMatcher,
-    DualPath,
     LearnedMatcher,
-    LearnedPath,
     PairPath,
     SimplexMatcher,
-    SimplexPath,
     TrainedPath,
 )
 from hf_lmc.learned.training import TrainedMatcher, train
 
 __all__ = [
     "DualMatcher",
-    "DualPath",
     "EndpointSharding",
     "LearnedMatcher",
-    "LearnedPath",
     "PairPath",
     "SimplexMatcher",
-    "SimplexPath",
     "TrainedMatcher",
     "TrainedPath",
     "train",

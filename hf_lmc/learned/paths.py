@@ -2,15 +2,15 @@
 
 The path modules are plain ``nn.Module`` s whose call is the loss at a sampled point of their
 path (:class:`TrainedPath`), so they train in any loop; ``fit`` is the package's loop
-(:func:`hf_lmc.learned.training.train`). Two models share :class:`PairPath`: ``LearnedPath``
-trains B's transform only and ``DualPath`` both models' transforms, toward one shared linear
+(:func:`hf_lmc.learned.training.train`). Two models share :class:`PairPath`: ``LearnedMatcher``
+trains B's transform only and ``DualMatcher`` both models' transforms, toward one shared linear
 path. Both start from weight matching (B's transform) and the identity
 (A's), and evaluate the interpolant with the stock HF class at one ``lambda`` per call: half the
 draws from ``U(0.4, 0.6)``, half near the path's current worst point, which ``fit`` re-locates
 on the latest batches as training moves it. ``merge(alpha)`` hardens the transforms and
 returns a stock model: an exact symmetry of each endpoint at ``alpha = 0`` and ``alpha = 1``.
 
-``SimplexPath`` is the same for M models: each carries a transform toward one shared point,
+``SimplexMatcher`` is the same for M models: each carries a transform toward one shared point,
 starting from universe matching, trained at weights ``w ~ Dirichlet(1)``, uniform over the simplex.
 All three share the loss (:class:`TrainedPath`), the training loop and the interpolant.
 """
@@ -192,7 +192,7 @@ def _labelled(batch: dict[str, Tensor]) -> dict[str, Tensor]:
 class PairPath(TrainedPath):
     """The linear path ``(1 - a) T_A(A) + a T_B(B)`` between two models, trained at sampled
     ``a``: B's transform always, A's where the class sets ``learns_a``
-    (:class:`DualPath`; :class:`LearnedPath` keeps A as it is). Instantiate one of those two.
+    (:class:`DualMatcher`; :class:`LearnedMatcher` keeps A as it is). Instantiate one of those two.
 
     With A's transform trained, a step evaluates the path as ``(1 - a) A + a T_A^-1 T_B(B)``
     (the same path moved by the symmetry ``T_A^-1``: the same loss and gradients), so it moves
@@ -205,7 +205,7 @@ class PairPath(TrainedPath):
             below when it is built, and ``fit`` trains with the rest (steps, learning rates,
             schedule, stopping rule, seed) unless it is given others.
         **overrides: :class:`~hf_lmc.config.options.LearnOptions` fields set over ``options``
-            (``DualPath(a, b, orthogonal="exp")``), checked as the options are.
+            (``DualMatcher(a, b, orthogonal="exp")``), checked as the options are.
         init: ``"weight"`` (B's transform starts at weight matching's solution), ``"identity"``,
             or B's starting :class:`Transform` itself (e.g. :class:`ActivationMatcher`'s, whose
             unit and head assignments come from what the units compute; with
@@ -437,27 +437,27 @@ class PairPath(TrainedPath):
         return to_hf(interpolate(*self.aligned(), alpha))
 
     @classmethod
-    def over_simplex(cls, models: Sequence, options: LearnOptions | None = None, **settings) -> SimplexPath:
-        """This matching for three or more models: a :class:`SimplexPath` whose first model's
+    def over_simplex(cls, models: Sequence, options: LearnOptions | None = None, **settings) -> SimplexMatcher:
+        """This matching for three or more models: a :class:`SimplexMatcher` whose first model's
         transform trains exactly when A's does here (``learns_first=cls.learns_a``)."""
-        return SimplexPath(models, options, learns_first=cls.learns_a, **settings)
+        return SimplexMatcher(models, options, learns_first=cls.learns_a, **settings)
 
 
-class DualPath(PairPath):
+class DualMatcher(PairPath):
     """Both models learn their transforms toward one shared linear path (arguments: :class:`PairPath`)."""
 
     learns_a = True
     label = "dual matching"
 
 
-class LearnedPath(PairPath):
+class LearnedMatcher(PairPath):
     """Only B learns its transform (one-sided learned matching); A stays as it is (arguments: :class:`PairPath`)."""
 
     learns_a = False
     label = "learned matching"
 
 
-class SimplexPath(TrainedPath):
+class SimplexMatcher(TrainedPath):
     """M models learn their transforms toward one shared point: the M-model dual matching.
 
     Every point ``sum_k w_k T_k(theta_k)`` of the simplex the aligned models span should have
@@ -471,7 +471,7 @@ class SimplexPath(TrainedPath):
         init: ``"weight"`` (start from universe matching, :class:`UniverseMatcher`),
             ``"identity"``, or one :class:`Transform` per model.
         learns_first: ``False`` keeps the first model's starting transform fixed (one model
-            anchors the others, as A does in :class:`LearnedPath`); ``True``: all learn.
+            anchors the others, as A does in :class:`LearnedMatcher`); ``True``: all learn.
         options, overrides: as for :class:`PairPath`; of them the simplex reads ``concentration``
             (of the Dirichlet the weights are drawn from) where a pair reads ``lambda_range``,
             ``worst_fraction`` and ``focus`` (``"ensemble"`` mixes the M endpoints at the
@@ -499,7 +499,7 @@ class SimplexPath(TrainedPath):
         learn = self._set_options(options, overrides)
         init_device = launch_device(init_device)
         if len(models) < 2:
-            raise ValueError(f"SimplexPath needs at least 2 models, got {len(models)}")
+            raise ValueError(f"SimplexMatcher needs at least 2 models, got {len(models)}")
         if isinstance(init, str) and init not in INITS:
             raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass one Transform per model")
         self.concentration = float(learn.concentration)
@@ -565,11 +565,3 @@ class SimplexPath(TrainedPath):
         moved = [models[0] if self.fixed_first is not None else hardened.pop(0).apply(models[0])]
         moved += [t.apply(m) for t, m in zip(hardened, models[1:])]
         return to_hf(combine(moved, weights))
-
-
-# The paths' earlier names, kept as aliases so scripts written against them still run. They are
-# trainable paths, not matchers (a matcher answers ``fit(models, weights) -> list[Transform]``;
-# :class:`~hf_lmc.learned.TrainedMatcher` gives a path that contract).
-DualMatcher = DualPath
-LearnedMatcher = LearnedPath
-SimplexMatcher = SimplexPath

@@ -602,10 +602,10 @@ class TrainedMatcher:
     ``fit(models, weights) -> list[Transform]``, one transform per model.
 
     Args:
-        path_class: the two-model path to train, :class:`~hf_lmc.DualPath` (both models'
-            transforms train) or :class:`~hf_lmc.LearnedPath` (B's only). Three or more
+        path_class: the two-model path to train, :class:`~hf_lmc.DualMatcher` (both models'
+            transforms train) or :class:`~hf_lmc.LearnedMatcher` (B's only). Three or more
             models train its simplex form, ``path_class.over_simplex``
-            (:class:`~hf_lmc.SimplexPath`), whose first model's transform trains as A's
+            (:class:`~hf_lmc.SimplexMatcher`), whose first model's transform trains as A's
             does in ``path_class``.
         batches: the training batches (as for :func:`train`).
         learn: the path's and the loop's settings (``seed`` seeds the training draws).

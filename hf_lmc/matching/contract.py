@@ -1,4 +1,4 @@
-"""The contract every search method shares, and its two-model form.
+"""The call every method's matcher answers for a merge, and its two-model form.
 
 A matcher's ``fit(models, weights=None)`` returns one :class:`~hf_lmc.Transform` per model, and
 the merge is ``sum_k weights[k] T_k(models[k])``: weight, activation, universe, learned and dual
@@ -18,11 +18,13 @@ from hf_lmc.symmetry import Transform
 
 @runtime_checkable
 class Matcher(Protocol):
-    """What every search method provides: one transform per model, for merging at ``weights``.
+    """The call a merge makes on a method's matcher: one transform per model, for merging at ``weights``.
 
-    Runtime-checkable, so a test can hold every class the method registry builds to it; the
-    trainable paths (:class:`~hf_lmc.learned.TrainedPath`) are not matchers until
-    :class:`~hf_lmc.learned.TrainedMatcher` trains them.
+    A matcher is what finds a method's transforms. A search matcher answers this call itself; a
+    trained one (:class:`~hf_lmc.learned.DualMatcher` and its kin) is a trainable path, an
+    ``nn.Module`` whose own ``fit(batches)`` trains it in a user's loop, and
+    :class:`~hf_lmc.learned.TrainedMatcher` runs it under this call. Runtime-checkable, so a test
+    can hold every class the method registry builds to it.
     """
 
     def fit(self, models: Sequence[CanonicalModel], weights: Sequence[float] | None = None) -> list[Transform]:

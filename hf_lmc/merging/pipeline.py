@@ -312,12 +312,10 @@ def _read_models(
     return folders, configs, width_notes, inherited_notes
 
 
-#: What the dry run's estimates scale from (docs/decisions.md#d-dry-run-estimates, on 2 CPU cores):
-#: the plain average and weight matching of a Pythia-1B-shaped pair took 17 s and 98 s, a forward
-#: and backward pass of Pythia-160M on 4 × 512 tokens 14.1 s (about 1.4e11 FLOP/s, a forward
-#: being a third of that) and a learned or dual step 2.65 such passes; a streamed merge peaked at
-#: 0.6 (average) to 0.9 (weight) of one checkpoint above 0.42 GB of runtime, and a trained one at
-#: twice both models' float32 weights plus a batch's activations.
+#: What the dry run's estimates scale from, each measured on 2 CPU cores and recorded with its
+#: derivation in docs/decisions.md#d-dry-run-estimates: seconds per billion parameters of the plain
+#: average and of weight matching, the machine's FLOP/s in a forward and backward pass, the passes
+#: a learned or dual step costs, and the runtime's own memory.
 _SECONDS_PER_BILLION = {"average": 17.0, "weight": 100.0}
 _FLOPS = 1.4e11
 _STEP_PASSES = 2.65
