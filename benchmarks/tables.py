@@ -34,7 +34,9 @@ START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 #: existed (a permutation-only start, every group trained); "learned (perm. only)" trains the
 #: permutations alone (benchmarks/suite.py).
 METHOD_ORDER = ("vanilla", "activation", "weight", "learned (perm.)", "learned (perm. only)", "learned", "dual")
-README_LABELS = {"vanilla": "vanilla average"}
+#: How a table names a record's method label: the unaligned baseline is "average" on every surface
+#: (the records keep the key they were written with).
+SHOWN = {"vanilla": "average"}
 TIER_ORDER = ("cpu", "paper", "ci")
 FAMILY_ORDER = ("gpt2", "pythia", "llama", "vit")
 LANGUAGE = ("gpt2", "pythia", "llama")
@@ -163,7 +165,7 @@ def _family_order(items: Sequence[dict]) -> list[dict]:
 
 
 def method_summary(items: Sequence[dict], label: str) -> dict | None:
-    """One method over ``items``: mean ± std, the worst pair, and the ratio to vanilla (the mean and
+    """One method over ``items``: mean ± std, the worst pair, and the ratio to the average (the mean and
     the worst of the per-pair ratios), seconds per pair (mean)."""
     measured = [item for item in items if label in item["barriers"]]
     if not measured:
@@ -218,7 +220,8 @@ def source_note(sources: dict[str, tuple[Path, dict]], root: Path) -> str:
         by_file.setdefault(path, []).append(label)
     for path, labels in sorted(by_file.items(), key=lambda item: item[0].name):
         record = sources[labels[0]][1]
-        lines.append(f"- {', '.join(_order(labels)) or ', '.join(labels)}: {_provenance(path, record, root)}")
+        shown = [SHOWN.get(label, label) for label in (_order(labels) or labels)]
+        lines.append(f"- {', '.join(shown)}: {_provenance(path, record, root)}")
     return "Source:\n\n" + "\n".join(lines)
 
 
@@ -243,12 +246,10 @@ def readme_table(variants: dict[tuple, dict], root: Path) -> str:
         return "No `cpu`-tier record at the defaults under `benchmarks/results/`."
     entry = variants[key]
     items = list(entry["items"].values())
-    rows = ["| method | barrier, mean ± std | worst pair | ratio to vanilla, mean (worst) |", "|---|---|---|---|"]
+    rows = ["| method | barrier, mean ± std | worst pair | ratio to average, mean (worst) |", "|---|---|---|---|"]
     for label in _order(entry["sources"]):
         summary = summary_of(entry, items, label)
-        rows.append(
-            f"| {README_LABELS.get(label, label)} | {summary['spread']} | {summary['worst']} | {summary['ratio']} |"
-        )
+        rows.append(f"| {SHOWN.get(label, label)} | {summary['spread']} | {summary['worst']} | {summary['ratio']} |")
     sources = "; ".join(_provenance(path, record, root) for path, record in _unique(entry["sources"].values()))
     return "\n".join(rows) + f"\n\n{len(items)} pairs{_summarised(entry)}. Source: {sources}."
 
@@ -258,7 +259,7 @@ def _summarised(entry: dict) -> str:
     labels = _order(entry.get("summaries", {}))
     if not labels:
         return ""
-    return f"; the {', '.join(labels)} row over all pairs is the summary its record states (per-pair figures not kept)"
+    return f"; the {', '.join(SHOWN.get(label, label) for label in labels)} row over all pairs is the summary its record states (per-pair figures not kept)"
 
 
 def _unique(sources) -> list[tuple[Path, dict]]:
@@ -284,7 +285,7 @@ def suite_section(key: tuple, entry: dict, root: Path) -> list[str]:
         "",
         f"### {describe(key)}",
         "",
-        "| family | method | pairs | barrier, mean ± std | worst pair | ratio to vanilla, mean (worst) | seconds per pair |",
+        "| family | method | pairs | barrier, mean ± std | worst pair | ratio to average, mean (worst) | seconds per pair |",
         "|---|---|---|---|---|---|---|",
     ]
     for group, members in groups:
@@ -292,10 +293,14 @@ def suite_section(key: tuple, entry: dict, root: Path) -> list[str]:
             summary = summary_of(entry, members, label)
             if summary:
                 out.append(
-                    f"| {group} | {label} | {summary['pairs']} | {summary['spread']} | "
+                    f"| {group} | {SHOWN.get(label, label)} | {summary['pairs']} | {summary['spread']} | "
                     f"{summary['worst']} ({summary['worst_pair']}) | {summary['ratio']} | {summary['seconds']} |"
                 )
-    out += ["", "| pair | varies | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    out += [
+        "",
+        "| pair | varies | " + " | ".join(SHOWN.get(label, label) for label in labels) + " |",
+        "|---|---|" + "---|" * len(labels),
+    ]
     for item in items:
         cells = " | ".join(f"{item['barriers'][label]:.3f}" if label in item["barriers"] else "—" for label in labels)
         out.append(f"| {item['name']} | {item['varies']} | {cells} |")
@@ -320,10 +325,10 @@ def triples_section(key: tuple, entry: dict, root: Path) -> list[str]:
         measured = [item for item in items if label in item["barriers"]]
         worst = max(measured, key=lambda item: item["barriers"][label])
         out.append(
-            f"| {label} | {len(measured)} | {_spread([item['barriers'][label] for item in measured])} | "
+            f"| {SHOWN.get(label, label)} | {len(measured)} | {_spread([item['barriers'][label] for item in measured])} | "
             f"{worst['barriers'][label]:.3f} ({worst['name']}) | {_spread([item['mean_excess'][label] for item in measured])} |"
         )
-    out += ["", "| triple | " + " | ".join(f"{label}: worst / mean" for label in labels) + " |"]
+    out += ["", "| triple | " + " | ".join(f"{SHOWN.get(label, label)}: worst / mean" for label in labels) + " |"]
     out.append("|---|" + "---|" * len(labels))
     for item in items:
         cells = " | ".join(

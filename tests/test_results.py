@@ -76,7 +76,7 @@ def test_the_newest_record_of_a_method_wins_and_the_others_keep_theirs(tmp_path)
     (results / "suite-a.json").write_text(json.dumps(older))
     (results / "suite-b.json").write_text(json.dumps(newer))
     table = tables.readme_table(tables.merged(tables.load(results)), root)
-    assert "| vanilla average | 1.500 ± 0.707 | 2.000 | 1.00 |" in table
+    assert "| average | 1.500 ± 0.707 | 2.000 | 1.00 |" in table
     assert "| dual | 0.200 ± 0.141 | 0.300 | 0.17 (0.30) |" in table
     assert "suite-a.json" in table and "suite-b.json" in table
 

@@ -1,4 +1,4 @@
-"""``hf-lmc barrier``: the loss barrier along the vanilla and aligned paths, or over the simplex
+"""``hf-lmc barrier``: the loss barrier along the average's and the aligned paths, or over the simplex
 (:mod:`hf_lmc.evaluation.barriers`)."""
 
 from __future__ import annotations

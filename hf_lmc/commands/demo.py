@@ -2,7 +2,7 @@
 
 Takes one small GPT-2 pair trained on the shipped Shakespeare plays from two seeds (the pair
 the package ships, unpacked into the zoo cache; trained afresh with ``train=True`` or other
-``steps``), merges it with weight matching, measures the barrier of vanilla averaging and of
+``steps``), merges it with weight matching, measures the barrier of the plain average and of
 the aligned path on held-out plays, and writes the merged model (card and plot included).
 """
 

@@ -2,7 +2,7 @@
 
 ``barrier = max_alpha [ L((1-alpha) A + alpha B) - ((1-alpha) L(A) + alpha L(B)) ]`` over an
 evenly spaced alpha grid (:data:`~hf_lmc.config.options.PATH_POINTS` points by default). ``average`` interpolates the stock HF
-parameters as they are (the vanilla baseline); every other method of :mod:`hf_lmc.merging.alignment`
+parameters as they are (the unaligned baseline); every other method of :mod:`hf_lmc.merging.alignment`
 interpolates canonical forms after aligning the models.
 
 For M models the path becomes the simplex they span, and the barrier its worst point:
@@ -58,7 +58,7 @@ class BarrierResult:
         return {method: loss_barrier(self.alphas, losses) for method, losses in self.losses.items()}
 
     def table(self) -> str:
-        """A markdown table: barrier per method and its ratio to vanilla averaging."""
+        """A markdown table: barrier per method and its ratio to the plain average."""
         vanilla = self.barriers.get("average")
         rows = ["| method | loss at α=0.5 | barrier | ratio to average |", "|---|---|---|---|"]
         middle = min(range(len(self.alphas)), key=lambda i: abs(self.alphas[i] - 0.5))

@@ -5,7 +5,7 @@ Every method (:mod:`hf_lmc.config.methods`) yields one exact transform per model
 entry names the matcher class that fits the method for two models and for more, and every
 matcher answers the one contract ``fit(models, weights) -> list[Transform]``: the search
 methods directly, the trained methods through :class:`~hf_lmc.learned.TrainedMatcher`, which
-trains the named path. ``average`` is the vanilla baseline and has no transforms.
+trains the named path. ``average`` is the unaligned baseline and has no transforms.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The ``average`` method's tensors: the plain weighted average of the stored checkpoints.
 
 Models of one shape average their HF tensors as stored, with no canonical form and no
-transform: the vanilla baseline every aligned merge is measured against. The tensors stream one
+transform: the unaligned baseline every aligned merge is measured against. The tensors stream one
 layer at a time, summed in float32 and kept in the first model's dtype.
 """
 

@@ -135,7 +135,7 @@ class RecipeResult:
         return [run for run in self.runs if run.status == FAILED]
 
     def table(self) -> str:
-        """Markdown: barrier per group of models (rows) and method (columns), vanilla average first;
+        """Markdown: barrier per group of models (rows) and method (columns), the average first;
         a run that failed, or was skipped after one failed (``output.fail_fast``), shows its status
         in its cell."""
         unfinished = {(run.group, run.method): run.status for run in self.runs if not run.ok}
