@@ -73,6 +73,25 @@ def test_a_weight_beyond_float16_is_refused_by_the_dry_run_as_by_the_merge(metho
     assert _run([*args[:-4], "--dtype", "bfloat16", "--dry-run"], capsys)[0] == 0
 
 
+def test_a_plain_average_into_a_half_precision_first_model_is_refused_not_written_as_inf(tmp_path, capsys):
+    """A float16 A and a float32 B holding 2e5 (half of it, the average, is beyond float16): with no --dtype the average keeps A's dtype, where
+    the sum does not fit. Both runs refuse it naming the tensor and --dtype (it used to be written
+    as inf); with --dtype float32 it merges, finite."""
+    a, b = _pair(tmp_path, "gpt2", lambda m: m.transformer.h[0].mlp.c_fc.weight.__setitem__((0, 0), 2e5), only_b=True)
+    half = build_model(tiny_configs()["gpt2"], seed=1, dtype=torch.float16)
+    half.save_pretrained(a)
+    out = tmp_path / "out"
+    args = ["merge", a, b, "-o", str(out), "--method", "average", "--device", "cpu"]
+    for code, errors in _dry_and_real(args, capsys):
+        assert code == 2 and len(errors) == 1 and "h.0.mlp.c_fc.weight" in errors[0] and "--dtype" in errors[0], errors
+    assert not out.exists()
+    assert _run([*args, "--dtype", "float32", "-q"], capsys)[0] == 0
+    from safetensors.torch import load_file
+
+    merged = load_file(str(out / "model.safetensors"))
+    assert all(bool(torch.isfinite(t).all()) for t in merged.values() if t.is_floating_point())
+
+
 def _large_folded_gain(model) -> None:
     """A norm gain and the column it scales, each within float16, whose product (the folded
     reader an aligned merge writes) is not: 2000 * 50 = 1e5 > 65504."""

@@ -442,6 +442,7 @@ def plan(request: MergeRequest, *, progress: bool = True, api=None) -> Plan:
         [weights[k] for k in read],
         width_notes,
         dtype,
+        every_model=all(here),
         progress=progress,
     )
     evaluation = None
@@ -523,6 +524,7 @@ def check_weights(
     width_notes: Sequence[str],
     dtype: torch.dtype | None,
     *,
+    every_model: bool = True,
     progress: bool = True,
 ) -> None:
     """Read every tensor of the models in ``folders`` once, as the merge reads it, and refuse what
@@ -536,26 +538,31 @@ def check_weights(
     average, else each model's canonical form exported alone, so that its norm gains and shifts
     are folded into the readers by the very code that folds them in the merge. The estimate is
     exact for models that agree and bounds any merge by permutations; transforms that rescale
-    (``mlp_scale``, rotations) can move the merged tensors' range either way."""
+    (``mlp_scale``, rotations) can move the merged tensors' range either way. A plain average with
+    no ``dtype`` keeps each tensor in the first model's dtype, and is checked against it where
+    ``every_model`` was read."""
     estimate: dict[str, float] = {}
     streamed = method != "average" or bool(width_notes)  # group by group through the canonical form
     total = sum(len(list(adapter_for(c).spec(c).groups())) for c in configs) if streamed else None
     unit = "group" if streamed else "tensor"
     with progress_bar(total=total, desc="reading weights", unit=unit, show=progress) as counter:
+        as_read: dict[str, torch.dtype] = {}  # the first model's dtype per tensor: the average's, with no --dtype
         for weight, folder, config in zip(weights, folders, configs):
             largest: dict[str, float] = {}
             for key, tensor in _tensors_as_merged(method, folder, config, width_notes, counter):
+                if tensor.is_floating_point():
+                    as_read.setdefault(key, tensor.dtype)
                 if tensor.is_floating_point() and tensor.numel():
                     low, high = torch.aminmax(tensor.detach())  # no copy of the tensor, as abs() would make
                     largest[key] = max(largest.get(key, 0.0), -float(low), float(high))
             for key, value in largest.items():
                 estimate[key] = estimate.get(key, 0.0) + weight * value
-    if dtype is None:  # written as read (nothing is cast), or not every model's tensors are here
-        return
     for key, value in estimate.items():
-        if overflows(value, dtype):
+        as_read_by_a = every_model and method == "average" and not width_notes  # no --dtype: A's dtype, per tensor
+        target = dtype or (as_read.get(key) if as_read_by_a else None)
+        if target is not None and overflows(value, target):
             raise ParameterError(
-                f"{key} would overflow {str(dtype).removeprefix('torch.')} in the merge (the models' largest "
+                f"{key} would overflow {str(target).removeprefix('torch.')} in the merge (the models' largest "
                 f"magnitudes there, weighted, reach {value:.3g}); write it with {{}} bfloat16 or float32",
                 "dtype",
             )
@@ -720,7 +727,7 @@ def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Al
     )
     if request.method == "average" and not inputs.width_notes:
         checkpoints = open_checkpoints(inputs.folders, inputs.configs)
-        groups = average_groups(checkpoints, inputs.weights)
+        groups = average_groups(checkpoints, inputs.weights, inputs.out_dtype)
         return Aligned(config_a, groups, None, False, None, inputs.out_dtype, sources=tuple(checkpoints))
     needs_data = METHODS[request.method].needs_data
     # Weight matching reads every layer on the device from the start; the data methods'
