@@ -24,7 +24,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, NonNegativeInt, ValidationError
@@ -33,9 +33,6 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from hf_lmc.canonical.spec import ArchSpec
-
-if TYPE_CHECKING:
-    from hf_lmc.symmetry.engine import Transform
 from hf_lmc.symmetry.groups import (
     SYMMETRY_TOLERANCE,
     AttentionMap,
@@ -153,9 +150,15 @@ def _encode(space: str, element: Element) -> tuple[StoredElement, dict[str, Tens
     raise TypeError(f"cannot save a {type(element).__name__} (space {space})")
 
 
+class _Maps(Protocol):
+    """What saving reads of a transform (:class:`hf_lmc.symmetry.Transform`): its elements by space."""
+
+    maps: dict[str, Element]
+
+
 def save_transforms(
     path: str | Path,
-    transforms: Sequence[Transform],
+    transforms: Sequence[_Maps],
     spec: ArchSpec,
     *,
     names: Sequence[str] | None = None,
