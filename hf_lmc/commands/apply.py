@@ -386,8 +386,6 @@ def _quiet_transformers():
 
 def main(args: argparse.Namespace) -> int:
     options = APPLY.build(args)
-    from hf_lmc.commands.apply import apply_transforms
-
     applied = apply_transforms(
         args.transforms,
         args.model,

@@ -126,8 +126,6 @@ def main(args: argparse.Namespace) -> int:
     if not silenced():  # what the next seconds (or minutes) are spent on, before the imports take the first of them
         print(f"hf-lmc demo: {_demo_plan(args)}", file=sys.stderr)
     _small_blocks_from_the_heap()
-    from hf_lmc.commands.demo import run_demo
-
     cache = None if args.cache_dir is None else Path(args.cache_dir)
     result = run_demo(args.output, steps=args.steps, eval_chars=args.eval_chars, cache=cache, train=args.train)
     a, b = result.train_loss

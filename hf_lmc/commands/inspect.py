@@ -485,8 +485,6 @@ def main(args: argparse.Namespace) -> int:
     if count < 2:
         raise UsageError(f"inspect needs at least 2 models, got {count}")
     revisions = model_revisions(args, count)
-    from hf_lmc.commands.inspect import inspect_models
-
     report = inspect_models(args.models, revisions=revisions, symmetries=args.symmetries)
     print(report.to_json() if args.json else report.table())
     return 0
