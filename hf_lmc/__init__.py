@@ -43,6 +43,8 @@ _PUBLIC = {
     "LearnOptions": "config.options",
     "MergeRequest": "config.options",
     "OutputOptions": "config.options",
+    "AlignResult": "merging.aligned",
+    "align_models": "merging.aligned",
     "MergeResult": "merging.pipeline",
     "merge": "merging.pipeline",
     "merge_models": "merging.pipeline",
@@ -61,6 +63,7 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "METHODS",
     "AccelerateOptions",
     "ActivationMatcher",
+    "AlignResult",
     "ArchSpec",
     "BarrierResult",
     "CanonicalModel",
@@ -85,6 +88,7 @@ __all__ = [  # the names of _PUBLIC and __version__, written out: the form linte
     "UnsupportedModelError",
     "WeightMatcher",
     "__version__",
+    "align_models",
     "apply_transforms",
     "barrier",
     "canonicalize",
@@ -139,6 +143,7 @@ if TYPE_CHECKING:  # the names as static analysis and IDEs see them
         TrainedMatcher,
     )
     from hf_lmc.matching import ActivationMatcher, UniverseMatcher, WeightMatcher
+    from hf_lmc.merging.aligned import AlignResult, align_models
     from hf_lmc.merging.pipeline import MergeResult, merge, merge_models
     from hf_lmc.merging.sweep import RecipeResult, run_recipe
     from hf_lmc.symmetry import Transform, random_symmetry

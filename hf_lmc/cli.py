@@ -22,10 +22,12 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 
 from hf_lmc.commands.common import (
     ACCELERATE,
+    ALIGNED_OUTPUT,
     APPLY,
     BATCHES,
     CHECK,
@@ -34,6 +36,7 @@ from hf_lmc.commands.common import (
     EXIT_INTERRUPTED,
     EXPLAIN,
     FIGURE_OUTPUT,
+    FIT_BATCHES,
     FIT_SOURCE,
     LEARN,
     MOVED_OUTPUT,
@@ -51,6 +54,8 @@ from hf_lmc.version import __version__
 EXAMPLES = """\
 examples:
   hf-lmc demo                                                         # train a pair, merge, barrier table
+  hf-lmc demo --write-plays .                                         # the shipped plays as text: ./train.txt, ./plays.txt
+  hf-lmc merge org/model-a org/model-b --push-to-hub                 # into ./model-a-model-b-merged, pushed to your namespace
   hf-lmc merge org/model-a org/model-b --output ./merged              # weight matching, alpha 0.5
   hf-lmc merge ./a ./b --output ./merged --dry-run                    # check everything, estimate size and time, write nothing
   hf-lmc merge ./a ./b --output ./merged --eval-data plays.txt --push-to-hub user/merged
@@ -60,10 +65,12 @@ examples:
   hf-lmc merge ./a ./b --output ./learned --method learned --data sampled   # learn on text the models sample
   hf-lmc merge ./a ./b ./c --output ./abc --weights 0.5 0.25 0.25     # universe matching of 3 models
   hf-lmc merge ./a ./b -o ./merged --eval-data Salesforce/wikitext --eval-data-name wikitext-2-raw-v1
+  hf-lmc align ./a ./b --output ./aligned                             # A and aligned B as stock checkpoints, for mergekit
   hf-lmc barrier ./a ./b --eval-data plays.txt --plot path.png        # average vs aligned path
-  hf-lmc barrier ./a ./b --eval-data test.txt --method learned --data train.txt
+  hf-lmc barrier ./a ./b --eval-data plays.txt --method learned --data train.txt
   hf-lmc barrier ./a ./b ./c --eval-data plays.txt --plot simplex.png # 3+ models: worst point of the simplex
   hf-lmc explain ./a ./b --eval-data plays.txt --plot why.png          # which tensors carry the barrier
+  hf-lmc explain ./a ./b --eval-data plays.txt --dry-run              # its cost (passes x tokens), nothing evaluated
   hf-lmc apply ./merged ./b-later-checkpoint -o ./b-moved              # a model moved by the transform a merge saved
   hf-lmc apply ./merged ./b-lora -o ./b-lora-moved --base-model ./b   # B's LoRA adapter, carried into the merge's basin
   hf-lmc check ./my-llama EleutherAI/pythia-14m --compute-dtype float64  # prove the rewrite exact
@@ -85,21 +92,28 @@ def _examples(command: str) -> str:
     return "examples:\n" + "\n".join(lines) + "\n"
 
 
-def _add_data_options(parser: argparse.ArgumentParser, *, eval_required: bool, grid: bool = True) -> None:
-    """The data flags every command names alike: the evaluation data (with the alpha grid), the
-    fitting data, how both are batched, and the learned methods' training options (all but the
-    data paths generated from :mod:`hf_lmc.config.options`)."""
-    evaluation = parser.add_argument_group(
-        "evaluation data" + ("" if eval_required else " (optional: adds the barrier table and plot to the card)")
-    )
-    REQUEST.add_to(evaluation, ["eval_data"], eval_data=eval_required)
-    EVAL_SOURCE.add_to(evaluation)
-    if grid:
-        REQUEST.add_to(evaluation, ["alphas"])
+def _add_data_options(
+    parser: argparse.ArgumentParser, *, eval_required: bool, grid: bool = True, evaluation: bool = True
+) -> None:
+    """The data flags every command names alike: the evaluation data (with the alpha grid; not
+    with ``evaluation`` false: a command that measures nothing), the fitting data, how both are
+    batched, and the learned methods' training options (all but the data paths generated from
+    :mod:`hf_lmc.config.options`)."""
+    if evaluation:
+        measured = parser.add_argument_group(
+            "evaluation data" + ("" if eval_required else " (optional: adds the barrier table and plot to the card)")
+        )
+        REQUEST.add_to(measured, ["eval_data"], eval_data=eval_required)
+        EVAL_SOURCE.add_to(measured)
+        if grid:
+            REQUEST.add_to(measured, ["alphas"])
     fitting = parser.add_argument_group("fitting data (--method activation, learned, dual)")
     REQUEST.add_to(fitting, ["data"])
     FIT_SOURCE.add_to(fitting)
-    BATCHES.add_to(parser.add_argument_group("batching (both data sets)"))
+    if evaluation:
+        BATCHES.add_to(parser.add_argument_group("batching (both data sets)"))
+    else:
+        FIT_BATCHES.add_to(parser.add_argument_group("batching"))
     learn = parser.add_argument_group(
         "learned and dual matching",
         "learned (B learns) and dual (A and B learn) matching train the symmetry transforms on the loss along the path, "
@@ -137,7 +151,8 @@ def _add_messages(parser: argparse.ArgumentParser) -> None:
         "-q",
         "--quiet",
         action="store_true",
-        help="no progress bars (as TQDM_DISABLE=1 does); results, warnings and errors still print",
+        help="print results and errors only: no progress bars (as TQDM_DISABLE=1 does), notes, warnings or libraries' "
+        "messages on stderr; with -v, a log of the stages without bars",
     )
     group.add_argument(
         "-v",
@@ -181,6 +196,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_messages(merge)
     merge.set_defaults(run="hf_lmc.commands.merge:main")
 
+    aligned = commands.add_parser(
+        "align",
+        help="write every model of a merge, aligned and not interpolated, as stock checkpoints for other merging tools",
+        description="Align the models as `hf-lmc merge` does (weight matching by default) and write each, moved by the\n"
+        "symmetry found for it and interpolated with nothing, as a stock HF checkpoint in OUTPUT/<name>/ (the model's\n"
+        "folder or Hub name; model-1, model-2, ... where two names are the same): the first model is the reference,\n"
+        "rewritten into the canonical form the others are written in, so a linear merge of the folders is hf-lmc's\n"
+        "merge. Each folder has a card and the transforms (transforms.safetensors, transforms.json); mergekit and other\n"
+        "tools then merge models that share no base (docs/mergekit.md).",
+        epilog=_examples("align"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model_options(aligned)
+    REQUEST.add_to(aligned.add_argument_group("compute"), ["device"])
+    out = aligned.add_argument_group("output")
+    ALIGNED_OUTPUT.add_to(out, output=True)
+    OUTPUT.add_to(out, ["shard_size", "dtype", "overwrite", "tokenizer_from", "inherit_from_a"])
+    _add_data_options(aligned, eval_required=False, evaluation=False)
+    _add_messages(aligned)
+    aligned.set_defaults(run="hf_lmc.commands.align:main")
+
     bar = commands.add_parser(
         "barrier",
         help="measure the loss barrier along the average's and the aligned linear paths (or over the simplex of 3+ models)",
@@ -210,14 +246,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Move the groups of tensors (embeddings; per layer the attention's QK and OV pairs and the MLP; the head)\n"
         "one at a time from each end of the path to its midpoint, on the average's path and on the path --method aligns, and\n"
         "print each group's part of the midpoint's excess (nats; positive = adds to the barrier). The parts add up to the\n"
-        "excess; they are averaged over --orders orders of moving the groups, and their range over the orders is shown.",
+        "excess; they are averaged over --orders orders of moving the groups, and their range over the orders is shown.\n"
+        "Every move is one pass over the evaluation data, so explain reads its first batches only unless told otherwise,\n"
+        "and says how many passes over how many tokens before it starts (--dry-run: that alone).",
         epilog=_examples("explain"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_options(why, pair=True)
     _add_data_options(why, eval_required=True, grid=False)
     report = why.add_argument_group("report")
-    EXPLAIN.add_to(report, ["orders"])
+    EXPLAIN.add_to(report, ["orders", "all_eval_data"])
+    report.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the models' configs, the data and --plot, and print the cost (passes x tokens) without loading a weight "
+        "or evaluating",
+    )
     report.add_argument(
         "--plot",
         default=None,
@@ -258,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     DEMO.add_to(demo, ["output", "train"])
     DEMO.add_to(demo.add_argument_group("quick runs"), ["steps", "eval_chars", "cache_dir"])
+    DEMO.add_to(demo.add_argument_group("data for the examples"), ["write_plays"])
     _add_messages(demo)
     add_renamed(demo, "demo")
     demo.set_defaults(run="hf_lmc.commands.demo:main")
@@ -422,7 +467,9 @@ def _messages(args: argparse.Namespace):
     """How much a command says, for the length of the command: hf_lmc's module loggers print
     warnings (``-v``: what each stage does; ``-vv``: details, and transformers' info messages)
     as ``hf-lmc: ...`` lines on stderr; ``--quiet`` turns every progress bar off, hf_lmc's,
-    transformers' and huggingface_hub's. transformers' notice that a GPT-2 gets the default loss
+    transformers' and huggingface_hub's, and (without ``-v``) every warning: hf_lmc's,
+    transformers' logged ones and Python's (the libraries' deprecation notices), so that
+    nothing but errors reaches stderr. transformers' notice that a GPT-2 gets the default loss
     (:class:`_DefaultLossNotice`) shows only under ``-vv``. Everything is put back afterwards, so
     that ``main`` can be called from Python."""
     verbose, quiet = getattr(args, "verbose", 0), getattr(args, "quiet", False)
@@ -430,19 +477,27 @@ def _messages(args: argparse.Namespace):
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("hf-lmc: %(message)s"))
     environment = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"} if quiet else {}
-    if verbose > 1:
-        environment["TRANSFORMERS_VERBOSITY"] = "info"
+    silent = quiet and not verbose  # nothing but errors
+    if verbose > 1 or silent:
+        environment["TRANSFORMERS_VERBOSITY"] = "info" if verbose > 1 else "error"
     saved = log.level, log.propagate, {key: os.environ.get(key) for key in environment}
     log.addHandler(handler)
     notice, loss_notice = logging.getLogger("transformers.modeling_utils"), _DefaultLossNotice()  # where it is logged
     if verbose < 2:
         notice.addFilter(loss_notice)
-    log.setLevel(logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.WARNING)
+    log.setLevel(
+        logging.DEBUG if verbose > 1 else logging.INFO if verbose else logging.ERROR if silent else logging.WARNING
+    )
     log.propagate = False
     os.environ.update(environment)  # read when a library is imported or a bar is made
-    verbosity = _library_messages(quiet=quiet, verbose=verbose > 1)  # libraries already imported are told directly
+    verbosity = _library_messages(
+        quiet=quiet, verbose=verbose > 1, silent=silent
+    )  # libraries already imported are told directly
     try:
-        yield
+        with warnings.catch_warnings():  # the filters as they were, afterwards
+            if silent:
+                warnings.simplefilter("ignore")
+            yield
     finally:
         log.removeHandler(handler)
         notice.removeFilter(loss_notice)
@@ -457,10 +512,11 @@ def _messages(args: argparse.Namespace):
             _library_messages(quiet=False, verbose=False, verbosity=verbosity)
 
 
-def _library_messages(*, quiet: bool, verbose: bool, verbosity: int | None = None) -> int | None:
+def _library_messages(*, quiet: bool, verbose: bool, verbosity: int | None = None, silent: bool = False) -> int | None:
     """Turn the progress bars of transformers and huggingface_hub off (``quiet``) or back on,
-    and transformers' verbosity to info (``verbose``) or back to ``verbosity``, where they are
-    already imported (a fresh process reads the environment when it imports them). Returns
+    and transformers' verbosity to info (``verbose``), to errors only (``silent``) or back to
+    ``verbosity``, where they are already imported (a fresh process reads the environment when
+    it imports them). Returns
     transformers' verbosity as it was. Bars that ``HF_HUB_DISABLE_PROGRESS_BARS`` turned off
     when huggingface_hub was imported stay off."""
     locked = False
@@ -484,6 +540,8 @@ def _library_messages(*, quiet: bool, verbose: bool, verbosity: int | None = Non
     before = hf_logging.get_verbosity()
     if verbose:
         hf_logging.set_verbosity_info()
+    elif silent:
+        hf_logging.set_verbosity_error()
     elif verbosity is not None:
         hf_logging.set_verbosity(verbosity)
     return before

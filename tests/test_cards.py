@@ -1,6 +1,6 @@
 """Model cards tell the truth, on every route that writes one: the evaluation data is named as
-what it is (a Hub dataset by its id, anything else as local), ``model-index`` holds the merged
-model's own barrier (the plain average's is the baseline it is measured against), the
+what it is (a Hub dataset by its id, in ``model-index`` and linked; anything else as local data,
+in the text alone and never as a dataset link), ``model-index`` holds the merged model's own barrier (the plain average's is the baseline it is measured against), the
 Reproduce section gives the command (or recipe, or settings) that made it with user paths
 reduced to their last part, and the title names the models as a person named them."""
 
@@ -22,7 +22,7 @@ from hf_lmc.merging.sweep import _Source, run_recipe, run_request
 from tests.test_inherited import _pair
 
 TEXT = "abc cab bca. " * 40
-#: Each kind of card: (method, how model-index names the data, words of the Reproduce section, title).
+#: Each kind of card: (method, how the text names the (local) data, words of the Reproduce section, title).
 KINDS = {
     "cli": ("weight", "eval.txt", "hf-lmc merge a b -o cli", "Merge of a and b"),
     "python": ("weight", "data passed as a list", "hf_lmc.MergeRequest(**settings)", "Merge of a and b"),
@@ -75,13 +75,12 @@ def _folder(made: Path, kind: str) -> Path:
 def test_each_kind_of_card_loads_and_says_what_is_so(made, kind):
     method, data_name, command, title = KINDS[kind]
     card = ModelCard.load(_folder(made, kind) / "README.md")
-    index = card.data.to_dict()["model-index"][0]
-    assert index["name"] == title and f"\n# {title}\n" in card.content
-    (result,) = index["results"]
-    assert result["dataset"]["type"] == "local" and data_name in result["dataset"]["name"]  # never a made-up Hub id
-    # the merged model's own barrier alone: the plain average's is the baseline, in the body
-    assert [m["name"] for m in result["metrics"]] == [f"loss barrier, {method} (nats)"]
+    assert f"\n# {title}\n" in card.content
+    # local data: no model-index result, whose dataset the Hub would link as a dataset page that is not there
+    assert "model-index" not in card.data.to_dict() and "huggingface.co/datasets" not in card.content
     body, reproduce = card.text.split("## Reproduce")
+    measured_on = re.search(r"^Measured on `([^`]*)` \(local data", body, re.MULTILINE)
+    assert measured_on is not None and data_name in measured_on.group(1)
     assert re.search(r"^\| average \|", body, re.MULTILINE)
     assert "baseline" in body
     if method == "average":
@@ -115,17 +114,7 @@ def test_evaluation_data_is_named_as_a_hub_dataset_only_where_it_is_one():
     spec = run_request(recipe, "weight", sources, Path("out/weight"), None, ["loaded text"])
     assert eval_source(spec) == hub  # a recipe's Hub dataset, loaded once, is still named by its id
 
-    card = merge_card(
-        base_models=["a", "b"],
-        method="dual",
-        symmetries=["mlp"],
-        alpha_or_weights=0.5,
-        license=None,
-        model_type="gpt2",
-        barriers={"average": 0.5, "dual": 0.01},
-        barrier_table="| method | barrier |",
-        eval_data=hub,
-    )
+    card = _measured_card("dual", 0.01, hub)
     (result,) = card.data.to_dict()["model-index"][0]["results"]
     assert result["dataset"] == {
         "name": "Salesforce/wikitext",
@@ -134,6 +123,39 @@ def test_evaluation_data_is_named_as_a_hub_dataset_only_where_it_is_one():
         "split": "test",
     }
     assert [(m["name"], m["value"]) for m in result["metrics"]] == [("loss barrier, dual (nats)", 0.01)]
+    assert (
+        "Measured on the Hub dataset [`Salesforce/wikitext`](https://huggingface.co/datasets/Salesforce/wikitext)"
+        in card.text
+    )
+
+
+def _measured_card(method: str, barrier: float, eval_data):
+    """The card of a merge of ``a`` and ``b`` by ``method`` whose barrier was measured on ``eval_data``."""
+    return merge_card(
+        base_models=["a", "b"],
+        method=method,
+        symmetries=["mlp"],
+        alpha_or_weights=0.5,
+        license=None,
+        model_type="gpt2",
+        barriers={"average": 0.5, method: barrier},
+        barrier_table="| method | barrier |",
+        eval_data=eval_data,
+    )
+
+
+@pytest.mark.parametrize(
+    "eval_data", ["plays.txt", "/home/someone/data/plays.txt", DataSource("data passed as a list")]
+)
+def test_local_evaluation_data_is_named_in_the_text_with_no_dataset_link(eval_data):
+    """The Hub renders a model-index dataset as a link to its dataset page: local data has none,
+    so the card names it by its file name in the text, and model-index (and any link) is left out."""
+    card = _measured_card("weight", 0.1, eval_data)
+    metadata = card.data.to_dict()
+    assert "model-index" not in metadata and "local" not in str(metadata)
+    assert "huggingface.co/datasets" not in card.content and "/home/someone" not in card.content
+    name = eval_data.name if isinstance(eval_data, DataSource) else Path(eval_data).name
+    assert f"Measured on `{name}` (local data" in card.text
 
 
 def test_an_aligned_merge_saves_its_transforms_and_its_card_says_how_to_load_them(tmp_path):

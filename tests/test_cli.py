@@ -463,12 +463,16 @@ sys.exit(code)
         ["explain", "./a", "./b", "./c", "--eval-data", "x.txt"],  # explain compares two models, as its help says
         ["explain", "./a", "./b", "--eval-data", "x.txt", "--method", "dual"],
         ["explain", "./a", "./b", "--eval-data", "x.txt", "--orders", "0"],
+        ["align", "./a", "./b", "-o", "a/inside"],  # align writes by the same protocol
+        ["align", "./a", "./b", "-o", "new", "--method", "average"],  # a method that finds no symmetries
+        ["align", "./a", "-o", "new"],  # one model
     ],
 )
 def test_usage_errors_come_before_torch_is_imported(argv, tmp_path):
     """Every refusal that needs no model (flags, weights, the method against the data, the output
     folder against the inputs) exits 2 before torch, transformers or huggingface_hub are imported."""
     (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "note.txt").write_text("mine")  # an empty folder would be taken as the output
     (tmp_path / "a").mkdir()
     run = subprocess.run(
         [sys.executable, "-c", _HEAVY_AT_EXIT, json.dumps(argv)],
@@ -490,6 +494,7 @@ def test_a_recipe_is_refused_before_torch_is_imported(output, tmp_path):
     """``hf-lmc run`` reads the recipe and checks the folders it writes before the runner (torch,
     peft) loads; the Hub client may load, it is what names a model."""
     (tmp_path / "existing").mkdir()
+    (tmp_path / "existing" / "note.txt").write_text("mine")  # an empty folder would be taken as the output
     (tmp_path / "a").mkdir()
     (tmp_path / "r.yaml").write_text(
         f"models: [./a, ./b]\noutput: {{dir: {output}, overwrite: {str(output == 'a').lower()}}}\n"
@@ -636,7 +641,7 @@ def _documented_flags(document: str) -> tuple[str, dict[str, str]]:
 
 def test_docs_cli_names_every_flag_of_every_command_and_no_other():
     """docs/cli.md names every long flag of every command in the command's section (a flag that
-    barrier or explain shares with merge may be described once, in merge's; -q/-v, shared by all,
+    barrier, explain or align shares with merge may be described once, in merge's; -q/-v, shared by all,
     in the opening), every flag it names exists, and a flag's value is named as --help names it
     (``--push-to-hub REPO_ID``)."""
     flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -654,7 +659,7 @@ def test_docs_cli_names_every_flag_of_every_command_and_no_other():
         if not words:
             continue
         described = set(flag.findall(intro + sections.get(words[0], "")))
-        if words[0] in ("barrier", "explain"):
+        if words[0] in ("barrier", "explain", "align"):
             described |= set(flag.findall(sections["merge"]))
         assert flags <= described, (name, sorted(flags - described))
     document = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")

@@ -127,3 +127,97 @@ def test_two_models_only():
     with pytest.raises(SystemExit) as refused:
         main(["explain", "./no/such/a", "./no/such/b", "./no/such/c", "--eval-data", "unused.pt"])
     assert refused.value.code == 2
+
+
+def _counting(monkeypatch, capsys=None):
+    """Wrap explain's evaluations: how many there were, how many batches each read, and what
+    stderr held before the first one."""
+    import hf_lmc.evaluation.explain as module
+
+    seen = {"calls": 0, "batches": set(), "stderr_before": None}
+    original = module.evaluate
+
+    def counted(model, batches):
+        if seen["calls"] == 0 and capsys is not None:
+            seen["stderr_before"] = capsys.readouterr().err
+        seen["calls"] += 1
+        seen["batches"].add(len(batches))
+        return original(model, batches)
+
+    monkeypatch.setattr(module, "evaluate", counted)
+    return seen
+
+
+def test_explain_caps_its_evaluation_data_by_default_and_a_flag_lifts_the_cap(monkeypatch):
+    """Every pass reads the evaluation data: by default only its first EXPLAIN_EVAL_BATCHES
+    batches; max_batches sets another count; all_eval_data reads every batch."""
+    from hf_lmc.config.options import EXPLAIN_EVAL_BATCHES, EvalOptions
+
+    config = tiny_configs()["gpt2"]
+    a, b = build_model(config, seed=0, dtype=torch.float32), build_model(config, seed=1, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    data = [
+        {"input_ids": torch.randint(0, config.vocab_size, (2, 8), generator=g)} for _ in range(EXPLAIN_EVAL_BATCHES + 9)
+    ]
+    for options, everything, read in (
+        ({}, False, EXPLAIN_EVAL_BATCHES),
+        ({"max_batches": 3}, False, 3),
+        ({}, True, len(data)),
+    ):
+        seen = _counting(monkeypatch)
+        announced = []
+        explain(
+            a,
+            b,
+            data,
+            method="average",
+            orders=1,
+            eval_options=EvalOptions(**options),
+            all_eval_data=everything,
+            announce=announced.append,
+            progress=False,
+        )
+        assert seen["batches"] == {read}
+        (cost,) = announced
+        assert cost.batches == read and cost.passes == seen["calls"] and cost.tokens == read * 16
+        assert cost.capped == (not options and not everything)
+
+
+def test_the_command_prints_its_cost_before_the_first_pass_and_the_dry_run_evaluates_nothing(
+    tmp_path, capsys, monkeypatch
+):
+    from hf_lmc.io import loading
+
+    model, (a, b) = twin_folders(tmp_path, "vit", [3])
+    torch.save(_images(model.config, count=8 * 20), tmp_path / "eval.pt")  # 20 batches of 8: more than the cap
+    command = ["explain", str(a), str(b), "--eval-data", str(tmp_path / "eval.pt"), "--orders", "1"]
+
+    seen = _counting(monkeypatch, capsys)
+    assert main([*command, "--json"]) == 0
+    before = seen["stderr_before"]
+    passes = int(re.search(r"(\d+) passes", before).group(1))
+    assert passes == seen["calls"] and seen["batches"] == {16} and "--all-eval-data" in before
+    capsys.readouterr()
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("a dry run loads no weight")
+
+    seen = _counting(monkeypatch)
+    monkeypatch.setattr(loading, "load_model", no_weights)
+    assert main([*command, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert seen["calls"] == 0 and int(re.search(r"(\d+) passes", out).group(1)) == passes
+    assert main([*command, "--dry-run", "--all-eval-data"]) == 0
+    assert "20 batches" in capsys.readouterr().out
+
+
+def test_the_cost_line_is_silenced_by_quiet_and_a_cap_with_all_data_is_refused(tmp_path, capfd):
+    model, (a, b) = twin_folders(tmp_path, "vit", [3])
+    torch.save(_images(model.config), tmp_path / "eval.pt")
+    command = ["explain", str(a), str(b), "--eval-data", str(tmp_path / "eval.pt"), "--orders", "1"]
+    capfd.readouterr()  # what saving the models printed
+    assert main([*command, "-q", "--method", "average"]) == 0
+    assert capfd.readouterr().err == ""  # nothing but errors under -q
+    assert main([*command, "--all-eval-data", "--max-batches", "2"]) == 2
+    err = capfd.readouterr().err
+    assert "--all-eval-data" in err and "--max-batches" in err and err.count("\n") == 1

@@ -11,6 +11,7 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -734,9 +735,11 @@ def test_quiet_and_tqdm_disable_silence_every_progress_bar(tmp_path):
 
 @pytest.mark.parametrize("has_safetensors", [True, False])
 def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, monkeypatch, has_safetensors):
-    """At the network boundary only: a recording stand-in for ``snapshot_download``. The card and
-    model.safetensors come in one request; only a repo without it gets its PyTorch pickle asked
-    for (the files transformers reads: hf_lmc.merging.preflight, tests/test_checkpoints.py)."""
+    """At the network boundary only: a recording stand-in for ``snapshot_download``. The config,
+    tokenizer and card come first, weightless (a revision without config.json is refused before
+    any weight: tests/test_hub_repos.py); then model.safetensors, and only a repo without it gets
+    its PyTorch pickle asked for (the files transformers reads: hf_lmc.io.weights,
+    tests/test_checkpoints.py)."""
     from hf_lmc.io import hub
 
     calls = []
@@ -745,19 +748,20 @@ def test_a_hub_model_is_downloaded_in_one_weight_format_with_its_card(tmp_path, 
         calls.append(allow_patterns)
         folder = tmp_path / "snapshot"
         folder.mkdir(exist_ok=True)
-        for name in ("model.safetensors",) if has_safetensors else ("pytorch_model.bin",):
-            if name in allow_patterns:
-                (folder / name).write_bytes(b"")
+        for name in ("config.json", "model.safetensors" if has_safetensors else "pytorch_model.bin"):
+            if name in allow_patterns or (name.endswith(".json") and "*.json" in allow_patterns):
+                (folder / name).write_bytes(b"{}" if name.endswith(".json") else b"")
         assert "trainer_state.json" in ignore_patterns and "training_args.bin" in ignore_patterns
         return str(folder)
 
     monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
     hub.resolve_checkpoint("org/model", "main")
-    assert "README.md" in calls[0] and "model.safetensors" in calls[0]
-    if has_safetensors:  # one call, no pickles
-        assert len(calls) == 1 and not any(p.endswith(".bin") for p in calls[0])
+    assert "README.md" in calls[0] and not any("safetensors" in p or p.endswith(".bin") for p in calls[0])
+    assert calls[1] == ["model.safetensors"]
+    if has_safetensors:  # no pickles
+        assert len(calls) == 2
     else:  # only then the PyTorch pickle
-        assert len(calls) == 2 and calls[1] == ["pytorch_model.bin"]
+        assert len(calls) == 3 and calls[2] == ["pytorch_model.bin"]
 
 
 def _rewrite_header(file: Path, change) -> None:
@@ -836,13 +840,14 @@ def test_a_hub_id_may_carry_its_revision(tmp_path, monkeypatch):
 
     def snapshot_download(repo_id, *, revision, allow_patterns, ignore_patterns):
         calls.append((repo_id, revision))
+        (tmp_path / "config.json").write_text("{}")
         (tmp_path / "model.safetensors").write_bytes(b"")
         return str(tmp_path)
 
     monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
     hub.resolve_checkpoint("org/model@v1.0")
     hub.resolve_checkpoint("org/model@v1.0", "v1.0")
-    assert calls == [("org/model", "v1.0")] * 2
+    assert set(calls) == {("org/model", "v1.0")}
     with pytest.raises(ValueError, match="v1.0"):
         hub.resolve_checkpoint("org/model@v1.0", "main")
 
@@ -920,7 +925,7 @@ def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version
     tmp_path, monkeypatch, capsys
 ):
     """``base_model`` holds Hub ids only (a local model is described in the body), each Hub
-    model's commit is in the body, the barrier is ``model-index`` metadata, and the hf_lmc
+    model's commit is in the body, the barrier on local data is in the body alone, and the hf_lmc
     version and the exact command are in the card."""
     from huggingface_hub import ModelCard
 
@@ -959,11 +964,9 @@ def test_the_card_names_hub_models_with_their_commit_and_records_barrier_version
     described = card.text.split("## How to use")[0]
     assert f"`{a.name}` (a local model)" in described and str(tmp_path) not in described
     assert f"(https://huggingface.co/org/model-b) at revision `{commit}`" in card.text
-    results = data["model-index"][0]["results"][0]
-    assert results["dataset"] == {"name": "eval.txt", "type": "local"}
-    metrics = {m["name"]: m["value"] for m in results["metrics"]}
-    # this model's own barrier; the plain average's is the baseline, in the body (tests/test_cards.py)
-    assert set(metrics) == {"loss barrier, weight (nats)"} and all(isinstance(v, float) for v in metrics.values())
+    # local evaluation data: named in the body, with no model-index dataset for the Hub to link (tests/test_cards.py)
+    assert "model-index" not in data and "Measured on `eval.txt` (local data" in card.text
+    assert re.search(r"^\| weight \|", card.text, re.MULTILINE)
     assert f"`hf-lmc` {hf_lmc.__version__}" in card.text
     # the command as typed, local paths by their final component (the Hub id as given)
     assert (

@@ -58,7 +58,10 @@ def test_every_shipped_recipe_is_valid(path):
         sizes = [name for name, _ in recipe.groups]
         assert sizes == ["14m", "31m", "70m", "160m", "410m"]
         for size, models in recipe.groups:
-            assert [m.path for m in models] == [f"EleutherAI/pythia-{size}-seed1", f"EleutherAI/pythia-{size}-seed2"]
+            assert [m.path for m in models] == [  # each pinned to its final checkpoint
+                f"EleutherAI/pythia-{size}-seed1@step143000",
+                f"EleutherAI/pythia-{size}-seed2@step143000",
+            ]
         assert recipe.eval.data.dataset == "Salesforce/wikitext" and recipe.eval.data.name == "wikitext-103-raw-v1"
 
 
@@ -657,3 +660,16 @@ def test_a_push_that_cannot_succeed_is_refused_before_the_first_merge(tmp_path, 
     with pytest.raises(PushRefusedError):  # offline here (the autouse fixture)
         run_recipe(recipe, progress=False, api=RecordingApi())
     assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_empty_output_dir_is_used_and_a_full_one_refused(tmp_path):
+    """As ``merge`` takes an empty output folder (and ``save_pretrained`` and mergekit do)."""
+    from hf_lmc.config.recipe import check_outputs
+
+    out = tmp_path / "runs"
+    out.mkdir()
+    recipe = load_recipe({"models": ["zoo:gpt2/seed0", "zoo:gpt2/seed1"], "output": {"dir": str(out)}})
+    check_outputs(recipe)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="output.overwrite"):
+        check_outputs(recipe)

@@ -234,6 +234,7 @@ def apply_transforms(
     folder = resolve_checkpoint(model, revision)
     check_apart(output, [folder], "output")
     shown = escape_controls(shown_reference(model), 120)
+    logger.info("reading %s and the transforms of %s", shown, escape_controls(merge_reference, 120))
     refuse_moved(folder, shown, path)
     index = member_index(manifest, member, folder, shown)
     canonical = canonicalize(folder, dtype=torch.float64)  # float64 algebra, rounded once on writing
@@ -290,6 +291,12 @@ def _apply_to_adapter(
     base_folder = resolve_checkpoint(trained_on, revision)
     index = member_index(manifest, member, base_folder, escape_controls(shown_reference(trained_on), 120))
     label = manifest.models[index].name
+    logger.info(
+        "moving the LoRA adapter %s (trained on %s) by the transform of %s",
+        shown,
+        escape_controls(shown_reference(trained_on), 120),
+        escape_controls(label, 40),
+    )
     written = write_moved_adapter(
         folder,
         path,
@@ -297,13 +304,27 @@ def _apply_to_adapter(
         output,
         base_folder=base_folder,
         trained_on=shown_reference(trained_on),
-        recorded_base=adapter_for_base or merge_reference,
+        recorded_base=recorded_base(adapter_for_base, merge_reference, manifest),
         transforms_reference=merge_reference,
         member_label=label,
         overwrite=overwrite,
         moved_by=_moved_by(merge_reference, manifest, index),
     )
     return Applied(written, "adapter", index, label)
+
+
+def recorded_base(given: str | None, merge_reference: str, manifest: TransformsManifest) -> str:
+    """The base model a moved adapter's config records, one that resolves wherever the adapter is
+    loaded: ``given`` (``--moved-base``), a local path by its absolute path; else the merge the
+    transforms come from: the Hub repo it was pushed to where its transforms record one
+    (``org/name``), else its Hub id, or its folder's absolute path (:func:`locate_transforms`)."""
+    if given is not None:
+        return str(Path(given).expanduser().absolute()) if names_local_path(given) else given
+    options = manifest.fitted.get("options")
+    pushed = options.get("push_to_hub") if isinstance(options, dict) else None
+    if names_local_path(merge_reference) and isinstance(pushed, str) and pushed.count("/") == 1:
+        return pushed
+    return merge_reference
 
 
 def _moved_by(merge_reference: str, manifest: TransformsManifest, index: int) -> dict:
@@ -348,6 +369,7 @@ def check_same_function(source: Path, moved: Path, dtype: torch.dtype, shown: st
     """Refuse a moved checkpoint (the folder ``moved``, before it is moved into place) that does
     not compute what ``source`` computes on a probe batch, to :data:`PROBE_TOLERANCE` of the
     written ``dtype``: the stock models compared, whatever the transforms claimed."""
+    logger.info("checking that the moved model computes what %s computes, on a probe batch", shown)
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     config = read_config(source)
     model_class = adapter_for(config).model_class

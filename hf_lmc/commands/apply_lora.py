@@ -153,6 +153,11 @@ def write_moved_adapter(
         if not isinstance(config.get("init_lora_weights"), bool):  # peft takes lora_bias with a boolean init only
             config["init_lora_weights"] = True  # (a loaded adapter's init is not used)
     card = _adapter_card(recorded_base, trained_on, shown_reference(transforms_reference), member_label, biases)
+    logger.info(
+        "writing the moved adapter to %s (its base: %s)",
+        escape_controls(output, 120),
+        escape_controls(recorded_base, 120),
+    )
     staging = staging_folder(output)
     try:
         save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -47,6 +47,10 @@ BATCHES = OptionFlags(
 )
 
 
+#: The same flags where the fitting data is the only data set (``hf-lmc align``).
+FIT_BATCHES = OptionFlags(EvalOptions, only=("batch_size", "seq_len", "max_batches"), defaults=FIT_OPTIONS)
+
+
 #: One name per data set across commands: ``--data`` is what alignment fits on (activation,
 #: learned, dual), ``--eval-data`` what the barrier is measured on; each has its split and
 #: dataset configuration flags, and both are batched alike.
@@ -118,6 +122,17 @@ REQUEST = OptionFlags(
         + ": "
         + "; ".join(f"{m.name}, {m.when}" for m in METHODS.values())
         + f" (default: {MergeRequest.model_fields['method'].default})"
+    },
+)
+
+
+#: ``hf-lmc align``'s output: one folder per model inside it, so never named after the models.
+ALIGNED_OUTPUT = OptionFlags(
+    MergeRequest,
+    only=("output",),
+    defaults="fields",
+    helps={
+        "output": "folder to write, one folder per model inside it: new, empty, or with --overwrite one hf-lmc wrote"
     },
 )
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_lmc.commands.common import say
 from hf_lmc.config.options import (
     DemoOptions,
     EvalOptions,
@@ -117,9 +118,36 @@ def _small_blocks_from_the_heap() -> None:
         pass
 
 
+def write_plays(folder: str | Path) -> list[Path]:
+    """Write the shipped Shakespeare plays as UTF-8 text into ``folder`` (made if missing):
+    :data:`PLAYS_FILES`, the plays the demo's pair trained on and the two it holds out, each play
+    followed by a blank line. A file already there with that text is kept; any other is refused.
+    Returns the files."""
+    from hf_lmc.io.outputs import write_new_text
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = dict(zip(PLAYS_FILES, zoo.shakespeare()))
+    written = []
+    for name, plays in texts.items():
+        write_new_text(folder / name, "\n\n".join(play.rstrip("\n") for play in plays) + "\n", "write_plays")
+        written.append(folder / name)
+    return written
+
+
+#: The files ``hf-lmc demo --write-plays DIR`` writes, in the order :func:`hf_lmc.io.zoo.shakespeare`
+#: returns its plays: the training plays, then the held-out ones the examples evaluate on.
+PLAYS_FILES = ("train.txt", "plays.txt")
+
+
 def main(args: argparse.Namespace) -> int:
     from hf_lmc.io.outputs import check_output_path, check_replaceable
     from hf_lmc.utils.progress import silenced
+
+    if args.write_plays is not None:  # the examples' data, and nothing else
+        train, held_out = write_plays(args.write_plays)
+        say(f"wrote {train} (the plays the demo's pair trained on) and {held_out} (two held-out plays)")
+        return 0
 
     check_output_path(args.output, "output")  # refused before torch loads; run_demo checks again
     check_replaceable(args.output, "output", kinds=("demo",))  # as run_demo: its own earlier output only

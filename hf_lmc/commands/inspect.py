@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import shlex
 import statistics
 import time
@@ -69,6 +70,8 @@ from hf_lmc.merging.pipeline import (
 )
 from hf_lmc.symmetry import axes_of, resolve_kinds
 from hf_lmc.utils.progress import bar as progress_bar
+
+logger = logging.getLogger(__name__)
 
 #: The smallest per-group cosine similarity at which two models read as fine-tunes of one base,
 #: chosen in the gap between fine-tunes and unrelated pairs (docs/decisions.md#d-inspect-thresholds).
@@ -238,6 +241,7 @@ def inspect_models(
     models = [str(m) for m in models]
     revisions = revisions_per_model(revisions, len(models))
     kinds = resolve_kinds(symmetries)
+    logger.info("reading the configs and tensor headers of %d models", len(models))
     folders = [resolve_checkpoint(m, r) for m, r in zip(models, revisions)]
     configs = [read_config(f) for f in folders]
     facts = []
@@ -257,6 +261,7 @@ def inspect_models(
     differences = tuple(_differences(configs, [f.spec for f in facts]))
     similarities = ()
     if refusal is None:
+        logger.info("comparing the weights of each model with A's, a layer at a time")
         similarities = tuple(
             _similarity(folders[0], folders[k], _letter(k), progress=progress)
             if facts[k].spec == facts[0].spec
@@ -264,6 +269,7 @@ def inspect_models(
             for k in range(1, len(folders))
         )
     relation = _overall(similarities) if refusal is None else None
+    logger.info("estimating each method's time and memory")
     costs = () if refusal is not None else tuple(_costs(facts, configs[0]))
     recommended, reason = _recommend(models, revisions, symmetries, relation, refusal, costs)
     return Report(

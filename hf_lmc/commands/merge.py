@@ -16,13 +16,19 @@ from hf_lmc.commands.common import (
 from hf_lmc.config.options import (
     DEFAULT_ALPHA,
     UsageError,
+    default_output,
     pair_weights,
 )
 from hf_lmc.merging.preflight import check_request, merge_request
 
 
 def main(args: argparse.Namespace) -> int:
-    request = merge_request(args.models, args.output, **_merge_settings(args))
+    output = args.output
+    if output is None:  # said first: the folder is the user's to find (and, with --push-to-hub alone, the repo's name)
+        output = default_output(args.models)
+        if not args.quiet:
+            print(f"writing the merge to ./{output} (no --output given)")
+    request = merge_request(args.models, output, **_merge_settings(args))
     check_request(request)  # every refusal that needs no model, before torch and transformers load
     # the command as the card shows it imports huggingface_hub: after the checks
     request = request.model_copy(update={"made_with": _command_markdown(args)})

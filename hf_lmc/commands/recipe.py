@@ -17,7 +17,7 @@ def check(args: argparse.Namespace) -> int:
     them) and list its runs; every invalid one is reported (as one error line) and the exit code is
     the worst of them. A check left out (a config not at hand here) is listed as a note."""
     from hf_lmc.config.recipe import check_outputs, load_recipe
-    from hf_lmc.merging.sweep import check_models
+    from hf_lmc.merging.sweep import check_models, unpinned_models
 
     overrides, worst = recipe_overrides(args), 0
     for path in args.recipes:
@@ -32,6 +32,8 @@ def check(args: argparse.Namespace) -> int:
         print(f"{escape_controls(path)}: valid; {len(runs)} run(s) into {escape_controls(recipe.output.dir)}")
         for note in left_out:
             print(f"  note: {escape_controls(note)}")
+        for warning in unpinned_models(recipe):
+            print(f"  warning: {escape_controls(warning)}")
         if recipe.output.fail_fast:
             print("  stops at its first failed run (output.fail_fast)")
         launch = recipe.launch.command(str(path))
@@ -40,6 +42,7 @@ def check(args: argparse.Namespace) -> int:
         push = recipe.output.push_to_hub
         for group, method, models in runs:
             target = f" -> {push.format(group=group, method=method)}" if push else ""
+            target += " (under the token's namespace)" if push and "/" not in push else ""
             print(f"  {recipe.run_folder(group, method)}: {method} of {', '.join(m.label for m in models)}{target}")
     return worst
 

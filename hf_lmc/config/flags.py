@@ -89,6 +89,8 @@ class OptionFlags:
                 metavar = None if choices else named
                 if declared.nargs is not None:
                     options["nargs"] = declared.nargs
+                if declared.const is not None:
+                    options["const"] = declared.const
                 group.add_argument(*names_of_flag, type=kind, choices=choices, metavar=metavar, **options)
 
     def _shown_default(self, name: str) -> str:

@@ -17,6 +17,7 @@ import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
@@ -466,7 +467,8 @@ class Flag:
         help: the flag's help, where it is worded for the command line (default: the description).
         metavar: the name of its value in the help (default: the field name's last word, in capitals).
         type: the type of each value on the command line, where the field's own is wider.
-        nargs: how many values it takes (``"+"``: one per model).
+        nargs: how many values it takes (``"+"``: one per model; ``"?"``: an optional value).
+        const: the value of a flag given without its optional value (``--push-to-hub`` alone: ``True``).
         choices: the values it takes, where the field's type does not list them.
         aliases: further names of the flag (``-o``).
         required: whether every command that offers it needs it.
@@ -476,6 +478,7 @@ class Flag:
     metavar: str | None = None
     type: type | None = None
     nargs: str | None = None
+    const: Any = None
     choices: tuple[str, ...] | None = None
     aliases: tuple[str, ...] = ()
     required: bool = False
@@ -504,6 +507,11 @@ class DemoOptions(Options):
     cache_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
         None, description="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/io/zoo)"
     )
+    write_plays: Annotated[str | None, Flag(metavar="DIR")] = Field(
+        None,
+        description="write the Shakespeare plays the package ships as text and stop: DIR/train.txt (the plays the pair "
+        "trained on) and DIR/plays.txt (the two held-out plays), the files the examples read",
+    )
 
 
 class CheckOptions(Options):
@@ -517,13 +525,26 @@ class CheckOptions(Options):
     symmetries: Literal[SYMMETRIES] = Field(DEFAULT_SYMMETRIES, description="group to sample from")
 
 
+#: Batches of the evaluation data ``hf-lmc explain`` reads unless ``--max-batches`` says another
+#: count or ``--all-eval-data`` lifts the cap: every one of its passes (two per group, order and
+#: path, 110 on the demo's GPT-2) reads them all. 16 batches of 8 x 128 tokens are 16,384 tokens,
+#: the demo's own evaluation text.
+EXPLAIN_EVAL_BATCHES = 16
+
+
 class ExplainOptions(Options):
-    """``hf-lmc explain`` (:func:`hf_lmc.evaluation.explain.explain`): how many orders its parts average over."""
+    """``hf-lmc explain`` (:func:`hf_lmc.evaluation.explain.explain`): how many orders its parts average over,
+    and whether it reads all of the evaluation data."""
 
     orders: int = Field(
         2,
         description="orders of moving the groups to average over: 2 is input to output and back, more add random orders "
         "in reversed pairs; each costs two evaluations per group and path",
+    )
+    all_eval_data: bool = Field(
+        False,
+        description=f"evaluate on all of --eval-data; by default explain reads its first {EXPLAIN_EVAL_BATCHES} batches "
+        "(or --max-batches), since each of its passes reads them all",
     )
 
 
@@ -589,7 +610,22 @@ class OutputOptions(Options):
     dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
         None, description="dtype of the written weights (default: the first model's)"
     )
-    push_to_hub: str | None = Field(None, description="Hub model repo to upload the merged folder to")
+    push_to_hub: Annotated[
+        str | bool | None,
+        Flag(
+            help="upload the written folder to this Hub model repo (given alone: the output folder's name, under the "
+            "token's namespace, as transformers' push_to_hub does); the token, the namespace and the Hub are checked "
+            "before any work",
+            metavar="REPO_ID",
+            type=str,
+            nargs="?",
+            const=True,
+        ),
+    ] = Field(
+        None,
+        description="Hub model repo to upload the merged folder to; true: the output folder's name under the token's "
+        "namespace",
+    )
     private: bool = Field(False, description="create the Hub repo as private")
     overwrite: bool = Field(False, description="replace an existing output folder")
     save_transforms: Annotated[
@@ -661,7 +697,12 @@ class MergeRequest(OutputOptions):
     )
     output: Annotated[
         str,
-        Flag(help="folder to write (must not exist unless --overwrite)", metavar="DIR", aliases=("-o",), required=True),
+        Flag(
+            help="folder to write: new, empty, or with --overwrite one hf-lmc wrote (default: named after the models, "
+            "./MODEL_A-MODEL_B-merged)",
+            metavar="DIR",
+            aliases=("-o",),
+        ),
     ] = Field(description="folder to write")
     revisions: Annotated[
         tuple[str | None, ...] | None,
@@ -755,6 +796,15 @@ class MergeRequest(OutputOptions):
     def _as_strings(cls, models):
         return tuple(str(m) for m in models)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _push_target(cls, data):
+        """``push_to_hub=True`` (``--push-to-hub`` alone) names the output folder's repo under the
+        token's namespace, as transformers' ``push_to_hub=True`` does; ``False`` pushes nothing."""
+        if isinstance(data, dict) and isinstance(data.get("push_to_hub"), bool):
+            data = {**data, "push_to_hub": default_repo_name(data.get("output")) if data["push_to_hub"] else None}
+        return data
+
     @field_validator("alphas")
     @classmethod
     def _a_grid(cls, alphas):
@@ -772,6 +822,40 @@ class MergeRequest(OutputOptions):
     def _as_string(cls, value):
         """A ``Path`` or ``torch.device`` given from Python, as text (the device is checked where it is used)."""
         return None if value is None else str(value)
+
+
+# -- names a merge gives itself ----------------------------------------------------------------
+
+#: What the Hub allows in a repo name (``huggingface_hub.utils.validate_repo_id``'s rule), and
+#: its longest one.
+_REPO_NAME = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][A-Za-z0-9._-]*(?<![.-])$")
+_REPO_NAME_LENGTH = 96
+
+
+def default_output(models: Sequence[str | Path]) -> str:
+    """The folder a merge writes when none is given: ``MODEL_A-MODEL_B-merged`` in the current
+    folder, each model by its name (a Hub id's repo name, a folder's last part, ``@rev`` dropped),
+    made a valid Hub repo name, so ``--push-to-hub`` alone can push it under that name."""
+    names = []
+    for model in models:
+        name = re.split(r"[/\\]", str(model).rstrip("/\\"))[-1].partition("@")[0]  # org/name@rev -> name
+        names.append(re.sub(r"[^A-Za-z0-9._]+", "-", name).strip("-.") or "model")
+    stem = re.sub(r"-{2,}|\.{2,}", "-", "-".join(names))[: _REPO_NAME_LENGTH - len("-merged")].strip("-.")
+    return f"{stem or 'model'}-merged"
+
+
+def default_repo_name(output) -> str:
+    """The Hub repo name ``push_to_hub=True`` pushes to: the output folder's own name, which must
+    be one the Hub accepts (a :class:`ValueError` saying how to name the repo otherwise)."""
+    if output is None:
+        raise ValueError("push_to_hub=True names the repo after the output folder: give the output")
+    name = Path(os.path.abspath(str(output))).name
+    if len(name) > _REPO_NAME_LENGTH or not _REPO_NAME.match(name):
+        raise ValueError(
+            f"the output folder's name {name!r} is not a Hub repo name (letters, digits, '-', '_', '.', at most "
+            f"{_REPO_NAME_LENGTH}); give the repo id: --push-to-hub USER/NAME"
+        )
+    return name
 
 
 # -- checks of values a merge is given -------------------------------------------------------

@@ -8,7 +8,7 @@ rather than an hour into a sweep; :func:`check_models` compares each group's con
 would (``hf-lmc recipe check``, no weight read). :mod:`hf_lmc.merging.sweep` executes a validated
 :class:`Recipe`; ``hf-lmc recipe schema`` prints :meth:`Recipe.model_json_schema` for editors.
 
-    models: [EleutherAI/pythia-70m-seed1, EleutherAI/pythia-70m-seed2]
+    models: [EleutherAI/pythia-70m-seed1@step143000, EleutherAI/pythia-70m-seed2@step143000]
     method: weight
     eval: {data: {dataset: Salesforce/wikitext, name: wikitext-103-raw-v1, samples: 256}}
     output: {dir: runs/pythia-70m}
@@ -61,12 +61,20 @@ from hf_lmc.config.options import (
     UsageError,
     check_device,
     clipped,
+    default_repo_name,
     flag_of,
 )
 from hf_lmc.config.zoo_entries import ZOO
 from hf_lmc.evaluation.grids import check_alpha_grid
 from hf_lmc.io.hub import shown_reference
-from hf_lmc.io.outputs import MARKER, check_apart, check_output_path, check_replaceable, clean_stale
+from hf_lmc.io.outputs import (
+    MARKER,
+    check_apart,
+    check_output_path,
+    check_replaceable,
+    clean_stale,
+    is_empty_folder,
+)
 
 #: The summary files a recipe writes in ``output.dir`` (:mod:`hf_lmc.merging.sweep`), beside its run folders.
 SUMMARY = "summary"
@@ -426,6 +434,12 @@ class Recipe(_Section):
     @field_validator("output")
     @classmethod
     def _push_target_per_run(cls, output: OutputSection, info: ValidationInfo):
+        if isinstance(output.push_to_hub, bool):  # true: each run's folder, named as a merge's default repo is
+            template = None
+            if output.push_to_hub:
+                parts = [default_repo_name(output.dir), *(["{group}"] if info.data.get("sweep") else []), "{method}"]
+                template = "-".join(parts)
+            output = output.model_copy(update={"push_to_hub": template})
         if output.push_to_hub is None:
             return output
         try:
@@ -729,7 +743,7 @@ def check_outputs(recipe: Recipe, given=None, *, tidy: bool = True) -> None:
         check_output_path(final, "output.dir")
         if tidy:
             clean_stale(final)  # a dead run's set-aside output is put back before it is judged
-        if tidy and os.path.lexists(final) and not recipe.output.overwrite:
+        if tidy and os.path.lexists(final) and not is_empty_folder(final) and not recipe.output.overwrite:
             raise OutputExistsError(
                 f"{final} already exists; set {{}}: true (hf-lmc run --overwrite) to replace it", "output.overwrite"
             )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from hf_lmc.config.options import (
     LearnOptions,
     revisions_per_model,
 )
-from hf_lmc.evaluation.batches import fitting_batches, load_batches
+from hf_lmc.evaluation.batches import describe_data, fitting_batches, load_batches
 from hf_lmc.evaluation.grids import alpha_grid, excess_over_vertices, loss_barrier, simplex_barrier, simplex_grid
 from hf_lmc.evaluation.loss import evaluate
 from hf_lmc.io.loading import LoadedModel, load_model
@@ -43,6 +44,8 @@ from hf_lmc.io.outputs import save_figure
 from hf_lmc.merging.alignment import align_many
 from hf_lmc.symmetry import Transform
 from hf_lmc.utils.progress import bar as progress_bar
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,6 +144,7 @@ def _merges(
         if method == "average":  # there, the embedded models interpolated with no alignment
             transforms = [Transform() for _ in canonical]
     if transforms is None:
+        logger.info("aligning the models: %s matching", method)
         transforms = align_many(
             method,
             canonical,
@@ -183,7 +187,10 @@ def barrier(
     """
     for method in methods:
         check_method(method, fit_data, data_parameter="fit_data")
+    logger.info("loading the two models")
     a, b = load_model(model_a, revision_a), load_model(model_b, revision_b)
+    if fit_data is not None:
+        logger.info("reading the fitting data %s", describe_data(fit_data))
     fit_batches = (
         fitting_batches(fit_data, a.model.config, a.folder, fit_options, models=[a.model, b.model], progress=progress)
         if fit_data is not None
@@ -225,6 +232,9 @@ def barrier_of_loaded(
     result = BarrierResult(grid)
     bar = progress_bar(total=len(methods) * len(grid), desc="loss along the path", show=progress)
     for method in methods:
+        logger.info(
+            "%s path: loss at %d points on %d batches of %s", method, len(grid), len(batches), describe_data(data)
+        )
         models = _merges(
             method,
             (a, b),
@@ -268,8 +278,11 @@ def barrier_over_simplex(
     ``points`` per edge): the M-model :func:`barrier`. Forms of models and data as there."""
     for method in methods:
         check_method(method, fit_data, count=len(models), data_parameter="fit_data")
+    logger.info("loading the %d models", len(models))
     loaded = [load_model(m, r) for m, r in zip(models, revisions_per_model(revisions, len(models)))]
     first = loaded[0]
+    if fit_data is not None:
+        logger.info("reading the fitting data %s", describe_data(fit_data))
     fit_batches = (
         fitting_batches(
             fit_data, first.model.config, first.folder, fit_options, models=[m.model for m in loaded], progress=progress
@@ -311,6 +324,13 @@ def simplex_barrier_of_loaded(
     result = SimplexBarrierResult(grid)
     bar = progress_bar(total=len(methods) * len(grid), desc="loss over the simplex", show=progress)
     for method in methods:
+        logger.info(
+            "%s: loss at %d points of the simplex on %d batches of %s",
+            method,
+            len(grid),
+            len(batches),
+            describe_data(data),
+        )
         models = _merges(
             method,
             loaded,

@@ -33,20 +33,23 @@ exported models compute.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from hf_lmc.canonical.adapters import read_config
 from hf_lmc.canonical.form import canonicalize, from_state_dict, to_hf
-from hf_lmc.canonical.widths import check_mergeable
+from hf_lmc.canonical.widths import check_mergeable, spec_of
 from hf_lmc.config.methods import METHODS, check_method
 from hf_lmc.config.options import (
     DEFAULT_SYMMETRIES,
     EVAL_OPTIONS,
+    EXPLAIN_EVAL_BATCHES,
     FIT_OPTIONS,
     EvalOptions,
     ExplainOptions,
@@ -55,10 +58,13 @@ from hf_lmc.config.options import (
 )
 from hf_lmc.evaluation.batches import fitting_batches, load_batches
 from hf_lmc.evaluation.loss import evaluate
+from hf_lmc.io.hub import resolve_checkpoint
 from hf_lmc.io.loading import load_model
 from hf_lmc.io.outputs import save_figure
 from hf_lmc.merging.alignment import align_many
 from hf_lmc.utils.progress import bar as progress_bar
+
+logger = logging.getLogger(__name__)
 
 #: Canonical tensor name -> group kind (the layer index is added in front for layer tensors).
 _KINDS = (("attn.q.", "QK"), ("attn.k.", "QK"), ("attn.v.", "OV"), ("attn.o.", "OV"), ("mlp.", "MLP"))
@@ -91,6 +97,96 @@ def orders_of(groups: Sequence[str], count: int, seed: int = 0) -> list[list[str
         else:
             orders.append([groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()])
     return orders
+
+
+def passes_per_path(groups: int, orders: int) -> int:
+    """The evaluations :func:`explain` makes on one path: the midpoint and both ends, then per
+    order and end every group moved but the last (the last step lands on the midpoint)."""
+    return 3 + orders * 2 * (groups - 1)
+
+
+def capped_options(options: EvalOptions, all_eval_data: bool = False) -> EvalOptions:
+    """How :func:`explain` batches its evaluation data: ``options``, capped at
+    :data:`~hf_lmc.config.options.EXPLAIN_EVAL_BATCHES` batches unless they set ``max_batches``
+    themselves or ``all_eval_data`` lifts the cap."""
+    if all_eval_data or options.max_batches is not None:
+        return options
+    return options.model_copy(update={"max_batches": EXPLAIN_EVAL_BATCHES})
+
+
+@dataclass(frozen=True)
+class ExplainCost:
+    """What :func:`explain` is about to do: ``passes`` evaluations of a model over the evaluation
+    data's ``batches`` (``tokens`` tokens, or ``examples`` images), ``capped`` where the cap of
+    :func:`capped_options` cut the data short."""
+
+    paths: int
+    groups: int
+    orders: int
+    batches: int
+    examples: int
+    tokens: int | None
+    capped: bool
+
+    @property
+    def passes(self) -> int:
+        return self.paths * passes_per_path(self.groups, self.orders)
+
+    def describe(self) -> str:
+        """One line: the passes, what each reads, and the cap."""
+        size = f"{self.tokens:,} tokens" if self.tokens is not None else f"{self.examples:,} images"
+        each = f"{self.batches} batches of the evaluation data ({size})"
+        total = (
+            f"{self.passes * self.tokens:,} tokens through the model in all"
+            if self.tokens is not None
+            else f"{self.passes * self.examples:,} images through the model in all"
+        )
+        cap = (
+            "; only the first batches: --max-batches sets another count, --all-eval-data reads it all"
+            if self.capped
+            else ""
+        )
+        return (
+            f"{self.passes} passes ({self.paths} path{'s' if self.paths > 1 else ''} x {passes_per_path(self.groups, self.orders)}: "
+            f"the ends and the midpoint, then {self.orders} orders x 2 ends x {self.groups - 1} of {self.groups} groups "
+            f"moved), each over {each}: {total}{cap}"
+        )
+
+
+def cost_of(
+    config, names: Sequence[str], batches: Sequence[dict], method: str, orders: int, options: EvalOptions
+) -> ExplainCost:
+    """The :class:`ExplainCost` of explaining a model of ``config`` whose canonical tensors are
+    ``names``, on ``batches`` made with ``options``."""
+    groups = len({explanation_group(name) for name in names})
+    examples = sum(len(next(iter(batch.values()))) for batch in batches)
+    tokens = sum(batch["input_ids"].numel() for batch in batches) if batches and "input_ids" in batches[0] else None
+    capped = options.max_batches == EXPLAIN_EVAL_BATCHES and len(batches) == options.max_batches
+    return ExplainCost(1 if method == "average" else 2, groups, orders, len(batches), examples, tokens, capped)
+
+
+def explain_cost(
+    model_a,
+    model_b,
+    data,
+    *,
+    method: str = "weight",
+    orders: int = ExplainOptions.model_fields["orders"].default,
+    eval_options: EvalOptions = EVAL_OPTIONS,
+    all_eval_data: bool = ExplainOptions.model_fields["all_eval_data"].default,
+    revisions: Sequence[str | None] = (None, None),
+) -> ExplainCost:
+    """What :func:`explain` would cost on these models and data, read from their configs and the
+    tokenized data alone (no weight is loaded): ``hf-lmc explain --dry-run``."""
+    check_orders(orders)
+    folders = [
+        resolve_checkpoint(m, r) if isinstance(m, (str, Path)) else None for m, r in zip((model_a, model_b), revisions)
+    ]
+    configs = [read_config(f) if f is not None else m.config for m, f in zip((model_a, model_b), folders)]
+    check_mergeable(*configs)
+    options = capped_options(eval_options, all_eval_data)
+    batches = load_batches(data, configs[0], folders[0], options)
+    return cost_of(configs[0], spec_of(configs[0]).names(), batches, method, orders, options)
 
 
 @dataclass
@@ -179,6 +275,8 @@ def explain(
     fit_data=None,
     fit_options: EvalOptions = FIT_OPTIONS,
     learn: LearnOptions = LearnOptions(),
+    all_eval_data: bool = ExplainOptions.model_fields["all_eval_data"].default,
+    announce: Callable[[ExplainCost], None] | None = None,
     progress: bool = True,
 ) -> Explanation:
     """Split the midpoint excess of the average's path (and, unless ``method`` is ``"average"``,
@@ -187,18 +285,28 @@ def explain(
 
     Models are HF model instances, local folders or Hub ids; ``data`` is held-out data and
     ``fit_data`` feeds the data-driven methods, as for :func:`hf_lmc.barrier`. Each order costs
-    two evaluations per group and path.
+    two evaluations per group and path, each over the evaluation data: unless ``eval_options``
+    set ``max_batches`` or ``all_eval_data`` is true, only its first
+    :data:`~hf_lmc.config.options.EXPLAIN_EVAL_BATCHES` batches are read (:func:`capped_options`).
+    ``announce`` is called with the cost (:class:`ExplainCost`) before the first evaluation.
     """
     check_orders(orders)
     check_method(method, fit_data, data_parameter="fit_data")
+    logger.info("loading the two models")
     a, b = load_model(model_a), load_model(model_b)
     check_mergeable(a.model.config, b.model.config)
-    batches = load_batches(data, a.model.config, a.folder, eval_options)
+    options = capped_options(eval_options, all_eval_data)
+    batches = load_batches(data, a.model.config, a.folder, options)
     canonical_a, canonical_b = canonicalize(a.model), canonicalize(b.model)
     state_a = canonical_a.state_dict()
+    cost = cost_of(a.model.config, list(state_a), batches, method, orders, options)
+    logger.info("explaining: %s", cost.describe())
+    if announce is not None:
+        announce(cost)
     dtype = next(iter(state_a.values())).dtype
     ends = {"average": (state_a, canonical_b.state_dict())}
     if method != "average":
+        logger.info("aligning the models: %s matching", method)
         fit_batches = (
             fitting_batches(
                 fit_data, a.model.config, a.folder, fit_options, models=[a.model, b.model], progress=progress
@@ -225,9 +333,10 @@ def explain(
     for name in state_a:
         groups.setdefault(explanation_group(name), []).append(name)
     result = Explanation(0.0, 0.0, orders=orders_of(list(groups), orders))
-    steps_per_path = 1 + 2 + len(result.orders) * 2 * (len(groups) - 1)
+    steps_per_path = passes_per_path(len(groups), len(result.orders))
     bar = progress_bar(total=len(ends) * steps_per_path, desc="explaining the barrier", show=progress)
     for path, (start, end) in ends.items():
+        logger.info("%s path: moving %d groups to the midpoint in %d orders", path, len(groups), len(result.orders))
         middle = {k: torch.lerp(start[k], end[k], 0.5) for k in start}
         result.midpoint[path] = loss(middle)
         end_losses = (loss(start), loss(end))  # a symmetry moved them: L(A) and L(B) up to rounding

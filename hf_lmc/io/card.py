@@ -75,9 +75,10 @@ class ModelSource:
 
 @dataclass(frozen=True)
 class DataSource:
-    """The evaluation data as the card's ``model-index`` names it: a Hub dataset by its id
-    (``hub_id``, with its ``config`` and ``split``); anything else (a local file or folder, data
-    passed as objects) as ``local`` data called ``name``, since the Hub cannot resolve it."""
+    """The evaluation data as the card names it: a Hub dataset by its id (``hub_id``, with its
+    ``config`` and ``split``), in ``model-index`` and linked in the text; anything else (a local
+    file or folder, data passed as objects) as local data called ``name``, in the text alone and
+    with no link, since the Hub cannot resolve it."""
 
     name: str
     hub_id: str | None = None
@@ -95,6 +96,17 @@ class DataSource:
         except HFValidationError:  # not a Hub id at all: a path or a description
             hub = False
         return cls(text, text, config, split) if hub else cls(shown_reference(text))
+
+    def describe(self) -> str:
+        """The data as the card's text names it: a Hub dataset with a link to its page (and its
+        configuration and split), local data by its name alone, with no link."""
+        if self.hub_id is None:
+            return f"`{self.name}` (local data, not on the Hub)"
+        details = ", ".join(
+            f"{what} `{value}`" for what, value in (("configuration", self.config), ("split", self.split)) if value
+        )
+        link = f"[`{self.hub_id}`](https://huggingface.co/datasets/{self.hub_id})"
+        return f"the Hub dataset {link}" + (f" ({details})" if details else "")
 
 
 def merge_card(
@@ -149,7 +161,9 @@ def merge_card(
         license=license,
         tags=["merge", "hf-lmc", "linear-mode-connectivity", model_type],
         model_name=name if barriers else None,
-        eval_results=_barrier_results(barriers, method, model_type, data) if barriers and method in barriers else None,
+        eval_results=_barrier_results(barriers, method, model_type, data)
+        if barriers and method in barriers and data is not None and data.hub_id
+        else None,  # local data has no dataset page for the Hub to link: the body names it
     )
     notes = list(notes)
     if tied_embeddings_dropped:
@@ -176,6 +190,8 @@ def merge_card(
         notes=notes,
         training=training,
         barrier_table=barrier_table,
+        eval_data_text=data.describe() if data is not None else None,
+        in_metadata=bool(barriers and method in barriers and data is not None and data.hub_id),
         plot_filename=plot_filename,
         repo_hint=repo_hint or "path/to/merged-model",
         auto_class=ADAPTERS[model_type].auto_class,
@@ -230,6 +246,85 @@ def moved_card(
     return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
 
 
+def aligned_card(
+    *,
+    source: ModelSource,
+    member: int,
+    members: Sequence[tuple[ModelSource, str]],
+    method: str,
+    symmetries: Sequence[str],
+    model_type: str,
+    transforms_file: str,
+    untied: bool = False,
+    license: str | None = None,
+    notes: Sequence[str] = (),
+    made_with: str | None = None,
+) -> ModelCard:
+    """The card of one model ``hf-lmc align`` wrote: ``source``, model ``member`` of ``members``
+    (each a source and the folder it was written to), rewritten exactly into the coordinates of the
+    merge of them all by the transform ``method`` found over ``symmetries``, with nothing
+    interpolated; ``transforms_file`` is where the transforms lie beside the folder. ``base_model``
+    names ``source`` where it is a Hub repo; ``source``'s ``license`` carries over."""
+    sources = [s for s, _ in members]
+    data = ModelCardData(
+        base_model=source.hub_id,
+        license=license,
+        library_name="transformers",
+        tags=["hf-lmc", "linear-mode-connectivity", "aligned", model_type],
+    )
+    letter = chr(65 + member) if len(members) <= 26 else str(member + 1)
+    role = (
+        "the reference of the alignment: its weights are its own, only rewritten into the canonical form "
+        "every model of the set is written in"
+        if member == 0
+        else f"moved by the transform {method} matching found for it over {', '.join(symmetries)}"
+    )
+    folders = [folder for _, folder in members]
+    lines = [
+        f"# `{source.label}`, aligned with {_listed([f'`{s.label}`' for k, s in enumerate(sources) if k != member])}",
+        "",
+        (
+            f"{source.describe()}, model {letter} of {len(members)}, rewritten exactly by a function-preserving "
+            f"transform into the coordinates where `hf-lmc merge` would interpolate the models (`hf-lmc align`): {role}. "
+            "**Nothing was interpolated**: this checkpoint computes the same function as the model it was made from, "
+            "to float rounding, and any other tool can merge it with the folders written beside it."
+        ),
+        "",
+        "| | |",
+        "|---|---|",
+        f"| model | {letter} of {len(members)} (`{folders[member]}`) |",
+        f"| method | `{method}` (the transforms it found, applied exactly) |",
+        f"| symmetries searched | {', '.join(symmetries)} |",
+        (
+            f"| transforms | `{transforms_file}` and `{Path(transforms_file).with_suffix('.json')}` "
+            f"(model {letter}'s is number {member + 1} in them) |"
+        ),
+        f"| set | {', '.join(f'`{folder}`' for folder in folders)} |",
+        f"| architecture | `{model_type}` |",
+        "",
+        "Norm gains and shifts are folded into the weights that read them (canonical form), so the inner norms have "
+        "unit gain and zero shift."
+        + (" The input embeddings and LM head are no longer tied (`tie_word_embeddings=False`)." if untied else ""),
+        *([""] + [f"- {_without_paths(note, sources)}" for note in notes] if notes else []),
+        "",
+        (
+            "A linear merge of the set at equal weights is, to float rounding, what `hf-lmc merge` writes for these "
+            "models; a mergekit configuration over these folders merges them with mergekit's own methods "
+            "(docs/mergekit.md in hf-lmc)."
+        ),
+        "",
+        "```python",
+        f"from transformers import {ADAPTERS[model_type].auto_class}",
+        "",
+        f'model = {ADAPTERS[model_type].auto_class}.from_pretrained("path/to/{folders[member]}")',
+        "```",
+        "",
+        f"Made with `hf-lmc` {_version()}.",
+        *(["", _without_paths(made_with, sources)] if made_with else []),
+    ]
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n")
+
+
 def _without_paths(text: str | None, sources: Sequence[ModelSource]) -> str | None:
     """``text`` naming each local model by its label rather than by its path on this machine (a
     bare folder name says nothing of the machine and is left as it is)."""
@@ -253,14 +348,13 @@ def _version() -> str:
 def _barrier_results(
     barriers: Mapping[str, float], method: str, model_type: str, data: DataSource | None
 ) -> list[EvalResult]:
-    """``method``'s barrier as the ``model-index`` result, on the evaluation data (a Hub dataset by
-    its id; other data as ``local``)."""
+    """``method``'s barrier as the ``model-index`` result, on a Hub dataset named by its id (the
+    Hub links it to the dataset's page, so local data is named in the card's text instead)."""
     task = "image-classification" if ADAPTERS[model_type].takes_images else "text-generation"
-    data = data or DataSource("evaluation data passed as objects")
     return [
         EvalResult(
             task_type=task,
-            dataset_type=data.hub_id or "local",
+            dataset_type=data.hub_id,
             dataset_name=data.name,
             dataset_config=data.config,
             dataset_split=data.split,

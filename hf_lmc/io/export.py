@@ -28,7 +28,7 @@ from hf_lmc.canonical.form import CanonicalModel, RowBlocks, block_rows, drain, 
 from hf_lmc.config.options import OutputExistsError, ParameterError, parse_size
 from hf_lmc.io.checkpoint import SAFETENSORS_DTYPES
 from hf_lmc.io.inherit import GENERATION_CONFIG, PROCESSOR_FILES, TOKENIZER_COPIED, copy_model_file
-from hf_lmc.io.outputs import check_replaceable, discard, move_into_place, staging_folder
+from hf_lmc.io.outputs import check_replaceable, discard, is_empty_folder, move_into_place, staging_folder
 from hf_lmc.utils.devices import full_float32_products
 from hf_lmc.utils.progress import bar as progress_bar
 
@@ -226,7 +226,7 @@ def write_checkpoint(
     """
     output = Path(output_dir)
     max_bytes = parse_size(shard_size)
-    if output.exists() and not overwrite:
+    if output.exists() and not overwrite and not is_empty_folder(output):  # an empty folder is taken as it is
         raise OutputExistsError(f"{output} already exists; pass {{}} to replace it", "overwrite")
     if overwrite:  # before the work, and again before the swap (move_into_place)
         check_replaceable(output, "output")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import logging
+import re
 import shlex
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -106,37 +107,140 @@ def resolve_checkpoint(reference: str | Path, revision: str | None = None, *, we
         if not pinned or (revision is not None and revision != pinned):
             raise UsageError(f"{reference} names revision {pinned!r} but {revision!r} was also given; give one")
         revision = pinned
-    with _hub_errors(str(reference), "folder"):
+    with _hub_errors(str(reference), "folder", revision=revision):
         if not weights:
-            return Path(_download(repo_id, revision, CHECKPOINT_PATTERNS))
+            return check_holds_model(repo_id, revision, Path(_download(repo_id, revision, CHECKPOINT_PATTERNS)))
         return _download_weights(repo_id, revision)
 
 
 def _download_weights(repo_id: str, revision: str | None) -> Path:
     """A snapshot of ``repo_id`` with the config, tokenizer and card, and the weight files
-    transformers reads from it, no others: ``model.safetensors`` comes with the small files (it is
-    read whenever the repo has it); else the rule (:func:`hf_lmc.merging.preflight.weights_entry`) picks
-    among what they brought (``config.json``'s named file, the safetensors index), then
-    ``pytorch_model.bin`` and its index, and an index's shards are fetched by the names it lists.
-    (A ``model.safetensors`` beside a file ``config.json`` names comes too, unread: the config is
-    not here before that first request.)"""
-    folder = Path(_download(repo_id, revision, CHECKPOINT_PATTERNS + [SAFETENSORS_SINGLE]))
+    transformers reads from it, no others. The small files come first, and a revision without
+    ``config.json`` is refused (:func:`check_holds_model`) before any weight is fetched; then
+    ``model.safetensors`` where the repo has it, else the rule
+    (:func:`hf_lmc.io.weights.weights_entry`) picks among what they brought (``config.json``'s
+    named file, the safetensors index), then ``pytorch_model.bin`` and its index, and an index's
+    shards are fetched by the names it lists. A revision with a config but no weights is refused
+    alike."""
+    folder = check_holds_model(repo_id, revision, Path(_download(repo_id, revision, CHECKPOINT_PATTERNS)))
+    folder = Path(_download(repo_id, revision, [SAFETENSORS_SINGLE]))
     entry = weights_entry(folder)
     if entry is None or entry == BIN_INDEX:  # the PyTorch pickle comes before its index
         folder = Path(_download(repo_id, revision, [BIN_SINGLE]))
         entry = weights_entry(folder)
-    if entry is not None and indexed(entry):
+    if entry is None:
+        raise NoModelAtRevisionError(no_model_message(repo_id, revision, "no weights"))
+    if indexed(entry):
         names = [path.name for path in indexed_files(folder, entry)]
         folder = Path(_download(repo_id, revision, [glob.escape(name) for name in names]))
-    elif entry is not None and not (folder / entry).is_file():  # the file config.json names
+    elif not (folder / entry).is_file():  # the file config.json names
         folder = Path(_download(repo_id, revision, [glob.escape(entry)]))
     return folder
+
+
+class NoModelAtRevisionError(FileNotFoundError):
+    """A Hub repo that holds no model at the revision asked for (PolyPythia's ``main`` holds only
+    ``.gitattributes``; its checkpoints are on ``step…`` branches). The message names the repo and
+    revision and lists the revisions that hold one."""
+
+
+#: How a revision is chosen, as every message that asks for one says it.
+REVISION_HINT = (
+    "choose one as ORG/NAME@REV, with --revision-a/--revision-b/--revisions (apply: --revision-model) or a "
+    "recipe's revision key"
+)
+
+
+def check_holds_model(repo_id: str, revision: str | None, folder: Path) -> Path:
+    """``folder`` (a snapshot of ``repo_id`` at ``revision``) if it holds ``config.json``; else a
+    :class:`NoModelAtRevisionError` listing the revisions that do."""
+    if not (folder / "config.json").is_file():
+        raise NoModelAtRevisionError(no_model_message(repo_id, revision, "no config.json"))
+    return folder
+
+
+def no_model_message(repo_id: str, revision: str | None, missing: str, *, api: HfApi | None = None) -> str:
+    """One line: ``repo_id`` has ``missing`` at ``revision``, the revisions that hold a model
+    (:func:`model_revisions`), and how to choose one."""
+    shown, count, source = model_revisions(repo_id, exclude=revision or hub_constants.DEFAULT_REVISION, api=api)
+    at = f"revision {revision}" if revision else f"its default revision ({hub_constants.DEFAULT_REVISION})"
+    if not shown:
+        where = "the Hub cache" if source == "cache" else "the Hub"
+        found = (
+            f"no other revision of it in {where} holds a config.json" if source else "its revisions could not be listed"
+        )
+        return f"{repo_id} has {missing} at {at}, and {found}"
+    more = f" ({count} in all, those shown checked)" if count > len([name for name in shown if name != "…"]) else ""
+    where = " (from the Hub cache: offline)" if source == "cache" else ""
+    return f"{repo_id} has {missing} at {at}; revisions that hold a model{where}: {', '.join(shown)}{more}; {REVISION_HINT}"
+
+
+def model_revisions(
+    repo_id: str, *, exclude: str | None = None, shown: int = 6, api: HfApi | None = None
+) -> tuple[list[str], int, str | None]:
+    """The branches and tags of ``repo_id`` that hold a model (a ``config.json``), in natural order
+    (``step2`` before ``step10``): ``(names, count, source)``. Online (``source`` ``"hub"``) the
+    refs come from ``list_repo_refs``; a repo may have hundreds (PolyPythia: one branch per saved
+    step), so at most ``shown`` are checked, the first and last ones, and ``count`` is how many
+    refs there are. Offline, or where the Hub cannot be reached, the cache's ``refs/`` are read
+    (``source`` ``"cache"``), each checked by its cached snapshot. ``source`` is ``None`` where
+    neither could be read."""
+    if not hub_constants.is_offline_mode():
+        api = api or HfApi()
+        try:
+            refs = api.list_repo_refs(repo_id)
+        except Exception as err:  # noqa: BLE001 (connection errors come in many types: the cache may still tell)
+            logger.info("could not list the revisions of %s (%s); reading the cache", repo_id, _first_line(err))
+        else:
+            names = _natural([ref.name for ref in [*refs.branches, *refs.tags] if ref.name != exclude])
+            picked = names if len(names) <= shown else names[: shown // 2] + names[-(shown - shown // 2) :]
+            held = [name for name in picked if _holds_config(api, repo_id, name)]
+            return (held if len(names) <= shown else _with_gap(held, names)), len(names), "hub"
+    return _cached_model_revisions(repo_id, exclude)
+
+
+def _holds_config(api: HfApi, repo_id: str, revision: str) -> bool:
+    try:
+        return bool(api.file_exists(repo_id, "config.json", revision=revision))
+    except Exception:  # noqa: BLE001 (a ref that cannot be read, for whatever reason, is not offered)
+        return False
+
+
+def _with_gap(held: list[str], names: list[str]) -> list[str]:
+    """``held`` (the first and last of ``names``, checked) with an ellipsis where names lie between."""
+    first = [name for name in held if names.index(name) < len(names) // 2]
+    last = [name for name in held if names.index(name) >= len(names) // 2]
+    return [*first, "…", *last] if first and last else held
+
+
+def _cached_model_revisions(repo_id: str, exclude: str | None) -> tuple[list[str], int, str | None]:
+    """What the Hub cache knows of ``repo_id``'s revisions: each ref under ``refs/`` whose cached
+    snapshot holds a ``config.json``. Read here rather than with ``huggingface_hub``'s
+    ``scan_cache_dir``, which reports a repo whose ref names a commit with no snapshot (PolyPythia's
+    ``main`` once a download found nothing there) as corrupted and leaves the whole repo out."""
+    repo = Path(hub_constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    refs = repo / "refs"
+    if not refs.is_dir():
+        return [], 0, None
+    names = []
+    for ref in sorted(path for path in refs.rglob("*") if path.is_file()):
+        name = ref.relative_to(refs).as_posix()
+        commit = ref.read_text(encoding="utf-8").strip()
+        if name != exclude and (repo / "snapshots" / commit / "config.json").is_file():
+            names.append(name)
+    names = _natural(names)
+    return names, len(names), "cache"
+
+
+def _natural(names: list[str]) -> list[str]:
+    """``names`` sorted with their digit runs read as numbers: step2 before step10."""
+    return sorted(names, key=lambda name: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)])
 
 
 def resolve_transforms(repo_id: str, revision: str | None = None) -> Path:
     """A local snapshot of the saved transforms of the merge at Hub repo ``repo_id`` (its
     ``transforms.safetensors`` and manifest alone, not its weights)."""
-    with _hub_errors(repo_id, "path", what="'s transforms"):
+    with _hub_errors(repo_id, "path", what="'s transforms", revision=revision):
         folder = Path(_download(repo_id, revision, ["transforms.safetensors", "transforms.json"]))
     if not (folder / "transforms.safetensors").is_file():
         raise FileNotFoundError(
@@ -146,19 +250,43 @@ def resolve_transforms(repo_id: str, revision: str | None = None) -> Path:
 
 
 @contextlib.contextmanager
-def _hub_errors(reference: str, local: str, what: str = "") -> Iterator[None]:
+def _hub_errors(reference: str, local: str, what: str = "", revision: str | None = None) -> Iterator[None]:
     """The Hub's errors on reading ``reference`` (``what`` of it) as one ``FileNotFoundError``
-    line: no such repo or revision (it was no ``local`` path either), or no network and no cache."""
+    line: no such repo (it was no ``local`` path either), no such revision (with the revisions
+    that hold a model), or no network and no cache (with the cached revisions that hold one)."""
+    repo_id = reference.partition("@")[0]
     try:
         yield
-    except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise FileNotFoundError(
-            f"{reference} is neither a local {local} nor a Hub model repo ({type(err).__name__})"
-        ) from err
+    except (RevisionNotFoundError, RepositoryNotFoundError) as err:
+        raise not_found_error(reference, local, revision, err) from err
     except (LocalEntryNotFoundError, HfHubHTTPError) as err:
+        cached, _, _ = _cached_model_revisions(repo_id, revision or hub_constants.DEFAULT_REVISION)
+        if isinstance(err, LocalEntryNotFoundError) and cached and not what:
+            at = f"revision {revision}" if revision else f"its default revision ({hub_constants.DEFAULT_REVISION})"
+            raise NoModelAtRevisionError(
+                f"{repo_id} at {at} could not be downloaded and is not in the Hub cache; cached revisions that hold "
+                f"a model: {', '.join(cached)}; {REVISION_HINT}"
+            ) from err
         raise FileNotFoundError(
-            f"could not download {reference}{what} from the Hub and it is not cached: {err}"
+            f"could not download {reference}{what} from the Hub and it is not cached: {_first_line(err)}"
         ) from err
+
+
+def not_found_error(reference: str, local: str, revision: str | None, err: Exception) -> FileNotFoundError:
+    """The one line for a Hub 404 on ``reference`` (it was no ``local`` path either): no such
+    revision, or no model at it where the repo's revisions can be listed (a mirror may answer a
+    missing file as a missing repo), else no such repo."""
+    repo_id = reference.partition("@")[0]
+    if isinstance(err, RevisionNotFoundError):
+        return NoModelAtRevisionError(no_model_message(repo_id, revision, "no such revision"))
+    if not hub_constants.is_offline_mode():
+        try:
+            HfApi().list_repo_refs(repo_id)
+        except Exception as listed:  # noqa: BLE001 (the repo cannot be listed either: it is not one)
+            logger.debug("%s has no refs either: %s", repo_id, _first_line(listed))
+        else:
+            return NoModelAtRevisionError(no_model_message(repo_id, revision, "no config.json"))
+    return FileNotFoundError(f"{reference} is neither a local {local} nor a Hub model repo ({type(err).__name__})")
 
 
 def _download(repo_id: str, revision: str | None, patterns: list[str]) -> str:
@@ -256,6 +384,12 @@ def check_push(repo_id: str, *, api: HfApi | None = None) -> str:
             f"{where}: {user} is a reader of {namespace}, not a writer; push to a namespace of yours"
         )
     return user
+
+
+def pushed_repo(repo_id: str, user: str | None) -> str:
+    """The repo a push to ``repo_id`` creates: a bare name is under the token's ``user``'s
+    namespace, as ``create_repo`` and transformers' ``push_to_hub`` place it."""
+    return repo_id if "/" in repo_id or not user else f"{user}/{repo_id}"
 
 
 def _first_line(err: BaseException) -> str:

@@ -47,7 +47,7 @@ except ImportError:  # not POSIX: no advisory locks, so no debris is ever taken 
 #: The file hf_lmc writes into every folder it writes: who wrote it, and which files are its own.
 MARKER = ".hf-lmc.json"
 #: What kinds of folder carry the marker.
-KINDS = ("merge", "demo", "recipe", "training-state", "zoo", "moved", "adapter")
+KINDS = ("merge", "demo", "recipe", "training-state", "zoo", "moved", "adapter", "aligned")
 #: Files that marked a folder as hf_lmc's before :data:`MARKER` existed (the demo's record, a
 #: zoo member's training record): such a folder is replaceable while it holds only the files
 #: of a checkpoint folder hf_lmc writes.
@@ -144,6 +144,21 @@ def check_replaceable(folder: str | Path, what: str, *, kinds: Collection[str] |
     raise OutputExistsError(f"{{}} {_given(folder)} {why} ({listed}); move them away or name another folder", what)
 
 
+def is_empty_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder (not a link to one) with nothing in it: an output may be one
+    without ``--overwrite``, as ``save_pretrained`` and mergekit take one. The new folder is
+    renamed onto it only while it is still empty (:func:`move_into_place`), and a run that fails
+    leaves it as it was."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
 def _what_is(path: Path) -> str:
     """What an existing path that is no plain folder is, for a message."""
     if path.is_symlink():
@@ -162,12 +177,13 @@ def check_output_folder(
     """The output protocol's checks of a folder to write, before any work (docs/design.md §6):
     a path that can be replaced at all (:func:`check_output_path`), what a dead run set aside put
     back first (:func:`clean_stale`: it is the user's folder, and judged as such), an existing
-    folder only with ``overwrite`` and only one hf_lmc wrote (of ``kinds``), and apart from every
-    path the command ``read``s (:func:`check_apart`). Returns ``output`` as a path."""
+    folder only with ``overwrite`` and only one hf_lmc wrote (of ``kinds``), or an empty folder
+    (:func:`is_empty_folder`, taken as ``save_pretrained`` takes one), and apart from every path
+    the command ``read``s (:func:`check_apart`). Returns ``output`` as a path."""
     output = Path(output)
     check_output_path(output, what)
     clean_stale(output)
-    if os.path.lexists(output) and not overwrite:
+    if os.path.lexists(output) and not overwrite and not is_empty_folder(output):
         raise OutputExistsError(f"{_given(output)} already exists; pass {{}} to replace it", "overwrite")
     check_apart(output, read, what)
     if overwrite:
@@ -175,7 +191,38 @@ def check_output_folder(
     return output
 
 
-# -- single files: plots ---------------------------------------------------------------------
+# -- single files: text, plots ---------------------------------------------------------------
+
+
+def write_new_text(path: str | Path, text: str, what: str) -> bool:
+    """Write ``text`` (UTF-8) as a new file at ``path``, whole or not at all (a hidden sibling
+    linked into place), with the umask's permissions. A file already there holding exactly
+    ``text`` is left as it is (returns ``False``); any other entry there is refused
+    (:class:`OutputExistsError` naming ``what``), never replaced. Returns whether it wrote."""
+    path = Path(path)
+    data = text.encode("utf-8")
+    if os.path.lexists(path):
+        if _plain_file(path) and path.stat().st_size == len(data) and path.read_bytes() == data:
+            return False
+        raise OutputExistsError(f"{{}} {_given(path)} already exists; move it away or name another folder", what)
+    handle, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+    partial = Path(name)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        _as_umask_allows(partial, 0o666)
+        try:
+            os.link(partial, path)  # fails where path appeared meanwhile: nothing is replaced
+        except FileExistsError:
+            raise OutputExistsError(
+                f"{{}} {_given(path)} was written by another program meanwhile; move it away or name another folder",
+                what,
+            ) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+    return True
+
 
 #: What a figure hf_lmc saves says wrote it, in the metadata its format keeps (PNG ``Software``,
 #: PDF and SVG ``Creator``): ``--overwrite`` replaces a file only if it carries this.
@@ -458,19 +505,24 @@ def move_into_place(
     is exchanged with the new one in one step where the system can; elsewhere it is set aside
     (``.NAME.old-PID-xxxxxxxx``) and the new one renamed in, with signals deferred in between, so
     an exception puts it back and a killed run leaves it for the next run to restore. The old
-    folder is removed only once the new one is in place. The folder gets the permissions the
-    umask gives a new folder (``mkdtemp`` made it private); ``moved_by`` goes into its marker
-    (:func:`mark`)."""
+    folder is removed only once the new one is in place. The folder and every file in it get the
+    permissions the umask gives a new folder or file (``mkdtemp`` made it private, and
+    safetensors writes its files private too: :func:`honour_umask`); an empty folder at ``output``
+    is replaced without ``overwrite``, by a rename that fails if anything appeared in it
+    meanwhile; ``moved_by`` goes into its marker (:func:`mark`)."""
     staging, output = Path(staging), Path(output)
     try:
-        _as_umask_allows(staging)
+        honour_umask(staging)
         mark(staging, kind, moved_by)
         if overwrite and os.path.lexists(output):
             check_replaceable(output, what)
             _swap(staging, output)
             return
         try:
-            _rename_new(staging, output)
+            if is_empty_folder(output):  # the user's empty folder: replaced only while it stays empty
+                os.rename(staging, output)
+            else:
+                _rename_new(staging, output)
         except OSError as err:
             if os.path.lexists(output):
                 raise OutputExistsError(
@@ -680,6 +732,25 @@ def _rename_new(source: Path, target: Path) -> None:
         if os.path.lexists(target):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
         os.rename(source, target)
+
+
+def honour_umask(path: str | Path) -> None:
+    """Give ``path`` the permissions a new file (``open``: 0o666) or folder (``mkdir``: 0o777)
+    gets under the process's umask, and for a folder everything under it too (links are left
+    alone): ``mkdtemp``, ``mkstemp`` and safetensors' ``save_file`` make theirs private (0600),
+    where every file hf_lmc writes follows the umask, as ``save_pretrained``'s shards do."""
+    path = Path(path)
+    if path.is_symlink():
+        return
+    if not path.is_dir():
+        _as_umask_allows(path, 0o666)
+        return
+    _as_umask_allows(path)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            entry = Path(root) / name
+            if not entry.is_symlink():
+                _as_umask_allows(entry, 0o777 if name in dirs else 0o666)
 
 
 def _as_umask_allows(path: Path, mode: int = 0o777) -> None:

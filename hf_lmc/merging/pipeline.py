@@ -33,6 +33,7 @@ import torch
 
 from hf_lmc.canonical.adapters import adapter_for, read_config
 from hf_lmc.canonical.form import (
+    CanonicalModel,
     block_rows,
     canonicalize,
     combine,
@@ -75,7 +76,7 @@ from hf_lmc.io.card import (
 from hf_lmc.io.checkpoint import Checkpoint
 from hf_lmc.io.export import check_writable, dtype_named, stored_dtype, write_checkpoint
 from hf_lmc.io.fingerprint import fingerprint
-from hf_lmc.io.hub import check_push, push_folder, resolve_checkpoint, shown_reference
+from hf_lmc.io.hub import check_push, push_folder, pushed_repo, resolve_checkpoint, shown_reference
 from hf_lmc.io.inherit import check_inherited, shown_names
 from hf_lmc.io.loading import load_model
 from hf_lmc.io.outputs import check_apart
@@ -197,8 +198,8 @@ def run(request: MergeRequest, *, progress: bool = True, api=None) -> MergeResul
                 measured = measure(request, inputs, aligned, Path(scratch), progress=progress)
                 write(request, inputs, aligned, measured, progress=progress, scratch=Path(scratch))
             url = (
-                push_folder(Path(request.output), request.push_to_hub, private=request.private, api=api)
-                if request.push_to_hub
+                push_folder(Path(request.output), inputs.push_to_hub, private=request.private, api=api)
+                if inputs.push_to_hub
                 else None
             )
     finally:  # a failure on the main process still releases the others (the launcher then reports it)
@@ -232,6 +233,8 @@ class Inputs:
     fit_batches: list | None
     #: What B's tokenizer, processor, labels or config differ in, harmlessly or accepted.
     inherited_notes: tuple[str, ...] = ()
+    #: The Hub repo the merge is pushed to, with its namespace (a bare name is the token's user's).
+    push_to_hub: str | None = None
 
 
 def resolve(request: MergeRequest, *, progress: bool = True, api=None, push_check: bool = True) -> Inputs:
@@ -240,8 +243,9 @@ def resolve(request: MergeRequest, *, progress: bool = True, api=None, push_chec
     evaluation data: every problem a user can fix surfaces here, before any long alignment work."""
     count = len(request.models)
     written = check_request(request)  # what the command line checked before importing this module
-    if request.push_to_hub and push_check:  # before any download: a merge is never computed to fail at its push
-        check_push(request.push_to_hub, api=api)
+    push_to_hub = request.push_to_hub
+    if push_to_hub and push_check:  # before any download: a merge is never computed to fail at its push
+        push_to_hub = pushed_repo(push_to_hub, check_push(push_to_hub, api=api))
     weights = simplex_weights(request.weights, count)
     revisions = revisions_per_model(request.revisions, count)
     kinds = resolve_kinds(request.symmetries)
@@ -276,6 +280,7 @@ def resolve(request: MergeRequest, *, progress: bool = True, api=None, push_chec
         eval_batches,
         fit_batches,
         inherited_notes,
+        push_to_hub,
     )
 
 
@@ -320,6 +325,12 @@ _SECONDS_PER_BILLION = {"average": 17.0, "weight": 100.0}
 _FLOPS = 1.4e11
 _STEP_PASSES = 2.65
 _RUNTIME_BYTES = 0.42e9
+#: The start-up every command that loads a model pays before its work, measured on 2 CPU cores
+#: by ``benchmarks/startup.py`` (benchmarks/results/startup-20261207-054729.json): the
+#: interpreter and the imports (5.9 s), and ``from_pretrained`` of weights loaded whole (0.27 s
+#: per GB from the file cache) where the merge loads models whole (the barrier, fitting data).
+_STARTUP_SECONDS = 6.0
+_LOAD_SECONDS_PER_GB = 0.27
 
 
 @dataclass(frozen=True)
@@ -366,7 +377,7 @@ class Plan:
         output = Path(request.output)
         lines.append(
             f"  output: {output} ({'replaced' if output.exists() else 'new'})"
-            + (f", pushed to {request.push_to_hub}" if request.push_to_hub else "")
+            + (f", pushed to {pushed_repo(request.push_to_hub, self.push_user)}" if request.push_to_hub else "")
             + (f" as {self.push_user}" if self.push_user else "")
         )
         lines += [f"  note: {note}" for note in self.notes]
@@ -619,11 +630,15 @@ def estimate_cost(
     estimate it (:data:`_SECONDS_PER_BILLION`): ``fit_batches`` is ``(batches, tokens)`` of the
     fitting data of a method that reads some, ``steps`` a trained method's steps, ``evaluation``
     ``(points of the grid, tokens)`` of the barrier measured for the card, ``flops`` the
-    device's rate for the passes over data."""
+    device's rate for the passes over data. The start-up is included: the interpreter and the
+    imports (:data:`_STARTUP_SECONDS`), and loading the models whole where the merge does."""
     entry = METHODS[method]
     count, largest = len(parameters), max(parameters)
     float_bytes = [4 * p for p in parameters]  # float32 copies
-    seconds = _SECONDS_PER_BILLION["average" if method == "average" else "weight"] * largest / 1e9 * (count - 1)
+    seconds = _STARTUP_SECONDS
+    if entry.needs_data or evaluation is not None:  # every model loaded whole (from_pretrained)
+        seconds += _LOAD_SECONDS_PER_GB * sum(stored_bytes) / 1e9
+    seconds += _SECONDS_PER_BILLION["average" if method == "average" else "weight"] * largest / 1e9 * (count - 1)
     peak = max(stored_bytes)  # streamed layer by layer: under one checkpoint
     if entry.needs_data:
         batches, tokens = fit_batches
@@ -714,21 +729,24 @@ class Aligned:
     spec: ArchSpec | None = None  # the canonical models' spec, which the transforms act on
 
 
-def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Aligned:
-    """Align the models (unless the method is the plain average of models of one shape) and set
-    up the merged tensors. Reading streams layer by layer from the checkpoints (learned and dual
-    matching hold the models in memory while they train)."""
-    config_a = inputs.configs[0]
-    logger.info(
-        "aligning %d models: %s%s",
-        len(inputs.folders),
-        request.method,
-        "" if request.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}",
-    )
-    if request.method == "average" and not inputs.width_notes:
-        checkpoints = open_checkpoints(inputs.folders, inputs.configs)
-        groups = average_groups(checkpoints, inputs.weights, inputs.out_dtype)
-        return Aligned(config_a, groups, None, False, None, inputs.out_dtype, sources=tuple(checkpoints))
+@dataclass(frozen=True)
+class Members:
+    """What :func:`align_members` made: every model moved into the merge's coordinates by its
+    transform, before any interpolation (``moved[k]`` is ``T_k(theta_k)`` in canonical form, lazy,
+    on the compute device): what :func:`align` combines, and what ``hf-lmc align`` writes."""
+
+    moved: list[CanonicalModel]
+    transforms: list[Transform]
+    spec: ArchSpec  # the canonical models' spec, which the transforms act on
+    stopping: object | None = None  # a trained method's hf_lmc.learned.training.Stopping
+    sources: tuple[Checkpoint, ...] = ()  # the inputs' checkpoints, verified unchanged before an output is put in place
+
+
+def align_members(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Members:
+    """Find each model's transform by the method's registry entry and move every model by it
+    (models of two widths first embedded exactly into one shape; the ``average`` of two widths
+    moves nothing): the models as :func:`align` interpolates them. Reading streams layer by layer
+    from the checkpoints (learned and dual matching hold the models in memory while they train)."""
     needs_data = METHODS[request.method].needs_data
     # Weight matching reads every layer on the device from the start; the data methods'
     # matchers place their endpoints themselves (accelerate), from the CPU.
@@ -756,17 +774,43 @@ def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Al
         )
         transforms = [t.to(torch.float32) for t in matcher.fit(canonical, inputs.weights)]
         stopping = getattr(matcher, "stopping", None)
-    # Each layer is moved (the data methods' endpoints were read on the CPU), summed on the device, and written from the CPU.
+    # Each layer is moved on the device (the data methods' endpoints were read on the CPU).
     device = inputs.device
-    merged = combine(
-        [t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)], inputs.weights
+    moved = [t.to(device=device).apply(c.to(device=device)) for t, c in zip(transforms, canonical)]
+    return Members(moved, transforms, canonical[0].spec, stopping, sources)
+
+
+def align(request: MergeRequest, inputs: Inputs, *, progress: bool = True) -> Aligned:
+    """Align the models (unless the method is the plain average of models of one shape:
+    :func:`align_members`) and set up the merged tensors, summed on the device layer by layer as
+    they are read and written from the CPU."""
+    config_a = inputs.configs[0]
+    logger.info(
+        "aligning %d models: %s%s",
+        len(inputs.folders),
+        request.method,
+        "" if request.method == "average" else f", symmetries {', '.join(sorted(inputs.kinds))}",
     )
+    if request.method == "average" and not inputs.width_notes:
+        checkpoints = open_checkpoints(inputs.folders, inputs.configs)
+        groups = average_groups(checkpoints, inputs.weights, inputs.out_dtype)
+        return Aligned(config_a, groups, None, False, None, inputs.out_dtype, sources=tuple(checkpoints))
+    members = align_members(request, inputs, progress=progress)
+    merged = combine(members.moved, inputs.weights)
     out_dtype = written_dtype(request.method, inputs.out_dtype, config_a, inputs.width_notes)
     config = export_config(merged, dtype=out_dtype)  # known: no layer built just to read it
     groups = hf_state_dict_groups(merged, config, block_rows=block_rows(merged.spec))
     untied = bool(getattr(config_a, "tie_word_embeddings", False)) and not config.tie_word_embeddings
     return Aligned(
-        config, groups, len(merged.spec.groups()), untied, transforms, out_dtype, stopping, sources, canonical[0].spec
+        config,
+        groups,
+        len(merged.spec.groups()),
+        untied,
+        members.transforms,
+        out_dtype,
+        members.stopping,
+        members.sources,
+        members.spec,
     )
 
 
@@ -839,7 +883,7 @@ def write(
 
 
 def save_merge_transforms(
-    path: Path, request: MergeRequest, inputs: Inputs, aligned: Aligned, sources: Sequence[ModelSource]
+    path: Path, request: MergeRequest, inputs: Inputs, aligned: Aligned | Members, sources: Sequence[ModelSource]
 ) -> Path:
     """Each model's transform, the map that carried it into the merge's basin, saved at ``path``
     with what it was fitted on: per model its reference as given (a local folder by its last
@@ -884,7 +928,7 @@ def _write_checkpoint(request, inputs, aligned, measured, sources, barriers, ext
         made_with=request.made_with or settings_markdown(request),
         canonical=aligned.transforms is not None,
         plot_filename=measured.plot.name if measured.plot else None,
-        repo_hint=request.repo_hint or request.push_to_hub or shown_reference(request.output),  # not the machine's path
+        repo_hint=request.repo_hint or inputs.push_to_hub or shown_reference(request.output),  # not the machine's path
         transforms_file=TRANSFORMS_FILE if TRANSFORMS_FILE in extra else None,
         transforms_version=TRANSFORMS_FORMAT,
     )

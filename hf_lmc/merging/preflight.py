@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from hf_lmc.config.methods import check_method
+from hf_lmc.config.methods import METHODS, check_method
 from hf_lmc.config.options import (
     MergeRequest,
     ParameterError,
@@ -89,3 +89,29 @@ def check_outputs(request: MergeRequest, read: Sequence[str | Path]) -> list[tup
 def named_paths(*data) -> list[str | Path]:
     """Those of ``data`` that name a local file or folder (others are loaded data or Hub names)."""
     return [d for d in data if isinstance(d, (str, Path)) and os.path.lexists(d)]
+
+
+#: What an aligned set (``hf-lmc align``) takes no value for: it interpolates nothing, measures
+#: nothing and is no single checkpoint to push; each with why, as the refusal says it.
+_NOT_ALIGNED = {
+    "weights": "align interpolates nothing (its transforms are those of the merge at equal weights); weight the "
+    "written models in the tool that merges them",
+    "eval_data": "align measures no barrier; measure one with hf-lmc barrier",
+    "push_to_hub": "align writes a folder of several models, not one checkpoint; push the folders you merge",
+}
+
+
+def check_align_request(request: MergeRequest) -> list[tuple[Path, str]]:
+    """The checks of an aligned set (``hf-lmc align``) that read no model: a method that finds
+    symmetries (``average`` moves nothing), none of the settings only a merge has
+    (:data:`_NOT_ALIGNED`), then every check of a merge (:func:`check_request`)."""
+    if METHODS[request.method].pair_class is None:
+        found = ", ".join(name for name, m in METHODS.items() if m.pair_class is not None)
+        raise ParameterError(
+            f"{{}} {request.method} finds no symmetries, so align would move nothing; choose one that does: {found}",
+            "method",
+        )
+    for name, why in _NOT_ALIGNED.items():
+        if getattr(request, name) is not None:
+            raise ParameterError(f"{{}} is not taken here: {why}", name)
+    return check_request(request)

@@ -57,7 +57,17 @@ from hf_lmc.config.recipe import (
 from hf_lmc.evaluation.batches import SAMPLED, DataError, read_text_file
 from hf_lmc.io import zoo
 from hf_lmc.io.export import PROCESSOR_FILES
-from hf_lmc.io.hub import check_push, names_local_path, push_folder, resolve_checkpoint, shown_settings
+from hf_lmc.io.hub import (
+    NoModelAtRevisionError,
+    check_push,
+    names_local_path,
+    no_model_message,
+    not_found_error,
+    push_folder,
+    pushed_repo,
+    resolve_checkpoint,
+    shown_settings,
+)
 from hf_lmc.io.inherit import copy_model_file
 from hf_lmc.io.loading import load_model
 from hf_lmc.io.outputs import (
@@ -215,7 +225,10 @@ def run_recipe(
     if recipe.output.push_to_hub and main:  # a push that cannot succeed is found before the first merge
         targets = [recipe.output.push_to_hub.format(group=g, method=m) for g, m, _ in recipe.runs()]
         for target in {t.partition("/")[0] if "/" in t else "": t for t in targets}.values():  # one per namespace
-            check_push(target, api=api)
+            user = check_push(target, api=api)
+        if "/" not in recipe.output.push_to_hub:  # a bare name (push_to_hub: true) is the token's user's
+            output = recipe.output.model_copy(update={"push_to_hub": pushed_repo(recipe.output.push_to_hub, user)})
+            recipe = recipe.model_copy(update={"output": output})
     # Data problems surface before any model is trained, downloaded or aligned.
     needs_data = any(METHODS[m].needs_data for m in recipe.method)
     fit_data = load_data(recipe.data, "train") if recipe.data is not None and needs_data else None
@@ -633,6 +646,28 @@ def _first_line(err: BaseException) -> str:
 # -- the configs of a recipe's models, compared before any run (``hf-lmc recipe check``) --
 
 
+def unpinned_models(recipe: Recipe) -> list[str]:
+    """The recipe's Hub models (and adapters) read at no pinned revision, each once, with the key
+    that holds it: what they merge changes when the repo's default branch does, and some repos keep
+    no model there at all (PolyPythia's checkpoints live on ``step…`` branches)."""
+    entries = recipe.sweep if recipe.sweep is not None else [None]
+    found: dict[str, str] = {}
+    for index, (entry, (_, refs)) in enumerate(zip(entries, recipe.groups)):
+        for k, ref in enumerate(refs):
+            key = f"sweep[{index}].models[{k}]" if entry is not None else f"models[{k}]"
+            for path, revision, name in (
+                (ref.path, ref.revision, "revision"),
+                (ref.adapter, ref.adapter_revision, "adapter_revision"),
+            ):
+                if path is None or path.startswith(ZOO_PREFIX) or revision is not None or "@" in path:
+                    continue
+                if not names_local_path(path) and path not in found:
+                    found[path] = f"{key}.{name}"
+    return [
+        f"{path} is read at the Hub's default branch, not a pinned revision: set {key}" for path, key in found.items()
+    ]
+
+
 def check_models(recipe: Recipe, given=None) -> list[str]:
     """Compare the configs of each group's models with the check the merge runs on them before it
     reads a weight (:func:`hf_lmc.canonical.widths.check_mergeable`), reading ``config.json`` alone: a local
@@ -760,12 +795,10 @@ class _ConfigReader:
         try:
             return Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
         except (RepositoryNotFoundError, RevisionNotFoundError) as err:  # as the merge would say (hf_lmc.io.hub)
-            raise FileNotFoundError(
-                f"{ref.path} is neither a local folder nor a Hub model repo ({type(err).__name__})"
-            ) from None
+            raise not_found_error(ref.path, "folder", revision, err) from None
         except EntryNotFoundError as err:
-            if not isinstance(err, LocalEntryNotFoundError):  # the Hub answered: the repo has no config.json
-                raise FileNotFoundError(f"the Hub repo {ref.path} holds no config.json; name a model repo") from None
+            if not isinstance(err, LocalEntryNotFoundError):  # the Hub answered: no config.json at that revision
+                raise NoModelAtRevisionError(no_model_message(repo_id, revision, "no config.json")) from None
             self.unreachable = f"not in the Hub cache and the Hub could not be reached ({type(err).__name__})"
         except OSError as err:  # no network, or the Hub's other errors (a server error, a timeout)
             self.unreachable = f"not in the Hub cache and the Hub could not be reached ({type(err).__name__})"

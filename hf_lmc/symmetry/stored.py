@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from hf_lmc.canonical.spec import ArchSpec
+from hf_lmc.io.outputs import honour_umask
 from hf_lmc.symmetry.groups import (
     SYMMETRY_TOLERANCE,
     AttentionMap,
@@ -182,6 +183,7 @@ def save_transforms(
                 tensors[f"{index}/{space}/{part}"] = tensor.detach().to("cpu", copy=True).contiguous()
         models.append(StoredModel(name=name, source=source, elements=elements))
     save_file(tensors, str(path), metadata={"format": _KIND, "version": str(FORMAT)})
+    honour_umask(path)  # safetensors writes its file private; hf_lmc's files follow the umask
     manifest = TransformsManifest(
         spec=spec,
         models=models,
