@@ -36,6 +36,7 @@ of N tokens instead (:func:`with_vocabulary`), which fills the stream as real vo
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import statistics
@@ -251,6 +252,14 @@ class PairResult:
     barriers: dict[str, float]
     seconds: dict[str, float]
     members: list[dict]
+    #: Per trained method: the held-out barrier estimate along its run, ``[steps, seconds,
+    #: estimate]`` every 50 steps, seconds counted from the method's start (its weight-matching
+    #: start included).
+    curves: dict[str, list] = dataclasses.field(default_factory=dict)
+    #: Per trained method: why its run stopped, its steps, and ``steps`` and ``seconds`` to its
+    #: final barrier (the first estimate within 10 % of the final one, or of the target when it
+    #: was reached: :meth:`hf_lmc.learned.training.Stopping.time_to_final`).
+    runs: dict[str, dict] = dataclasses.field(default_factory=dict)
 
 
 def evaluation_batches(entry: zoo.ZooEntry, folder: Path):
@@ -303,7 +312,7 @@ def measure_pair(
     (fitting data: :func:`pair_data`'s)."""
     folders, evaluation, fitting = pair_data(pair, cache=cache, progress=progress, fitting=fitting)
     members = [json.loads((f / "zoo.json").read_text()) for f in folders]
-    barriers, seconds = {}, {}
+    barriers, seconds, curves, runs = {}, {}, {}, {}
     for label, method, symmetries, overrides in METHODS:
         if label not in labels:
             continue
@@ -320,10 +329,31 @@ def measure_pair(
             progress=False,
         )
         barriers[label], seconds[label] = result.barriers[method], time.perf_counter() - start
+        stopping = result.stopping.get(method)
+        if stopping is not None and stopping.curve:
+            curves[label], runs[label] = run_of(stopping, stopping.started - start)
         print(f"{pair.entry.name} {label}: barrier {barriers[label]:.4f} ({seconds[label]:.0f} s)", file=sys.stderr)
     return PairResult(
-        pair.family, pair.entry.name, pair.varies, barriers, seconds, [_member_summary(m) for m in members]
+        pair.family,
+        pair.entry.name,
+        pair.varies,
+        barriers,
+        seconds,
+        [_member_summary(m) for m in members],
+        curves,
+        runs,
     )
+
+
+def run_of(stopping, offset: float) -> tuple[list, dict]:
+    """A trained method's curve and run summary for the record, seconds shifted by ``offset``
+    (the seconds from the method's start to its training's)."""
+    curve = [[step, round(offset + seconds, 2), estimate] for step, seconds, estimate in stopping.curve]
+    reached = stopping.time_to_final()
+    run = {"stopped": stopping.reason, "steps": stopping.steps, "budget": stopping.budget}
+    if reached is not None:
+        run |= {"steps_to_final": reached[0], "seconds_to_final": round(offset + reached[1], 2)}
+    return curve, run
 
 
 @dataclass
@@ -464,12 +494,27 @@ def pair_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]
 
 
 def time_rows(results: Sequence[PairResult], labels: Sequence[str]) -> list[str]:
-    """Seconds each method took per pair (merge-time alignment and the barrier's evaluation), mean and max."""
-    rows = ["| method | seconds per pair, mean | max |", "|---|---|---|"]
+    """Seconds each method took per pair (merge-time alignment and the barrier's evaluation), mean
+    and max; for the trained methods also the seconds to their final barrier (median and worst)
+    and how their runs stopped."""
+    rows = [
+        "| method | seconds per pair, mean | max | to the final barrier, median | worst | stopped by |",
+        "|---|---|---|---|---|---|",
+    ]
     for label in labels:
         values = [r.seconds[label] for r in results if label in r.seconds]
-        if values:
-            rows.append(f"| {label} | {statistics.mean(values):.0f} | {max(values):.0f} |")
+        if not values:
+            continue
+        runs = [r.runs[label] for r in results if label in r.runs and "seconds_to_final" in r.runs[label]]
+        to_final = [run["seconds_to_final"] for run in runs]
+        reasons = collections.Counter(run["stopped"] for run in runs)
+        shown = (
+            f"{statistics.median(to_final):.0f} | {max(to_final):.0f} | "
+            + ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
+            if to_final
+            else "— | — | —"
+        )
+        rows.append(f"| {label} | {statistics.mean(values):.0f} | {max(values):.0f} | {shown} |")
     return rows
 
 

@@ -129,7 +129,7 @@ def merged(records: Sequence[tuple[Path, dict]], field: str = "pairs") -> dict[t
             if label in record.get("summaries", {}):
                 entry["summaries"][label] = record["summaries"][label]
             for item in entry["items"].values():  # a method's figures come from one record alone
-                for values in (item["barriers"], item.get("mean_excess", {}), item["seconds"]):
+                for values in (item["barriers"], item.get("mean_excess", {}), item["seconds"], item["runs"]):
                     values.pop(label, None)
         for item in record[field]:
             kept = entry["items"].setdefault(
@@ -140,6 +140,7 @@ def merged(records: Sequence[tuple[Path, dict]], field: str = "pairs") -> dict[t
                     "varies": item["varies"],
                     "barriers": {},
                     "seconds": {},
+                    "runs": {},
                 }
                 | ({"mean_excess": {}} if field == "triples" else {}),
             )
@@ -149,6 +150,8 @@ def merged(records: Sequence[tuple[Path, dict]], field: str = "pairs") -> dict[t
                     kept["mean_excess"][label] = item["mean_excess"][label]
                 if label in item.get("seconds", {}):
                     kept["seconds"][label] = item["seconds"][label]
+                if label in item.get("runs", {}):  # a trained method's run: how it stopped, time to its final barrier
+                    kept["runs"][label] = item["runs"][label]
     return variants
 
 
@@ -178,6 +181,8 @@ def method_summary(items: Sequence[dict], label: str) -> dict | None:
         if item["barriers"].get("vanilla", 0) > 0
     ]
     seconds = [item["seconds"][label] for item in measured if label in item["seconds"]]
+    runs = [item.get("runs", {}).get(label) or {} for item in measured]
+    to_final = [run["seconds_to_final"] for run in runs if "seconds_to_final" in run]
     return {
         "pairs": len(values),
         "spread": _spread(values),
@@ -187,6 +192,7 @@ def method_summary(items: Sequence[dict], label: str) -> dict | None:
         if ratios
         else "—",
         "seconds": f"{statistics.mean(seconds):.0f}" if seconds else "—",
+        "to_final": f"{statistics.median(to_final):.0f} ({max(to_final):.0f})" if to_final else "—",
     }
 
 
@@ -200,6 +206,7 @@ def recorded_summary(summary: dict) -> dict:
         "worst_pair": "not recorded",
         "ratio": f"{summary['ratio_mean']:.2f} ({summary['ratio_worst']:.2f})" if "ratio_mean" in summary else "—",
         "seconds": "—",
+        "to_final": "—",
     }
 
 
@@ -285,8 +292,11 @@ def suite_section(key: tuple, entry: dict, root: Path) -> list[str]:
         "",
         f"### {describe(key)}",
         "",
-        "| family | method | pairs | barrier, mean ± std | worst pair | ratio to average, mean (worst) | seconds per pair |",
-        "|---|---|---|---|---|---|---|",
+        (
+            "| family | method | pairs | barrier, mean ± std | worst pair | ratio to average, mean (worst) | seconds per pair "
+            "| seconds to the final barrier, median (worst) |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for group, members in groups:
         for label in labels:
@@ -294,7 +304,8 @@ def suite_section(key: tuple, entry: dict, root: Path) -> list[str]:
             if summary:
                 out.append(
                     f"| {group} | {SHOWN.get(label, label)} | {summary['pairs']} | {summary['spread']} | "
-                    f"{summary['worst']} ({summary['worst_pair']}) | {summary['ratio']} | {summary['seconds']} |"
+                    f"{summary['worst']} ({summary['worst_pair']}) | {summary['ratio']} | {summary['seconds']} "
+                    f"| {summary['to_final']} |"
                 )
     out += [
         "",

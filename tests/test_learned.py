@@ -1233,7 +1233,7 @@ def test_trained_matcher_is_the_path_built_trained_and_hardened_by_hand(cls, cou
         start = UniverseMatcher(progress=False).fit(models)
         torch.manual_seed(1)
         path = hf_lmc.SimplexMatcher(models, init=start, learns_first=cls is DualMatcher)
-    path.fit(batches, steps=3, lr=1e-2, target_barrier=None, progress=False)
+    path.fit(batches, steps=3, lr=1e-2, target_barrier=None, seed=1, progress=False)
     expected = list(path.transforms())
     assert len(got) == len(expected) == count
     for mine, theirs in zip(got, expected):
@@ -1569,3 +1569,60 @@ def test_permutation_only_learning_is_refused_where_it_does_not_apply(capsys):
         argv = ["merge", "a", "b", "-o", "out", "--data", "x.txt", "--trained", "permutations", "--permutations", "ste"]
         assert main([*argv, *extra]) == 2
         assert "--trained" in capsys.readouterr().err
+
+
+def test_a_plateau_stops_training_and_the_run_keeps_its_curve():
+    """With ``patience``, training stops once that many estimates in a row do not improve on the
+    lowest; every estimate is on the curve with its step and the seconds since training began."""
+    from hf_lmc.learned.training import train
+
+    batches = [{"input_ids": torch.zeros(1, 1, dtype=torch.long)}] * 2
+    settings = {"schedule": "constant", "locate_every": 5, "holdout": batches, "target_barrier": 0.0, "progress": False}
+    flat = _WorseningPath(0.5)  # creeps up: no estimate after the start's improves on it
+    train(flat, batches, steps=50, lr=1e-4, patience=2, **settings)
+    stopping = flat.stopping
+    assert stopping.reason == "plateau" and stopping.steps == 10 and "plateau" in stopping.describe()
+    assert [step for step, _, _ in stopping.curve] == [0, 5, 10]
+    seconds = [second for _, second, _ in stopping.curve]
+    assert seconds == sorted(seconds) and seconds[0] >= 0
+
+    budgeted = _WorseningPath(0.5)
+    train(budgeted, batches, steps=50, lr=1e-4, **settings)  # no patience: the whole budget
+    assert budgeted.stopping.reason == "budget" and budgeted.stopping.steps == 50
+    assert [step for step, _, _ in budgeted.stopping.curve] == list(range(0, 51, 5))
+
+
+def test_time_to_the_final_barrier_is_the_first_estimate_within_ten_percent():
+    from hf_lmc.learned.training import Stopping
+
+    run = Stopping(None, 2, budget=150)
+    for step, seconds, estimate in [(0, 0.0, 0.5), (50, 10.0, 0.2), (100, 20.0, 0.105), (150, 30.0, 0.1)]:
+        run.record(step, estimate, seconds)
+    assert run.time_to_final() == (100, 20.0) and run.reason == "budget"
+    targeted = Stopping(0.02, 2, budget=150)
+    for step, seconds, estimate in [(0, 0.0, 0.5), (50, 10.0, 0.021), (100, 20.0, 0.019)]:
+        if targeted.record(step, estimate, seconds):
+            break
+    assert targeted.reason == "target" and targeted.time_to_final() == (50, 10.0)  # within 10 % of the target
+    assert Stopping(None, 0, budget=5).time_to_final() is None
+
+
+def test_the_default_seed_gives_one_merge_whatever_ran_before():
+    """As ``transformers.Trainer``'s seed: fixed by default (42) and recorded, so a merge does not
+    depend on what the process drew before it."""
+    from hf_lmc.config.options import DEFAULT_SEED, LearnOptions
+    from hf_lmc.learned import TrainedMatcher
+    from tests.models import transform_tensors
+
+    config = tiny_configs()["gpt2"]
+    models = [hf_lmc.canonicalize(build_model(config, seed=s)) for s in (1, 2)]
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (2, 10), generator=g)} for _ in range(2)]
+    learn = LearnOptions(steps=3, target_barrier=None)
+    assert learn.seed == DEFAULT_SEED == 42
+    runs = []
+    for before in (0, 123):
+        torch.manual_seed(before)
+        torch.rand(7)  # whatever the process drew before
+        runs.append(transform_tensors(TrainedMatcher(DualMatcher, batches, learn=learn, progress=False).fit(models)[1]))
+    assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])

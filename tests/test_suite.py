@@ -170,3 +170,21 @@ def test_a_run_writes_one_standard_record_per_run(monkeypatch, tmp_path):
     assert first["ratio_to_vanilla"] == {"vanilla": 1.0, "weight": 0.25, "dual": 0.05}
     results = suite.read_results([path], suite.PairResult)
     assert [r.name for r in results] == ["ci-gpt2", "ci-vit"] and results[1].barriers == barriers
+
+
+def test_recorded_curves_replay_through_the_stopping_rule(tmp_path):
+    """``benchmarks.plateau`` stops a recorded curve where the loop's own rule would have."""
+    from benchmarks import plateau
+
+    curve = [[0, 0.0, 0.5], [50, 10.0, 0.2], [100, 20.0, 0.199], [150, 30.0, 0.198], [200, 40.0, 0.15]]
+    assert plateau.replay(curve, 0.02, None) == (200, 40.0, 0.15)  # no plateau rule: the whole run
+    assert plateau.replay(curve, 0.02, 2) == (150, 30.0, 0.198)  # two estimates without a 2 % fall
+    assert plateau.replay(curve, 0.25, 2) == (50, 10.0, 0.2)  # the target first
+    record = tmp_path / "suite.json"
+    record.write_text(
+        json.dumps(
+            {"settings": {"learn": {"target_barrier": 0.02}}, "pairs": [{"name": "p", "curves": {"dual": curve}}]}
+        )
+    )
+    rows = plateau.measure(plateau.runs_of([record]), [2])
+    assert rows[0]["time_ratio"] == 0.75 and abs(rows[0]["estimate_rise"] - 0.048) < 1e-12

@@ -62,6 +62,9 @@ DEFAULT_ROTARY_SOLVE = "moments"
 #: Training steps between re-locations of a path's worst point (and, with held-out batches,
 #: barrier estimates). A Python-only setting of the training loop.
 LOCATE_EVERY = 50
+#: The training draws' seed when none is given, as ``transformers.TrainingArguments.seed``'s: one
+#: merge for one set of inputs and settings, whatever the process drew before.
+DEFAULT_SEED = 42
 #: Where weight matching and the export's products can run.
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*")
@@ -252,6 +255,13 @@ class LearnOptions(Options):
         description=f"stop learned and dual matching of two models once the path's barrier, estimated every {LOCATE_EVERY} steps "
         "on the last eighth of the fitting batches (held out of training), is at most this many nats; 0 trains the whole budget",
     )
+    patience: int | None = Field(
+        None,
+        ge=1,
+        description=f"stop learned and dual matching of two models once this many barrier estimates in a row (one every "
+        f"{LOCATE_EVERY} steps, on the held-out fitting batches) have not improved on the lowest (default: no plateau rule; "
+        "the target and the budget stop them)",
+    )
     lr: float = Field(
         1e-2, gt=0, description="Adam learning rate of learned and dual matching (the peak of the schedule)"
     )
@@ -318,9 +328,9 @@ class LearnOptions(Options):
         "the simplex, below 1 favours its vertices and edges, above 1 its centre",
     )
     seed: int | None = Field(
-        None,
+        DEFAULT_SEED,
         description="seed of the training draws (interpolation weights, input noise): the same seed, data and settings give the "
-        "same merge (default: torch's RNG as it stands, the same in every fresh process)",
+        "same merge, whatever ran before in the process (None: torch's RNG as it stands)",
     )
 
     @property

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from transformers import PreTrainedModel
 
@@ -41,7 +42,7 @@ from hf_lmc.evaluation.grids import alpha_grid, excess_over_vertices, loss_barri
 from hf_lmc.evaluation.loss import evaluate
 from hf_lmc.io.loading import LoadedModel, load_model
 from hf_lmc.io.outputs import save_figure
-from hf_lmc.merging.alignment import align_many
+from hf_lmc.merging.alignment import matcher_for
 from hf_lmc.symmetry import Transform
 from hf_lmc.utils.progress import bar as progress_bar
 
@@ -55,6 +56,9 @@ class BarrierResult:
     alphas: list[float]
     losses: dict[str, list[float]] = field(default_factory=dict)
     accuracies: dict[str, list[float]] = field(default_factory=dict)
+    #: Per trained method (learned, dual), its run's stopping rule: where and why it stopped, and
+    #: the held-out estimate along the run (:class:`~hf_lmc.learned.training.Stopping`).
+    stopping: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def barriers(self) -> dict[str, float]:
@@ -71,7 +75,8 @@ class BarrierResult:
         return "\n".join(rows)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self) | {"barriers": self.barriers}, indent=2)
+        fields = {"alphas": self.alphas, "losses": self.losses, "accuracies": self.accuracies}
+        return json.dumps(fields | {"barriers": self.barriers}, indent=2)
 
 
 @dataclass
@@ -121,10 +126,12 @@ def _merges(
     learn: LearnOptions,
     accelerate: AccelerateOptions,
     transforms: Sequence[Transform] | None = None,
+    stopped: dict | None = None,
 ) -> Iterator[PreTrainedModel]:
     """The stock model at each point ``w`` of ``points`` (one weight per model) for ``method``:
     ``average`` mixes the stored weights, every other method the aligned canonical forms
-    (``transforms`` when given, else aligned here with uniform weights)."""
+    (``transforms`` when given, else aligned here with uniform weights; a trained method's
+    :class:`~hf_lmc.learned.training.Stopping` goes into ``stopped[method]``)."""
     for k, other in enumerate(loaded[1:], 2):  # a path under one config must compute what each model does
         check_mergeable(loaded[0].model.config, other.model.config, "model 1", f"model {k}")
     one_shape = all(spec_of(m.model.config) == spec_of(loaded[0].model.config) for m in loaded)
@@ -145,15 +152,18 @@ def _merges(
             transforms = [Transform() for _ in canonical]
     if transforms is None:
         logger.info("aligning the models: %s matching", method)
-        transforms = align_many(
+        matcher = matcher_for(
             method,
-            canonical,
+            len(canonical),
             symmetries=symmetries,
             batches=fit_batches if METHODS[method].needs_data else None,
             learn=learn,
             accelerate=accelerate,
             progress=False,
         )
+        transforms = matcher.fit(canonical, None)
+        if stopped is not None and getattr(matcher, "stopping", None) is not None:
+            stopped[method] = matcher.stopping  # a trained method's run: where it stopped, and its curve
     dtype = next(loaded[0].model.parameters()).dtype
     moved = [
         t.to(dtype).apply(c).materialize() if t.maps or k else c for k, (t, c) in enumerate(zip(transforms, canonical))
@@ -244,6 +254,7 @@ def barrier_of_loaded(
             learn=learn,
             accelerate=accelerate,
             transforms=(transforms or {}).get(method),
+            stopped=result.stopping,
         )
         _evaluate_into(result, method, models, batches, bar)
     bar.close()

@@ -478,8 +478,20 @@ def training_settings(request: MergeRequest, count: int, stopping=None) -> list[
     rows.append(("seed", "not set (torch's RNG as it stood)" if learn.seed is None else str(learn.seed)))
     rows.append(("launch", _launch(accelerate)))
     if stopping is not None:
-        rows.append(("stopping", stopping.describe()))
+        rows.append(("stopping", f"{stopping.describe()} (stopped by the {stopping.reason})"))
+        if stopping.curve:
+            rows.append(("barrier estimate along the run", _curve_text(stopping.curve)))
     return rows
+
+
+def _curve_text(curve, shown: int = 21) -> str:
+    """A run's held-out barrier estimates as ``steps (seconds): estimate`` entries, at most ``shown``
+    of them (the first, the last and evenly spaced ones between)."""
+    picked = curve if len(curve) <= shown else [curve[round(i * (len(curve) - 1) / (shown - 1))] for i in range(shown)]
+    return ", ".join(
+        f"{steps}" + (f" ({seconds:.0f} s)" if seconds is not None else "") + f": {estimate:.4f}"
+        for steps, seconds, estimate in picked
+    )
 
 
 def _launch(accelerate) -> str:

@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -219,11 +219,20 @@ def _train(
     losses = []  # on the device, read once at the end
     watch = holdout is not None and hasattr(path, "locate_worst")
     stopping = path.stopping = Stopping(
-        target_barrier if watch else None, len(holdout) if watch else 0, budget=steps, backtracks=best.backtracks
+        target_barrier if watch else None,
+        len(holdout) if watch else 0,
+        budget=steps,
+        backtracks=best.backtracks,
+        patience=learn.patience if watch else None,
+        started=time.perf_counter(),
     )
+
+    def offer(done: int) -> bool:  # a new estimate after ``done`` steps, timed from the start of training
+        return best.offer(stopping, done, _estimate(path, holdout, accelerator), time.perf_counter() - stopping.started)
+
     # The estimate before the first step; a resumed run re-estimates only where the saved run
     # did (every locate_every steps), since locating moves the worst point its draws follow.
-    if watch and start % locate_every == 0 and best.offer(stopping, start, _estimate(path, holdout, accelerator)):
+    if watch and start % locate_every == 0 and offer(start):
         steps = start  # the start already reaches the target
     bar = progress_bar(range(start, steps), desc=path.label, show=progress and accelerator.is_local_main_process)
     timing = _StepTiming.of(path, accelerator)
@@ -240,7 +249,7 @@ def _train(
         losses.append(loss.detach())  # no host sync: a GPU keeps the next step's kernels queued
         located = (step + 1) % locate_every == 0
         if located and watch:
-            best.offer(stopping, step + 1, _estimate(path, holdout, accelerator))
+            offer(step + 1)
             if best.diverging(stopping):
                 _back_off(path, best, stopping, optimizer, scheduler, lambda: _estimate(path, holdout, accelerator))
         elif located and path.seeks_worst:
@@ -250,8 +259,11 @@ def _train(
         if callback is not None:
             callback(step + 1, path)
         if not bar.disable and ((step + 1) % _SHOW_EVERY == 0 or step + 1 == steps):
-            bar.set_postfix(loss=f"{losses[-1].item():.4f}")
-        last = step + 1 == steps or stopping.reached
+            shown = {"loss": f"{losses[-1].item():.4f}"}
+            if stopping.estimate is not None:  # where the path's barrier stands, as the stopping rule reads it
+                shown["barrier"] = f"{stopping.estimate:.4f}"
+            bar.set_postfix(shown)
+        last = step + 1 == steps or stopping.stop
         # Saved at an optimizer step (a state mid-accumulation would lose the gradients summed so far,
         # which differ between processes): the first after each checkpoint_every steps, and the last.
         due = bool(checkpoint_every) and (step + 1) // checkpoint_every > saved_at // checkpoint_every
@@ -263,7 +275,7 @@ def _train(
     if timing is not None:
         timing.clock.running = False
     if watch and stopping.steps != start + len(losses):  # the estimate reported is the final path's
-        best.offer(stopping, start + len(losses), _estimate(path, holdout, accelerator))
+        offer(start + len(losses))
     if watch:
         best.restore_if_diverged(stopping)
     history = torch.stack(losses).tolist() if losses else []
@@ -277,11 +289,20 @@ def _train(
     return history
 
 
+#: What counts as an improvement of the held-out barrier estimate for the plateau rule
+#: (``LearnOptions.patience``): a fall below the lowest estimate yet by more than the larger of
+#: these, in nats and as a fraction of the lowest. Smaller falls are the estimate's own wander.
+PLATEAU_NATS, PLATEAU_FRACTION = 0.002, 0.02
+
+
 @dataclass
 class Stopping:
     """The stopping rule of a training run and what it reached: the path's barrier estimated on
     ``holdout_batches`` held-out batches (``estimate``, after ``steps``), against ``target``
-    (``None`` or 0: no target, every step of ``budget`` runs)."""
+    (``None`` or 0: no target, every step of ``budget`` runs) and, with ``patience``, stopped
+    once that many estimates in a row have not improved on the lowest (:data:`PLATEAU_NATS`,
+    :data:`PLATEAU_FRACTION`). ``curve`` holds every estimate as ``(steps, seconds, estimate)``,
+    seconds counted from the start of training (``started``, a ``time.perf_counter`` reading)."""
 
     target: float | None
     holdout_batches: int
@@ -290,15 +311,46 @@ class Stopping:
     estimate: float | None = None
     last: tuple[int, float] | None = None  # (steps, estimate) of the last path, where an earlier, lower one was kept
     backtracks: int = 0  # times a diverging run went back to its lowest path at half the learning rate
+    patience: int | None = None
+    started: float | None = None
+    curve: list[tuple[int, float | None, float]] = field(default_factory=list)
+    lowest: float | None = None  # the lowest estimate yet, as the plateau rule counts improvements
+    stale: int = 0  # estimates in a row that did not improve on it
 
     @property
     def reached(self) -> bool:
         return bool(self.target) and self.estimate is not None and self.estimate <= self.target
 
+    @property
+    def plateaued(self) -> bool:
+        """Whether ``patience`` estimates in a row have not improved on the lowest."""
+        return bool(self.patience) and self.stale >= self.patience
+
+    @property
+    def stop(self) -> bool:
+        """Whether training stops here: the target reached or the estimate on a plateau."""
+        return self.reached or self.plateaued
+
+    @property
+    def reason(self) -> str:
+        """Why training ended: ``"target"``, ``"plateau"`` or ``"budget"`` (every step run)."""
+        return "target" if self.reached else "plateau" if self.plateaued else "budget"
+
+    def record(self, step: int, estimate: float, seconds: float | None = None) -> bool:
+        """A new estimate after ``step`` steps, ``seconds`` into training: onto the curve and
+        into the plateau count; whether training should stop."""
+        self.curve.append((step, seconds, estimate))
+        if self.lowest is None or estimate < self.lowest - max(PLATEAU_NATS, PLATEAU_FRACTION * self.lowest):
+            self.lowest, self.stale = estimate, 0
+        else:
+            self.stale += 1
+        return self.check(step, estimate)
+
     def check(self, step: int, estimate: float) -> bool:
-        """Record the estimate after ``step`` steps; whether training should stop."""
+        """Set the path's estimate after ``step`` steps (a new one, or the kept path's where
+        training went back to it); whether training should stop."""
         self.steps, self.estimate = step, estimate
-        return self.reached
+        return self.stop
 
     def describe(self) -> str:
         """One sentence for messages and model cards."""
@@ -309,11 +361,25 @@ class Stopping:
             found += f" (kept: the lowest estimate seen; the path after {self.last[0]} steps read {self.last[1]:.4f})"
         if self.backtracks:
             found += f" (learning rate halved {self.backtracks} time{'s' if self.backtracks > 1 else ''} as the estimate rose)"
+        if self.plateaued and not self.reached:
+            found += (
+                f": stopped on a plateau, {self.patience} estimates in a row without improving on {self.lowest:.4f}"
+            )
+            return found + (f" (target {self.target:g} not reached)" if self.target else "")
         if not self.target:
             return found
         if self.reached:
             return f"{found}: target {self.target:g} reached"
         return f"{found}: target {self.target:g} not reached within the budget of {self.budget} steps"
+
+    def time_to_final(self, within: float = 0.1) -> tuple[int, float | None] | None:
+        """``(steps, seconds)`` of the first estimate within ``within`` (10 %) of the final one, or of
+        the target where it was reached: when the run had bought what it ends with. ``None``
+        without estimates."""
+        if not self.curve or self.estimate is None:
+            return None
+        goal = (self.target if self.reached else self.estimate) * (1 + within)
+        return next(((step, seconds) for step, seconds, estimate in self.curve if estimate <= goal + 1e-12), None)
 
 
 class _BestPath:
@@ -333,16 +399,16 @@ class _BestPath:
         self.values: list[Tensor] | None = None
         self.backtracks = 0  # times training went back here at half the learning rate
 
-    def offer(self, stopping: Stopping, steps: int, estimate: float) -> bool:
-        """Record ``estimate`` after ``steps`` in ``stopping``, keep the path if it is the lowest
-        yet; whether training should stop."""
+    def offer(self, stopping: Stopping, steps: int, estimate: float, seconds: float | None = None) -> bool:
+        """Record ``estimate`` after ``steps`` (``seconds`` into training) in ``stopping``, keep the
+        path if it is the lowest yet; whether training should stop."""
         logger.debug("barrier estimate %.4f on the held-out batches after %d steps", estimate, steps)
         if self.estimate is None or estimate < self.estimate:
             self.steps, self.estimate = steps, estimate
             self.values = [
                 p.detach().to("cpu", copy=True) for p in self.parameters
             ]  # off the accelerator: it holds the models
-        return stopping.check(steps, estimate)
+        return stopping.record(steps, estimate, seconds)
 
     def diverging(self, stopping: Stopping) -> bool:
         """Whether the last estimate rose so far above the lowest (above ``DIVERGING_RISE`` times
