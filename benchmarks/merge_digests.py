@@ -8,6 +8,11 @@ weights, is left out). The record goes under ``benchmarks/results/``; ``--check 
 against an earlier record and exits 1 on the first method whose merge differs. Digests are of one machine's arithmetic:
 compare records made on the same machine and library versions.
 
+The digests are also what the results tables read as "the code that produced a figure"
+(docs/results.md): every suite record carries the digests of the runs behind the methods it
+measured (:data:`SUITE_RUNS`), and a suite figure counts as today's only while its runs' digests
+are those of the newest record that has them (``benchmarks/tables.py``, D-current-figures).
+
     python -m benchmarks.merge_digests                     # record
     python -m benchmarks.merge_digests --check benchmarks/results/merge_digests-<date>.json
 """
@@ -20,6 +25,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from .record import new_record, write
@@ -34,12 +40,39 @@ RUNS = (
     ("learned", ["--method", "learned", "--data", "{data}", "--steps", "12", "--max-batches", "8", "--seed", "0"]),
     ("dual", ["--method", "dual", "--data", "{data}", "--steps", "12", "--max-batches", "8", "--seed", "0"]),
     ("dual-target", ["--method", "dual", "--data", "{data}", "--steps", "200", "--max-batches", "8", "--seed", "0"]),
+    (
+        "learned-permutations",
+        [
+            *(
+                "--method",
+                "learned",
+                "--symmetries",
+                "permutation",
+                "--permutations",
+                "ste",
+                "--trained",
+                "permutations",
+            ),
+            *("--data", "{data}", "--steps", "12", "--max-batches", "8", "--seed", "0"),
+        ],
+    ),
     ("universe-3", ["--method", "weight", "--third"]),
     (
         "learned-3",
         ["--method", "learned", "--third", "--data", "{data}", "--steps", "8", "--max-batches", "8", "--seed", "0"],
     ),
 )
+
+#: The runs behind each row of the benchmark suite (``benchmarks/suite.py``'s labels): a suite
+#: figure is the code's of today while these runs' digests are.
+SUITE_RUNS: dict[str, tuple[str, ...]] = {
+    "vanilla": ("average",),
+    "activation": ("activation",),
+    "weight": ("weight",),
+    "learned (perm. only)": ("learned-permutations",),
+    "learned": ("learned",),
+    "dual": ("dual", "dual-target"),
+}
 
 
 #: Safetensors files of a merged folder that are not its model's weights: the transforms an
@@ -63,8 +96,9 @@ def tensor_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def digests(scratch: Path) -> dict[str, str]:
-    """Run every merge of :data:`RUNS` into ``scratch`` and return each one's tensor digest."""
+def digests(scratch: Path, names: Sequence[str] | None = None) -> dict[str, str]:
+    """Run every merge of :data:`RUNS` (those called ``names`` when given) into ``scratch`` and
+    return each one's tensor digest."""
     from hf_lmc import cli
     from hf_lmc.io import zoo
 
@@ -73,6 +107,8 @@ def digests(scratch: Path) -> dict[str, str]:
     data.write_text("\n".join(zoo.shakespeare()[0]))
     found = {}
     for name, extra in RUNS:
+        if names is not None and name not in names:
+            continue
         models = [str(a), str(b)]
         extra = [arg.replace("{data}", str(data)) for arg in extra]
         if "--third" in extra:
@@ -85,6 +121,16 @@ def digests(scratch: Path) -> dict[str, str]:
         found[name] = tensor_digest(output)
         print(f"{name}: {found[name][:16]}", file=sys.stderr)
     return found
+
+
+def for_labels(labels: Sequence[str]) -> dict[str, str]:
+    """The digests of the runs behind the suite's rows ``labels`` (:data:`SUITE_RUNS`), made in a
+    scratch folder: what a suite record carries as the code its figures came from."""
+    names = sorted({name for label in labels for name in SUITE_RUNS.get(label, ())})
+    if not names:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="hf-lmc-digests-") as scratch:
+        return digests(Path(scratch), names)
 
 
 def main(argv: list[str] | None = None) -> int:

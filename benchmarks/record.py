@@ -9,6 +9,7 @@ settings, beside the numbers themselves. ``benchmarks/tables.py`` builds the tab
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -48,6 +49,17 @@ def commit() -> str:
     return head + ("+" if dirty else "")
 
 
+def cpu_flags() -> str:
+    """A short digest of the processor's feature flags (/proc/cpuinfo): two machines whose
+    processors have one name may still differ in the instructions their kernels use."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            line = next(line for line in info if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    return hashlib.sha256(" ".join(sorted(line.split(":", 1)[1].split())).encode()).hexdigest()[:12]
+
+
 def machine() -> dict:
     """The processor, core count, load, platform and library versions a run measured on."""
     import torch
@@ -55,6 +67,7 @@ def machine() -> dict:
 
     info = {
         "cpu": cpu_name(),
+        "cpu_flags": cpu_flags(),
         "cores": len(os.sched_getaffinity(0)),
         "load_average": os.getloadavg(),
         "platform": platform.platform(),

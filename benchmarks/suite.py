@@ -25,9 +25,11 @@ Three tiers, one command:
 
 Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache. Every
 run writes one record (``benchmarks/record.py``: date, commit, machine, settings, and per pair
-every method's barrier, ratio to vanilla and seconds) under ``benchmarks/results/``, or to
+every method's barrier, ratio to vanilla and seconds, and the digests of the merges behind its
+methods on the shipped pair, ``benchmarks/merge_digests.py``) under ``benchmarks/results/``, or to
 ``--json FILE``; ``python -m benchmarks.tables`` builds the README's table and docs/results.md
-from those records; ``--sampled`` fits the data methods on text sampled from
+from those records, combining runs of one pair or family at a time, pair by pair, while their
+digests are today's; ``--sampled`` fits the data methods on text sampled from
 each pair's own members (``--data sampled``) rather than the training plays. The language pairs read characters, whose 65–82 tokens span
 a fraction of a 128-wide stream; ``--vocab-size N`` trains and measures them on a byte-level BPE
 of N tokens instead (:func:`with_vocabulary`), which fills the stream as real vocabularies do.
@@ -55,6 +57,7 @@ from hf_lmc.evaluation.batches import SAMPLED, fitting_batches, load_batches
 from hf_lmc.io import zoo
 from hf_lmc.io.loading import load_model
 
+from . import merge_digests
 from .record import new_record, started, write
 
 #: Rows of the table: (label, method, symmetries, learn overrides), as Theus et al.'s Table 1
@@ -830,7 +833,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))
-    path = write(pairs_record(results, settings_of(args, learn, fitting), date=date), args.json)
+    saved = pairs_record(results, settings_of(args, learn, fitting), date=date)
+    saved["digests"] = merge_digests.for_labels(args.methods)  # the code these figures came from (tables.py)
+    path = write(saved, args.json)
     print(f"\nwritten to {path}", file=sys.stderr)
 
 

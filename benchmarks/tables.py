@@ -6,9 +6,16 @@ Both are generated here from the records the living benchmarks write (``benchmar
 so every number names the run that measured it: its file, date, commit and machine, and, for a
 record copied from the archived notebook rather than run, the section it was transcribed from.
 
-For the suite the newest record wins per tier, settings and method: a later run of one method
-replaces that method's row and leaves the others to the runs that measured them. For the cost
-benchmarks the newest record wins per benchmark and settings.
+A suite figure is today's only while the code that produced it is: every suite record carries
+the digests of the merges behind its methods on the shipped pair (``benchmarks/merge_digests.py``),
+or was made at the clean commit of a ``merge_digests`` record, and a figure counts while those
+digests equal the newest ones made on the same kind of machine. Today's figures combine pair by
+pair and method by method (a run of one pair or family at a time adds its rows; the newest run
+of a pair and method wins) into mean ± std and worst, each cell saying over how many pairs;
+figures whose digests differ or are unknown are shown under "Stale", never averaged in, and
+those transcribed from the archived notebook under "Archive". The settings a figure depends on
+are compared with today's defaults, so a default changed since a run makes it a variant. For the
+cost benchmarks the newest record wins per benchmark and settings (D-current-figures).
 
     python -m benchmarks.tables           # rewrite the README's table and docs/results.md
     python -m benchmarks.tables --check   # exit 1 when either differs from what the records give
@@ -24,8 +31,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hf_lmc.config.options import LearnOptions
+
+from .merge_digests import SUITE_RUNS
 from .record import RESULTS
 from .strong_scaling import MODES
+from .suite import TIERS
 
 ROOT = Path(__file__).parent.parent
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
@@ -43,6 +54,17 @@ LANGUAGE = ("gpt2", "pythia", "llama")
 #: The fitting data and learned-matching settings a user gets with no flag (a record at other
 #: settings is a variant, shown apart and never in the README).
 DEFAULT_FITTING = {"sequences": 8192, "batch_size": 32, "sampled": False}
+#: The digest runs behind the rows of a ``--triples`` record (dual matching of three models has none:
+#: its rows are never counted as today's).
+TRIPLE_RUNS: dict[str, tuple[str, ...]] = {
+    "vanilla": ("average",),
+    "weight": ("universe-3",),
+    "learned": ("learned-3",),
+}
+#: A figure's standing: made by today's code (its runs' digests are the newest), by code that has
+#: changed since or cannot be told (stale), or copied from the archived notebook (transcribed).
+CURRENT, STALE, TRANSCRIBED = "current", "stale", "transcribed"
+STANDINGS = (CURRENT, STALE, TRANSCRIBED)
 
 
 def load(folder: Path = RESULTS) -> list[tuple[Path, dict]]:
@@ -55,31 +77,35 @@ def _date(record: dict) -> datetime.datetime:
     return datetime.datetime.fromisoformat(record["date"])
 
 
+def learn_changed(settings: dict) -> dict:
+    """The learned-matching settings of a record that differ from today's defaults: from the
+    settings it spelled out (a default changed since the run shows), else from what it said it
+    changed."""
+    if "learn" not in settings:
+        return settings.get("learn_changed", {})
+    today = LearnOptions().model_dump(mode="json")
+    return {k: v for k, v in settings["learn"].items() if k in today and today[k] != v}
+
+
 def variant(settings: dict) -> tuple:
-    """What a suite record's numbers depend on besides the method: tier, training cap,
-    vocabulary, fitting data, the learned-matching settings changed from the defaults, and the
-    families or pairs when a run measured only some of the tier's."""
+    """What a suite record's numbers depend on besides the method and the pair: tier, training
+    cap, vocabulary, fitting data and the learned-matching settings that differ from today's
+    defaults. Runs of some pairs or families of a tier are one variant with the tier's other runs."""
     fitting = settings.get("fitting", DEFAULT_FITTING)
-    families = settings.get("families")
-    some = None if families is None or set(families) >= set(FAMILY_ORDER) else tuple(sorted(families))
     return (
         settings["tier"],
         settings.get("max_steps"),
         settings.get("vocab_size"),
         json.dumps(fitting, sort_keys=True),
-        json.dumps(settings.get("learn_changed", {}), sort_keys=True),
-        some,
-        tuple(settings["pairs"]) if settings.get("pairs") else None,
+        json.dumps(learn_changed(settings), sort_keys=True),
     )
 
 
 def describe(key: tuple) -> str:
     """A variant's heading: what differs from a plain run of its tier."""
-    tier, max_steps, vocab_size, fitting, learn, families, pairs = key
+    tier, max_steps, vocab_size, fitting, learn = key
     fitting, learn = json.loads(fitting), json.loads(learn)
-    parts = [f"pairs {', '.join(pairs)}"] if pairs else []
-    parts += [f"families {', '.join(f for f in FAMILY_ORDER if f in families)}"] if families else []
-    parts += [f"members trained at most {max_steps} steps"] if max_steps else []
+    parts = [f"members trained at most {max_steps} steps"] if max_steps else []
     parts += [f"a byte-level BPE of {vocab_size} tokens"] if vocab_size else []
     parts += ["fitting data sampled from the members (`--data sampled`)"] if fitting.get("sampled") else []
     parts += [f"{fitting['sequences']} fitting sequences"] if fitting.get("sequences") != 8192 else []
@@ -91,7 +117,7 @@ def describe(key: tuple) -> str:
 def anchor(key: tuple, kind: str = "suite") -> str:
     """A variant's link target in docs/results.md, stable while its settings are: the tier and a
     tag per setting that differs (``suite-cpu``, ``suite-cpu-sampled``, ``triples-cpu``)."""
-    tier, max_steps, vocab_size, fitting, learn, families, pairs = key
+    tier, max_steps, vocab_size, fitting, learn = key
     fitting = json.loads(fitting)
     tags = [f"capped-{max_steps}"] if max_steps else []
     tags += [f"bpe-{vocab_size}"] if vocab_size else []
@@ -103,48 +129,106 @@ def anchor(key: tuple, kind: str = "suite") -> str:
         else []
     )
     tags += ["learn-changed"] if json.loads(learn) else []
-    tags += ["some-families"] if families else []
-    tags += ["some-pairs"] if pairs else []
     return "-".join([kind, tier, *tags])
 
 
 def is_plain(key: tuple) -> bool:
     """A variant at the defaults a user gets (a training cap aside: the paper tier runs capped on a CPU)."""
-    _, _, vocab_size, fitting, learn, families, pairs = key
-    plain_data = vocab_size is None and json.loads(fitting) == DEFAULT_FITTING and json.loads(learn) == {}
-    return plain_data and families is None and pairs is None
+    _, _, vocab_size, fitting, learn = key
+    return vocab_size is None and json.loads(fitting) == DEFAULT_FITTING and json.loads(learn) == {}
 
 
-def merged(records: Sequence[tuple[Path, dict]], field: str = "pairs") -> dict[tuple, dict]:
-    """Per variant: per method the newest record that measured it, and each pair's barriers
-    (``pairs``) or triples' excesses (``triples``) taken method by method from those records."""
-    variants: dict[tuple, dict] = {}
-    for path, record in records:  # oldest first: a later record replaces a method's figures
+def _machine_kind(record: dict) -> tuple:
+    """What a record's arithmetic depends on: digests compare only between records made on one
+    kind of machine (processor, GPU, torch)."""
+    machine = record.get("machine")
+    if not isinstance(machine, dict):
+        return (str(machine),)
+    return (machine.get("cpu"), machine.get("gpu"), machine.get("torch"))
+
+
+def _clean(commit: str | None) -> bool:
+    return bool(commit) and commit not in ("unknown",) and not commit.endswith("+")
+
+
+def code_digests(records: Sequence[tuple[Path, dict]]) -> tuple[dict[tuple, dict], dict[tuple, dict]]:
+    """What the records say about the code behind them: per (machine kind, clean commit) the
+    digests a ``merge_digests`` record made there, and per machine kind the newest digest of
+    every run (from ``merge_digests`` records and suite records' own)."""
+    at_commit: dict[tuple, dict] = {}
+    newest: dict[tuple, dict] = {}
+    for _, record in records:  # oldest first
+        digests = record.get("digests")
+        if not isinstance(digests, dict) or not digests:
+            continue
+        kind = _machine_kind(record)
+        if record["benchmark"] == "merge_digests" and _clean(record.get("commit")):
+            at_commit.setdefault((kind, record["commit"]), {}).update(digests)
+        newest.setdefault(kind, {}).update(digests)
+    return at_commit, newest
+
+
+def standing(record: dict, label: str, runs: dict[str, tuple[str, ...]], digests: tuple[dict, dict]) -> str:
+    """Whether ``record``'s figures for ``label`` are today's code's (:data:`CURRENT`), stale, or
+    transcribed: current when every digest run behind the label (``runs``) has, in the record or
+    in a ``merge_digests`` record at its clean commit on its kind of machine, the newest digest made
+    on that kind of machine."""
+    if record.get("transcribed_from"):
+        return TRANSCRIBED
+    at_commit, newest = digests
+    kind = _machine_kind(record)
+    own = record.get("digests") or at_commit.get((kind, record.get("commit")), {})
+    names = runs.get(label, ())
+    latest = newest.get(kind, {})
+    return CURRENT if names and all(own.get(n) is not None and own.get(n) == latest.get(n) for n in names) else STALE
+
+
+def merged(
+    records: Sequence[tuple[Path, dict]], field: str = "pairs", runs: dict[str, tuple[str, ...]] = SUITE_RUNS
+) -> dict[str, dict[tuple, dict]]:
+    """Per standing (:data:`STANDINGS`), per variant: each pair's figures (``pairs``: barriers;
+    ``triples``: excesses) method by method from the newest record of that standing that measured
+    them, and the files they came from. Today's figures combine pair by pair across runs; a stale
+    figure is kept only where no figure of today's exists for its pair and method; transcribed
+    records keep their old rule, one record per method (their summaries cover every pair)."""
+    digests = code_digests(records)
+    out: dict[str, dict[tuple, dict]] = {name: {} for name in STANDINGS}
+    origin: dict[tuple, tuple[Path, dict]] = {}  # (standing, variant, pair, label) -> its record
+    for path, record in records:  # oldest first: a later record replaces a pair's figure
+        if record["benchmark"] != ("suite" if field == "pairs" else "suite_triples"):
+            continue
         key = variant(record["settings"])
-        entry = variants.setdefault(key, {"sources": {}, "items": {}, "summaries": {}})
         methods = {label for item in record[field] for label in item["barriers"]} | set(record.get("summaries", {}))
         for label in methods:
-            entry["sources"][label] = (path, record)
-            entry["summaries"].pop(label, None)
-            if label in record.get("summaries", {}):
-                entry["summaries"][label] = record["summaries"][label]
-            for item in entry["items"].values():  # a method's figures come from one record alone
-                for values in (item["barriers"], item.get("mean_excess", {}), item["seconds"], item["runs"]):
+            place = standing(record, label, runs, digests)
+            entry = out[place].setdefault(key, {"sources": {}, "items": {}, "summaries": {}})
+            if place == TRANSCRIBED:  # a method's figures come from one transcribed record alone
+                entry["summaries"].pop(label, None)
+                for item in entry["items"].values():
+                    for values in _figures(item):
+                        values.pop(label, None)
+                for gone in [k for k in origin if k[:2] == (place, key) and k[3] == label]:
+                    del origin[gone]
+                if label in record.get("summaries", {}):
+                    entry["summaries"][label] = record["summaries"][label]
+                    origin[place, key, None, label] = (path, record)
+            for item in record[field]:
+                if label not in item["barriers"]:
+                    continue
+                kept = entry["items"].setdefault(
+                    item["name"],
+                    {
+                        "family": item["family"],
+                        "name": item["name"],
+                        "varies": item["varies"],
+                        "barriers": {},
+                        "seconds": {},
+                        "runs": {},
+                    }
+                    | ({"mean_excess": {}} if field == "triples" else {}),
+                )
+                for values in _figures(kept):
                     values.pop(label, None)
-        for item in record[field]:
-            kept = entry["items"].setdefault(
-                item["name"],
-                {
-                    "family": item["family"],
-                    "name": item["name"],
-                    "varies": item["varies"],
-                    "barriers": {},
-                    "seconds": {},
-                    "runs": {},
-                }
-                | ({"mean_excess": {}} if field == "triples" else {}),
-            )
-            for label in item["barriers"]:
                 kept["barriers"][label] = item["barriers"][label]
                 if field == "triples":
                     kept["mean_excess"][label] = item["mean_excess"][label]
@@ -152,7 +236,28 @@ def merged(records: Sequence[tuple[Path, dict]], field: str = "pairs") -> dict[t
                     kept["seconds"][label] = item["seconds"][label]
                 if label in item.get("runs", {}):  # a trained method's run: how it stopped, time to its final barrier
                     kept["runs"][label] = item["runs"][label]
-    return variants
+                origin[place, key, item["name"], label] = (path, record)
+    for key, entry in out[STALE].items():  # a stale figure only where today's has none
+        today = out[CURRENT].get(key, {"items": {}})["items"]
+        for name, item in entry["items"].items():
+            for label in list(item["barriers"]):
+                if label in today.get(name, {}).get("barriers", {}):
+                    for values in _figures(item):
+                        values.pop(label, None)
+                    origin.pop((STALE, key, name, label))
+    for place, variants in out.items():
+        for key, entry in list(variants.items()):
+            entry["items"] = {name: item for name, item in entry["items"].items() if item["barriers"]}
+            for (where, k, _, label), source in origin.items():
+                if where == place and k == key:
+                    entry["sources"].setdefault(source[0], (source[1], set()))[1].add(label)
+            if not entry["items"] and not entry["summaries"]:
+                del variants[key]
+    return out
+
+
+def _figures(item: dict) -> tuple[dict, ...]:
+    return tuple(item[k] for k in ("barriers", "mean_excess", "seconds", "runs") if k in item)
 
 
 def _order(labels) -> list[str]:
@@ -219,15 +324,26 @@ def summary_of(entry: dict, members: Sequence[dict], label: str) -> dict | None:
     return method_summary(members, label)
 
 
-def source_note(sources: dict[str, tuple[Path, dict]], root: Path) -> str:
+def labels_of(entry: dict) -> list[str]:
+    """The methods a merged variant has figures for, in table order."""
+    return _order({label for _, labels in entry["sources"].values() for label in labels})
+
+
+def commits_of(entry: dict) -> str:
+    """The commits a variant's figures were made at, oldest first."""
+    seen = []
+    for record, _ in sorted(entry["sources"].values(), key=lambda source: source[0]["date"]):
+        commit = record.get("commit") or "not recorded"
+        if commit not in seen:
+            seen.append(commit)
+    return ", ".join(seen)
+
+
+def source_note(sources: dict[Path, tuple[dict, set]], root: Path) -> str:
     """Which files a table's rows come from, with each run's date, commit and machine."""
     lines = []
-    by_file: dict[Path, list[str]] = {}
-    for label, (path, _) in sources.items():
-        by_file.setdefault(path, []).append(label)
-    for path, labels in sorted(by_file.items(), key=lambda item: item[0].name):
-        record = sources[labels[0]][1]
-        shown = [SHOWN.get(label, label) for label in (_order(labels) or labels)]
+    for path, (record, labels) in sorted(sources.items(), key=lambda item: item[0].name):
+        shown = [SHOWN.get(label, label) for label in (_order(labels) or sorted(labels))]
         lines.append(f"- {', '.join(shown)}: {_provenance(path, record, root)}")
     return "Source:\n\n" + "\n".join(lines)
 
@@ -246,19 +362,34 @@ def _provenance(path: Path, record: dict, root: Path) -> str:
     return f"`{shown.as_posix()}` ({how}; {record['date'][:10]}, commit {record.get('commit') or 'not recorded'}, {machine})"
 
 
-def readme_table(variants: dict[tuple, dict], root: Path) -> str:
-    """The README's table: the `cpu` tier at the defaults, over all its pairs."""
-    key = next((key for key in variants if key[0] == "cpu" and is_plain(key)), None)
+def readme_table(variants: dict[str, dict[tuple, dict]], root: Path) -> str:
+    """The README's table: the `cpu` tier at the defaults, today's figures only (``variants`` as
+    :func:`merged` gives them), each row over the pairs measured at today's code."""
+    current = variants[CURRENT]
+    key = next((key for key in current if key[0] == "cpu" and is_plain(key)), None)
     if key is None:
-        return "No `cpu`-tier record at the defaults under `benchmarks/results/`."
-    entry = variants[key]
+        return (
+            "No `cpu`-tier figure at the defaults has been measured by today's code yet; earlier figures, marked "
+            "stale or archived, are in [docs/results.md](docs/results.md)."
+        )
+    entry = current[key]
     items = list(entry["items"].values())
-    rows = ["| method | barrier, mean ± std | worst pair | ratio to average, mean (worst) |", "|---|---|---|---|"]
-    for label in _order(entry["sources"]):
+    rows = [
+        "| method | pairs | barrier, mean ± std | worst pair | ratio to average, mean (worst) |",
+        "|---|---|---|---|---|",
+    ]
+    for label in labels_of(entry):
         summary = summary_of(entry, items, label)
-        rows.append(f"| {SHOWN.get(label, label)} | {summary['spread']} | {summary['worst']} | {summary['ratio']} |")
-    sources = "; ".join(_provenance(path, record, root) for path, record in _unique(entry["sources"].values()))
-    return "\n".join(rows) + f"\n\n{len(items)} pairs{_summarised(entry)}. Source: {sources}."
+        rows.append(
+            f"| {SHOWN.get(label, label)} | {summary['pairs']} | {summary['spread']} | {summary['worst']} | "
+            f"{summary['ratio']} |"
+        )
+    tier = len(TIERS["cpu"])
+    return (
+        "\n".join(rows)
+        + f"\n\n{len(items)} of the tier's {tier} pairs measured at today's code, commits {commits_of(entry)}; "
+        "every figure and its record: [docs/results.md](docs/results.md#suite-cpu)."
+    )
 
 
 def _summarised(entry: dict) -> str:
@@ -276,21 +407,32 @@ def _unique(sources) -> list[tuple[Path, dict]]:
     return sorted(seen.values(), key=lambda item: item[0].name)
 
 
-def suite_section(key: tuple, entry: dict, root: Path) -> list[str]:
+#: How a section's heading and link target name each standing.
+HEADED = {CURRENT: ("", "suite"), STALE: ("Stale: ", "stale"), TRANSCRIBED: ("Archived: ", "archive")}
+
+
+def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> list[str]:
     """One variant of the suite: per family (and the language pairs, and all) every method's
     summary, then every pair's barriers."""
     items = _family_order(list(entry["items"].values()))
-    labels = _order(entry["sources"])
+    labels = labels_of(entry)
     families = [family for family in FAMILY_ORDER if any(item["family"] == family for item in items)]
     groups = [(family, [item for item in items if item["family"] == family]) for family in families]
     if len(set(families) & set(LANGUAGE)) > 1 and "vit" in families:
         groups.append(("language", [item for item in items if item["family"] in LANGUAGE]))
     if len(families) > 1:
         groups.append(("all", items))
+    prefix, kind = HEADED[place]
+    tier = TIERS.get(key[0], ())
+    count = (
+        f"{len(items)} of the tier's {len(tier)} pairs" if tier and len(items) < len(tier) else f"{len(items)} pairs"
+    )
     out = [
-        f'<a id="{anchor(key)}"></a>',
+        f'<a id="{anchor(key, kind)}"></a>',
         "",
-        f"### {describe(key)}",
+        f"### {prefix}{describe(key)}",
+        "",
+        f"{count}; commits {commits_of(entry)}.",
         "",
         (
             "| family | method | pairs | barrier, mean ± std | worst pair | ratio to average, mean (worst) | seconds per pair "
@@ -319,15 +461,16 @@ def suite_section(key: tuple, entry: dict, root: Path) -> list[str]:
     return [*out, *(["", f"— : not recorded{note}."] if note else []), "", source_note(entry["sources"], root), ""]
 
 
-def triples_section(key: tuple, entry: dict, root: Path) -> list[str]:
+def triples_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> list[str]:
     """One variant of the suite's triples: per method the excess at the worst grid point and its
     mean over the grid, each as mean ± std over the triples with the worst triple."""
     items = _family_order(list(entry["items"].values()))
-    labels = _order(entry["sources"])
+    labels = labels_of(entry)
+    prefix, kind = HEADED[place]
     out = [
-        f'<a id="{anchor(key, "triples")}"></a>',
+        f'<a id="{anchor(key, "triples" if place == CURRENT else f"{kind}-triples")}"></a>',
         "",
-        f"### Triples, {describe(key)}",
+        f"### {prefix}Triples, {describe(key)}",
         "",
         "| method | triples | worst point, mean ± std | worst triple | mean over the grid, mean ± std |",
         "|---|---|---|---|---|",
@@ -536,10 +679,27 @@ def adapter_sections(records: Sequence[tuple[Path, dict]], root: Path) -> list[s
     return out
 
 
+STALE_HEADING = (
+    "## Stale figures",
+    "",
+    "Measured by code whose merges have changed since, or whose code the record cannot name (no",
+    "digests, and no `merge_digests` record at its commit); shown where today's code has no figure",
+    "for the pair and method, and never averaged with today's. *learned (perm.)* is the row of",
+    "records made before permutation-only learned matching existed (weight matching's start",
+    "restricted to permutations, every group then trained).",
+)
+ARCHIVE_HEADING = (
+    "## Archive: transcribed figures",
+    "",
+    "Copied from the archived notebook ([archive/benchmarks-notebook.md](archive/benchmarks-notebook.md)),",
+    "measured by code no commit records: history, not today's figures.",
+)
+
+
 def results_page(records: Sequence[tuple[Path, dict]], root: Path) -> str:
     """docs/results.md."""
-    pairs = merged([(p, r) for p, r in records if r["benchmark"] == "suite"])
-    triples = merged([(p, r) for p, r in records if r["benchmark"] == "suite_triples"], "triples")
+    pairs = merged(records)
+    triples = merged(records, "triples", TRIPLE_RUNS)
 
     def ordered(variants):
         return sorted(variants, key=lambda key: (TIER_ORDER.index(key[0]), not is_plain(key), describe(key)))
@@ -550,31 +710,47 @@ def results_page(records: Sequence[tuple[Path, dict]], root: Path) -> str:
         "<!-- Generated by `python -m benchmarks.tables` from benchmarks/results/*.json; do not edit by hand. -->",
         "",
         "What each method reaches today, per tier and family, and what it costs. Every table is built",
-        "from the records under [`benchmarks/results/`](../benchmarks/results/) and names them; a",
-        "record marked *transcribed* was copied from the archived notebook, not run again. Barriers are",
+        "from the records under [`benchmarks/results/`](../benchmarks/results/) and names them and the",
+        "commits they were made at. A figure counts as today's while the merges behind it on the",
+        "shipped pair give the digests today's code gives (`benchmarks/merge_digests.py`,",
+        "[D-current-figures](decisions.md#d-current-figures)); the tier's runs, made a pair or a family",
+        "at a time, combine pair by pair, and each row says over how many pairs. Figures made by code",
+        "that has changed since are under [Stale](#stale-figures), never averaged in; figures copied",
+        "from the archived notebook are under [Archive](#archive-transcribed-figures). Barriers are",
         "in nats on held-out data (lower is better): the largest excess of the merged model's loss over",
         "the line between the endpoints' on the 11-point α grid. The pairs and tiers are described in",
         "[`benchmarks/suite.py`](../benchmarks/suite.py); why each default is what it is, in",
-        "[decisions.md](decisions.md). *learned (perm.)* is the row of records made before",
-        "permutation-only learned matching existed (weight matching's start restricted to permutations,",
-        "every group then trained); *learned (perm. only)* trains the permutations alone, Theus et al.'s",
+        "[decisions.md](decisions.md). *learned (perm. only)* trains the permutations alone, Theus et al.'s",
         "row ([D-permutation-only](decisions.md#d-permutation-only)).",
         "",
         "## The benchmark suite",
         "",
     ]
-    for key in ordered(pairs):
-        out += suite_section(key, pairs[key], root)
-    if triples:
+    if not pairs[CURRENT]:
+        out += ["No suite figure has been measured by today's code yet.", ""]
+    for key in ordered(pairs[CURRENT]):
+        out += suite_section(key, pairs[CURRENT][key], root)
+    if triples[CURRENT]:
         out += ["## Three models: the simplex of a triple", ""]
-        for key in ordered(triples):
-            out += triples_section(key, triples[key], root)
+        for key in ordered(triples[CURRENT]):
+            out += triples_section(key, triples[CURRENT][key], root)
     adapters = adapter_sections(records, root)
     if adapters:
         out += ["## Adapters carried across", "", *adapters]
     costs = cost_sections(records, root)
     if costs:
         out += ["## What it costs", "", *costs]
+    for place, heading in ((STALE, STALE_HEADING), (TRANSCRIBED, ARCHIVE_HEADING)):
+        if pairs[place] or triples[place]:
+            out += [*heading, ""]
+            out += [
+                line for key in ordered(pairs[place]) for line in suite_section(key, pairs[place][key], root, place)
+            ]
+            out += [
+                line
+                for key in ordered(triples[place])
+                for line in triples_section(key, triples[place][key], root, place)
+            ]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -591,7 +767,7 @@ def generated(root: Path = ROOT, results: Path = RESULTS) -> dict[Path, str]:
     """The README and docs/results.md as the records under ``results`` give them."""
     records = load(results)
     readme = root / "README.md"
-    table = readme_table(merged([(p, r) for p, r in records if r["benchmark"] == "suite"]), root)
+    table = readme_table(merged(records), root)
     return {
         readme: readme_with_table(readme.read_text(), table),
         root / "docs" / "results.md": results_page(records, root),

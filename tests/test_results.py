@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from benchmarks import tables
+from hf_lmc.config.options import LearnOptions
 
 ROOT = Path(__file__).parent.parent
 
@@ -45,40 +46,130 @@ def test_a_changed_record_makes_the_check_fail(tmp_path, capsys):
     assert "out of date" in capsys.readouterr().err
     assert tables.main(argv) == 0  # regenerated
     assert tables.main([*argv, "--check"]) == 0
-    assert (root / "README.md").read_text() != (ROOT / "README.md").read_text()
+    assert (root / "docs" / "results.md").read_text() != (ROOT / "docs" / "results.md").read_text()
 
 
-def test_the_newest_record_of_a_method_wins_and_the_others_keep_theirs(tmp_path):
-    """A later run of one method replaces that method's figures alone; the table names both files."""
-    root, results = _copy(tmp_path)
-    for path in results.glob("*.json"):
-        path.unlink()
-    settings = {"tier": "cpu", "fitting": tables.DEFAULT_FITTING, "learn_changed": {}}
+MACHINE = {"cpu": "cpu-x", "torch": "2.13.0"}
+DIGESTS = {"average": "a1", "weight": "w1", "dual": "d1", "dual-target": "t1"}
 
-    def record(date, barriers):
-        pairs = [
+
+def _suite_record(date, barriers, *, digests=DIGESTS, commit="abc", machine=MACHINE, **settings):
+    return {
+        "benchmark": "suite",
+        "date": date,
+        "commit": commit,
+        "machine": machine,
+        "settings": {"tier": "cpu", "fitting": tables.DEFAULT_FITTING, "learn_changed": {}} | settings,
+        "pairs": [
             {"family": "gpt2", "name": name, "varies": "", "barriers": values, "seconds": {}}
             for name, values in barriers.items()
-        ]
-        return {
-            "benchmark": "suite",
-            "date": date,
-            "commit": "abc",
-            "machine": "m",
-            "settings": settings,
-            "pairs": pairs,
-        }
+        ],
+    } | ({"digests": digests} if digests is not None else {})
 
-    older = record(
-        "2026-01-01T00:00:00+00:00", {"p": {"vanilla": 2.0, "dual": 0.4}, "q": {"vanilla": 1.0, "dual": 0.2}}
+
+def _readme(results: Path, root: Path, *records: dict) -> str:
+    for path in results.glob("*.json"):
+        path.unlink()
+    for i, record in enumerate(records):
+        (results / f"suite-{i}.json").write_text(json.dumps(record))
+    return tables.readme_table(tables.merged(tables.load(results)), root)
+
+
+def test_runs_of_one_pair_at_a_time_combine_pair_by_pair_and_the_newest_wins(tmp_path):
+    """Runs of some pairs of a tier, at one code, make one table: per pair and method the newest
+    run's figure; the table says over how many pairs and names every file it used."""
+    root, results = _copy(tmp_path)
+    first = _suite_record("2026-01-01T00:00:00+00:00", {"p": {"vanilla": 2.0, "dual": 0.4}}, pairs=["p"])
+    second = _suite_record("2026-01-02T00:00:00+00:00", {"q": {"vanilla": 1.0, "dual": 0.2}}, pairs=["q"])
+    rerun = _suite_record("2026-01-03T00:00:00+00:00", {"p": {"dual": 0.1}}, pairs=["p"])
+    table = _readme(results, root, first, second, rerun)
+    assert "| average | 2 | 1.500 ± 0.707 | 2.000 | 1.00 |" in table
+    assert "| dual | 2 | 0.150 ± 0.071 | 0.200 | 0.12 (0.20) |" in table
+    assert "suite-0.json" not in table  # the README links the page; the page names the files
+    page = tables.results_page(tables.load(results), root)
+    current = page.split("## Stale")[0]
+    assert "suite-0.json" in current and "suite-1.json" in current and "suite-2.json" in current
+
+
+def test_a_figure_whose_code_changed_is_stale_and_never_averaged_in(tmp_path):
+    """A later run whose merges give other digests makes today's code; an earlier figure of
+    a changed method goes to the stale section, one of an unchanged method still counts."""
+    root, results = _copy(tmp_path)
+    old = _suite_record("2026-01-01T00:00:00+00:00", {"p": {"vanilla": 2.0, "dual": 0.4}}, pairs=["p"])
+    changed = _suite_record(
+        "2026-01-02T00:00:00+00:00",
+        {"q": {"vanilla": 1.0, "dual": 0.2}},
+        pairs=["q"],
+        digests=DIGESTS | {"dual-target": "t2"},
     )
-    newer = record("2026-02-01T00:00:00+00:00", {"p": {"dual": 0.1}, "q": {"dual": 0.3}})
-    (results / "suite-a.json").write_text(json.dumps(older))
-    (results / "suite-b.json").write_text(json.dumps(newer))
+    table = _readme(results, root, old, changed)
+    assert "| average | 2 | 1.500 ± 0.707 |" in table  # vanilla's digests are unchanged: both pairs
+    assert "| dual | 1 | 0.200 ± 0.000 | 0.200 |" in table  # p's dual was made by other code
+    page = tables.results_page(tables.load(results), root)
+    stale = page.split("## Stale figures")[1]
+    assert "| p |" in stale and "0.400" in stale and "0.400" not in page.split("## Stale figures")[0]
+
+
+def test_digests_on_another_machine_leave_this_machines_figures_alone(tmp_path):
+    """Digests are one machine's arithmetic: a run elsewhere neither stales nor is staled by them."""
+    root, results = _copy(tmp_path)
+    here = _suite_record("2026-01-01T00:00:00+00:00", {"p": {"vanilla": 2.0}}, pairs=["p"])
+    there = _suite_record(
+        "2026-01-02T00:00:00+00:00",
+        {"q": {"vanilla": 1.0}},
+        pairs=["q"],
+        machine={"cpu": "cpu-y", "torch": "2.13.0"},
+        digests={"average": "other"},
+    )
+    assert "| average | 2 | 1.500 ± 0.707 |" in _readme(results, root, here, there)
+
+
+def test_a_record_without_digests_counts_through_a_digest_record_at_its_commit(tmp_path):
+    """A record made at a clean commit where ``merge_digests`` ran on the same kind of machine has
+    that record's digests; at a commit with none, or a dirty one, it cannot say and is stale."""
+    root, results = _copy(tmp_path)
+    digests = {
+        "benchmark": "merge_digests",
+        "date": "2026-01-01T00:00:00+00:00",
+        "commit": "abc",
+        "machine": MACHINE,
+        "settings": {},
+        "digests": DIGESTS,
+    }
+    (results / "merge_digests-0.json").write_text(json.dumps(digests))
+    bare = _suite_record("2026-01-02T00:00:00+00:00", {"p": {"vanilla": 2.0}}, digests=None)
+    dirty = _suite_record("2026-01-02T00:00:00+00:00", {"q": {"vanilla": 1.0}}, digests=None, commit="abc+")
+    for path in results.glob("suite-*.json"):
+        path.unlink()
+    (results / "suite-0.json").write_text(json.dumps(bare))
+    (results / "suite-1.json").write_text(json.dumps(dirty))
     table = tables.readme_table(tables.merged(tables.load(results)), root)
-    assert "| average | 1.500 ± 0.707 | 2.000 | 1.00 |" in table
-    assert "| dual | 0.200 ± 0.141 | 0.300 | 0.17 (0.30) |" in table
-    assert "suite-a.json" in table and "suite-b.json" in table
+    assert "| average | 1 | 2.000 ± 0.000 |" in table
+
+
+def test_transcribed_figures_are_archived_and_never_in_the_readme(tmp_path):
+    root, results = _copy(tmp_path)
+    copied = _suite_record("2026-01-01T00:00:00+00:00", {"p": {"vanilla": 2.0}}, digests=None) | {
+        "transcribed_from": "notebook §1"
+    }
+    assert "No `cpu`-tier figure" in _readme(results, root, copied)
+    page = tables.results_page(tables.load(results), root)
+    assert "2.000" in page.split("\n## Archive")[1] and "2.000" not in page.split("\n## Archive")[0]
+
+
+def test_a_default_changed_since_a_run_makes_it_a_variant(tmp_path):
+    """A record spells out every learned-matching setting; one made when a default differed
+    from today's is a variant, never the README's row."""
+    root, results = _copy(tmp_path)
+    today = LearnOptions().model_dump(mode="json")
+    then = _suite_record(
+        "2026-01-01T00:00:00+00:00", {"p": {"vanilla": 2.0, "dual": 0.4}}, learn=today | {"steps": today["steps"] + 1}
+    )
+    now = _suite_record("2026-01-02T00:00:00+00:00", {"q": {"vanilla": 1.0, "dual": 0.2}}, learn=today)
+    table = _readme(results, root, then, now)
+    assert "| dual | 1 | 0.200 ± 0.000 |" in table
+    page = tables.results_page(tables.load(results), root)
+    assert f"learn {{'steps': {today['steps'] + 1}}}" in page
 
 
 def test_a_strong_scaling_run_is_read_against_its_own_rounds_one_process_step(tmp_path):

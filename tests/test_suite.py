@@ -10,7 +10,35 @@ import statistics
 
 import pytest
 
-from benchmarks import record, suite
+from benchmarks import merge_digests, record, suite
+
+
+@pytest.fixture(autouse=True)
+def _no_digest_merges(monkeypatch):
+    """The command's tests stand in for the merges behind a record's digests (each a real merge
+    of the shipped pair; ``benchmarks/merge_digests.py`` and its test run them)."""
+    monkeypatch.setattr(
+        merge_digests, "digests", lambda scratch, names=None: {name: f"digest of {name}" for name in names}
+    )
+
+
+def test_a_record_carries_the_digests_of_the_runs_behind_its_methods(monkeypatch, tmp_path):
+    """What the tables read as the code behind a figure: the runs of ``SUITE_RUNS`` for the
+    methods measured, and no others."""
+    monkeypatch.setattr(
+        suite,
+        "measure_pair",
+        lambda pair, labels, **_: suite.PairResult(
+            pair.family, pair.entry.name, pair.varies, dict.fromkeys(labels, 0.5), dict.fromkeys(labels, 1.0), []
+        ),
+    )
+    suite.main(
+        ["--tier", "ci", "--families", "gpt2", "--methods", "vanilla", "dual", "--json", str(tmp_path / "r.json")]
+    )
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert set(saved["digests"]) == {"average", "dual", "dual-target"}
+    assert set(merge_digests.SUITE_RUNS) == set(suite.LABELS)
+    assert {name for runs in merge_digests.SUITE_RUNS.values() for name in runs} <= {n for n, _ in merge_digests.RUNS}
 
 
 @pytest.mark.slow
