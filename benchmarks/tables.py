@@ -348,12 +348,17 @@ def source_note(sources: dict[Path, tuple[dict, set]], root: Path) -> str:
     return "Source:\n\n" + "\n".join(lines)
 
 
-def _provenance(path: Path, record: dict, root: Path) -> str:
+def _machine_text(record: dict) -> str:
     machine = record["machine"]
     if isinstance(machine, dict):
         machine = f"{machine.get('cores', '?')} cores ({machine.get('cpu', 'unknown processor')})" + (
             f", {machine['gpu']}" if machine.get("gpu") else ""
         )
+    return machine
+
+
+def _provenance(path: Path, record: dict, root: Path) -> str:
+    machine = _machine_text(record)
     try:
         shown = path.resolve().relative_to(root.resolve())
     except ValueError:
@@ -407,6 +412,20 @@ def _unique(sources) -> list[tuple[Path, dict]]:
     return sorted(seen.values(), key=lambda item: item[0].name)
 
 
+def _measuring_time(entry: dict) -> str:
+    """How long the variant's recorded methods took, in all and per pair, and on what machines
+    ("" when no record kept seconds). Training the members is not counted."""
+    items = list(entry["items"].values())
+    seconds = [sum(item["seconds"].values()) for item in items if item["seconds"]]
+    if not seconds:
+        return ""
+    machines = sorted({_machine_text(record) for record, _ in entry["sources"].values()})
+    return (
+        f" Measuring took {sum(seconds) / 60:.0f} min in all, {statistics.mean(seconds) / 60:.0f} min per pair on "
+        f"average, on {' and '.join(machines)} (training the members not counted)."
+    )
+
+
 #: How a section's heading and link target name each standing.
 HEADED = {CURRENT: ("", "suite"), STALE: ("Stale: ", "stale"), TRANSCRIBED: ("Archived: ", "archive")}
 
@@ -432,7 +451,7 @@ def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> 
         "",
         f"### {prefix}{describe(key)}",
         "",
-        f"{count}; commits {commits_of(entry)}.",
+        f"{count}; commits {commits_of(entry)}.{_measuring_time(entry)}",
         "",
         (
             "| family | method | pairs | barrier, mean ± std | worst pair | ratio to average, mean (worst) | seconds per pair "

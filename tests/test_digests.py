@@ -7,6 +7,7 @@ arithmetic, so elsewhere it skips)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import merge_digests, record, tables
 
@@ -31,7 +32,12 @@ def test_the_newest_recorded_digests_are_the_trees(tmp_path):
     same = made_on and all(made_on.get(k) == here[k] for k in ("cpu", "cpu_flags", "cores", "torch"))
     if not same:
         pytest.skip("the newest digests were made on another kind of machine")
-    found = merge_digests.digests(tmp_path, sorted(newest))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(here["cores"])  # as the record's process ran: torch's default, one per core
+    try:
+        found = merge_digests.digests(tmp_path, sorted(newest))
+    finally:
+        torch.set_num_threads(threads)
     changed = sorted(name for name in found if found[name] != newest[name])
     assert not changed, (
         f"merges changed ({', '.join(changed)}): run python -m benchmarks.merge_digests and commit its record"
