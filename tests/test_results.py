@@ -201,3 +201,20 @@ def test_a_strong_scaling_run_is_read_against_its_own_rounds_one_process_step(tm
     section = "\n".join(tables.scaling_section([(path, record)], tmp_path))
     assert "| wide | 2: paired | 3.400 | 0.55× (0.50–0.60) | 50% | 0% |" in section
     assert "| wide | 1: one | 6.000 | 1.00× (1.00–1.00) |" in section
+
+
+def test_the_paper_tier_stands_beside_the_papers_figures_with_its_goals(tmp_path):
+    """The paper tier's table states its budget, shows Theus et al.'s figure beside each row and
+    says whether each goal is met, a miss included."""
+    root, results = _copy(tmp_path)
+    pairs = {
+        "paper-gpt2": {"vanilla": 2.0, "weight": 0.5, "dual": 0.01},
+        "paper-gpt2-2": {"vanilla": 2.0, "weight": 0.3, "dual": 0.02},
+    }
+    record = _suite_record("2026-01-01T00:00:00+00:00", pairs, tier="paper", max_steps=1500)
+    _readme(results, root, record)
+    page = tables.results_page(tables.load(results), root)
+    rows = {line.split(" | ")[1]: line for line in page.splitlines() if line.startswith("| gpt2 (")}
+    assert "0.34 ± 0.01" in rows["weight"] and "missed (0.20×)" in rows["weight"]
+    assert "met (0.015)" in rows["dual"] and "(2)" in rows["dual"]
+    assert "1500 of the paper's 20000 steps" in page
