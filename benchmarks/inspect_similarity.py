@@ -37,7 +37,7 @@ from hf_lmc.io import zoo
 
 try:  # run as a module (python -m benchmarks.inspect_similarity) or as a script
     from benchmarks.record import new_record, settings_of, write
-    from benchmarks.suite import TIERS
+    from benchmarks.tiers import TIERS
 except ImportError:  # pragma: no cover - script form
     from record import new_record, settings_of, write
     from suite import TIERS

@@ -23,16 +23,24 @@ Three tiers, one command:
     python -m benchmarks.suite --tier cpu --pairs suite-llama-b --methods dual --learn steps=4000
     python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
 
-Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache. Every
-run writes one record (``benchmarks/record.py``: date, commit, machine, settings, and per pair
-every method's barrier, ratio to vanilla and seconds, and the digests of the merges behind its
-methods on the shipped pair, ``benchmarks/merge_digests.py``) under ``benchmarks/results/``, or to
-``--json FILE``; ``python -m benchmarks.tables`` builds the README's table and docs/results.md
-from those records, combining runs of one pair or family at a time, pair by pair, while their
-digests are today's; ``--sampled`` fits the data methods on text sampled from
-each pair's own members (``--data sampled``) rather than the training plays. The language pairs read characters, whose 65–82 tokens span
-a fraction of a 128-wide stream; ``--vocab-size N`` trains and measures them on a byte-level BPE
-of N tokens instead (:func:`with_vocabulary`), which fills the stream as real vocabularies do.
+Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache. Each
+pair writes its record as it finishes (``benchmarks/record.py``: date, commit, machine,
+settings, the pair's barrier, ratio to vanilla and seconds per method, and the digests of the
+merges behind its methods on the shipped pair, ``benchmarks/merge_digests.py``) under
+``benchmarks/results/``, and the run then rebuilds the README's table and docs/results.md
+(``benchmarks/tables.py``), which combine the records pair by pair while their digests are
+today's; ``--json FILE`` writes one record of every pair to FILE instead and rebuilds nothing.
+``--resume`` measures only what the records lack at today's code, so a run cut off (or a tier
+measured over several sessions) goes on where it stopped:
+
+    python -m benchmarks.suite --tier paper --resume            # the paper tier, whatever is missing
+    python -m benchmarks.suite --tier cpu --families vit --resume
+
+``--sampled`` fits the data methods on text sampled from each pair's own members (``--data
+sampled``) rather than the training plays. The language pairs read characters, whose 65–82
+tokens span a fraction of a 128-wide stream; ``--vocab-size N`` trains and measures them on a
+byte-level BPE of N tokens instead (:func:`with_vocabulary`), which fills the stream as real
+vocabularies do.
 """
 
 from __future__ import annotations
@@ -57,8 +65,9 @@ from hf_lmc.evaluation.batches import SAMPLED, fitting_batches, load_batches
 from hf_lmc.io import zoo
 from hf_lmc.io.loading import load_model
 
-from . import merge_digests
+from . import merge_digests, record, tables
 from .record import new_record, started, write
+from .tiers import FAMILIES, TIERS, TRIPLES, SuitePair
 
 #: Rows of the table: (label, method, symmetries, learn overrides), as Theus et al.'s Table 1
 #: orders them. "learned (perm. only)" trains the permutations alone (their "learned matching
@@ -73,151 +82,8 @@ METHODS = (
     ("dual", "dual", "full", {}),
 )
 LABELS = tuple(label for label, *_ in METHODS)
-FAMILIES = ("gpt2", "pythia", "llama", "vit")
 
 
-@dataclass(frozen=True)
-class SuitePair:
-    """One pair of the suite: a zoo entry trained from two seeds, and what it varies."""
-
-    family: str
-    entry: zoo.ZooEntry
-    varies: str
-    seeds: tuple[int, int] = (0, 1)
-
-
-def _lm(name: str, model_type: str, config: dict, *, steps: int, patience: int | None = 3, **training) -> zoo.ZooEntry:
-    return zoo.ZooEntry(name, model_type, config, steps=steps, patience=patience, **training)
-
-
-_NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-_VIT = {"num_channels": 1, "num_labels": 10, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
-
-
-def _gpt2(name, layers, width, heads, *, tied=True, steps=1500, patience=3):
-    config = {
-        "n_layer": layers,
-        "n_embd": width,
-        "n_head": heads,
-        "n_positions": 64,
-        "tie_word_embeddings": tied,
-        **_NO_DROPOUT,
-    }
-    return _lm(name, "gpt2", config, steps=steps, patience=patience)
-
-
-def _pythia(name, layers, width, heads, *, rotary, parallel, tied=False, steps=1500, patience=3):
-    config = {
-        "num_hidden_layers": layers,
-        "hidden_size": width,
-        "num_attention_heads": heads,
-        "intermediate_size": 4 * width,
-        "rotary_pct": rotary,
-        "use_parallel_residual": parallel,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": tied,
-    }
-    return _lm(name, "gpt_neox", config, steps=steps, patience=patience)
-
-
-def llama_intermediate_size(width: int) -> int:
-    """The suite's LLaMA MLP width: 8/3 of the width, rounded down to a multiple of 8."""
-    return int(width * 8 / 3) // 8 * 8
-
-
-def _llama(name, layers, width, heads, kv_heads, *, tied=False, steps=1500, patience=3):
-    config = {
-        "num_hidden_layers": layers,
-        "hidden_size": width,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "intermediate_size": llama_intermediate_size(width),
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": tied,
-    }
-    return _lm(name, "llama", config, steps=steps, patience=patience)
-
-
-def _vit(name, layers, width, heads, mlp, *, patch=7, steps=2000, patience=3):
-    config = {
-        "image_size": 28,
-        "patch_size": patch,
-        "num_hidden_layers": layers,
-        "hidden_size": width,
-        "num_attention_heads": heads,
-        "intermediate_size": mlp,
-        **_VIT,
-    }
-    return zoo.ZooEntry(name, "vit", config, steps=steps, batch_size=64, lr=2e-3, data="mnist", patience=patience)
-
-
-TIERS: dict[str, list[SuitePair]] = {
-    "ci": [
-        SuitePair("gpt2", _gpt2("ci-gpt2", 1, 32, 2, steps=150, patience=None), "tiny"),
-        SuitePair(
-            "pythia", _pythia("ci-pythia", 1, 32, 2, rotary=0.5, parallel=True, steps=150, patience=None), "tiny"
-        ),
-        SuitePair("llama", _llama("ci-llama", 1, 32, 4, 2, steps=150, patience=None), "tiny"),
-        SuitePair("vit", _vit("ci-vit", 1, 32, 2, 64, steps=150, patience=None), "tiny"),
-    ],
-    "cpu": [
-        SuitePair(
-            "gpt2", _gpt2("suite-gpt2-a", 2, 128, 4, steps=2500), "2 layers, width 128, 4 heads, tied, up to 2500 steps"
-        ),
-        SuitePair("gpt2", _gpt2("suite-gpt2-b", 4, 96, 2, tied=False), "4 layers, width 96, 2 heads, untied"),
-        SuitePair(
-            "gpt2", _gpt2("suite-gpt2-c", 3, 128, 8, steps=500, patience=None), "3 layers, 8 heads, 500 steps only"
-        ),
-        SuitePair(
-            "pythia", _pythia("suite-pythia-a", 2, 128, 4, rotary=0.25, parallel=True), "parallel residual, rotary 0.25"
-        ),
-        SuitePair(
-            "pythia",
-            _pythia("suite-pythia-b", 3, 128, 8, rotary=1.0, parallel=False),
-            "sequential residual, rotary 1.0, 8 heads",
-        ),
-        SuitePair(
-            "pythia",
-            _pythia("suite-pythia-c", 4, 96, 4, rotary=0.5, parallel=True, tied=True),
-            "4 layers, width 96, rotary 0.5, tied",
-        ),
-        SuitePair("llama", _llama("suite-llama-a", 2, 128, 4, 2), "GQA 2:1"),
-        SuitePair("llama", _llama("suite-llama-b", 3, 128, 8, 2), "GQA 4:1, 8 heads"),
-        SuitePair(
-            "llama",
-            _llama("suite-llama-c", 4, 96, 4, 4, tied=True, steps=600, patience=None),
-            "no GQA, tied, 600 steps only",
-        ),
-        SuitePair("vit", _vit("suite-vit-a", 2, 64, 4, 128), "2 layers, width 64"),
-        SuitePair("vit", _vit("suite-vit-b", 4, 96, 6, 192), "4 layers, width 96, 6 heads"),
-        SuitePair(
-            "vit",
-            _vit("suite-vit-c", 3, 128, 8, 256, steps=600, patience=None),
-            "3 layers, width 128, 8 heads, 600 steps only",
-        ),
-    ],
-    "paper": [
-        SuitePair(
-            "gpt2",
-            _gpt2("paper-gpt2", 6, 256, 4, tied=True, steps=20000, patience=5),
-            "Table 2: 6 layers, 4 heads, width 256, MLP 1024",
-        ),
-        SuitePair(
-            "vit",
-            _vit("paper-vit", 6, 256, 8, 512, patch=4, steps=20000, patience=5),
-            "Table 2: 6 layers, 8 heads, width 256, MLP 512",
-        ),
-    ],
-}
-
-
-#: The triples of the simplex rows (``--triples``): suite pairs whose third member (seed 2) is
-#: trained too, one per family, the cheapest to train.
-TRIPLES: dict[str, list[str]] = {
-    "ci": ["ci-gpt2", "ci-vit"],
-    "cpu": ["suite-gpt2-c", "suite-pythia-a", "suite-llama-c", "suite-vit-c"],
-    "paper": ["paper-gpt2", "paper-vit"],
-}
 #: Rows of the simplex table: (label, method). Learned keeps the first model's universe-matching
 #: transform and trains the others'; dual trains all three.
 SIMPLEX_METHODS = (("vanilla", "average"), ("weight", "weight"), ("learned", "learned"), ("dual", "dual"))
@@ -742,6 +608,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="JSON",
         help="print the tables of saved records (several runs together)",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="measure only the pairs and methods that have no figure at today's code among the records "
+        "(same settings, same kind of machine, the digests of today's merges): a run cut off goes on where it stopped",
+    )
     parser.add_argument("--progress", action="store_true", help="progress bars while training")
     parser.add_argument(
         "--triples",
@@ -811,18 +683,34 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
         return
     date, start, fitting = started(), time.perf_counter(), fitting_of(args)
-    results = run(
-        args.tier,
-        labels=args.methods,
-        families=args.families,
-        names=args.pairs,
-        cache=args.cache,
-        progress=args.progress,
-        max_steps=args.max_steps,
-        learn=learn,
-        fitting=fitting,
-        vocab_size=args.vocab_size,
-    )
+    settings = settings_of(args, learn, fitting)
+    digests = merge_digests.for_labels(args.methods)  # the code these figures come from (tables.py)
+    todo = {pair.entry.name: list(args.methods) for pair in tier_pairs(args.tier, args.families, args.pairs)}
+    if args.resume:
+        done = tables.measured_today(tables.load(record.RESULTS), settings, digests, record.machine())
+        todo = {name: [label for label in labels if (name, label) not in done] for name, labels in todo.items()}
+        for name, labels in todo.items():
+            if len(labels) < len(args.methods):
+                kept = [label for label in args.methods if label not in labels]
+                print(f"{name}: {', '.join(kept)} already measured at today's code", file=sys.stderr)
+    results, written = [], []
+    for name, labels in todo.items():
+        if not labels:
+            continue
+        (pair,) = [
+            with_vocabulary(_capped(pair, args.max_steps), args.vocab_size)
+            for pair in tier_pairs(args.tier, args.families, [name])
+        ]
+        pair_date = started()
+        result = measure_pair(pair, labels, cache=args.cache, progress=args.progress, learn=learn, fitting=fitting)
+        results.append(result)
+        if args.json is None:  # one record per pair as it finishes: a run cut off keeps what it measured
+            saved = pairs_record([result], {**settings, "pairs": [name], "methods": labels}, date=pair_date)
+            path = record.RESULTS / f"suite-{pair_date:%Y%m%d-%H%M%S}-{name}.json"
+            written.append(write({**saved, "digests": digests}, path))
+    if not results:
+        print("every pair asked for is measured at today's code; nothing to do", file=sys.stderr)
+        return
     changed = learn.model_dump(exclude_defaults=True)
     print(
         f"## Suite `{args.tier}`: {len(results)} pairs, {time.perf_counter() - start:.0f} s"
@@ -833,10 +721,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print("\n".join(summary_rows(results, args.methods)) + "\n")
     print("\n".join(pair_rows(results, args.methods)) + "\n")
     print("\n".join(time_rows(results, args.methods)))
-    saved = pairs_record(results, settings_of(args, learn, fitting), date=date)
-    saved["digests"] = merge_digests.for_labels(args.methods)  # the code these figures came from (tables.py)
-    path = write(saved, args.json)
-    print(f"\nwritten to {path}", file=sys.stderr)
+    if args.json is not None:
+        written.append(write({**pairs_record(results, settings, date=date), "digests": digests}, args.json))
+    print(f"\nwritten to {', '.join(str(path) for path in written)}", file=sys.stderr)
+    if args.json is None and record.RESULTS == tables.RESULTS:
+        tables.main([])  # the README's table and docs/results.md, with this run's figures
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from hf_lmc.config.options import LearnOptions
 from .merge_digests import SUITE_RUNS
 from .record import RESULTS
 from .strong_scaling import MODES
-from .suite import TIERS
+from .tiers import TIERS
 
 ROOT = Path(__file__).parent.parent
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
@@ -214,11 +214,41 @@ def standing(record: dict, label: str, runs: dict[str, tuple[str, ...]], digests
     if record.get("transcribed_from"):
         return TRANSCRIBED
     at_commit, newest = digests
-    kind = _machine_kind(record)
-    own = record.get("digests") or at_commit.get((kind, record.get("commit")), {})
-    names = runs.get(label, ())
-    latest = newest.get(kind, {})
-    return CURRENT if names and all(own.get(n) is not None and own.get(n) == latest.get(n) for n in names) else STALE
+    same = _same_code(runs.get(label, ()), _own_digests(record, at_commit), newest.get(_machine_kind(record), {}))
+    return CURRENT if same else STALE
+
+
+def _own_digests(record: dict, at_commit: dict[tuple, dict]) -> dict:
+    """The digests of the code that made ``record``: its own, or a ``merge_digests`` record's at its commit."""
+    return record.get("digests") or at_commit.get((_machine_kind(record), record.get("commit")), {})
+
+
+def _same_code(names: Sequence[str], own: dict, reference: dict) -> bool:
+    return bool(names) and all(own.get(name) is not None and own.get(name) == reference.get(name) for name in names)
+
+
+def measured_today(
+    records: Sequence[tuple[Path, dict]], settings: dict, digests: dict[str, str], machine: dict
+) -> set[tuple[str, str]]:
+    """The (pair, method) figures among ``records`` made at ``settings``' variant on ``machine``'s
+    kind by code whose merges give ``digests`` (today's, as the caller just made them): what a
+    resumed suite run (``--resume``) has no need to measure again."""
+    key, kind = variant(settings), _machine_kind({"machine": machine})
+    at_commit, _ = code_digests(records)
+    done = set()
+    for _, record in records:
+        if record["benchmark"] != "suite" or record.get("transcribed_from") or _machine_kind(record) != kind:
+            continue
+        if variant(record["settings"]) != key:
+            continue
+        own = _own_digests(record, at_commit)
+        done |= {
+            (item["name"], label)
+            for item in record["pairs"]
+            for label in item["barriers"]
+            if _same_code(SUITE_RUNS.get(label, ()), own, digests)
+        }
+    return done
 
 
 def merged(

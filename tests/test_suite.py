@@ -187,17 +187,51 @@ def test_a_run_writes_one_standard_record_per_run(monkeypatch, tmp_path):
         ),
     )
     suite.main(["--tier", "ci", "--families", "gpt2", "vit", "--methods", "vanilla", "weight", "dual"])
-    (path,) = tmp_path.glob("suite-*.json")
-    saved = json.loads(path.read_text())
-    assert {"benchmark", "date", "commit", "machine", "settings"} <= set(saved) and saved["benchmark"] == "suite"
-    assert saved["settings"]["tier"] == "ci" and saved["settings"]["learn_changed"] == {}
-    assert saved["settings"]["fitting"] == {"sequences": suite.FIT_SEQUENCES, "batch_size": 32, "sampled": False}
-    assert [(p["family"], p["name"]) for p in saved["pairs"]] == [("gpt2", "ci-gpt2"), ("vit", "ci-vit")]
-    first = saved["pairs"][0]
+    paths = sorted(tmp_path.glob("suite-*.json"), key=lambda path: path.name.endswith("ci-vit.json"))
+    assert len(paths) == 2  # one record per pair, written as each finishes
+    saved = [json.loads(path.read_text()) for path in paths]
+    for one in saved:
+        assert {"benchmark", "date", "commit", "machine", "settings"} <= set(one) and one["benchmark"] == "suite"
+        assert one["settings"]["tier"] == "ci" and one["settings"]["learn_changed"] == {}
+        assert one["settings"]["fitting"] == {"sequences": suite.FIT_SEQUENCES, "batch_size": 32, "sampled": False}
+        assert set(one["digests"]) == {"average", "weight", "dual", "dual-target"}
+    assert [(one["pairs"][0]["family"], one["settings"]["pairs"]) for one in saved] == [
+        ("gpt2", ["ci-gpt2"]),
+        ("vit", ["ci-vit"]),
+    ]
+    first = saved[0]["pairs"][0]
     assert first["varies"] == "tiny" and first["barriers"] == barriers and first["seconds"]["dual"] == 3.0
     assert first["ratio_to_vanilla"] == {"vanilla": 1.0, "weight": 0.25, "dual": 0.05}
-    results = suite.read_results([path], suite.PairResult)
+    results = suite.read_results(paths, suite.PairResult)
     assert [r.name for r in results] == ["ci-gpt2", "ci-vit"] and results[1].barriers == barriers
+
+
+def test_a_resumed_run_measures_only_what_todays_code_has_not(monkeypatch, tmp_path):
+    """``--resume`` skips the pairs and methods the records hold at today's code (same settings,
+    same kind of machine, today's digests) and measures the rest; with nothing left it measures
+    nothing. A figure made by other code is measured again."""
+    monkeypatch.setattr(record, "RESULTS", tmp_path)
+    measured = []
+
+    def stand_in(pair, labels, **_):
+        measured.append((pair.entry.name, list(labels)))
+        return suite.PairResult(
+            pair.family, pair.entry.name, pair.varies, dict.fromkeys(labels, 0.5), dict.fromkeys(labels, 1.0), []
+        )
+
+    monkeypatch.setattr(suite, "measure_pair", stand_in)
+    argv = ["--tier", "ci", "--families", "gpt2", "vit", "--methods", "vanilla", "dual", "--resume"]
+    suite.main(argv[:-1] + ["--pairs", "ci-gpt2"])
+    assert measured == [("ci-gpt2", ["vanilla", "dual"])]
+    suite.main(argv)
+    assert measured[1:] == [("ci-vit", ["vanilla", "dual"])]
+    suite.main(argv)
+    assert len(measured) == 2  # everything measured at today's code
+    monkeypatch.setattr(
+        merge_digests, "digests", lambda scratch, names=None: {name: f"changed {name}" for name in names}
+    )
+    suite.main(argv)
+    assert measured[2:] == [("ci-gpt2", ["vanilla", "dual"]), ("ci-vit", ["vanilla", "dual"])]
 
 
 def test_recorded_curves_replay_through_the_stopping_rule(tmp_path):
