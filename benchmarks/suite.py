@@ -15,15 +15,17 @@ Three tiers, one command:
 * ``cpu``: three pairs per family on 2 cores (training about an hour the first time, then cached);
   the results are in docs/results.md;
 * ``paper``: the configurations of Theus et al.'s Table 2 (GPT-2: 6 layers, 4 heads, width 256,
-  MLP 1024 on Shakespeare; ViT: 6 layers, 8 heads, width 256, MLP 512), meant for a GPU; on a
-  CPU, ``--max-steps`` caps the training.
+  MLP 1024 on Shakespeare; ViT: 6 layers, 8 heads, width 256, MLP 512), three pairs each from
+  seeds no default was tuned on, meant for a GPU; on a CPU, ``--max-steps`` caps the training
+  and every table states the cap.
 
     python -m benchmarks.suite --tier cpu                       # train (or load) and measure
     python -m benchmarks.suite --tier cpu --methods vanilla weight --families llama
     python -m benchmarks.suite --tier cpu --pairs suite-llama-b --methods dual --learn steps=4000
     python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
 
-Pairs are trained from seeds 0 and 1 (init and data order) and cached in the zoo cache. Each
+Pairs are trained from their seeds (init and data order: 0 and 1; the paper tier's 10 to 15) and
+cached in the zoo cache. Each
 pair writes its record as it finishes (``benchmarks/record.py``: date, commit, machine,
 settings, the pair's barrier, ratio to vanilla and seconds per method, and the digests of the
 merges behind its methods on the shipped pair, ``benchmarks/merge_digests.py``) under

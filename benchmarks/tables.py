@@ -510,10 +510,9 @@ def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> 
     if len(families) > 1:
         groups.append(("all", items))
     prefix, kind = HEADED[place]
-    tier = TIERS.get(key[0], ())
-    count = (
-        f"{len(items)} of the tier's {len(tier)} pairs" if tier and len(items) < len(tier) else f"{len(items)} pairs"
-    )
+    tier = {pair.entry.name for pair in TIERS.get(key[0], ())}
+    of_tier = tier and len(items) < len(tier) and all(item["name"] in tier for item in items)
+    count = f"{len(items)} of the tier's {len(tier)} pairs" if of_tier else f"{len(items)} pairs"
     out = [
         f'<a id="{anchor(key, kind)}"></a>',
         "",
