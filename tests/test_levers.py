@@ -1,0 +1,58 @@
+"""``benchmarks/levers.py``: levers measured side by side with the defaults, pair by pair, each
+run a record, resumable, and reported against the defaults on the pairs both have."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import levers, merge_digests, suite
+
+
+def _stand_in(measured):
+    def measure_pair(pair, labels, *, learn, **_):
+        measured.append((pair.entry.name, learn.steps, tuple(labels)))
+        barrier = 0.05 if learn.steps == 1000 else 0.07
+        return suite.PairResult(
+            pair.family,
+            pair.entry.name,
+            pair.varies,
+            dict.fromkeys(labels, barrier),
+            dict.fromkeys(labels, 10.0),
+            [],
+            runs={
+                label: {"steps_to_final": learn.steps // 2, "seconds_to_final": learn.steps / 10} for label in labels
+            },
+        )
+
+    return measure_pair
+
+
+def test_levers_run_beside_the_defaults_resume_and_report(monkeypatch, tmp_path):
+    measured = []
+    monkeypatch.setattr(suite, "measure_pair", _stand_in(measured))
+    monkeypatch.setattr(merge_digests, "digests", lambda scratch, names=None: {n: f"d {n}" for n in names})
+    folder, results = tmp_path / "levers", tmp_path / "results"
+    results.mkdir()
+    argv = ["--tier", "ci", "--pairs", "ci-gpt2", "ci-vit", "--try", "steps=250", "--folder", str(folder)]
+    monkeypatch.setattr(levers, "RESULTS", results)
+    levers.main(argv)
+    assert measured == [
+        ("ci-gpt2", 1000, ("dual",)),
+        ("ci-gpt2", 250, ("dual",)),
+        ("ci-vit", 1000, ("dual",)),
+        ("ci-vit", 250, ("dual",)),
+    ]  # pair by pair, the defaults first: side by side
+    saved = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    assert len(saved) == 4 and all(set(one["digests"]) == {"dual", "dual-target"} for one in saved)
+    levers.main(argv)
+    assert len(measured) == 4  # recorded at today's code: nothing measured again
+    rows = {line.split(" | ")[1]: line.rstrip(" |") for line in levers.report(folder, results)[2:]}
+    assert rows["steps=250"].split(" | ")[2:8] == [
+        "2",
+        "0.0700 (0.0700)",
+        "+0.0200 (+0.0200)",
+        "125",
+        "25",
+        "0.25 (0.25)",
+    ]
+    assert rows["the defaults"].split(" | ")[2:4] == ["2", "0.0500 (0.0500)"]
