@@ -2,7 +2,7 @@
 the suite's pairs, side by side, resumably, each run kept as a suite record.
 
 A lever is a set of learned-matching settings other than the defaults (``LearnOptions`` fields,
-values read as YAML), one per ``--try``. Pair by pair, the defaults and then every lever are
+and the fitting data's ``batch_size`` and ``sequences``; values read as YAML), one per ``--try``. Pair by pair, the defaults and then every lever are
 measured in turn on the same machine, so that a machine that slows slows both; each (pair,
 method, setting) writes its suite record under ``benchmarks/results/levers/`` as it finishes,
 with the digests of the merges behind it (``benchmarks/merge_digests.py``), and one already
@@ -21,6 +21,7 @@ decisions that cite them (docs/decisions.md); the results tables do not show the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -41,11 +42,26 @@ LEVERS = RESULTS / "levers"
 TRAINED = ("learned (perm. only)", "learned", "dual")
 
 
+#: Settings of the fitting data a lever can change besides LearnOptions' (``suite.Fitting``):
+#: sequences per fitting batch, and fitting sequences in all.
+FITTING_KEYS = ("batch_size", "sequences")
+
+
 def parse(text: str) -> dict:
-    """``"steps=250 lr=0.03"`` as LearnOptions overrides, checked (a bad key or value is an error)."""
+    """``"steps=250 lr=0.03 batch_size=16"`` as LearnOptions and fitting overrides, checked (a bad
+    key or value is an error)."""
     overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in text.split())}
-    LearnOptions(**overrides)
+    _split(overrides)
     return overrides
+
+
+def _split(overrides: dict) -> tuple[LearnOptions, suite.Fitting]:
+    """The LearnOptions and fitting data a setting gives."""
+    fitting = {key: overrides[key] for key in FITTING_KEYS if key in overrides}
+    if any(not isinstance(value, int) or value < 1 for value in fitting.values()):
+        raise ValueError(f"fitting settings must be positive integers, got {fitting}")
+    learn = LearnOptions(**{k: v for k, v in overrides.items() if k not in FITTING_KEYS})
+    return learn, suite.Fitting(**fitting)
 
 
 def tag(overrides: dict) -> str:
@@ -55,7 +71,7 @@ def tag(overrides: dict) -> str:
     return re.sub(r"[^A-Za-z0-9=._-]", "-", "_".join(f"{k}={v}" for k, v in sorted(overrides.items())))
 
 
-def _settings(pair: str, labels: Sequence[str], learn: LearnOptions, tier: str) -> dict:
+def _settings(pair: str, labels: Sequence[str], learn: LearnOptions, fitting: suite.Fitting, tier: str) -> dict:
     return {
         "tier": tier,
         "methods": list(labels),
@@ -65,7 +81,7 @@ def _settings(pair: str, labels: Sequence[str], learn: LearnOptions, tier: str) 
         "vocab_size": None,
         "learn": learn.model_dump(mode="json"),
         "learn_changed": learn.model_dump(mode="json", exclude_defaults=True),
-        "fitting": tables.DEFAULT_FITTING,
+        "fitting": dataclasses.asdict(fitting),
     }
 
 
@@ -86,15 +102,15 @@ def measure(
     written = []
     for pair in suite.tier_pairs(tier, suite.FAMILIES, pairs):
         for overrides in [{}, *levers]:
-            learn = LearnOptions(**overrides)
-            settings = _settings(pair.entry.name, labels, learn, tier)
+            learn, fitting = _split(overrides)
+            settings = _settings(pair.entry.name, labels, learn, fitting, tier)
             done = tables.measured_today(tables.load(folder), settings, digests, here)
             todo = [label for label in labels if (pair.entry.name, label) not in done]
             if not todo:
                 print(f"{pair.entry.name} {tag(overrides)}: recorded at today's code", file=sys.stderr)
                 continue
             date = started()
-            result = suite.measure_pair(pair, todo, cache=cache, progress=False, learn=learn)
+            result = suite.measure_pair(pair, todo, cache=cache, progress=False, learn=learn, fitting=fitting)
             print(
                 f"{pair.entry.name} {tag(overrides)}: "
                 + ", ".join(f"{label} {result.barriers[label]:.4f} ({result.seconds[label]:.0f} s)" for label in todo),
@@ -123,9 +139,14 @@ def report(folder: Path = LEVERS, results: Path = RESULTS) -> list[str]:
     for key, entry in sorted(by_setting.items(), key=lambda item: (not tables.is_plain(item[0]), item[0][4])):
         plain = tables.is_plain(key)
         base = (
-            None if plain else next((d for k, d in by_setting.items() if tables.is_plain(k) and k[:4] == key[:4]), None)
+            None if plain else next((d for k, d in by_setting.items() if tables.is_plain(k) and k[:3] == key[:3]), None)
         )
-        setting = "the defaults" if plain else ", ".join(f"{k}={v}" for k, v in json.loads(key[4]).items())
+        fitting = json.loads(key[3])
+        changed = {
+            **json.loads(key[4]),
+            **{k: v for k, v in fitting.items() if v != tables.DEFAULT_FITTING.get(k)},
+        }
+        setting = "the defaults" if plain else ", ".join(f"{k}={v}" for k, v in sorted(changed.items()))
         for label in TRAINED:
             items = [item for item in entry["items"].values() if label in item["barriers"]]
             if base is not None:

@@ -9,9 +9,10 @@ from benchmarks import levers, merge_digests, suite
 
 
 def _stand_in(measured):
-    def measure_pair(pair, labels, *, learn, **_):
+    def measure_pair(pair, labels, *, learn, fitting, **_):
         measured.append((pair.entry.name, learn.steps, tuple(labels)))
         barrier = 0.05 if learn.steps == 1000 else 0.07
+        barrier += 0.001 if fitting.batch_size == 16 else 0.0
         return suite.PairResult(
             pair.family,
             pair.entry.name,
@@ -33,19 +34,33 @@ def test_levers_run_beside_the_defaults_resume_and_report(monkeypatch, tmp_path)
     monkeypatch.setattr(merge_digests, "digests", lambda scratch, names=None: {n: f"d {n}" for n in names})
     folder, results = tmp_path / "levers", tmp_path / "results"
     results.mkdir()
-    argv = ["--tier", "ci", "--pairs", "ci-gpt2", "ci-vit", "--try", "steps=250", "--folder", str(folder)]
+    argv = [
+        "--tier",
+        "ci",
+        "--pairs",
+        "ci-gpt2",
+        "ci-vit",
+        "--try",
+        "steps=250",
+        "batch_size=16",
+        "--folder",
+        str(folder),
+    ]
     monkeypatch.setattr(levers, "RESULTS", results)
     levers.main(argv)
-    assert measured == [
-        ("ci-gpt2", 1000, ("dual",)),
-        ("ci-gpt2", 250, ("dual",)),
-        ("ci-vit", 1000, ("dual",)),
-        ("ci-vit", 250, ("dual",)),
+    assert [(name, steps) for name, steps, _ in measured] == [
+        ("ci-gpt2", 1000),
+        ("ci-gpt2", 250),
+        ("ci-gpt2", 1000),
+        ("ci-vit", 1000),
+        ("ci-vit", 250),
+        ("ci-vit", 1000),
     ]  # pair by pair, the defaults first: side by side
     saved = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
-    assert len(saved) == 4 and all(set(one["digests"]) == {"dual", "dual-target"} for one in saved)
+    assert len(saved) == 6 and all(set(one["digests"]) == {"dual", "dual-target"} for one in saved)
+    assert sorted(one["settings"]["fitting"]["batch_size"] for one in saved) == [16, 16, 32, 32, 32, 32]
     levers.main(argv)
-    assert len(measured) == 4  # recorded at today's code: nothing measured again
+    assert len(measured) == 6  # recorded at today's code: nothing measured again
     rows = {line.split(" | ")[1]: line.rstrip(" |") for line in levers.report(folder, results)[2:]}
     assert rows["steps=250"].split(" | ")[2:8] == [
         "2",
@@ -56,3 +71,4 @@ def test_levers_run_beside_the_defaults_resume_and_report(monkeypatch, tmp_path)
         "0.25 (0.25)",
     ]
     assert rows["the defaults"].split(" | ")[2:4] == ["2", "0.0500 (0.0500)"]
+    assert rows["batch_size=16"].split(" | ")[2:5] == ["2", "0.0510 (0.0510)", "+0.0010 (+0.0010)"]
