@@ -515,7 +515,7 @@ class DemoOptions(Options):
     )
     eval_chars: PositiveInt = Field(16384, description="held-out characters to evaluate")
     cache_dir: Annotated[str | None, Flag(metavar="DIR")] = Field(
-        None, description="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/io/zoo)"
+        None, description="folder for trained zoo models (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)"
     )
     write_plays: Annotated[str | None, Flag(metavar="DIR")] = Field(
         None,

@@ -292,7 +292,7 @@ class ZooSection(_Section):
 
     steps: PositiveInt | None = Field(None, description="training steps per member (default: the zoo's own)")
     cache: str | None = Field(
-        None, description="folder of trained zoo members (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/io/zoo)"
+        None, description="folder of trained zoo members (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)"
     )
 
 
