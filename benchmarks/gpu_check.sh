@@ -22,6 +22,12 @@
 #   merge_llama_profile   cProfile of the LLaMA weight merge on the GPU (after merge_llama_random)
 #   head_solves           one layer's per-head solves on 1 / 4 / 16 threads
 #   step_1.4b_bf16        the 1.4B bf16 step without offload, in a process of its own
+# Run only when named (they outlast the default run's deadline; issue 78):
+#   paper_members         the paper tier's 12 members at the paper's full budget (up to 20000 steps,
+#                         stopped where the validation loss stops improving), trained on the GPU, six
+#                         processes at a time (the models are small), into the zoo cache
+#   paper_tier            the paper tier measured on those members (suite --resume: what the records
+#                         lack at today's code), its records copied to $OUT/paper-records/ to commit
 #
 # Logs go to ${OUT:-gpu-check}/NAME.log and each benchmark's record to NAME.json beside it (copy
 # the records into benchmarks/results/ and run python -m benchmarks.tables to show them in
@@ -44,6 +50,7 @@ export PYTHONUNBUFFERED=1
 declare -A LIMIT=(
     [cuda_tests]=120 [step_1.4b_offload]=240 [step_160m]=90 [step_160m_before]=90 [step_160m_16x512]=90 [merge_pythia]=180
     [merge_llama_random]=240 [merge_llama_symmetry]=240 [merge_llama_profile]=150 [head_solves]=60 [step_1.4b_bf16]=150
+    [paper_members]=600 [paper_tier]=600
 )
 ALL=(cuda_tests step_1.4b_offload step_160m step_160m_before step_160m_16x512 merge_pythia merge_llama_random merge_llama_symmetry
      merge_llama_profile head_solves step_1.4b_bf16)
@@ -69,6 +76,12 @@ command_of() {  # the command line of one check
                  "-o /tmp/profiled --method weight --device \${PROFILE_DEVICE:-cuda} --quiet | head -80'" ;;
         head_solves) echo python3 benchmarks/head_solves.py --threads 1 4 16 "$record" ;;
         step_1.4b_bf16) echo python3 benchmarks/learned_step.py --device cuda --shape 1.4b --autocast bf16 "$record" ;;
+        paper_members)  # one process per pair, all on the one GPU
+            echo "bash -c 'for pair in paper-gpt2-{a,b,c} paper-vit-{a,b,c}; do python3 -m benchmarks.suite --tier paper"\
+                 "--pairs \$pair --train-only --device cuda & done; wait'" ;;
+        paper_tier)  # each pair's record is written as it finishes: a run cut off keeps what it measured
+            echo "bash -c 'python3 -m benchmarks.suite --tier paper --device cuda --resume;"\
+                 "mkdir -p $out/paper-records && cp benchmarks/results/suite-*-paper-*.json $out/paper-records/'" ;;
         *) return 1 ;;
     esac
 }

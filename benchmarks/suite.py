@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from hf_lmc.config.options import FIT_OPTIONS, EvalOptions, LearnOptions
+from hf_lmc.config.options import FIT_OPTIONS, EvalOptions, LearnOptions, check_device
 from hf_lmc.evaluation.barriers import barrier, excess_over_vertices, simplex_barrier_of_loaded
 from hf_lmc.evaluation.batches import SAMPLED, fitting_batches, load_batches
 from hf_lmc.io import zoo
@@ -131,6 +131,8 @@ class PairResult:
     #: final barrier (the first estimate within 10 % of the final one, or of the target when it
     #: was reached: :meth:`hf_lmc.learned.training.Stopping.time_to_final`).
     runs: dict[str, dict] = dataclasses.field(default_factory=dict)
+    #: What the members were trained on (``zoo.data_text``), as the tables name it.
+    data: str = ""
 
 
 def evaluation_batches(entry: zoo.ZooEntry, folder: Path):
@@ -149,10 +151,14 @@ def pair_data(
     cache: Path | None = None,
     progress: bool = False,
     fitting: Fitting = Fitting(),
+    device: str | None = None,
 ) -> tuple[list[Path], object, list[dict]]:
-    """Train (or load) the members of ``pair`` (``seeds``, by default the pair's) and return their
-    folders, the held-out batches and the fitting batches ``fitting`` describes."""
-    folders = [zoo.train(pair.entry, seed, cache=cache, progress=progress) for seed in (seeds or pair.seeds)]
+    """Train (or load) the members of ``pair`` (``seeds``, by default the pair's; on ``device``,
+    by default the CPU) and return their folders, the held-out batches and the fitting batches
+    ``fitting`` describes."""
+    folders = [
+        zoo.train(pair.entry, seed, cache=cache, progress=progress, device=device) for seed in (seeds or pair.seeds)
+    ]
     count = fitting.sequences // fitting.batch_size
     if fitting.sampled:
         start = time.perf_counter()
@@ -178,10 +184,11 @@ def measure_pair(
     progress: bool,
     learn: LearnOptions,
     fitting: Fitting = Fitting(),
+    device: str | None = None,
 ) -> PairResult:
-    """Train (or load) ``pair`` and measure the barrier of every method in ``labels`` at its defaults
-    (fitting data: :func:`pair_data`'s)."""
-    folders, evaluation, fitting = pair_data(pair, cache=cache, progress=progress, fitting=fitting)
+    """Train (or load) ``pair`` (members on ``device``) and measure the barrier of every method in
+    ``labels`` at its defaults (fitting data: :func:`pair_data`'s)."""
+    folders, evaluation, fitting = pair_data(pair, cache=cache, progress=progress, fitting=fitting, device=device)
     members = [json.loads((f / "zoo.json").read_text()) for f in folders]
     barriers, seconds, curves, runs = {}, {}, {}, {}
     for label, method, symmetries, overrides in METHODS:
@@ -213,6 +220,7 @@ def measure_pair(
         [_member_summary(m) for m in members],
         curves,
         runs,
+        zoo.data_text(pair.entry),
     )
 
 
@@ -317,7 +325,7 @@ def _spread(values: Sequence[float]) -> str:
 
 
 def _member_summary(record: dict) -> dict:
-    keys = ("seed", "train_loss", "steps", "best_step", "validation_loss", "stopped")
+    keys = ("seed", "train_loss", "steps", "best_step", "validation_loss", "stopped", "device")
     return {k: record[k] for k in keys if k in record}
 
 
@@ -473,10 +481,9 @@ def _capped(pair: SuitePair, max_steps: int | None) -> SuitePair:
     """``pair`` with its members' training capped at ``max_steps`` (the paper tier on a CPU)."""
     if max_steps is None or pair.entry.steps <= max_steps:
         return pair
-    return SuitePair(
-        pair.family,
-        pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10))),
-        pair.varies,
+    # dataclasses.replace: the pair keeps its seeds (the paper tier's are never the tuning seeds 0 and 1)
+    return dataclasses.replace(
+        pair, entry=pair.entry.scaled(steps=max_steps, warmup=min(pair.entry.warmup, max(1, max_steps // 10)))
     )
 
 
@@ -571,6 +578,13 @@ def run_triples(args: argparse.Namespace, learn: LearnOptions) -> None:
     print(f"\nwritten to {path}", file=sys.stderr)
 
 
+def _device(text: str) -> str:
+    try:
+        return check_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tier", choices=list(TIERS), default="cpu", help="which pairs (default: cpu)")
@@ -592,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--cache",
         type=Path,
         default=None,
-        help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/io/zoo)",
+        help="zoo cache folder (default: $HF_LMC_CACHE/zoo or ~/.cache/hf_lmc/zoo)",
     )
     parser.add_argument(
         "--json",
@@ -602,6 +616,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="write the run's record to FILE (default: benchmarks/results/suite-<date>.json)",
     )
     parser.add_argument("--train-only", action="store_true", help="train (or load) the members and measure nothing")
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        metavar="DEVICE",
+        help="train the members on DEVICE (cpu, cuda, cuda:N; default cpu); learned and dual matching run where "
+        "accelerate puts them (a GPU when there is one)",
+    )
     parser.add_argument(
         "--report",
         nargs="+",
@@ -678,7 +700,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for pair in tier_pairs(args.tier, args.families, args.pairs):
             pair = with_vocabulary(_capped(pair, args.max_steps), args.vocab_size)  # the members a run measures
             for seed in pair.seeds:
-                folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress)
+                folder = zoo.train(pair.entry, seed, cache=args.cache, progress=args.progress, device=args.device)
                 print(
                     f"{pair.entry.name} seed {seed}: {json.dumps(_member_summary(json.loads((folder / 'zoo.json').read_text())))}",
                     file=sys.stderr,
@@ -704,7 +726,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             for pair in tier_pairs(args.tier, args.families, [name])
         ]
         pair_date = started()
-        result = measure_pair(pair, labels, cache=args.cache, progress=args.progress, learn=learn, fitting=fitting)
+        result = measure_pair(
+            pair, labels, cache=args.cache, progress=args.progress, learn=learn, fitting=fitting, device=args.device
+        )
         results.append(result)
         if args.json is None:  # one record per pair as it finishes: a run cut off keeps what it measured
             saved = pairs_record([result], {**settings, "pairs": [name], "methods": labels}, date=pair_date)

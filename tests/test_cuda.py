@@ -206,3 +206,24 @@ def test_unit_assignment_on_cuda_recovers_a_planted_permutation():
     right = left[perm] + 0.05 * torch.randn(2048, 64, generator=g)
     found = assign_product(left.cuda(), right.cuda())
     assert found.device.type == "cpu" and torch.equal(found, perm) and torch.equal(assign_product(left, right), perm)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_a_zoo_member_trained_on_cuda_follows_the_cpu_member(name, tmp_path):
+    """``zoo.train(device="cuda")`` (the paper tier's full budget on a GPU): the seed's member,
+    cached under the same key, its record naming the device, its weights the CPU run's to within
+    the GPU's rounding after a few steps."""
+    from safetensors.torch import load_file
+
+    from hf_lmc.io import zoo
+
+    entry = zoo.ZOO[name].scaled(steps=5, warmup=1)
+    on_cpu = zoo.train(entry, 0, cache=tmp_path / "cpu", progress=False)
+    on_gpu = zoo.train(entry, 0, cache=tmp_path / "gpu", progress=False, device="cuda")
+    assert on_cpu.name == on_gpu.name
+    assert (on_cpu / "zoo.json").read_text().count('"device": "cpu"') == 1
+    assert (on_gpu / "zoo.json").read_text().count('"device": "cuda"') == 1
+    cpu, gpu = load_file(on_cpu / "model.safetensors"), load_file(on_gpu / "model.safetensors")
+    assert cpu.keys() == gpu.keys()
+    for key in cpu:
+        assert relative_error(gpu[key], cpu[key]) < 1e-3, key

@@ -218,3 +218,40 @@ def test_the_paper_tier_stands_beside_the_papers_figures_with_its_goals(tmp_path
     assert "0.34 ± 0.01" in rows["weight"] and "missed (0.20×)" in rows["weight"]
     assert "met (0.015)" in rows["dual"] and "(2)" in rows["dual"]
     assert "1500 of the paper's 20000 steps" in page
+
+
+def test_the_paper_tier_names_the_data_its_pairs_were_trained_on(tmp_path):
+    """Each row names what its pairs read: the data a record's pair names, or for a record made
+    before pairs named it, what the zoo's entries read then (characters; unshifted digits)."""
+    from hf_lmc.io import zoo
+
+    root, results = _copy(tmp_path)
+    record = _suite_record("2026-01-01T00:00:00+00:00", {"paper-vit-a": {"vanilla": 1.0}}, tier="paper")
+    record["pairs"][0] |= {"family": "vit", "data": "MNIST, shifted up to 2 px"}
+    older = _suite_record("2026-01-01T00:00:00+00:00", {"paper-gpt2-a": {"vanilla": 2.0}}, tier="paper")
+    _readme(results, root, record, older)
+    rows = [line for line in tables.results_page(tables.load(results), root).splitlines() if line.startswith("| ")]
+    assert any(row.startswith("| vit (MNIST, shifted up to 2 px; paper: CIFAR-10) | average") for row in rows)
+    assert any(row.startswith("| gpt2 (Shakespeare's plays, by character; paper: Tiny Shakespeare)") for row in rows)
+    plain = {"gpt2": zoo.ZOO["gpt2"], "vit": zoo.ZooEntry("v", "vit", {}, data="mnist")}
+    assert tables.UNNAMED_DATA == {family: zoo.data_text(entry) for family, entry in plain.items()}
+
+
+def test_a_resumed_run_counts_another_machines_figures_where_this_machine_vouches_for_their_commit(tmp_path):
+    """Digests are one kind of machine's arithmetic: a figure made on another kind counts as
+    today's for ``--resume`` only where a record made on this kind at the figure's commit gives
+    today's digests; without one, or at a commit whose digests differ, it is measured again."""
+    other = {"cpu": "cpu-y", "torch": "2.13.0"}
+    theirs = _suite_record(
+        "2026-01-01T00:00:00+00:00", {"p": {"vanilla": 2.0, "dual": 0.1}}, digests={"average": "y", "dual": "y"}
+    ) | {"machine": other}
+    settings = theirs["settings"]
+    today = {"average": "a1", "dual": "d1", "dual-target": "t1"}
+    records = [(tmp_path / "theirs.json", theirs)]
+    assert tables.measured_today(records, settings, today, MACHINE) == set()  # nothing vouches for commit abc here
+    vouch = {"benchmark": "merge_digests", "date": "2026-01-02T00:00:00+00:00", "commit": "abc", "machine": MACHINE}
+    records.append((tmp_path / "vouch.json", vouch | {"digests": today}))
+    assert tables.measured_today(records, settings, today, MACHINE) == {("p", "vanilla"), ("p", "dual")}
+    records[-1] = (tmp_path / "vouch.json", vouch | {"digests": {**today, "dual": "d0"}})  # abc merged otherwise
+    assert tables.measured_today(records, settings, today, MACHINE) == {("p", "vanilla")}
+    assert tables.measured_today(records, settings, {"average": "y"}, other) == {("p", "vanilla")}  # its own kind

@@ -102,6 +102,18 @@ def test_with_vocabulary_changes_the_language_pairs_tokens_alone():
     assert suite.with_vocabulary(pairs["gpt2"], None) is pairs["gpt2"]
 
 
+def test_a_training_cap_changes_the_members_steps_alone():
+    """``--max-steps`` (the paper tier on a CPU) shortens the members' training and keeps the rest
+    of the pair, its seeds above all: the paper tier's are never the seeds defaults were tuned on."""
+    for pair in suite.TIERS["paper"]:
+        capped = suite._capped(pair, 500)
+        assert capped.seeds == pair.seeds and capped.seeds not in ((0, 1),)
+        assert capped.entry.steps == 500 and capped.entry.warmup <= pair.entry.warmup
+        assert dataclasses.replace(capped.entry, steps=pair.entry.steps, warmup=pair.entry.warmup) == pair.entry
+        assert (capped.family, capped.varies) == (pair.family, pair.varies)
+        assert suite._capped(pair, None) is pair and suite._capped(pair, pair.entry.steps) is pair
+
+
 @pytest.mark.parametrize("vocab_size", [None, 1024])
 def test_the_triples_command_measures_the_tiers_triples_with_the_flags_settings(
     vocab_size, monkeypatch, capsys, tmp_path

