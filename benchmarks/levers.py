@@ -93,9 +93,12 @@ def measure(
     *,
     folder: Path = LEVERS,
     cache: Path | None = None,
+    results: Path | None = None,
 ) -> list[Path]:
     """Measure the defaults and every lever of ``levers`` on each pair in turn, writing one record
-    per (pair, setting) under ``folder``; what ``folder`` holds at today's code is skipped."""
+    per (pair, setting) under ``folder``; what ``folder`` and the suite's own records (``results``,
+    by default ``RESULTS``: a tier's run measures the defaults) hold at today's code on this kind
+    of machine is skipped."""
     digests = merge_digests.for_labels(labels)
     here = machine()
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,7 +107,8 @@ def measure(
         for overrides in [{}, *levers]:
             learn, fitting = _split(overrides)
             settings = _settings(pair.entry.name, labels, learn, fitting, tier)
-            done = tables.measured_today(tables.load(folder), settings, digests, here)
+            known = [*tables.load(RESULTS if results is None else results), *tables.load(folder)]
+            done = tables.measured_today(known, settings, digests, here)
             todo = [label for label in labels if (pair.entry.name, label) not in done]
             if not todo:
                 print(f"{pair.entry.name} {tag(overrides)}: recorded at today's code", file=sys.stderr)

@@ -21,7 +21,8 @@ def _stand_in(measured):
             dict.fromkeys(labels, 10.0),
             [],
             runs={
-                label: {"steps_to_final": learn.steps // 2, "seconds_to_final": learn.steps / 10} for label in labels
+                label: {"stopped": "budget", "steps_to_final": learn.steps // 2, "seconds_to_final": learn.steps / 10}
+                for label in labels
             },
         )
 
@@ -72,3 +73,19 @@ def test_levers_run_beside_the_defaults_resume_and_report(monkeypatch, tmp_path)
     ]
     assert rows["the defaults"].split(" | ")[2:4] == ["2", "0.0500 (0.0500)"]
     assert rows["batch_size=16"].split(" | ")[2:5] == ["2", "0.0510 (0.0510)", "+0.0010 (+0.0010)"]
+
+
+def test_the_defaults_a_tiers_run_measured_are_not_measured_again(monkeypatch, tmp_path):
+    """A suite run of the tier at today's code on this kind of machine has measured the defaults:
+    a lever then runs alone beside them."""
+    measured = []
+    monkeypatch.setattr(suite, "measure_pair", _stand_in(measured))
+    monkeypatch.setattr(merge_digests, "digests", lambda scratch, names=None: {n: f"d {n}" for n in names})
+    folder, results = tmp_path / "levers", tmp_path / "results"
+    monkeypatch.setattr(suite.record, "RESULTS", results)
+    monkeypatch.setattr(levers, "RESULTS", results)
+    results.mkdir()
+    suite.main(["--tier", "ci", "--pairs", "ci-gpt2", "--methods", "dual"])  # the tier's own run, a record per pair
+    assert measured == [("ci-gpt2", 1000, ("dual",))]
+    levers.main(["--tier", "ci", "--pairs", "ci-gpt2", "--try", "steps=250", "--folder", str(folder)])
+    assert measured[1:] == [("ci-gpt2", 250, ("dual",))]
