@@ -325,7 +325,7 @@ def _spread(values: Sequence[float]) -> str:
 
 
 def _member_summary(record: dict) -> dict:
-    keys = ("seed", "train_loss", "steps", "best_step", "validation_loss", "stopped", "device")
+    keys = ("seed", "train_loss", "steps", "best_step", "validation_loss", "stopped", "device", "seconds")
     return {k: record[k] for k in keys if k in record}
 
 

@@ -309,6 +309,9 @@ def merged(
                     for gone in [k for k in origin if k[:3] == (place, key, item["name"])]:
                         del origin[gone]
                 kept["data"] = item.get("data") or kept.get("data")
+                members = item.get("members") or []
+                if members and all("seconds" in member for member in members):  # the members' training time
+                    kept["training"] = sum(member["seconds"] for member in members)
                 for values in _figures(kept):
                     values.pop(label, None)
                 kept["barriers"][label] = item["barriers"][label]
@@ -494,18 +497,33 @@ def _unique(sources) -> list[tuple[Path, dict]]:
     return sorted(seen.values(), key=lambda item: item[0].name)
 
 
-def _measuring_time(entry: dict) -> str:
-    """How long the variant's recorded methods took, in all and per pair, and on what machines
-    ("" when no record kept seconds). Training the members is not counted."""
+def _measuring_time(entry: dict, tier: int = 0) -> str:
+    """How long the variant's recorded methods took, in all and per pair, on what machines, and
+    training the members where the records say ("" when no record kept seconds); with ``tier``
+    (the tier's pairs, more than were measured), the whole tier at that pace."""
     items = list(entry["items"].values())
     seconds = [sum(item["seconds"].values()) for item in items if item["seconds"]]
     if not seconds:
         return ""
     machines = sorted({_machine_text(record) for record, _ in entry["sources"].values()})
-    return (
+    training = [item["training"] for item in items if "training" in item]
+    text = (
         f" Measuring took {sum(seconds) / 60:.0f} min in all, {statistics.mean(seconds) / 60:.0f} min per pair on "
-        f"average, on {' and '.join(machines)} (training the members not counted)."
+        f"average, on {' and '.join(machines)}; "
     )
+    if training:
+        text += (
+            f"training a pair's members {statistics.mean(training) / 60:.0f} min on average ({len(training)} pairs)."
+        )
+    else:
+        text += "training the members is not recorded."
+    if tier > len(items):  # a pair of every method: each method's mean over the pairs that have it
+        labels = {label for item in items for label in item["seconds"]}
+        per_pair = sum(
+            statistics.mean(item["seconds"][label] for item in items if label in item["seconds"]) for label in labels
+        ) + (statistics.mean(training) if training else 0)
+        text += f" The whole tier at this pace: about {tier * per_pair / 3600:.1f} h."
+    return text
 
 
 #: How a section's heading and link target name each standing.
@@ -532,7 +550,7 @@ def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> 
         "",
         f"### {prefix}{describe(key)}",
         "",
-        f"{count}; commits {commits_of(entry)}.{_measuring_time(entry)}",
+        f"{count}; commits {commits_of(entry)}.{_measuring_time(entry, len(tier) if of_tier else 0)}",
         "",
         (
             "| family | method | pairs | barrier, mean ± std | worst pair | ratio to average, mean (worst) | seconds per pair "

@@ -255,3 +255,14 @@ def test_a_resumed_run_counts_another_machines_figures_where_this_machine_vouche
     records[-1] = (tmp_path / "vouch.json", vouch | {"digests": {**today, "dual": "d0"}})  # abc merged otherwise
     assert tables.measured_today(records, settings, today, MACHINE) == {("p", "vanilla")}
     assert tables.measured_today(records, settings, {"average": "y"}, other) == {("p", "vanilla")}  # its own kind
+
+
+def test_a_partly_measured_tier_says_what_a_pair_costs_and_what_the_whole_tier_would(tmp_path):
+    """Measuring and training time per pair, as recorded, and the whole tier at that pace."""
+    root, results = _copy(tmp_path)
+    record = _suite_record("2026-01-01T00:00:00+00:00", {"suite-gpt2-b": {"vanilla": 2.0, "dual": 0.1}})
+    record["pairs"][0] |= {"seconds": {"vanilla": 60.0, "dual": 540.0}, "members": [{"seconds": 120}, {"seconds": 180}]}
+    _readme(results, root, record)
+    page = tables.results_page(tables.load(results), root)
+    (line,) = [line for line in page.splitlines() if line.startswith("1 of the tier's 12 pairs")]
+    assert "10 min per pair" in line and "members 5 min" in line and "about 3.0 h" in line

@@ -42,7 +42,8 @@ def test_members_train_from_their_seed_and_are_cached(name, tmp_path, monkeypatc
     assert type(model_a).__name__ == zoo.adapter_for(model_a.config).model_class.__name__
     assert not torch.equal(next(model_a.parameters()), next(model_b.parameters()))  # different seeds
     assert json.loads((a / "zoo.json").read_text())["seed"] == 0 and math.isfinite(zoo.train_loss(a))
-    assert json.loads((a / "zoo.json").read_text())["device"] == "cpu"  # where it trained, in its record
+    trained = json.loads((a / "zoo.json").read_text())
+    assert trained["device"] == "cpu" and trained["seconds"] > 0  # where it trained and how long, in its record
 
     def no_training(*args, **kwargs):
         raise AssertionError("a cached member must not be retrained")

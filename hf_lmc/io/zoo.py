@@ -38,6 +38,7 @@ import lzma
 import math
 import os
 import shutil
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -575,7 +576,7 @@ def train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     model.train()
     bar = progress_bar(range(entry.steps), desc=f"training {entry.name} (seed {seed})", show=progress, leave=False)
-    losses, record = [], {}
+    losses, record, start = [], {}, time.perf_counter()
     best, best_state, best_step, waited = math.inf, None, 0, 0
     for step in bar:
         batch = {k: v.to(device) for k, v in next(batches).items()}
@@ -611,7 +612,14 @@ def train(
             stopped,
         )
     final = sum(losses[-50:]) / len(losses[-50:])
-    summary = {"entry": dataclasses.asdict(entry), "seed": seed, "train_loss": final, "device": device.type, **record}
+    summary = {
+        "entry": dataclasses.asdict(entry),
+        "seed": seed,
+        "train_loss": final,
+        "device": device.type,
+        "seconds": round(time.perf_counter() - start, 2),  # training alone, as the suite's tables count it
+        **record,
+    }
     _save_member(model.to("cpu").eval(), config, entry, folder, summary)
     return folder
 
