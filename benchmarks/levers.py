@@ -128,11 +128,25 @@ def measure(
 
 def report(folder: Path = LEVERS, results: Path = RESULTS) -> list[str]:
     """Every lever recorded under ``folder`` beside the defaults on the pairs both have, per method,
-    from the figures of today's code (newest per pair, method and setting)."""
+    from the figures of today's code (newest per pair, method and setting), one table per kind of
+    machine: a lever is compared only with the defaults measured on the same kind (its arithmetic
+    and its seconds), newest kind first."""
     records = sorted(
         [*tables.load(results), *tables.load(folder)], key=lambda item: (item[1]["date"], item[0].name)
     )  # the defaults the suite itself measured count too
-    by_setting = tables.merged(records)[tables.CURRENT]
+    out: list[str] = []
+    kinds = list(dict.fromkeys(tables._machine_kind(record) for _, record in reversed(records)))
+    for kind in kinds:
+        same = [(path, record) for path, record in records if tables._machine_kind(record) == kind]
+        rows = _table(tables.merged(same)[tables.CURRENT])
+        if len(rows) > 2:
+            newest = same[-1][1]
+            out += [*([""] if out else []), f"On {tables._machine_text(newest)}:", "", *rows]
+    return out
+
+
+def _table(by_setting: dict) -> list[str]:
+    """The rows of one kind of machine's levers (``tables.merged``'s current figures)."""
     rows = [
         (
             "| method | setting | pairs | barrier, mean (worst) | change per pair, mean (worst) | steps to the final "

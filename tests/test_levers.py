@@ -8,6 +8,11 @@ import json
 from benchmarks import levers, merge_digests, suite
 
 
+def _rows(report: list[str]) -> list[str]:
+    """The table rows of a report, without headings and header lines."""
+    return [line for line in report if line.startswith("| ") and not line.startswith(("| method", "|---"))]
+
+
 def _stand_in(measured):
     def measure_pair(pair, labels, *, learn, fitting, **_):
         measured.append((pair.entry.name, learn.steps, tuple(labels)))
@@ -62,7 +67,7 @@ def test_levers_run_beside_the_defaults_resume_and_report(monkeypatch, tmp_path)
     assert sorted(one["settings"]["fitting"]["batch_size"] for one in saved) == [16, 16, 32, 32, 32, 32]
     levers.main(argv)
     assert len(measured) == 6  # recorded at today's code: nothing measured again
-    rows = {line.split(" | ")[1]: line.rstrip(" |") for line in levers.report(folder, results)[2:]}
+    rows = {line.split(" | ")[1]: line.rstrip(" |") for line in _rows(levers.report(folder, results))}
     assert rows["steps=250"].split(" | ")[2:8] == [
         "2",
         "0.0700 (0.0700)",
@@ -89,3 +94,24 @@ def test_the_defaults_a_tiers_run_measured_are_not_measured_again(monkeypatch, t
     assert measured == [("ci-gpt2", 1000, ("dual",))]
     levers.main(["--tier", "ci", "--pairs", "ci-gpt2", "--try", "steps=250", "--folder", str(folder)])
     assert measured[1:] == [("ci-gpt2", 250, ("dual",))]
+
+
+def test_a_lever_is_compared_only_with_the_defaults_measured_on_its_kind_of_machine(monkeypatch, tmp_path):
+    """Digests and seconds are one kind of machine's: the report makes a table per kind, and a
+    lever measured on one kind is not set beside the defaults measured on another."""
+    measured = []
+    monkeypatch.setattr(suite, "measure_pair", _stand_in(measured))
+    monkeypatch.setattr(merge_digests, "digests", lambda scratch, names=None: {n: f"d {n}" for n in names})
+    folder, results = tmp_path / "levers", tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(levers, "RESULTS", results)
+    levers.main(["--tier", "ci", "--pairs", "ci-gpt2", "--try", "steps=250", "--folder", str(folder)])
+    for path in folder.glob("*steps=250.json"):  # the lever as if measured on another processor
+        saved = json.loads(path.read_text())
+        saved["machine"] = {**saved["machine"], "cpu": "another processor"}
+        path.write_text(json.dumps(saved))
+    report = levers.report(folder, results)
+    assert sum(line.startswith("On ") for line in report) == 2
+    rows = _rows(report)
+    assert [row.split(" | ")[1] for row in rows] == ["steps=250", "the defaults"]  # the newest kind first
+    assert rows[0].split(" | ")[4] == "—"  # no defaults on its kind: no change to show
