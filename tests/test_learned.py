@@ -1626,3 +1626,33 @@ def test_the_default_seed_gives_one_merge_whatever_ran_before():
         torch.rand(7)  # whatever the process drew before
         runs.append(transform_tensors(TrainedMatcher(DualMatcher, batches, learn=learn, progress=False).fit(models)[1]))
     assert runs[0].keys() == runs[1].keys() and all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_several_draws_per_step_give_each_share_of_the_batch_its_own_weight():
+    """``draws=k``: the step's loss is the mean over k shares of the batch's rows, each at its
+    own drawn weight (the path built once), weighted by the share's rows; one draw is the
+    single-weight loss, and a weight given by the caller overrides the draws."""
+    config = tiny_configs()["gpt2"]
+    model_a, model_b = (
+        build_model(config, seed=1, dtype=torch.float64),
+        build_model(config, seed=2, dtype=torch.float64),
+    )
+    batch = sample_inputs(config, batch=5, dtype=torch.float64)
+    batch = {"input_ids": batch["input_ids"]}
+    matcher = DualMatcher(model_a, model_b, objective="labels", draws=3, worst_fraction=0.0, dtype=torch.float64)
+    torch.manual_seed(0)
+    alphas = [matcher.sample_lambda() for _ in range(3)]
+    shares = batch["input_ids"].tensor_split(3)  # rows 2, 2, 1
+    with torch.no_grad():
+        expected = sum(matcher({"input_ids": rows}, alpha=alpha) * len(rows) / 5 for rows, alpha in zip(shares, alphas))
+        torch.manual_seed(0)
+        assert matcher(batch).item() == pytest.approx(expected.item(), rel=1e-12)
+        assert len({round(float(alpha), 6) for alpha in alphas}) == 3
+        given = matcher(batch, alpha=0.5).item()
+        matcher.draws = 1
+        assert given == pytest.approx(matcher(batch, alpha=0.5).item(), rel=1e-12)  # the caller's weight, whole batch
+        torch.manual_seed(0)
+        single = matcher(batch).item()
+        torch.manual_seed(0)
+        assert single == pytest.approx(matcher(batch, alpha=matcher.sample_lambda()).item(), rel=1e-12)
+        assert abs(single - expected.item()) > 1e-9  # three weights are not one

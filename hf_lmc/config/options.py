@@ -311,6 +311,12 @@ class LearnOptions(Options):
         description="two models: share of the weights drawn near the path's current worst point instead, re-located every "
         f"{LOCATE_EVERY} steps (0: all from lambda_range)",
     )
+    draws: int = Field(
+        1,
+        ge=1,
+        description="two models: interpolation weights drawn per step, each on its share of the batch's sequences (images): "
+        "more draws cover the path with the same tokens, at one interpolated build per draw",
+    )
     focus: Literal["worst", "excess"] = Field(
         "worst",
         description="two models: those draws go near the single worst grid point, or near every point above the line in "
@@ -379,6 +385,7 @@ PATH_FIELDS = frozenset(
         "objective",
         "lambda_range",
         "worst_fraction",
+        "draws",
         "focus",
         "input_noise",
         "concentration",

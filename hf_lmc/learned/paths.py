@@ -295,7 +295,7 @@ class PairPath(TrainedPath):
         super().__init__()
         learn = self._set_options(options, overrides)
         init_device = launch_device(init_device)
-        self.worst_fraction, self.focus = float(learn.worst_fraction), learn.focus
+        self.worst_fraction, self.focus, self.draws = float(learn.worst_fraction), learn.focus, learn.draws
         if not isinstance(init, Transform) and init not in INITS:
             raise ValueError(f"unknown init {init!r}; choose from {INITS} or pass B's starting Transform")
         low, high = learn.lambda_range
@@ -391,9 +391,20 @@ class PairPath(TrainedPath):
         return float(self.worst_alpha)
 
     def forward(self, batch: dict[str, Tensor], alpha: float | Tensor | None = None) -> Tensor:
-        """The interpolated model's loss on ``batch`` at ``alpha`` (sampled when ``None``)."""
-        alpha = self.sample_lambda() if alpha is None else alpha
-        return self._point_loss(batch, self._path(), (1 - alpha, alpha))
+        """The interpolated model's loss on ``batch`` at ``alpha``; when ``None``, sampled, and with
+        ``draws`` above 1 one weight per share of the batch's rows, the shares' losses averaged in
+        proportion to their rows."""
+        if alpha is not None or self.draws == 1:
+            alpha = self.sample_lambda() if alpha is None else alpha
+            return self._point_loss(batch, self._path(), (1 - alpha, alpha))
+        transforms = self._path()  # built once, read by every draw
+        rows = len(next(iter(batch.values())))
+        shares = {key: value.tensor_split(min(self.draws, rows)) for key, value in batch.items()}
+        total = 0.0
+        for values in zip(*shares.values()):
+            alpha, part = self.sample_lambda(), dict(zip(shares, values))
+            total = total + self._point_loss(part, transforms, (1 - alpha, alpha)) * (len(values[0]) / rows)
+        return total
 
     def _path(self) -> tuple[Transform | None, Transform]:
         """What the loss moves A and B by (``None``: A stays).
