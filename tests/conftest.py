@@ -22,3 +22,14 @@ if os.environ.get("CI"):
 @pytest.fixture(autouse=True)
 def cpu_accelerator(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+
+
+@pytest.fixture(autouse=True)
+def unsilenced(monkeypatch):
+    """Each test starts with progress and announcements on, whatever the shell running the suite
+    sets (``TQDM_DISABLE=1`` there once hid the line ``explain`` prints before its passes); a test
+    of silencing sets the variables itself."""
+    from hf_lmc.utils.progress import SILENCING
+
+    for name in SILENCING:
+        monkeypatch.delenv(name, raising=False)
