@@ -93,12 +93,11 @@ def measure(
     *,
     folder: Path = LEVERS,
     cache: Path | None = None,
-    results: Path | None = None,
 ) -> list[Path]:
     """Measure the defaults and every lever of ``levers`` on each pair in turn, writing one record
-    per (pair, setting) under ``folder``; what ``folder`` and the suite's own records (``results``,
-    by default ``RESULTS``: a tier's run measures the defaults) hold at today's code on this kind
-    of machine is skipped."""
+    per (pair, setting) under ``folder``; what ``folder`` and the suite's own records (``RESULTS``:
+    a tier's run measures the defaults) hold at today's code on this kind of machine is skipped."""
+    suite_records = tables.load(RESULTS)  # read once: a lever run writes only under folder
     digests = merge_digests.for_labels(labels)
     here = machine()
     folder.mkdir(parents=True, exist_ok=True)
@@ -107,8 +106,7 @@ def measure(
         for overrides in [{}, *levers]:
             learn, fitting = _split(overrides)
             settings = _settings(pair.entry.name, labels, learn, fitting, tier)
-            known = [*tables.load(RESULTS if results is None else results), *tables.load(folder)]
-            done = tables.measured_today(known, settings, digests, here)
+            done = tables.measured_today([*suite_records, *tables.load(folder)], settings, digests, here)
             todo = [label for label in labels if (pair.entry.name, label) not in done]
             if not todo:
                 print(f"{pair.entry.name} {tag(overrides)}: recorded at today's code", file=sys.stderr)

@@ -249,7 +249,7 @@ def measured_today(
         if _machine_kind(record) == kind:
             own = _own_digests(record, at_commit)
         else:  # its code, as this kind of machine's digests at its commit tell
-            own = at_commit.get((kind, record.get("commit")), {}) if _clean(record.get("commit")) else {}
+            own = at_commit.get((kind, record.get("commit")), {})  # it holds clean commits alone
         done |= {
             (item["name"], label)
             for item in record["pairs"]

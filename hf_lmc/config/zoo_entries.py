@@ -38,17 +38,12 @@ class ZooEntry:
         config = {**self.config, **changes.pop("config", {})}
         return dataclasses.replace(self, config=config, **changes)
 
-    def settings(self) -> dict:
-        """Everything that determines a member but its seed, as its key holds it: fields added
-        later only when set, so that older caches and shipped members keep their keys."""
+    def key(self, seed: int) -> str:
         settings = dataclasses.asdict(self)
-        for name in _LATER_FIELDS:
+        for name in _LATER_FIELDS:  # fields added later enter the key only when set, so older caches stay valid
             if settings[name] == _FIELD_DEFAULTS[name]:
                 del settings[name]
-        return settings
-
-    def key(self, seed: int) -> str:
-        blob = json.dumps([self.settings(), seed, DATA_VERSION], sort_keys=True)
+        blob = json.dumps([settings, seed, DATA_VERSION], sort_keys=True)
         return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}-seed{seed}"
 
 
