@@ -10,6 +10,8 @@ import os
 import pytest
 from hypothesis import settings
 
+from hf_lmc.utils.progress import SILENCING
+
 # CI draws the same examples on every run (Hypothesis's advice for CI): a red CI is then a
 # regression, reproducible, not a fresh draw. Local runs keep drawing new examples, which is how
 # ill-conditioned corners are found: so far a GPT-2 of width 2 (its centred stream is one-
@@ -29,7 +31,5 @@ def unsilenced(monkeypatch):
     """Each test starts with progress and announcements on, whatever the shell running the suite
     sets (``TQDM_DISABLE=1`` there once hid the line ``explain`` prints before its passes); a test
     of silencing sets the variables itself."""
-    from hf_lmc.utils.progress import SILENCING
-
     for name in SILENCING:
         monkeypatch.delenv(name, raising=False)

@@ -16,10 +16,12 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from safetensors.torch import load_file
 
 import hf_lmc
 from hf_lmc import DualMatcher
 from hf_lmc.canonical.exactness import float64_rmsnorm, tiny_configs
+from hf_lmc.io import zoo
 from hf_lmc.matching.solvers import assign_product
 from hf_lmc.merging.pipeline import merge, merge_models
 from tests.models import (
@@ -213,10 +215,6 @@ def test_a_zoo_member_trained_on_cuda_follows_the_cpu_member(name, tmp_path):
     """``zoo.train(device="cuda")`` (the paper tier's full budget on a GPU): the seed's member,
     cached under the same key, its record naming the device, its weights the CPU run's to within
     the GPU's rounding after a few steps."""
-    from safetensors.torch import load_file
-
-    from hf_lmc.io import zoo
-
     entry = zoo.ZOO[name].scaled(steps=5, warmup=1)
     on_cpu = zoo.train(entry, 0, cache=tmp_path / "cpu", progress=False)
     on_gpu = zoo.train(entry, 0, cache=tmp_path / "gpu", progress=False, device="cuda")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from benchmarks import tables
 from hf_lmc.config.options import LearnOptions
+from hf_lmc.io import zoo
 
 ROOT = Path(__file__).parent.parent
 
@@ -223,8 +224,6 @@ def test_the_paper_tier_stands_beside_the_papers_figures_with_its_goals(tmp_path
 def test_the_paper_tier_names_the_data_its_pairs_were_trained_on(tmp_path):
     """Each row names what its pairs read: the data a record's pair names, or for a record made
     before pairs named it, what the zoo's entries read then (characters; unshifted digits)."""
-    from hf_lmc.io import zoo
-
     root, results = _copy(tmp_path)
     record = _suite_record("2026-01-01T00:00:00+00:00", {"paper-vit-a": {"vanilla": 1.0}}, tier="paper")
     record["pairs"][0] |= {"family": "vit", "data": "MNIST, shifted up to 2 px"}
