@@ -15,6 +15,7 @@ the defaults' (comparable only between runs made side by side on a quiet machine
 decisions that cite them (docs/decisions.md); the results tables do not show them.
 
     python -m benchmarks.levers --pairs suite-gpt2-a suite-gpt2-c --methods dual --try steps=250 "steps=250 lr=0.03"
+    python -m benchmarks.levers --pairs suite-gpt2-a --again --try target_cache=0   # a speed-only change, side by side
     python -m benchmarks.levers --report
 """
 
@@ -93,10 +94,14 @@ def measure(
     *,
     folder: Path = LEVERS,
     cache: Path | None = None,
+    again: bool = False,
 ) -> list[Path]:
     """Measure the defaults and every lever of ``levers`` on each pair in turn, writing one record
     per (pair, setting) under ``folder``; what ``folder`` and the suite's own records (``RESULTS``:
-    a tier's run measures the defaults) hold at today's code on this kind of machine is skipped."""
+    a tier's run measures the defaults) hold at today's code on this kind of machine is skipped,
+    except, with ``again``, the defaults: a change that leaves the merges alone (their digests)
+    and not their time is measured beside the settings it is compared with (the newest record
+    of a setting is the one reported)."""
     suite_records = tables.load(RESULTS)  # read once: a lever run writes only under folder
     digests = merge_digests.for_labels(labels)
     here = machine()
@@ -107,7 +112,7 @@ def measure(
             learn, fitting = _split(overrides)
             settings = _settings(pair.entry.name, labels, learn, fitting, tier)
             done = tables.measured_today([*suite_records, *tables.load(folder)], settings, digests, here)
-            todo = [label for label in labels if (pair.entry.name, label) not in done]
+            todo = [label for label in labels if (pair.entry.name, label) not in done or (again and not overrides)]
             if not todo:
                 print(f"{pair.entry.name} {tag(overrides)}: recorded at today's code", file=sys.stderr)
                 continue
@@ -218,6 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cache", type=Path, default=None, help="zoo cache folder")
     parser.add_argument("--folder", type=Path, default=LEVERS, help=f"the records' folder (default: {LEVERS})")
+    parser.add_argument(
+        "--again",
+        action="store_true",
+        help="measure the defaults even where recorded at today's code (a change of speed that leaves the merges alone)",
+    )
     parser.add_argument("--report", action="store_true", help="print the table of the recorded levers and stop")
     args = parser.parse_args(argv)
     if not args.report:
@@ -226,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             suite.tier_pairs(args.tier, suite.FAMILIES, args.pairs)
         except ValueError as err:
             parser.error(str(err))
-        measure(args.tier, args.pairs, args.methods, levers, folder=args.folder, cache=args.cache)
+        measure(args.tier, args.pairs, args.methods, levers, folder=args.folder, cache=args.cache, again=args.again)
     print("\n".join(report(args.folder, RESULTS)))
     return 0
 

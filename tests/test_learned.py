@@ -1656,3 +1656,79 @@ def test_several_draws_per_step_give_each_share_of_the_batch_its_own_weight():
         torch.manual_seed(0)
         assert single == pytest.approx(matcher(batch, alpha=matcher.sample_lambda()).item(), rel=1e-12)
         assert abs(single - expected.item()) > 1e-9  # three weights are not one
+
+
+def _counted_endpoints(path) -> dict[str, int]:
+    """Count the path's endpoint forwards (features for a causal LM, outputs otherwise)."""
+    counts = {"runs": 0}
+    interpolant = path.interpolant
+    for name in ("endpoint_features", "endpoint"):
+        original = getattr(interpolant, name)
+
+        def counted(*args, original=original, **kwargs):
+            counts["runs"] += 1
+            return original(*args, **kwargs)
+
+        setattr(interpolant, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "vit"])
+def test_kept_endpoint_outputs_give_the_same_merge_and_run_the_endpoints_once_per_batch(arch):
+    """The endpoints' outputs on each fitting batch (the ensemble targets) and their losses on
+    the held-out batches are kept from the first time they are computed: a run passing three
+    times over its batches gives the same losses, estimates and transforms, bit for bit, as one
+    that recomputes them, with the endpoints run once per batch instead of at every use."""
+    config = tiny_configs()[arch]
+    models = [build_model(config, seed=s) for s in (1, 2)]
+    batches = []
+    for seed in range(5):  # 4 training batches, the last held out
+        batch = sample_inputs(config, seed=seed, batch=2)
+        if arch == "vit":
+            batch["labels"] = torch.randint(0, config.num_labels, (2,), generator=torch.Generator().manual_seed(seed))
+        batches.append(batch)
+    runs = {}
+    for budget in (0, "1GiB"):
+        torch.manual_seed(0)
+        path = DualMatcher(*models, init="identity")
+        counts = _counted_endpoints(path)
+        losses = path.fit(batches, steps=12, locate_every=4, target_barrier=0.0, target_cache=budget, progress=False)
+        estimates = [estimate for _, _, estimate in path.stopping.curve]
+        tensors = {k: v.detach().clone() for k, v in path.state_dict().items()}
+        runs[budget] = (losses, estimates, tensors, counts["runs"], path.targets)
+    (losses, estimates, tensors, plain_runs, _), (kept_losses, kept_estimates, kept_tensors, kept_runs, left) = (
+        runs.values()
+    )
+    assert kept_losses == losses and kept_estimates == estimates
+    assert tensors.keys() == kept_tensors.keys() and all(torch.equal(tensors[k], kept_tensors[k]) for k in tensors)
+    estimated = len(estimates)  # before the first step and every 4 steps: 0, 4, 8, 12
+    assert plain_runs == 2 * 12 + 2 * estimated  # two endpoints a step, two an estimate of the held-out batch
+    assert kept_runs == 2 * 4 + 2  # once per training batch, once for the held-out batch
+    assert left is None  # freed with the run
+
+
+def test_a_target_cache_keeps_what_fits_its_budget_and_nothing_under_input_noise():
+    """Past the budget, outputs are computed and not kept; with input noise (fresh inputs every
+    step) nothing is kept at all; the setting reads as a size, 0 included."""
+    from hf_lmc.config.options import LearnOptions
+    from hf_lmc.learned.targets import TargetCache
+
+    cache = TargetCache(100)
+    cache.batch = 0
+    values = [cache.get(cache.step_key(part), lambda: torch.zeros(10), lambda t: t.numel() * 4) for part in (0, 1, 0)]
+    assert cache.used == 40 * 2 and (cache.hits, cache.misses) == (1, 2)
+    assert values[2] is values[0]
+    cache.get(cache.step_key(2), lambda: torch.zeros(10), lambda t: t.numel() * 4)  # 120 > 100: not kept
+    assert cache.used == 80 and cache.get(cache.step_key(2), lambda: torch.ones(1), lambda t: 4).item() == 1
+    cache.batch = None
+    assert cache.step_key(0) is None
+
+    config = tiny_configs()["vit"]
+    models = [build_model(config, seed=s) for s in (1, 2)]
+    assert DualMatcher(*models, init="identity").reuses_targets
+    assert not DualMatcher(*models, init="identity", input_noise=0.1).reuses_targets
+    assert LearnOptions(target_cache=0).target_cache_bytes == 0
+    assert LearnOptions(target_cache="2MiB").target_cache_bytes == 2 * 2**20
+    for bad in ("-1", "5B", "lots"):
+        with pytest.raises(ValueError, match="target cache"):
+            LearnOptions(target_cache=bad)

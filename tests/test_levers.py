@@ -96,6 +96,33 @@ def test_the_defaults_a_tiers_run_measured_are_not_measured_again(monkeypatch, t
     assert measured[1:] == [("ci-gpt2", 250, ("dual",))]
 
 
+def test_again_measures_the_defaults_beside_a_speed_only_change_and_reports_the_newest(monkeypatch, tmp_path):
+    """A change that leaves the merges (their digests) alone keeps its old records current; with
+    ``--again`` the defaults are measured anew beside the lever, and the report compares the
+    lever with that newest measurement."""
+    measured = []
+    stand_in = _stand_in(measured)
+
+    def measure_pair(pair, labels, *, learn, fitting, **kwargs):
+        result = stand_in(pair, labels, learn=learn, fitting=fitting, **kwargs)
+        for run in result.runs.values():
+            run["seconds_to_final"] = 10.0 * len(measured)  # later runs slower: the newest is visible
+        return result
+
+    monkeypatch.setattr(suite, "measure_pair", measure_pair)
+    monkeypatch.setattr(merge_digests, "digests", lambda scratch, names=None: {n: f"d {n}" for n in names})
+    folder, results = tmp_path / "levers", tmp_path / "results"
+    results.mkdir()
+    monkeypatch.setattr(levers, "RESULTS", results)
+    base = ["--tier", "ci", "--pairs", "ci-gpt2", "--folder", str(folder)]
+    levers.main([*base, "--try", "steps=250"])
+    levers.main([*base, "--again", "--try", "steps=250", "target_cache=0"])
+    assert [(steps, len(labels)) for _, steps, labels in measured] == [(1000, 1), (250, 1), (1000, 1), (1000, 1)]
+    rows = {line.split(" | ")[1]: line.rstrip(" |").split(" | ") for line in _rows(levers.report(folder, results))}
+    assert rows["the defaults"][6] == "30"  # the third run's, not the first's
+    assert rows["target_cache=0"][6] == "40" and rows["target_cache=0"][7] == "1.33 (1.33)"
+
+
 def test_a_lever_is_compared_only_with_the_defaults_measured_on_its_kind_of_machine(monkeypatch, tmp_path):
     """Digests and seconds are one kind of machine's: the report makes a table per kind, and a
     lever measured on one kind is not set beside the defaults measured on another."""

@@ -202,21 +202,22 @@ def check_orthogonal(orthogonal: str, frame: str = "own") -> None:
         )
 
 
-def parse_size(size: str | int) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes, as bytes."""
-    if isinstance(size, int):
+def parse_size(size: str | int, what: str = "shard size", zero: bool = False) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a number of bytes, as bytes (``what`` names the
+    setting in errors; ``zero``: 0 is allowed)."""
+    if isinstance(size, int) and not isinstance(size, bool):
         value = size
     else:
         m = _SIZE.fullmatch(str(size).upper())
         if not m:
-            raise ValueError(f"cannot read shard size {size!r}; use e.g. 5GB, 500MB or a number of bytes")
+            raise ValueError(f"cannot read {what} {size!r}; use e.g. 5GB, 500MB or a number of bytes")
         if m.group(2) == "B":  # mergekit reads 5B as five billion parameters; here it would be five bytes
             raise ValueError(
-                f"shard size {size!r} would be {m.group(1)} bytes; write the unit, e.g. {m.group(1)}GB, or a bare number of bytes"
+                f"{what} {size!r} would be {m.group(1)} bytes; write the unit, e.g. {m.group(1)}GB, or a bare number of bytes"
             )
         value = int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
-    if value <= 0:
-        raise ValueError(f"shard size must be positive, got {size!r}")
+    if value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{what} must be {'at least 0' if zero else 'positive'}, got {size!r}")
     return value
 
 
@@ -333,11 +334,28 @@ class LearnOptions(Options):
         description="three or more models: the weights of each step are drawn from Dirichlet(concentration * 1): 1 is uniform over "
         "the simplex, below 1 favours its vertices and edges, above 1 its centre",
     )
+    target_cache: Annotated[str | int, Flag(metavar="SIZE")] = Field(
+        "1GiB",
+        description="memory for the endpoints' outputs on the fitting batches (the ensemble objective's targets, the held-out "
+        "losses of the barrier estimates), kept so that later passes over the data do not run the endpoints again: the "
+        "same merge, sooner; 0 runs them at every use",
+    )
     seed: int | None = Field(
         DEFAULT_SEED,
         description="seed of the training draws (interpolation weights, input noise): the same seed, data and settings give the "
         "same merge, whatever ran before in the process (None: torch's RNG as it stands)",
     )
+
+    @field_validator("target_cache")
+    @classmethod
+    def _target_cache(cls, value):
+        parse_size(value, "target cache", zero=True)
+        return value
+
+    @property
+    def target_cache_bytes(self) -> int:
+        """``target_cache`` in bytes."""
+        return parse_size(self.target_cache, "target cache", zero=True)
 
     @property
     def warmup_steps(self) -> int:

@@ -198,6 +198,9 @@ class Interpolant(nn.Module):
             config.tie_word_embeddings = False
         sharding = sharding_of(shard)
         mesh = shard_mesh(sharding)
+        #: Whether evaluating a point (an endpoint alone included) is a collective of the
+        #: launch's processes: endpoints sharded across them, or groups built shared.
+        self.distributed = sharding is not None
         store_mesh = mesh if sharding is not None and sharding.layers else None
         self.endpoints = [
             EndpointStore(m, store_mesh, sharding) for m in (CanonicalModel(a.spec, config, a.load_group), b, *more)

@@ -37,6 +37,7 @@ from hf_lmc.evaluation.grids import alpha_grid, excess_over_line
 from hf_lmc.evaluation.head_loss import mixture_loss, next_token_loss
 from hf_lmc.learned.endpoints import EndpointSharding, sharding_of
 from hf_lmc.learned.interpolant import Interpolant
+from hf_lmc.learned.targets import TargetCache, tensor_bytes
 from hf_lmc.learned.trainable import TrainableTransform
 from hf_lmc.learned.training import train
 from hf_lmc.matching.universe import UniverseMatcher
@@ -59,6 +60,9 @@ class TrainedPath(nn.Module):
     label: str  # the progress bar's name for this path; each concrete path sets it
     seeks_worst = False  # whether fit() re-locates the path's worst point (see PairPath)
     input_noise = 0.0  # std of the Gaussian noise on pixel_values in training mode (see PairPath)
+    #: The endpoints' outputs kept between passes over the fitting data (set by the training
+    #: loop where :attr:`reuses_targets`; ``None``: the endpoints run at every use).
+    targets: TargetCache | None = None
 
     def _set_options(self, options: LearnOptions | None, overrides: dict) -> LearnOptions:
         """Set (and return) :attr:`learn`: ``options`` with ``overrides`` (LearnOptions fields),
@@ -76,6 +80,14 @@ class TrainedPath(nn.Module):
                 "use input_noise=0"
             )
 
+    @property
+    def reuses_targets(self) -> bool:
+        """Whether the endpoints' outputs on a batch can be kept and read again
+        (:mod:`hf_lmc.learned.targets`): not where input noise redraws the inputs in training
+        mode, nor where the endpoints' forwards are collectives (sharded or shared endpoints),
+        which every process must run in step."""
+        return not self.input_noise and not self.interpolant.distributed
+
     def _perturbed(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """``batch`` with fresh Gaussian noise of std ``input_noise`` on its ``pixel_values``, in
         training mode (as dropout is); unchanged otherwise."""
@@ -86,7 +98,7 @@ class TrainedPath(nn.Module):
             raise ValueError(f"input_noise perturbs pixel_values, and this batch has none (keys: {', '.join(batch)})")
         return {**batch, "pixel_values": pixels + self.input_noise * torch.randn_like(pixels)}
 
-    def _point_loss(self, batch: dict[str, Tensor], transforms, weights) -> Tensor:
+    def _point_loss(self, batch: dict[str, Tensor], transforms, weights, part: int = 0) -> Tensor:
         """The loss of the point ``sum_k w_k T_k(theta_k)`` on ``batch``, per ``self.objective``.
 
         ``"ensemble"``: the cross-entropy of the point's predictions to ``sum_k w_k p_k``, the
@@ -98,6 +110,8 @@ class TrainedPath(nn.Module):
 
         A causal LM's head is applied a slice of positions at a time under either objective
         (:mod:`~hf_lmc.evaluation.head_loss`), so no step holds its tokens x vocabulary logits.
+        The endpoints' outputs on ``part`` of the step's batch are read from :attr:`targets`
+        where it holds them (:mod:`hf_lmc.learned.targets`).
         """
         batch = self._perturbed(batch)
         if self.objective == "labels":
@@ -105,20 +119,35 @@ class TrainedPath(nn.Module):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         mask = inputs.get("attention_mask")
         if self.interpolant.has_vocabulary_head:
-            with torch.no_grad():
-                endpoints = [self.interpolant.endpoint_features(k, **inputs) for k in range(len(weights))]
+            endpoints = self._endpoint_outputs(inputs, len(weights), part, features=True)
             hidden, head = self.interpolant.features_at(transforms, weights, **inputs)
             return mixture_loss(hidden, head, endpoints, weights, mask)
-        with torch.no_grad():
-            target = sum(
-                w * _wide(self.interpolant.endpoint(k, **inputs).logits).softmax(-1) for k, w in enumerate(weights)
-            )
+        logits = self._endpoint_outputs(inputs, len(weights), part, features=False)
+        target = sum(w * z.softmax(-1) for z, w in zip(logits, weights))
         log_probs = _wide(self.interpolant.at(transforms, weights, **inputs).logits).log_softmax(-1)
         per_position = -(target * log_probs).sum(-1)
         if mask is None or per_position.dim() != mask.dim():
             return per_position.mean()
         mask = mask.to(per_position.dtype)
         return (per_position * mask).sum() / mask.sum()
+
+    @torch.no_grad()
+    def _endpoint_outputs(self, inputs: dict[str, Tensor], count: int, part: int, features: bool) -> list:
+        """Every endpoint's output on ``inputs``, part ``part`` of the step's batch: its
+        ``(hidden, head)`` (``features``) or its logits in at least float32; kept in
+        :attr:`targets` where the path reuses them (the head is the endpoint's own tensor, not
+        counted against the budget)."""
+
+        def compute() -> list:
+            if features:
+                return [self.interpolant.endpoint_features(k, **inputs) for k in range(count)]
+            return [_wide(self.interpolant.endpoint(k, **inputs).logits) for k in range(count)]
+
+        key = None if self.targets is None or not self.reuses_targets else self.targets.step_key(part)
+        if key is None:
+            return compute()
+        size = (lambda outs: tensor_bytes(*(h for h, _ in outs))) if features else (lambda outs: tensor_bytes(*outs))
+        return self.targets.get(key, compute, size)
 
     def _labels_loss(
         self, batch: dict[str, Tensor], transforms=None, weights=None, endpoint: int | None = None
@@ -357,19 +386,25 @@ class PairPath(TrainedPath):
         return self._focus_read[1:]
 
     @torch.no_grad()
-    def locate_worst(self, batches: Iterable[dict[str, Tensor]]) -> float:
+    def locate_worst(self, batches: Iterable[dict[str, Tensor]], held_out: bool = False) -> float:
         """Set (and return) :attr:`worst_alpha`: the interior alpha of the evaluation grid where the
         path's loss on ``batches`` (labels, whatever the training objective) stands highest above
         the line between the endpoints' losses (each point's excess goes to :attr:`grid_excess`,
         which ``focus="excess"`` draws from). Under ``torch.distributed`` the losses are
         averaged over the processes first, so every process draws near the same point; call it
-        on every process."""
+        on every process. ``held_out``: ``batches`` are the run's held-out batches, the same at
+        every call, whose endpoint losses :attr:`targets` keeps."""
         transforms = self._path()
         losses = torch.zeros(len(WORST_GRID), dtype=torch.float64)
         count = 0
-        for batch in batches:
+        kept = held_out and self.targets is not None and self.reuses_targets
+        for index, batch in enumerate(batches):
             inputs = self._perturbed(batch)
-            ends = [self._labels_loss(inputs, endpoint=k) for k in (0, 1)]
+
+            def ends_of(inputs=inputs) -> list[Tensor]:
+                return [self._labels_loss(inputs, endpoint=k) for k in (0, 1)]
+
+            ends = self.targets.get(("held-out", index), ends_of, lambda e: tensor_bytes(*e)) if kept else ends_of()
             inner = [self._labels_loss(inputs, transforms, (1 - alpha, alpha)) for alpha in WORST_GRID[1:-1]]
             losses += torch.stack([ends[0], *inner, ends[1]]).double().cpu()
             count += 1
@@ -401,9 +436,9 @@ class PairPath(TrainedPath):
         rows = len(next(iter(batch.values())))
         shares = {key: value.tensor_split(min(self.draws, rows)) for key, value in batch.items()}
         total = 0.0
-        for values in zip(*shares.values()):
+        for index, values in enumerate(zip(*shares.values())):
             alpha, part = self.sample_lambda(), dict(zip(shares, values))
-            total = total + self._point_loss(part, transforms, (1 - alpha, alpha)) * (len(values[0]) / rows)
+            total = total + self._point_loss(part, transforms, (1 - alpha, alpha), index) * (len(values[0]) / rows)
         return total
 
     def _path(self) -> tuple[Transform | None, Transform]:

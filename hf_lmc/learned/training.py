@@ -41,6 +41,7 @@ from hf_lmc.config.options import (
 from hf_lmc.learned.endpoints import EndpointSharding
 from hf_lmc.learned.params import OrthogonalParam
 from hf_lmc.learned.state import TrainingState, check_folder
+from hf_lmc.learned.targets import TargetCache
 from hf_lmc.learned.trainable import TrainableTransform
 from hf_lmc.matching.universe import UniverseMatcher
 from hf_lmc.symmetry import Transform
@@ -125,8 +126,12 @@ def train(
         if holdout != SPLIT:
             raise ValueError(f"holdout is a list of batches, None or {SPLIT!r}, got {holdout!r}")
         batches, holdout = holdout_for(path, batches, learn)
-    with seeded(learn.seed):
-        return _train(path, batches, learn, accelerate, accelerator, holdout, locate_every, progress, callback)
+    try:
+        with seeded(learn.seed):
+            return _train(path, batches, learn, accelerate, accelerator, holdout, locate_every, progress, callback)
+    finally:
+        if getattr(path, "targets", None) is not None:
+            path.targets = None  # the endpoints' outputs kept for the run are freed with it
 
 
 def training_options(
@@ -215,7 +220,12 @@ def _train(
     stream = _passes(batches)
     recent = collections.deque(maxlen=2)  # where the worst point is located
     for _ in range(start):  # replay the data order up to where the saved run stopped
-        recent.append(next(stream))
+        recent.append(next(stream)[1])
+    # The endpoints' outputs on the fitting batches, kept between passes (hf_lmc.learned.targets);
+    # only list batches have a place a batch is known by from one pass to the next.
+    targets = None
+    if learn.target_cache_bytes and getattr(path, "reuses_targets", False):
+        targets = path.targets = TargetCache(learn.target_cache_bytes)
     losses = []  # on the device, read once at the end
     watch = holdout is not None and hasattr(path, "locate_worst")
     stopping = path.stopping = Stopping(
@@ -237,8 +247,11 @@ def _train(
     bar = progress_bar(range(start, steps), desc=path.label, show=progress and accelerator.is_local_main_process)
     timing = _StepTiming.of(path, accelerator)
     for step in bar:
-        recent.append(next(stream))
-        batch = {k: v.to(accelerator.device) for k, v in recent[-1].items()}
+        index, raw = next(stream)
+        recent.append(raw)
+        if targets is not None:
+            targets.batch = index
+        batch = {k: v.to(accelerator.device) for k, v in raw.items()}
         with accelerator.accumulate(model):
             loss = model(batch)
             accelerator.backward(loss)
@@ -508,7 +521,7 @@ class _StepTiming:
 def _estimate(path: nn.Module, holdout: Sequence[dict[str, Tensor]], accelerator) -> float:
     """The path's barrier on ``holdout``: its largest excess over the line on the 11-point grid
     (:meth:`~hf_lmc.learned.paths.PairPath.locate_worst` also moves the worst point there)."""
-    path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in holdout])
+    path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in holdout], held_out=True)
     return max(0.0, float(path.grid_excess.max()))
 
 
@@ -622,17 +635,20 @@ def _parameter_groups(path: nn.Module, residual_lr: float | None) -> list[dict]:
     return [group for group in groups if group["params"]]
 
 
-def _passes(batches: Iterable[dict[str, Tensor]]) -> Iterator[dict[str, Tensor]]:
-    """``batches`` without end. ``itertools.cycle`` would keep every batch of the first pass
-    (a whole dataset's worth from a ``DataLoader``) and replay that pass's order; a re-iterable
-    is iterated again instead. A one-shot iterator cannot be, so its batches are kept."""
+def _passes(batches: Iterable[dict[str, Tensor]]) -> Iterator[tuple[int | None, dict[str, Tensor]]]:
+    """``batches`` without end, each with its index in ``batches`` where that is a list or tuple
+    (the same batch at the same index every pass; otherwise ``None``). ``itertools.cycle``
+    would keep every batch of the first pass (a whole dataset's worth from a ``DataLoader``)
+    and replay that pass's order; a re-iterable is iterated again instead. A one-shot iterator
+    cannot be, so its batches are kept."""
+    indexed = isinstance(batches, (list, tuple))
     if isinstance(batches, Iterator):
         batches = itertools.cycle(batches)
     while True:
         empty = True
-        for batch in batches:
+        for index, batch in enumerate(batches):
             empty = False
-            yield batch
+            yield (index if indexed else None), batch
         if empty:
             raise ValueError("fit: batches yielded no batch; pass a non-empty list, DataLoader or iterator of batches")
 
