@@ -11,6 +11,9 @@ measures, each in its own process (wall time of the second of two steps, peak RS
     layer's interpolated weights rebuilt inside gradient checkpointing;
   * ``dual, no checkpointing``: the same with every layer's weights alive until backward;
   * ``dual, half the layers checkpointed`` (``checkpoint_layers=0.5``): between the two;
+  * ``dual, the batch's targets kept``: a step on a batch whose ensemble targets (the endpoints'
+    outputs) an earlier pass kept (``target_cache``), as every pass after a run's first is
+    where the budget holds its batches;
   * with ``--one-sided``: a :class:`hf_lmc.LearnedMatcher` step (only B's transform), in the own
     frame and with ``frame="both"``, which takes dual matching's steps (docs/learned-matching.md) at this cost;
   * with ``--processes 2``: the dual step under DDP in 2 processes (one thread each, the batch
@@ -96,6 +99,10 @@ else:
     matcher = cls(model_a, model_b, init="identity", permutations=permutations, frame=frame, checkpoint_layers=checkpoint_layers,
                   objective=objective)
     del model_a, model_b
+    if mode == "dual-kept":  # a later pass over the fitting data: the batch's targets kept by the first
+        from hf_lmc.learned.targets import TargetCache
+        matcher.targets = TargetCache(2**40)
+        matcher.targets.batch = 0
     params = [p for p in matcher.parameters() if p.requires_grad]
     def step():
         matcher({"input_ids": ids}).backward()
@@ -131,6 +138,7 @@ LABELS = {
     "dual": "dual (layer checkpointing)",
     "dual-no-checkpointing": "dual, no checkpointing",
     "dual-half": "dual, half the layers checkpointed",
+    "dual-kept": "dual, the batch's targets kept (a later pass, `target_cache`)",
     "learned-own": "one-sided (layer checkpointing)",
     "learned-both": 'one-sided, `frame="both"` (layer checkpointing)',
     "dual-offloaded": "dual, endpoint layers offloaded to CPU memory (FSDP2)",
@@ -159,6 +167,7 @@ def on_cuda(
     import transformers as tf
 
     from hf_lmc import DualMatcher, EndpointSharding, LearnedMatcher
+    from hf_lmc.learned.targets import TargetCache
 
     hidden, layers, heads = SHAPES[shape]
     config = tf.GPTNeoXConfig(
@@ -198,6 +207,9 @@ def on_cuda(
                 shard_endpoints=sharding,
                 objective=objective,
             ).to(device)
+            if mode == "dual-kept":  # a later pass over the fitting data: the batch's targets kept by the first
+                module.targets = TargetCache(2**40)
+                module.targets.batch = 0
             run_step = lambda module=module: module({"input_ids": ids}).backward()
             params = [p for p in module.parameters() if p.requires_grad]
 
@@ -317,7 +329,7 @@ def main() -> None:
         parser.error("--offload applies to --device cuda")
     if args.device == "cuda" and args.processes != 1:
         parser.error("--processes 2 is the CPU (gloo) measurement")
-    modes = ("base", "dual", "dual-no-checkpointing", "dual-half") + (
+    modes = ("base", "dual", "dual-kept", "dual-no-checkpointing", "dual-half") + (
         ("learned-own", "learned-both") if args.one_sided else ()
     )
     modes += ("ddp", "ddp-sharded") if args.processes == 2 else ()
