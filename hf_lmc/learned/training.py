@@ -521,7 +521,8 @@ class _StepTiming:
 def _estimate(path: nn.Module, holdout: Sequence[dict[str, Tensor]], accelerator) -> float:
     """The path's barrier on ``holdout``: its largest excess over the line on the 11-point grid
     (:meth:`~hf_lmc.learned.paths.PairPath.locate_worst` also moves the worst point there)."""
-    path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in holdout], held_out=True)
+    kept = {"held_out": True} if getattr(path, "targets", None) is not None else {}  # a run that keeps targets
+    path.locate_worst([{k: v.to(accelerator.device) for k, v in b.items()} for b in holdout], **kept)
     return max(0.0, float(path.grid_excess.max()))
 
 
