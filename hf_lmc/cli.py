@@ -47,6 +47,7 @@ from hf_lmc.commands.common import (
     report,
 )
 from hf_lmc.config.flags import OptionFlags
+from hf_lmc.utils import allocator
 from hf_lmc.version import __version__
 
 #: Every example, one command line each: ``hf-lmc --help`` shows them all, and each command's
@@ -421,19 +422,6 @@ def _add_recipe_commands(commands) -> None:
     schema.set_defaults(run="hf_lmc.commands.recipe:schema")
 
 
-def _return_freed_memory_promptly() -> None:
-    """Have glibc serve large blocks with ``mmap`` at a fixed threshold, so freed tensors go back
-    to the OS at once. By default the threshold grows with each freed block (up to 32 MB), and the
-    layer-sized temporaries of a streamed merge then pile up in malloc arenas, raising the peak
-    memory (docs/decisions.md#d-mmap-threshold). A no-op where glibc is not the allocator."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
-    except (OSError, AttributeError):
-        pass
-
-
 def exit_on_sigterm() -> None:
     """Have SIGTERM end the run as Ctrl-C does, by an exception in the main thread, so that what
     was half-written (staging folders) is removed on the way out; the exit code is 128 + 15."""
@@ -592,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    _return_freed_memory_promptly()
+    allocator.return_freed_memory_promptly()  # docs/decisions.md#d-mmap-threshold
     if threading.current_thread() is threading.main_thread():
         exit_on_sigterm()
     with _owned_process_group():  # outermost: a failed run's traceback no longer holds the run

@@ -1732,3 +1732,44 @@ def test_a_target_cache_keeps_what_fits_its_budget_and_nothing_under_input_noise
     for bad in ("-1", "5B", "lots"):
         with pytest.raises(ValueError, match="target cache"):
             LearnOptions(target_cache=bad)
+
+
+def test_a_fit_takes_its_blocks_from_the_heap_and_gives_the_command_lines_threshold_back(monkeypatch):
+    """Under the command line's fixed mmap threshold (1 MiB, for streamed merges) every MiB-sized
+    temporary of a training step would be fresh pages: a fit serves blocks below 32 MiB from the
+    heap while it trains and sets the command line's threshold again after. Under the Python
+    API (glibc's own growing threshold) it changes nothing."""
+    from hf_lmc.utils import allocator
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, parameter, value):
+            calls.append((parameter, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+            return 1
+
+    monkeypatch.setattr(allocator, "_libc", Libc)
+    monkeypatch.setattr(allocator, "_SET", {})
+    model_a, model_b, batches = _random_pair_and_batches(3)
+    seen = []
+
+    def fit():
+        path = DualMatcher(model_a, model_b, init="identity", dtype=torch.float64)
+        path.fit(
+            batches, steps=2, target_barrier=None, progress=False, callback=lambda *_: seen.append(dict(allocator._SET))
+        )
+
+    fit()
+    assert calls == [] and seen == [{}, {}]  # the Python API: glibc's own threshold
+    allocator.return_freed_memory_promptly()
+    calls.clear()
+    seen.clear()
+    fit()
+    inside = {allocator.M_MMAP_THRESHOLD: 32 << 20, allocator.M_TRIM_THRESHOLD: 64 << 20}
+    assert seen == [inside, inside]
+    assert allocator._SET == {allocator.M_MMAP_THRESHOLD: 1 << 20, allocator.M_TRIM_THRESHOLD: 128 << 10}
+    assert calls[-1] == ("trim", 0)

@@ -23,6 +23,7 @@ from hf_lmc.io import zoo
 from hf_lmc.io.hub import command_markdown
 from hf_lmc.io.outputs import check_output_path, check_replaceable, mark
 from hf_lmc.merging.pipeline import MergeResult, merge
+from hf_lmc.utils import allocator
 from hf_lmc.utils.linalg import single_threaded
 
 #: What ``hf-lmc demo`` replaces without ``--overwrite``: its own earlier output (a merge it wrote
@@ -102,22 +103,6 @@ def _demo_command(output: Path, steps: int | None, eval_chars: int, train: bool 
 # -- the command ------------------------------------------------------------------------------
 
 
-def _small_blocks_from_the_heap() -> None:
-    """Have glibc serve blocks below 32 MiB from its heap again (the bounds its own adaptive
-    threshold grows to), undoing :func:`_return_freed_memory_promptly` for the demo: its tiny
-    models allocate thousands of temporaries of a few MiB, and served by ``mmap`` each one is
-    fresh pages the kernel must fault in and zero, which took longer than the arithmetic. A
-    no-op where glibc is not the allocator."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD: twice it, as the adaptive threshold keeps it
-    except (OSError, AttributeError):
-        pass
-
-
 def write_plays(folder: str | Path) -> list[Path]:
     """Write the shipped Shakespeare plays as UTF-8 text into ``folder`` (made if missing):
     :data:`PLAYS_FILES`, the plays the demo's pair trained on and the two it holds out, each play
@@ -153,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     check_replaceable(args.output, "output", kinds=("demo",))  # as run_demo: its own earlier output only
     if not silenced():  # what the next seconds (or minutes) are spent on, before the imports take the first of them
         print(f"hf-lmc demo: {_demo_plan(args)}", file=sys.stderr)
-    _small_blocks_from_the_heap()
+    allocator.small_blocks_from_the_heap()  # its tiny models' thousands of MiB-sized temporaries
     cache = None if args.cache_dir is None else Path(args.cache_dir)
     result = run_demo(args.output, steps=args.steps, eval_chars=args.eval_chars, cache=cache, train=args.train)
     a, b = result.train_loss

@@ -45,6 +45,7 @@ from hf_lmc.learned.targets import TargetCache
 from hf_lmc.learned.trainable import TrainableTransform
 from hf_lmc.matching.universe import UniverseMatcher
 from hf_lmc.symmetry import Transform
+from hf_lmc.utils import allocator
 from hf_lmc.utils.devices import launch_device, launched_count, launched_processes
 from hf_lmc.utils.progress import bar as progress_bar
 
@@ -127,7 +128,8 @@ def train(
             raise ValueError(f"holdout is a list of batches, None or {SPLIT!r}, got {holdout!r}")
         batches, holdout = holdout_for(path, batches, learn)
     try:
-        with seeded(learn.seed):
+        # A step allocates the same MiB-sized temporaries every time: from the heap, not fresh pages.
+        with seeded(learn.seed), allocator.reused_memory():
             return _train(path, batches, learn, accelerate, accelerator, holdout, locate_every, progress, callback)
     finally:
         if getattr(path, "targets", None) is not None:

@@ -1,2 +1,2 @@
 """Runtime helpers every stage may use: compute devices and launched processes, progress bars,
-thread settings for linear algebra."""
+thread settings for linear algebra, glibc's malloc thresholds."""
