@@ -550,8 +550,11 @@ def test_fit_reads_a_reiterable_afresh_each_pass_and_keeps_a_one_shot_iterator()
     from hf_lmc.learned.training import _passes
 
     stream = _passes(loader)
-    orders = [torch.cat([next(stream), next(stream)]).tolist() for _ in range(3)]
+    orders = [torch.cat([next(stream)[1], next(stream)[1]]).tolist() for _ in range(3)]
     assert all(sorted(order) == list(range(8)) for order in orders) and len({tuple(order) for order in orders}) > 1
+    # a list's batches keep their place from pass to pass (what a kept target is read by); a loader's do not
+    listed = _passes(batches)
+    assert [next(listed)[0] for _ in range(5)] == [0, 1, 0, 1, 0] and next(stream)[0] is None
     for empty in ([], iter([])):
         with pytest.raises(ValueError, match="yielded no batch"):
             LearnedMatcher(model_a, model_b).fit(empty, steps=1, progress=False)
