@@ -143,7 +143,7 @@ class TrainedPath(nn.Module):
                 return [self.interpolant.endpoint_features(k, **inputs) for k in range(count)]
             return [_wide(self.interpolant.endpoint(k, **inputs).logits) for k in range(count)]
 
-        key = None if self.targets is None or not self.reuses_targets else self.targets.step_key(part)
+        key = None if self.targets is None else self.targets.step_key(part)  # set only where reuses_targets
         if key is None:
             return compute()
         size = (lambda outs: tensor_bytes(*(h for h, _ in outs))) if features else (lambda outs: tensor_bytes(*outs))
@@ -397,7 +397,7 @@ class PairPath(TrainedPath):
         transforms = self._path()
         losses = torch.zeros(len(WORST_GRID), dtype=torch.float64)
         count = 0
-        kept = held_out and self.targets is not None and self.reuses_targets
+        kept = held_out and self.targets is not None  # fit sets targets only where reuses_targets
         for index, batch in enumerate(batches):
             inputs = self._perturbed(batch)
 
