@@ -103,9 +103,11 @@ def test_trainable_transform_starts_exact_and_trains_every_symmetry(arch):
     run()
 
 
-def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing():
+def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing(monkeypatch):
     """Checkpointed layers build their weights twice (forward, then backward) with identical
-    results; a fraction checkpoints that share of the layers, the others build once."""
+    results; a fraction checkpoints that share of the layers, the others build once; ``"auto"``
+    keeps whole the layers that fit in its budget at the call's batch and checkpoints the rest."""
+    from hf_lmc.learned import interpolant as interpolant_module
     from hf_lmc.learned.trainable import TrainableTransform
 
     config = tiny_configs()["llama"]
@@ -114,9 +116,18 @@ def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing
     trainable = TrainableTransform(a.spec, undo, dtype=torch.float64)
     inputs = sample_inputs(config)
     results = {}
-    for setting, twice in ((False, []), (True, [0, 1, 2, 3]), (0.5, [0, 2]), (0.25, [0])):
+    # "auto" at a budget that holds two layers whole at this batch: the other two checkpointed
+    first = a.group(0)
+    layer_bytes = max(sum(t.numel() * t.element_size() for t in a.group(i).values()) for i in range(4))
+    hidden_bytes = inputs["input_ids"].numel() * config.hidden_size * next(iter(first.values())).element_size()
+    per_layer = interpolant_module.WEIGHT_COPIES * layer_bytes + interpolant_module.HIDDEN_STATES * hidden_bytes
+    cases = [(False, []), (True, [0, 1, 2, 3]), (0.5, [0, 2]), (0.25, [0]), ("auto", [])]
+    cases.append((("auto", 2 * per_layer + per_layer // 2), [1, 3]))
+    for setting, twice in cases:
         trainable.zero_grad()
-        interpolant = Interpolant(a, b, checkpoint_layers=setting)
+        if isinstance(setting, tuple):
+            monkeypatch.setattr(interpolant_module, "KEEP_WHOLE_BYTES", setting[1])
+        interpolant = Interpolant(a, b, checkpoint_layers=setting[0] if isinstance(setting, tuple) else setting)
         built = []
         group = interpolant._group
         interpolant._group = lambda g, point, *rest, built=built, group=group, **kw: (
@@ -127,7 +138,7 @@ def test_layer_checkpointing_rebuilds_each_layer_in_backward_and_changes_nothing
         layers = [g for g in built if isinstance(g, int)]
         assert sorted(layers) == sorted([*range(a.spec.num_layers), *twice]), setting
         results[setting] = (out.logits.detach(), [p.grad.clone() for p in trainable.parameters() if p.grad is not None])
-    for setting in (True, 0.5, 0.25):
+    for setting, _ in cases[1:]:
         torch.testing.assert_close(results[setting][0], results[False][0], rtol=0, atol=0)
         for g_plain, g_checkpointed in zip(results[False][1], results[setting][1]):
             torch.testing.assert_close(g_checkpointed, g_plain)
@@ -143,6 +154,19 @@ def test_checkpointed_layers_spread_a_fraction_evenly_and_reject_other_values():
     for bad in (1.5, -0.1, "half", None):
         with pytest.raises(ValueError, match="checkpoint_layers"):
             checkpointed_layers(12, bad)
+
+
+def test_auto_checkpointing_keeps_whole_what_fits_its_budget_spread_evenly(monkeypatch):
+    from hf_lmc.learned import interpolant as interpolant_module
+
+    monkeypatch.setattr(interpolant_module, "KEEP_WHOLE_BYTES", 1000)
+    monkeypatch.setattr(interpolant_module, "WEIGHT_COPIES", 1)
+    monkeypatch.setattr(interpolant_module, "HIDDEN_STATES", 1)
+    auto = interpolant_module.auto_checkpointed
+    assert auto(12, 50, 50) == frozenset({5, 11})  # 10 of the 12 fit whole
+    assert auto(4, 100, 100) == frozenset()  # 4 * 200 <= 1000: every layer whole
+    assert auto(12, 100, 150) == frozenset(range(1, 12, 3)) | frozenset(range(2, 12, 3))  # 4 whole: 0, 3, 6, 9
+    assert auto(12, 600, 500) == frozenset(range(12))  # not even one fits
 
 
 @pytest.mark.slow

@@ -15,7 +15,10 @@ layer's transformed weights are freed after its forward and rebuilt in backward:
 layer's worth is alive at a time, next to the frozen endpoints and the activations. A fraction
 checkpoints that share of the layers, spread evenly: the others keep their weights until
 backward and skip the second build (less recomputation where small batches leave a GPU
-waiting on the host). The endpoints
+waiting on the host). ``"auto"`` (the default) keeps whole as many layers as fit in
+:data:`KEEP_WHOLE_BYTES` at each call's batch and checkpoints the rest: a small model runs no
+recomputation, a large one runs as ``True`` does (docs/decisions.md#d-checkpoint-auto). The
+gradients are the same either way. The endpoints
 live in :class:`~hf_lmc.learned.endpoints.EndpointStore` objects: they follow the module's
 device and dtype moves, and with ``shard`` each process keeps only its FSDP2 shard of them.
 """
@@ -116,6 +119,16 @@ class BuildClock:
             setattr(self, part, getattr(self, part) + time.perf_counter() - start)
 
 
+#: ``checkpoint_layers="auto"``: the memory a call may keep alive until backward in the layers
+#: it does not checkpoint, as :func:`auto_checkpointed` estimates it (docs/decisions.md#d-checkpoint-auto).
+KEEP_WHOLE_BYTES = 1 << 30
+#: What a layer not checkpointed keeps until backward, in its own weights' size (the two
+#: transformed endpoints, their mix and the products between) and in hidden states of the
+#: call's batch (its activations; GPT-2's tanh GELU keeps the most): upper estimates, from the
+#: peak memory of the suite's GPT-2 with and without checkpointing.
+WEIGHT_COPIES, HIDDEN_STATES = 4, 64
+
+
 def checkpointed_layers(num_layers: int, checkpoint_layers: bool | float) -> frozenset[int]:
     """The layers that rebuild their weights under gradient checkpointing.
 
@@ -124,22 +137,30 @@ def checkpointed_layers(num_layers: int, checkpoint_layers: bool | float) -> fro
     """
     if not isinstance(checkpoint_layers, (int, float)) or not 0 <= checkpoint_layers <= 1:  # bools are 0 and 1
         raise ValueError(
-            f"checkpoint_layers takes True, False or a fraction of the layers in [0, 1], got {checkpoint_layers!r}"
+            f"checkpoint_layers takes True, False, 'auto' or a fraction of the layers in [0, 1], got {checkpoint_layers!r}"
         )
     count = round(float(checkpoint_layers) * num_layers)
     return frozenset(k * num_layers // count for k in range(count))
 
 
+def auto_checkpointed(num_layers: int, layer_bytes: int, hidden_bytes: int) -> frozenset[int]:
+    """``checkpoint_layers="auto"``'s layers for a call: all but as many as fit in
+    :data:`KEEP_WHOLE_BYTES`, each costing ``WEIGHT_COPIES`` times its weights' ``layer_bytes``
+    and ``HIDDEN_STATES`` times the call's ``hidden_bytes``, spread evenly."""
+    whole = min(num_layers, KEEP_WHOLE_BYTES // (WEIGHT_COPIES * layer_bytes + HIDDEN_STATES * hidden_bytes))
+    return frozenset(range(num_layers)) - checkpointed_layers(num_layers, whole / num_layers)
+
+
 class _RebuiltLayer(nn.Module):
     """A stock layer module whose weights are interpolated on the fly from the canonical endpoints."""
 
-    def __init__(self, layer: nn.Module, build, current, running, checkpointed: bool):
+    def __init__(self, layer: nn.Module, build, current, running, checkpointed):
         super().__init__()
         self.layer = layer
         self._build = build  # (point) -> {layer-relative HF name: tensor}
         self._current = current  # () -> the point of the call in progress
         self._running = running  # (point) -> a context the layer's call runs in
-        self.checkpointed = checkpointed
+        self._checkpointed = checkpointed  # (the layer's hidden-state input or None) -> whether to checkpoint
 
     def _run(self, point: _Point, *args, **kwargs):
         with self._running(point):
@@ -147,7 +168,7 @@ class _RebuiltLayer(nn.Module):
 
     def forward(self, *args, **kwargs):
         point = self._current()  # captured now: backward's recomputation must see the same point
-        if self.checkpointed and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._checkpointed(args[0] if args else kwargs.get("hidden_states")):
             return checkpoint(self._run, point, *args, use_reentrant=False, **kwargs)
         return self._run(point, *args, **kwargs)
 
@@ -166,7 +187,9 @@ class Interpolant(nn.Module):
         a, b, *more: canonical endpoints of one architecture and shape (kept as they are: frozen).
         checkpoint_layers: rebuild each layer's weights inside gradient checkpointing (see the
             module docstring); off, every layer's weights stay alive until backward; a fraction
-            in [0, 1] checkpoints that share of the layers (:func:`checkpointed_layers`).
+            in [0, 1] checkpoints that share of the layers (:func:`checkpointed_layers`);
+            ``"auto"``, those that do not fit in :data:`KEEP_WHOLE_BYTES` at each call's batch
+            (:func:`auto_checkpointed`).
         shard: under ``torch.distributed`` with N > 1 processes, shard every endpoint layer
             across them with FSDP2 and gather a layer's tensors when it is built
             (:mod:`hf_lmc.learned.endpoints`); every call is then a collective. An
@@ -185,13 +208,17 @@ class Interpolant(nn.Module):
         a: CanonicalModel,
         b: CanonicalModel,
         *more: CanonicalModel,
-        checkpoint_layers: bool | float = True,
+        checkpoint_layers: bool | float | str = "auto",
         shard: bool | EndpointSharding = False,
     ):
         super().__init__()
         if any(m.spec != a.spec for m in (b, *more)):
             raise ValueError("the canonical models differ in architecture or shape")
-        checkpointed = checkpointed_layers(a.spec.num_layers, checkpoint_layers)
+        if checkpoint_layers == "auto":
+            checkpointed = self._auto_checkpointed(a)
+        else:
+            fixed = checkpointed_layers(a.spec.num_layers, checkpoint_layers)
+            checkpointed = lambda i, hidden: i in fixed
         # Tied embeddings cannot survive a learned transform of B: the interpolant is untied.
         config = copy.deepcopy(a.config)
         if hasattr(config, "tie_word_embeddings"):
@@ -242,9 +269,32 @@ class Interpolant(nn.Module):
             owner = self.template.get_submodule(parent)
             layer = owner.get_submodule(name)
             rebuilt = _RebuiltLayer(
-                layer, self._layer_builder(i, path + "."), lambda: self._point, self._running, i in checkpointed
+                layer,
+                self._layer_builder(i, path + "."),
+                lambda: self._point,
+                self._running,
+                functools.partial(checkpointed, i),
             )
             owner.register_module(name, rebuilt)
+
+    @staticmethod
+    def _auto_checkpointed(a: CanonicalModel):
+        """``checkpoint_layers="auto"``'s rule, ``(layer, hidden-state input) -> checkpointed``,
+        decided per batch shape: a layer's weights in the endpoints' dtype, the batch's hidden
+        states as the call gives them (none given: checkpointed)."""
+        num_layers = a.spec.num_layers
+        layer_bytes = max(sum(t.numel() * t.element_size() for t in a.group(i).values()) for i in range(num_layers))
+
+        @functools.cache
+        def layers(hidden_bytes: int) -> frozenset[int]:
+            return auto_checkpointed(num_layers, layer_bytes, hidden_bytes)
+
+        def checkpointed(i: int, hidden: Tensor | None) -> bool:
+            if not isinstance(hidden, Tensor):
+                return True
+            return i in layers(hidden.numel() * hidden.element_size())
+
+        return checkpointed
 
     def _apply(self, fn, recurse: bool = True):
         """Device and dtype moves (``.to``, ``.double()``, ``accelerator.prepare``) move the endpoints too."""

@@ -282,11 +282,13 @@ class PairPath(TrainedPath):
     The settings that are not options:
 
         dtype: dtype of the frozen endpoint weights and of the transform parameters.
-        checkpoint_layers: rebuild each layer's interpolated weights inside gradient
+        checkpoint_layers: ``True`` rebuilds each layer's interpolated weights inside gradient
             checkpointing, so only one layer's transformed weights are alive at a time. A
             fraction in [0, 1] checkpoints that share of the layers, spread evenly: faster
             where small batches leave a GPU waiting on the host, at the memory of the other
-            layers' weights (``benchmarks/learned_step.py``).
+            layers' weights (``benchmarks/learned_step.py``). ``"auto"`` (the default) keeps as
+            many layers whole as fit in 1 GiB at each batch and checkpoints the rest
+            (docs/decisions.md#d-checkpoint-auto). The merge is the same under every setting.
         shard_endpoints: under ``torch.distributed`` (``accelerate launch``, ``torchrun``; create
             the ``Accelerator`` first) shard the frozen endpoints' layers across the processes
             with FSDP2 and gather each layer when it is built (:mod:`hf_lmc.learned.endpoints`).
@@ -316,7 +318,7 @@ class PairPath(TrainedPath):
         init: str | Transform = DEFAULT_INIT,
         symmetries=DEFAULT_SYMMETRIES,
         dtype: torch.dtype = torch.float32,
-        checkpoint_layers: bool | float = True,
+        checkpoint_layers: bool | float | str = "auto",
         shard_endpoints: bool | EndpointSharding = False,
         init_device: str | torch.device | None = None,
         **overrides,
@@ -536,7 +538,7 @@ class SimplexMatcher(TrainedPath):
         learns_first: bool = True,
         symmetries=DEFAULT_SYMMETRIES,
         dtype: torch.dtype = torch.float32,
-        checkpoint_layers: bool | float = True,
+        checkpoint_layers: bool | float | str = "auto",
         shard_endpoints: bool | EndpointSharding = False,
         init_device: str | torch.device | None = None,
         **overrides,
