@@ -99,6 +99,11 @@ PAPER_GOALS: dict[tuple[str, str], tuple[str, float]] = {
     ("vit", "dual"): ("barrier", 0.02),
     ("vit", "weight"): ("ratio", 0.3),
 }
+#: The `cpu` tier's regression guard (issues 58 and 78), read on its figures: dual matching's
+#: median and worst pair and its largest ratio to the average, and weight matching's mean and
+#: largest ratio to the average on the RoPE families.
+CPU_GUARD = {"dual median": 0.05, "dual worst": 0.13, "dual ratio": 0.1, "rope mean": 0.4, "rope worst": 0.55}
+ROPE = ("pythia", "llama")
 #: The members' training budget of Theus et al. the `paper` tier's entries follow.
 PAPER_STEPS = 20000
 #: A figure's standing: made by today's code (its runs' digests are the newest), by code that has
@@ -577,14 +582,67 @@ def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> 
         out.append(f"| {item['name']} | {item['varies']} | {cells} |")
     note = _summarised(entry)
     paper = paper_comparison(key, entry) if key[0] == "paper" else []
+    guard = guard_rows(items) if key[0] == "cpu" and is_plain(key) else []
     return [
         *out,
         *(["", f"— : not recorded{note}."] if note else []),
         *paper,
+        *guard,
         "",
         source_note(entry["sources"], root),
         "",
     ]
+
+
+def guard_rows(items: Sequence[dict]) -> list[str]:
+    """The `cpu` tier's regression guard (:data:`CPU_GUARD`) read on ``items``, each bound met
+    or missed with the figure and the pair that sets it; a bound with no pair measured is left out."""
+    duals = sorted((item["barriers"]["dual"], item["name"]) for item in items if "dual" in item["barriers"])
+    ratios = sorted(
+        (item["barriers"]["dual"] / item["barriers"]["vanilla"], item["name"])
+        for item in items
+        if "dual" in item["barriers"] and item["barriers"].get("vanilla", 0) > 0
+    )
+    rope = sorted(
+        (item["barriers"]["weight"] / item["barriers"]["vanilla"], item["name"])
+        for item in items
+        if item["family"] in ROPE and "weight" in item["barriers"] and item["barriers"].get("vanilla", 0) > 0
+    )
+    checks = []
+    if duals:
+        checks += [
+            ("dual matching, median pair", "dual median", statistics.median(v for v, _ in duals), "", ""),
+            ("dual matching, worst pair", "dual worst", duals[-1][0], "", duals[-1][1]),
+        ]
+    if ratios:
+        checks.append(("dual matching ÷ the average, every pair", "dual ratio", ratios[-1][0], "×", ratios[-1][1]))
+    if rope:
+        checks += [
+            (
+                "weight matching ÷ the average, RoPE families, mean",
+                "rope mean",
+                statistics.mean(v for v, _ in rope),
+                "×",
+                "",
+            ),
+            ("weight matching ÷ the average, RoPE families, worst", "rope worst", rope[-1][0], "×", rope[-1][1]),
+        ]
+    if not checks:
+        return []
+    out = [
+        "",
+        f"Regression guard, read on these {len(items)} pairs:",
+        "",
+        "| guard | bound | here | |",
+        "|---|---|---|---|",
+    ]
+    for text, name, value, unit, pair in checks:
+        bound = CPU_GUARD[name]
+        shown = f"{value:.2f}{unit}" if unit else f"{value:.3f}"
+        out.append(
+            f"| {text} | ≤ {bound}{unit} | {shown}{f' ({pair})' if pair else ''} | {'met' if value <= bound else '**missed**'} |"
+        )
+    return out
 
 
 def paper_comparison(key: tuple, entry: dict) -> list[str]:

@@ -221,6 +221,29 @@ def test_the_paper_tier_stands_beside_the_papers_figures_with_its_goals(tmp_path
     assert "1500 of the paper's 20000 steps" in page
 
 
+def test_the_cpu_tier_reads_its_regression_guard_and_marks_a_miss(tmp_path):
+    """The cpu tier's defaults say whether each bound of the regression guard holds, with the
+    pair that sets it; a bound crossed is marked missed."""
+    root, results = _copy(tmp_path)
+    pairs = {
+        "suite-gpt2-a": {"vanilla": 2.0, "weight": 0.5, "dual": 0.04},
+        "suite-gpt2-b": {"vanilla": 1.0, "weight": 0.5, "dual": 0.14},
+        "suite-gpt2-c": {"vanilla": 2.0, "weight": 0.5, "dual": 0.02},
+    }
+    record = _suite_record("2026-01-01T00:00:00+00:00", pairs)
+    record["pairs"][2]["family"] = "llama"
+    _readme(results, root, record)
+    rows = {
+        line.split(" | ")[0].removeprefix("| "): line
+        for line in tables.results_page(tables.load(results), root).splitlines()
+        if line.startswith(("| dual matching", "| weight matching"))
+    }
+    assert rows["dual matching, median pair"].endswith("| 0.040 | met |")
+    assert rows["dual matching, worst pair"].endswith("| 0.140 (suite-gpt2-b) | **missed** |")
+    assert rows["dual matching ÷ the average, every pair"].endswith("| 0.14× (suite-gpt2-b) | **missed** |")
+    assert rows["weight matching ÷ the average, RoPE families, worst"].endswith("| 0.25× (suite-gpt2-c) | met |")
+
+
 def test_the_paper_tier_names_the_data_its_pairs_were_trained_on(tmp_path):
     """Each row names what its pairs read: the data a record's pair names, or for a record made
     before pairs named it, what the zoo's entries read then (characters; unshifted digits)."""
