@@ -535,7 +535,39 @@ def _measuring_time(entry: dict, tier: int = 0) -> str:
 HEADED = {CURRENT: ("", "suite"), STALE: ("Stale: ", "stale"), TRANSCRIBED: ("Archived: ", "archive")}
 
 
-def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> list[str]:
+def explained_pairs(records: Sequence[tuple[Path, dict]]) -> dict[tuple[str, str], tuple[Path, dict]]:
+    """The newest ``explain_pair`` record of each (pair, method)."""
+    newest: dict[tuple[str, str], tuple[Path, dict]] = {}
+    for path, record in records:
+        if record.get("benchmark") == "explain_pair":
+            key = (record["pair"], record["settings"]["method"])
+            if key not in newest or _date(record) >= _date(newest[key][1]):
+                newest[key] = (path, record)
+    return newest
+
+
+def explanation_lines(pair: str, method: str, explained: dict, root: Path) -> list[str]:
+    """Where ``pair``'s excess on ``method``'s path sits, by kind of group, from its newest
+    ``explain_pair`` record (none: nothing)."""
+    if (pair, method) not in explained:
+        return []
+    path, record = explained[pair, method]
+    kinds = sorted(record["by_kind"][method].items(), key=lambda kv: -kv[1])
+    parts = ", ".join(f"{kind} {value:+.3f}" for kind, value in kinds)
+    orders = len(record["orders"])
+    shown = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
+    text = (
+        f"Where {pair}'s excess sits (`hf-lmc explain`, {orders} order{'s' if orders > 1 else ''} of moving the "
+        f"groups; `{shown}`, commit {record['commit']}): at the midpoint the average's path stands "
+        f"{record['excess']['average']:.3f} nats above the line and {method}'s {record['excess'][method]:.3f}, "
+        f"which is, summed over layers by kind of group, {parts}."
+    )
+    return ["", text]
+
+
+def suite_section(
+    key: tuple, entry: dict, root: Path, place: str = CURRENT, explained: dict | None = None
+) -> list[str]:
     """One variant of the suite: per family (and the language pairs, and all) every method's
     summary, then every pair's barriers."""
     items = _family_order(list(entry["items"].values()))
@@ -582,7 +614,7 @@ def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> 
         out.append(f"| {item['name']} | {item['varies']} | {cells} |")
     note = _summarised(entry)
     paper = paper_comparison(key, entry) if key[0] == "paper" else []
-    guard = guard_rows(items) if key[0] == "cpu" and is_plain(key) else []
+    guard = guard_rows(items, explained or {}, root) if key[0] == "cpu" and is_plain(key) else []
     return [
         *out,
         *(["", f"— : not recorded{note}."] if note else []),
@@ -594,9 +626,10 @@ def suite_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> 
     ]
 
 
-def guard_rows(items: Sequence[dict]) -> list[str]:
+def guard_rows(items: Sequence[dict], explained: dict, root: Path) -> list[str]:
     """The `cpu` tier's regression guard (:data:`CPU_GUARD`) read on ``items``, each bound met
-    or missed with the figure and the pair that sets it; a bound with no pair measured is left out."""
+    or missed with the figure and the pair that sets it; a bound with no pair measured is left out.
+    A missed dual bound's pair is explained where ``explained`` has its record."""
     duals = sorted((item["barriers"]["dual"], item["name"]) for item in items if "dual" in item["barriers"])
     ratios = sorted(
         (item["barriers"]["dual"] / item["barriers"]["vanilla"], item["name"])
@@ -636,13 +669,16 @@ def guard_rows(items: Sequence[dict]) -> list[str]:
         "| guard | bound | here | |",
         "|---|---|---|---|",
     ]
+    missed = []
     for text, name, value, unit, pair in checks:
         bound = CPU_GUARD[name]
         shown = f"{value:.2f}{unit}" if unit else f"{value:.3f}"
         out.append(
             f"| {text} | ≤ {bound}{unit} | {shown}{f' ({pair})' if pair else ''} | {'met' if value <= bound else '**missed**'} |"
         )
-    return out
+        if value > bound and pair and name.startswith("dual") and pair not in missed:
+            missed.append(pair)
+    return out + [line for pair in missed for line in explanation_lines(pair, "dual", explained, root)]
 
 
 def paper_comparison(key: tuple, entry: dict) -> list[str]:
@@ -963,8 +999,9 @@ def results_page(records: Sequence[tuple[Path, dict]], root: Path) -> str:
     ]
     if not pairs[CURRENT]:
         out += ["No suite figure has been measured by today's code yet.", ""]
+    explained = explained_pairs(records)
     for key in ordered(pairs[CURRENT]):
-        out += suite_section(key, pairs[CURRENT][key], root)
+        out += suite_section(key, pairs[CURRENT][key], root, explained=explained)
     if triples[CURRENT]:
         out += ["## Three models: the simplex of a triple", ""]
         for key in ordered(triples[CURRENT]):

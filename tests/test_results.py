@@ -232,12 +232,26 @@ def test_the_cpu_tier_reads_its_regression_guard_and_marks_a_miss(tmp_path):
     }
     record = _suite_record("2026-01-01T00:00:00+00:00", pairs)
     record["pairs"][2]["family"] = "llama"
-    _readme(results, root, record)
+    explained = {
+        "benchmark": "explain_pair",
+        "date": "2026-01-02T00:00:00+00:00",
+        "commit": "def",
+        "machine": MACHINE,
+        "settings": {"pair": "suite-gpt2-b", "method": "dual", "orders": 2},
+        "pair": "suite-gpt2-b",
+        "orders": [["QK", "MLP"], ["MLP", "QK"]],
+        "excess": {"average": 1.5, "dual": 0.12},
+        "by_kind": {"average": {"QK": 1.0, "MLP": 0.5}, "dual": {"QK": 0.2, "MLP": -0.08}},
+    }
+    _readme(results, root, record, explained)
+    page = tables.results_page(tables.load(results), root)
     rows = {
         line.split(" | ")[0].removeprefix("| "): line
-        for line in tables.results_page(tables.load(results), root).splitlines()
+        for line in page.splitlines()
         if line.startswith(("| dual matching", "| weight matching"))
     }
+    # the pair that misses is read group by group where an explain record has it
+    assert "Where suite-gpt2-b's excess sits" in page and "QK +0.200, MLP -0.080" in page
     assert rows["dual matching, median pair"].endswith("| 0.040 | met |")
     assert rows["dual matching, worst pair"].endswith("| 0.140 (suite-gpt2-b) | **missed** |")
     assert rows["dual matching ÷ the average, every pair"].endswith("| 0.14× (suite-gpt2-b) | **missed** |")
