@@ -22,7 +22,7 @@ Three tiers, one command:
     python -m benchmarks.suite --tier cpu                       # train (or load) and measure
     python -m benchmarks.suite --tier cpu --methods vanilla weight --families llama
     python -m benchmarks.suite --tier cpu --pairs suite-llama-b --methods dual --learn steps=4000
-    python -m benchmarks.suite --tier paper --max-steps 500     # reduced steps on a CPU
+    python -m benchmarks.suite --tier paper --max-steps 3000 --pairs paper-gpt2-a --resume  # a CPU's cap
 
 Pairs are trained from their seeds (init and data order: 0 and 1; the paper tier's 10 to 15) and
 cached in the zoo cache. Each
