@@ -189,7 +189,7 @@ class Interpolant(nn.Module):
             module docstring); off, every layer's weights stay alive until backward; a fraction
             in [0, 1] checkpoints that share of the layers (:func:`checkpointed_layers`);
             ``"auto"``, those that do not fit in :data:`KEEP_WHOLE_BYTES` at each call's batch
-            (:func:`auto_checkpointed`).
+            (:func:`auto_checkpointed`), and every layer when ``shard`` makes calls collectives.
         shard: under ``torch.distributed`` with N > 1 processes, shard every endpoint layer
             across them with FSDP2 and gather a layer's tensors when it is built
             (:mod:`hf_lmc.learned.endpoints`); every call is then a collective. An
@@ -214,16 +214,18 @@ class Interpolant(nn.Module):
         super().__init__()
         if any(m.spec != a.spec for m in (b, *more)):
             raise ValueError("the canonical models differ in architecture or shape")
-        if checkpoint_layers == "auto":
+        sharding = sharding_of(shard)
+        if checkpoint_layers == "auto" and sharding is None:
             checkpointed = self._auto_checkpointed(a)
         else:
-            fixed = checkpointed_layers(a.spec.num_layers, checkpoint_layers)
+            # A distributed call's layers run collectives, which every process must run alike:
+            # "auto" there checkpoints every layer rather than decide on each process's own batch.
+            fixed = checkpointed_layers(a.spec.num_layers, True if checkpoint_layers == "auto" else checkpoint_layers)
             checkpointed = lambda i, hidden: i in fixed
         # Tied embeddings cannot survive a learned transform of B: the interpolant is untied.
         config = copy.deepcopy(a.config)
         if hasattr(config, "tie_word_embeddings"):
             config.tie_word_embeddings = False
-        sharding = sharding_of(shard)
         mesh = shard_mesh(sharding)
         #: Whether evaluating a point (an endpoint alone included) is a collective of the
         #: launch's processes: endpoints sharded across them, or groups built shared.
