@@ -215,13 +215,11 @@ class Interpolant(nn.Module):
         if any(m.spec != a.spec for m in (b, *more)):
             raise ValueError("the canonical models differ in architecture or shape")
         sharding = sharding_of(shard)
-        if checkpoint_layers == "auto" and sharding is None:
-            checkpointed = self._auto_checkpointed(a)
-        else:
-            # A distributed call's layers run collectives, which every process must run alike:
-            # "auto" there checkpoints every layer rather than decide on each process's own batch.
+        # A distributed call's layers run collectives, which every process must run alike:
+        # "auto" there checkpoints every layer rather than decide on each process's own batch.
+        auto = checkpoint_layers == "auto" and sharding is None
+        if not auto:
             fixed = checkpointed_layers(a.spec.num_layers, True if checkpoint_layers == "auto" else checkpoint_layers)
-            checkpointed = lambda i, hidden: i in fixed
         # Tied embeddings cannot survive a learned transform of B: the interpolant is untied.
         config = copy.deepcopy(a.config)
         if hasattr(config, "tie_word_embeddings"):
@@ -265,6 +263,7 @@ class Interpolant(nn.Module):
         self._embedding = self.template.get_input_embeddings() if not a.adapter.takes_images else None
         self._padding = getattr(self._embedding, "padding_idx", None)
         self._point = _Point()
+        checkpointed = self._auto_checkpointed() if auto else lambda i, hidden: i in fixed
         for i in range(a.spec.num_layers):
             path = self._layer_path(i)
             parent, name = path.rpartition(".")[::2]
@@ -279,22 +278,22 @@ class Interpolant(nn.Module):
             )
             owner.register_module(name, rebuilt)
 
-    @staticmethod
-    def _auto_checkpointed(a: CanonicalModel):
+    def _auto_checkpointed(self):
         """``checkpoint_layers="auto"``'s rule, ``(layer, hidden-state input) -> checkpointed``,
-        decided per batch shape: a layer's weights in the endpoints' dtype, the batch's hidden
-        states as the call gives them (none given: checkpointed)."""
-        num_layers = a.spec.num_layers
-        layer_bytes = max(sum(t.numel() * t.element_size() for t in a.group(i).values()) for i in range(num_layers))
+        decided per batch shape and dtype: the largest layer's elements (read off the endpoint
+        store's shapes, nothing loaded) and the batch's hidden states, both in the hidden
+        states' dtype, the one the call computes in (none given: checkpointed)."""
+        store, num_layers = self.endpoints[0], self.a.spec.num_layers
+        layer_elements = max(sum(shape.numel() for shape in store.shapes(i).values()) for i in range(num_layers))
 
         @functools.cache
-        def layers(hidden_bytes: int) -> frozenset[int]:
-            return auto_checkpointed(num_layers, layer_bytes, hidden_bytes)
+        def layers(hidden_elements: int, element_size: int) -> frozenset[int]:
+            return auto_checkpointed(num_layers, layer_elements * element_size, hidden_elements * element_size)
 
         def checkpointed(i: int, hidden: Tensor | None) -> bool:
             if not isinstance(hidden, Tensor):
                 return True
-            return i in layers(hidden.numel() * hidden.element_size())
+            return i in layers(hidden.numel(), hidden.element_size())
 
         return checkpointed
 
