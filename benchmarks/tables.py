@@ -626,21 +626,23 @@ def suite_section(
     ]
 
 
+def ratios_to_average(items: Sequence[dict], label: str) -> list[tuple[float, str]]:
+    """``label``'s barrier over the average's, ``(ratio, pair)`` per pair that has both (an
+    average above 0), lowest first."""
+    return sorted(
+        (item["barriers"][label] / item["barriers"]["vanilla"], item["name"])
+        for item in items
+        if label in item["barriers"] and item["barriers"].get("vanilla", 0) > 0
+    )
+
+
 def guard_rows(items: Sequence[dict], explained: dict, root: Path) -> list[str]:
     """The `cpu` tier's regression guard (:data:`CPU_GUARD`) read on ``items``, each bound met
     or missed with the figure and the pair that sets it; a bound with no pair measured is left out.
     A missed dual bound's pair is explained where ``explained`` has its record."""
     duals = sorted((item["barriers"]["dual"], item["name"]) for item in items if "dual" in item["barriers"])
-    ratios = sorted(
-        (item["barriers"]["dual"] / item["barriers"]["vanilla"], item["name"])
-        for item in items
-        if "dual" in item["barriers"] and item["barriers"].get("vanilla", 0) > 0
-    )
-    rope = sorted(
-        (item["barriers"]["weight"] / item["barriers"]["vanilla"], item["name"])
-        for item in items
-        if item["family"] in ROPE and "weight" in item["barriers"] and item["barriers"].get("vanilla", 0) > 0
-    )
+    ratios = ratios_to_average(items, "dual")
+    rope = ratios_to_average([item for item in items if item["family"] in ROPE], "weight")
     checks = []
     if duals:
         checks += [
@@ -721,14 +723,10 @@ def _goal(family: str, label: str, members: Sequence[dict]) -> str:
     if kind == "barrier":
         value = statistics.mean(item["barriers"][label] for item in measured)
         return f"≤ {bound}: {'met' if value <= bound else 'missed'} ({value:.3f})"
-    ratios = [
-        item["barriers"][label] / item["barriers"]["vanilla"]
-        for item in measured
-        if item["barriers"].get("vanilla", 0) > 0
-    ]
+    ratios = ratios_to_average(measured, label)
     if not ratios:
         return f"≤ {bound}× the average: no average measured"
-    value = statistics.mean(ratios)
+    value = statistics.mean(ratio for ratio, _ in ratios)
     return f"≤ {bound}× the average: {'met' if value <= bound else 'missed'} ({value:.2f}×)"
 
 
