@@ -21,7 +21,14 @@ def test_every_canonical_tensor_has_a_group(arch):
     names = canonicalize(build_model(tiny_configs()[arch])).state_dict()
     groups = {explanation_group(name) for name in names}
     layers = tiny_configs()[arch].num_hidden_layers
-    expected = {"embeddings", "head"} | {f"layer {i} {kind}" for i in range(layers) for kind in ("QK", "OV", "MLP")}
+    inputs = {
+        "gpt2": {"token", "position"},
+        "gpt_neox": {"token"},
+        "llama": {"token"},
+        "vit": {"patch", "class-token", "position"},  # each of the ViT's inputs on its own
+    }[arch]
+    expected = {f"{i} embeddings" for i in inputs} | {"head"}
+    expected |= {f"layer {i} {kind}" for i in range(layers) for kind in ("QK", "OV", "MLP")}
     assert groups == expected
 
 
@@ -51,7 +58,7 @@ def test_the_parts_add_up_to_the_excess_on_both_paths(arch):
     a, b = build_model(config, seed=0, dtype=torch.float32), build_model(config, seed=1, dtype=torch.float32)
     result = explain(a, b, _data(config), orders=3, progress=False)
     assert len(result.orders) == 3 and result.orders[1] == result.orders[0][::-1]
-    assert result.orders[0][0] == "embeddings" and result.orders[0][-1] == "head"  # the network's order first
+    assert result.orders[0][0].endswith("embeddings") and result.orders[0][-1] == "head"  # the network's order first
     for path in ("average", "weight"):
         assert abs(result.excess[path]) > 1e-3 and _adds_up(result, path)
         assert all(low <= result.parts[path][g] <= high for g, (low, high) in result.spread[path].items())

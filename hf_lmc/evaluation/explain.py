@@ -2,9 +2,9 @@
 
 The midpoint of the path ``M = (P + Q) / 2`` between ``P = T_A(A)`` and ``Q = T_B(B)`` stands
 ``E = L(M) - (L(A) + L(B)) / 2`` above the line between the endpoints (its excess). The
-canonical tensors fall into groups (the embeddings; per layer the attention's query-key pair
-(QK), its value-output pair (OV) and the MLP; the head), and :func:`explain` splits ``E`` among
-them by moving the groups to their midpoint values one at a time, from each end:
+canonical tensors fall into groups (each input the embeddings add: tokens, positions, a ViT's
+patches and class token; per layer the attention's query-key pair (QK), its value-output pair
+(OV) and the MLP; the head), and :func:`explain` splits ``E`` among them by moving the groups to their midpoint values one at a time, from each end:
 
 * for an order of the groups, start at ``P`` and move one group after another to the
   midpoint, recording each step's change in loss; the steps telescope to ``L(M) - L(P)``.
@@ -68,6 +68,15 @@ logger = logging.getLogger(__name__)
 
 #: Canonical tensor name -> group kind (the layer index is added in front for layer tensors).
 _KINDS = (("attn.q.", "QK"), ("attn.k.", "QK"), ("attn.v.", "OV"), ("attn.o.", "OV"), ("mlp.", "MLP"))
+#: Canonical embedding tensor name -> its group: each kind of input the embeddings add (a ViT's
+#: patch projection, class token and position table; a language model's token and position
+#: tables) is a group of its own, so a table shows which of them holds a barrier.
+_EMBEDDING_GROUPS = (
+    ("embed.tokens", "token embeddings"),
+    ("embed.positions", "position embeddings"),
+    ("embed.patch.", "patch embeddings"),
+    ("embed.cls", "class-token embeddings"),
+)
 #: How to read a part, said under every table and in every picture.
 HOW_TO_READ = (
     "each part is the nats of the midpoint's excess a group adds when it is interpolated "
@@ -76,10 +85,14 @@ HOW_TO_READ = (
 
 
 def explanation_group(name: str) -> str:
-    """The explanation group of a canonical tensor: ``embeddings``, ``head``, or ``layer i KIND``."""
+    """The explanation group of a canonical tensor: ``head``, ``layer i KIND``, or an embedding
+    group (``token embeddings``, ``position embeddings``, ``patch embeddings``, ``class-token
+    embeddings``; their kind, the last word, is ``embeddings``)."""
     layer = re.match(r"layers\.(\d+)\.(.*)", name)
     if layer is None:
-        return "head" if name.startswith("head") else "embeddings"
+        if name.startswith("head"):
+            return "head"
+        return next((group for prefix, group in _EMBEDDING_GROUPS if name.startswith(prefix)), "embeddings")
     kind = next((k for prefix, k in _KINDS if layer.group(2).startswith(prefix)), layer.group(2).split(".")[0])
     return f"layer {layer.group(1)} {kind}"
 
