@@ -447,14 +447,20 @@ def _machine_text(record: dict) -> str:
     return machine
 
 
+def _shown(path: Path, root: Path) -> str:
+    """A record's path as the pages name it: from the checkout's root (a record kept elsewhere,
+    as under the results folder it will be committed to)."""
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return (Path("benchmarks/results") / path.name).as_posix()
+
+
 def _provenance(path: Path, record: dict, root: Path) -> str:
     machine = _machine_text(record)
-    try:
-        shown = path.resolve().relative_to(root.resolve())
-    except ValueError:
-        shown = Path("benchmarks/results") / path.name
+    shown = _shown(path, root)
     how = f"transcribed from {record['transcribed_from']}" if record.get("transcribed_from") else "run"
-    return f"`{shown.as_posix()}` ({how}; {record['date'][:10]}, commit {record.get('commit') or 'not recorded'}, {machine})"
+    return f"`{shown}` ({how}; {record['date'][:10]}, commit {record.get('commit') or 'not recorded'}, {machine})"
 
 
 def readme_table(variants: dict[str, dict[tuple, dict]], root: Path) -> str:
@@ -522,40 +528,103 @@ def _measuring_time(entry: dict, tier: int = 0) -> str:
         )
     else:
         text += "training the members is not recorded."
-    if tier > len(items):  # a pair of every method: each method's mean over the pairs that have it
-        labels = {label for item in items for label in item["seconds"]}
-        per_pair = sum(
-            statistics.mean(item["seconds"][label] for item in items if label in item["seconds"]) for label in labels
-        ) + (statistics.mean(training) if training else 0)
-        text += f" The whole tier at this pace: about {tier * per_pair / 3600:.1f} h."
+    if tier > len(items):
+        text += f" The whole tier at this pace: about {tier * pair_pace(entry) / 3600:.1f} h."
     return text
+
+
+def pair_pace(entry: dict) -> float:
+    """The seconds a pair of the variant takes with every method: each method's mean over the
+    pairs that have it, plus the members' mean training time where the records say it."""
+    items = list(entry["items"].values())
+    labels = {label for item in items for label in item["seconds"]}
+    training = [item["training"] for item in items if "training" in item]
+    return sum(
+        statistics.mean(item["seconds"][label] for item in items if label in item["seconds"]) for label in labels
+    ) + (statistics.mean(training) if training else 0)
+
+
+#: What measures the paper tier on a lent GPU (benchmarks/gpu_check.sh).
+GPU_TIER_COMMAND = "bash benchmarks/gpu_check.sh paper_members paper_tier"
+
+
+def tier_times(variants: dict[tuple, dict]) -> list[str]:
+    """How long each tier takes at the defaults (the paper tier at each cap it was run at): its
+    pairs, a pair's pace and the whole tier's, on the machines its records name; and the GPU
+    time, or the command that measures it where no record was made on one."""
+    rows = [
+        "| tier | pairs measured | a pair, members and every method | the whole tier | on |",
+        "|---|---|---|---|---|",
+    ]
+    on_gpu = False
+    for key in sorted(variants, key=lambda key: (TIER_ORDER.index(key[0]), key[1] or 0)):
+        entry = variants[key]
+        if not is_plain(key) or not any(item["seconds"] for item in entry["items"].values()):
+            continue
+        machines = sorted({_machine_text(record) for record, _ in entry["sources"].values()})
+        on_gpu |= any(
+            isinstance(record["machine"], dict) and record["machine"].get("gpu")
+            for record, _ in entry["sources"].values()
+        )
+        pace, tier = pair_pace(entry), len(TIERS.get(key[0], ())) or len(entry["items"])
+        cap = f", members at most {key[1]} steps" if key[1] else ""
+        rows.append(
+            f"| `{key[0]}`{cap} | {len(entry['items'])} of {tier} | {pace / 60:.0f} min | {tier * pace / 3600:.1f} h "
+            f"| {' and '.join(machines)} |"
+        )
+    if len(rows) == 2:
+        return []
+    out = ["How long each tier takes at the defaults, at the pace its records were measured at:", "", *rows, ""]
+    if not on_gpu:
+        out += [
+            (
+                f"On one GPU: not measured yet (no record was made on one). `{GPU_TIER_COMMAND}` trains the "
+                "paper tier's members to the paper's full budget and measures the tier on a lent device."
+            ),
+            "",
+        ]
+    return out
 
 
 #: How a section's heading and link target name each standing.
 HEADED = {CURRENT: ("", "suite"), STALE: ("Stale: ", "stale"), TRANSCRIBED: ("Archived: ", "archive")}
 
 
-def explained_pairs(records: Sequence[tuple[Path, dict]]) -> dict[tuple[str, str], tuple[Path, dict]]:
-    """The newest ``explain_pair`` record of each (pair, method)."""
-    newest: dict[tuple[str, str], tuple[Path, dict]] = {}
+def explained_pairs(records: Sequence[tuple[Path, dict]]) -> dict[tuple, tuple[Path, dict]]:
+    """The newest ``explain_pair`` record of each (pair, method, members' training cap)."""
+    newest: dict[tuple, tuple[Path, dict]] = {}
     for path, record in records:
         if record.get("benchmark") == "explain_pair":
-            key = (record["pair"], record["settings"]["method"])
+            settings = record["settings"]
+            key = (record["pair"], settings["method"], settings.get("max_steps"))
             if key not in newest or _date(record) >= _date(newest[key][1]):
                 newest[key] = (path, record)
     return newest
 
 
-def explanation_lines(pair: str, method: str, explained: dict, root: Path) -> list[str]:
+def explanation_lines(
+    pair: str, method: str, explained: dict, root: Path, max_steps: int | None = None, *, wanted: bool = False
+) -> list[str]:
     """Where ``pair``'s excess on ``method``'s path sits, by kind of group, from its newest
-    ``explain_pair`` record (none: nothing)."""
-    if (pair, method) not in explained:
-        return []
-    path, record = explained[pair, method]
+    ``explain_pair`` record at the members' cap ``max_steps``; with none, nothing, or where
+    ``wanted`` the command that makes it."""
+    if (pair, method, max_steps) not in explained:
+        if not wanted:
+            return []
+        cap = f" --max-steps {max_steps}" if max_steps else ""
+        return [
+            "",
+            f"Where {pair}'s excess sits is not recorded yet: `python -m benchmarks.explain_pair --pair {pair} --method {method}{cap}`.",
+        ]
+    path, record = explained[pair, method, max_steps]
     kinds = sorted(record["by_kind"][method].items(), key=lambda kv: -kv[1])
     parts = ", ".join(f"{kind} {value:+.3f}" for kind, value in kinds)
+    inputs = {g: v for g, v in record.get("parts", {}).get(method, {}).items() if g.endswith(" embeddings")}
+    if len(inputs) > 1:  # each input the embeddings add (a ViT's patches, class token, positions)
+        each = ", ".join(f"{g.removesuffix(' embeddings')} {v:+.3f}" for g, v in inputs.items())
+        parts += f" (embeddings: {each})"
     orders = len(record["orders"])
-    shown = path.relative_to(root).as_posix() if path.is_relative_to(root) else path.name
+    shown = _shown(path, root)
     text = (
         f"Where {pair}'s excess sits (`hf-lmc explain`, {orders} order{'s' if orders > 1 else ''} of moving the "
         f"groups; `{shown}`, commit {record['commit']}): at the midpoint the average's path stands "
@@ -613,7 +682,7 @@ def suite_section(
         cells = " | ".join(f"{item['barriers'][label]:.3f}" if label in item["barriers"] else "—" for label in labels)
         out.append(f"| {item['name']} | {item['varies']} | {cells} |")
     note = _summarised(entry)
-    paper = paper_comparison(key, entry) if key[0] == "paper" else []
+    paper = paper_comparison(key, entry, explained if place == CURRENT else None, root) if key[0] == "paper" else []
     guard = guard_rows(items, explained or {}, root) if key[0] == "cpu" and is_plain(key) else []
     return [
         *out,
@@ -683,9 +752,11 @@ def guard_rows(items: Sequence[dict], explained: dict, root: Path) -> list[str]:
     return out + [line for pair in missed for line in explanation_lines(pair, "dual", explained, root)]
 
 
-def paper_comparison(key: tuple, entry: dict) -> list[str]:
+def paper_comparison(key: tuple, entry: dict, explained: dict | None, root: Path) -> list[str]:
     """The `paper` tier beside Theus et al.'s Table 1: the budget it was measured at, each
-    family's rows next to the paper's own figures, and whether each of the tier's goals is met."""
+    family's rows next to the paper's own figures, and whether each of the tier's goals is met;
+    under a missed goal, where its worst pair's excess sits (``explained``; None: not asked, as
+    for figures that are not today's)."""
     items = list(entry["items"].values())
     learn = json.loads(key[4])
     steps = learn.get("steps", LearnOptions().steps)
@@ -700,6 +771,7 @@ def paper_comparison(key: tuple, entry: dict) -> list[str]:
         "| family | method | here, mean ± std (pairs) | Theus et al. | goal |",
         "|---|---|---|---|---|",
     ]
+    misses = []
     for family, (theirs, figures) in PAPER_TABLE.items():
         members = [item for item in items if item["family"] == family]
         ours = "; ".join(sorted({item.get("data") or UNNAMED_DATA[family] for item in members}))
@@ -707,27 +779,37 @@ def paper_comparison(key: tuple, entry: dict) -> list[str]:
             summary = method_summary(members, label) if members else None
             if summary is None:
                 continue
+            goal, worst = _goal(family, label, members)
             out.append(
                 f"| {family} ({ours}; paper: {theirs}) | {SHOWN.get(label, label)} | {summary['spread']} "
-                f"({summary['pairs']}) | {figures.get(label, '—')} | {_goal(family, label, members)} |"
+                f"({summary['pairs']}) | {figures.get(label, '—')} | {goal} |"
             )
+            if worst and explained is not None:
+                misses.append((worst, label))
+    for pair, label in misses:
+        out += explanation_lines(pair, label, explained or {}, root, key[1], wanted=True)
     return out
 
 
-def _goal(family: str, label: str, members: Sequence[dict]) -> str:
-    """``label``'s goal on ``family`` and whether the pairs' mean meets it ("—" where it has none)."""
+def _goal(family: str, label: str, members: Sequence[dict]) -> tuple[str, str | None]:
+    """``label``'s goal on ``family`` and whether the pairs' mean meets it ("—" where it has none),
+    with the pair that is furthest from it where it is missed."""
     if (family, label) not in PAPER_GOALS:
-        return "—"
+        return "—", None
     kind, bound = PAPER_GOALS[family, label]
     measured = [item for item in members if label in item["barriers"]]
     if kind == "barrier":
         value = statistics.mean(item["barriers"][label] for item in measured)
-        return f"≤ {bound}: {'met' if value <= bound else 'missed'} ({value:.3f})"
+        worst = max(measured, key=lambda item: item["barriers"][label])["name"]
+        return f"≤ {bound}: {'met' if value <= bound else 'missed'} ({value:.3f})", worst if value > bound else None
     ratios = ratios_to_average(measured, label)
     if not ratios:
-        return f"≤ {bound}× the average: no average measured"
+        return f"≤ {bound}× the average: no average measured", None
     value = statistics.mean(ratio for ratio, _ in ratios)
-    return f"≤ {bound}× the average: {'met' if value <= bound else 'missed'} ({value:.2f}×)"
+    missed = value > bound
+    return f"≤ {bound}× the average: {'met' if not missed else 'missed'} ({value:.2f}×)", ratios[-1][
+        1
+    ] if missed else None
 
 
 def triples_section(key: tuple, entry: dict, root: Path, place: str = CURRENT) -> list[str]:
@@ -997,6 +1079,7 @@ def results_page(records: Sequence[tuple[Path, dict]], root: Path) -> str:
     ]
     if not pairs[CURRENT]:
         out += ["No suite figure has been measured by today's code yet.", ""]
+    out += tier_times(pairs[CURRENT])
     explained = explained_pairs(records)
     for key in ordered(pairs[CURRENT]):
         out += suite_section(key, pairs[CURRENT][key], root, explained=explained)

@@ -221,6 +221,39 @@ def test_the_paper_tier_stands_beside_the_papers_figures_with_its_goals(tmp_path
     assert "1500 of the paper's 20000 steps" in page
 
 
+def _explained(pair: str, method: str, max_steps: int | None, qk: float) -> dict:
+    return {
+        "benchmark": "explain_pair",
+        "date": "2026-01-02T00:00:00+00:00",
+        "commit": "def",
+        "machine": MACHINE,
+        "settings": {"pair": pair, "method": method, "orders": 2, "max_steps": max_steps},
+        "pair": pair,
+        "orders": [["QK", "MLP"], ["MLP", "QK"]],
+        "excess": {"average": 1.5, method: qk + 0.1},
+        "by_kind": {"average": {"QK": 1.0, "MLP": 0.5}, method: {"QK": qk, "MLP": 0.1}},
+    }
+
+
+def test_a_missed_paper_goal_is_explained_on_its_worst_pair_at_the_same_cap(tmp_path):
+    """Under a missed goal the page reads the worst pair's explain record made at the tier's
+    training cap; with none at that cap, it gives the command that makes one."""
+    root, results = _copy(tmp_path)
+    pairs = {
+        "paper-gpt2-a": {"vanilla": 2.0, "weight": 0.5, "dual": 0.01},  # the worst weight ratio
+        "paper-gpt2-b": {"vanilla": 2.0, "weight": 0.3, "dual": 0.02},
+    }
+    record = _suite_record("2026-01-01T00:00:00+00:00", pairs, tier="paper", max_steps=1500)
+    command = "explain_pair --pair paper-gpt2-a --method weight --max-steps 1500"
+    _readme(results, root, record, _explained("paper-gpt2-a", "weight", None, 0.7))  # another cap: not it
+    page = tables.results_page(tables.load(results), root)
+    assert command in page and "QK +0.700" not in page
+    assert "--method dual" not in page  # a met goal asks for nothing
+    _readme(results, root, record, _explained("paper-gpt2-a", "weight", 1500, 0.3))
+    page = tables.results_page(tables.load(results), root)
+    assert command not in page and "QK +0.300, MLP +0.100" in page
+
+
 def test_the_cpu_tier_reads_its_regression_guard_and_marks_a_miss(tmp_path):
     """The cpu tier's defaults say whether each bound of the regression guard holds, with the
     pair that sets it; a bound crossed is marked missed."""
@@ -241,7 +274,8 @@ def test_the_cpu_tier_reads_its_regression_guard_and_marks_a_miss(tmp_path):
         "pair": "suite-gpt2-b",
         "orders": [["QK", "MLP"], ["MLP", "QK"]],
         "excess": {"average": 1.5, "dual": 0.12},
-        "by_kind": {"average": {"QK": 1.0, "MLP": 0.5}, "dual": {"QK": 0.2, "MLP": -0.08}},
+        "by_kind": {"average": {"QK": 1.0, "MLP": 0.5}, "dual": {"QK": 0.2, "MLP": -0.08, "embeddings": 0.0}},
+        "parts": {"dual": {"patch embeddings": 0.01, "position embeddings": -0.01, "layer 0 QK": 0.2}},
     }
     _readme(results, root, record, explained)
     page = tables.results_page(tables.load(results), root)
@@ -251,7 +285,8 @@ def test_the_cpu_tier_reads_its_regression_guard_and_marks_a_miss(tmp_path):
         if line.startswith(("| dual matching", "| weight matching"))
     }
     # the pair that misses is read group by group where an explain record has it
-    assert "Where suite-gpt2-b's excess sits" in page and "QK +0.200, MLP -0.080" in page
+    assert "Where suite-gpt2-b's excess sits" in page and "QK +0.200, embeddings +0.000, MLP -0.080" in page
+    assert "(embeddings: patch +0.010, position -0.010)" in page  # each input the embeddings add
     assert rows["dual matching, median pair"].endswith("| 0.040 | met |")
     assert rows["dual matching, worst pair"].endswith("| 0.140 (suite-gpt2-b) | **missed** |")
     assert rows["dual matching ÷ the average, every pair"].endswith("| 0.14× (suite-gpt2-b) | **missed** |")
@@ -302,3 +337,27 @@ def test_a_partly_measured_tier_says_what_a_pair_costs_and_what_the_whole_tier_w
     page = tables.results_page(tables.load(results), root)
     (line,) = [line for line in page.splitlines() if line.startswith("1 of the tier's 12 pairs")]
     assert "10 min per pair" in line and "members 5 min" in line and "about 3.0 h" in line
+
+
+def test_each_tier_says_how_long_it_takes_and_how_to_time_it_on_a_gpu(tmp_path):
+    """The tiers' times come from their records' seconds (members and methods, scaled to the
+    whole tier); with no record made on a GPU, the page gives the command that measures one."""
+    root, results = _copy(tmp_path)
+    cpu = _suite_record("2026-01-01T00:00:00+00:00", {"suite-gpt2-a": {"vanilla": 2.0, "dual": 0.04}})
+    cpu["pairs"][0]["seconds"] = {"vanilla": 60.0, "dual": 540.0}  # 10 min a pair, 12 pairs: 2.0 h
+    _readme(results, root, cpu)
+    page = tables.results_page(tables.load(results), root)
+    rows = [line for line in page.splitlines() if line.startswith("| `cpu`")]
+    assert rows == ["| `cpu` | 1 of 12 | 10 min | 2.0 h | ? cores (cpu-x) |"]
+    assert tables.GPU_TIER_COMMAND in page
+    gpu = _suite_record(
+        "2026-01-02T00:00:00+00:00",
+        {"paper-gpt2-a": {"vanilla": 2.0}},
+        machine={"cpu": "cpu-y", "gpu": "NVIDIA H100", "torch": "2.13.0"},
+        tier="paper",
+    )
+    gpu["pairs"][0]["seconds"] = {"vanilla": 30.0}
+    _readme(results, root, cpu, gpu)
+    page = tables.results_page(tables.load(results), root)
+    assert any(line.startswith("| `paper` | 1 of 6 |") and "NVIDIA H100" in line for line in page.splitlines())
+    assert tables.GPU_TIER_COMMAND not in page
