@@ -619,10 +619,14 @@ def explanation_lines(
     path, record = explained[pair, method, max_steps]
     kinds = sorted(record["by_kind"][method].items(), key=lambda kv: -kv[1])
     parts = ", ".join(f"{kind} {value:+.3f}" for kind, value in kinds)
-    inputs = {g: v for g, v in record.get("parts", {}).get(method, {}).items() if g.endswith(" embeddings")}
+    groups = record.get("parts", {}).get(method, {})
+    inputs = {g: v for g, v in groups.items() if g.endswith(" embeddings")}
     if len(inputs) > 1:  # each input the embeddings add (a ViT's patches, class token, positions)
         each = ", ".join(f"{g.removesuffix(' embeddings')} {v:+.3f}" for g, v in inputs.items())
         parts += f" (embeddings: {each})"
+    if groups:  # one group can hold most of a kind's sum (a ViT's first-layer QK)
+        largest = max(groups, key=groups.get)
+        parts += f"; the largest part of one group: {largest} {groups[largest]:+.3f}"
     orders = len(record["orders"])
     shown = _shown(path, root)
     text = (

@@ -287,6 +287,7 @@ def test_the_cpu_tier_reads_its_regression_guard_and_marks_a_miss(tmp_path):
     # the pair that misses is read group by group where an explain record has it
     assert "Where suite-gpt2-b's excess sits" in page and "QK +0.200, embeddings +0.000, MLP -0.080" in page
     assert "(embeddings: patch +0.010, position -0.010)" in page  # each input the embeddings add
+    assert "layer 0 QK +0.200" in page  # the largest single group
     assert rows["dual matching, median pair"].endswith("| 0.040 | met |")
     assert rows["dual matching, worst pair"].endswith("| 0.140 (suite-gpt2-b) | **missed** |")
     assert rows["dual matching ÷ the average, every pair"].endswith("| 0.14× (suite-gpt2-b) | **missed** |")
